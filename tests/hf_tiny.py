@@ -1,0 +1,53 @@
+"""Tiny random-weight transformers checkpoints for exactness tests (test-only dependency on transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+
+VARIANTS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    "qwen3_tied_bias": ("Qwen3Config", "Qwen3ForCausalLM",
+                        dict(head_dim=24, tie_word_embeddings=True, attention_bias=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1)),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        attention_bias=True, mlp_bias=True)),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 32})),
+}
+
+
+def build(name: str, out: Path) -> Path:
+    import transformers
+
+    cfg_cls, model_cls, extra = VARIANTS[name]
+    torch.manual_seed(hash(name) % 1000)
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # norms default to ones; perturb them so the test sees their effect
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = out / name
+    model.save_pretrained(path)
+    return path
+
+
+def build_all(out: Path) -> dict[str, Path]:
+    return {name: build(name, out) for name in VARIANTS}
+
+
+def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(ids[None]).logits[0].float()

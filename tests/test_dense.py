@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from tests.hf_tiny import VARIANTS, hf_logits
+from turbospec.kv.plan import AttentionPlan
+from turbospec.models import load_model
+
+
+def full_logits(model, ids):
+    cache = model.new_cache(256)
+    h = model.forward(ids, AttentionPlan.causal(0, ids.numel()), cache)
+    cache.commit()
+    return model.logits(h)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_matches_transformers(hf_models, name):
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(1))
+    ref = hf_logits(hf_models[name], ids)
+    got = full_logits(load_model(hf_models[name], "float32"), ids)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("ubatch", [1, 7, 16, 50])
+def test_chunked_prefill_then_decode(hf_models, name, ubatch):
+    model = load_model(hf_models[name], "float32")
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(2))
+    ref = full_logits(model, ids)
+    cache = model.new_cache(128)
+    rows = []
+    split = 40
+    for s in range(0, split, ubatch):
+        chunk = ids[s:min(s + ubatch, split)]
+        rows.append(model.logits(model.forward(chunk, AttentionPlan.causal(cache.length, chunk.numel()), cache)))
+        cache.commit()
+    for t in range(split, 64):
+        rows.append(model.logits(model.forward(ids[t:t + 1], AttentionPlan.causal(cache.length, 1), cache)))
+        cache.commit()
+    assert (torch.cat(rows) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close(hf_models, dtype):
+    ids = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(3))
+    ref = full_logits(load_model(hf_models["qwen3"], "float32"), ids)
+    got = full_logits(load_model(hf_models["qwen3"], dtype), ids)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 0.1
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8

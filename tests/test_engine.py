@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from tests.hf_tiny import build
+from turbospec.demo import make_demo_model
+from turbospec.engine import Engine, _safe_prefix_len
+from turbospec.errors import TurboSpecError
+from turbospec.models import load_model
+from turbospec.sampling import SamplingParams
+from turbospec.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3(tmp_path_factory):
+    return build("qwen3", tmp_path_factory.mktemp("e"))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    p = make_demo_model(tmp_path_factory.mktemp("d") / "m", hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        vocab_size=300)
+    return Engine(load_model(p), Tokenizer(p), ctx=256, ubatch=16)
+
+
+@pytest.mark.parametrize("ubatch", [5, 64])
+def test_greedy_matches_transformers_generate(hf_qwen3, ubatch):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5))
+    hf = AutoModelForCausalLM.from_pretrained(hf_qwen3, dtype=torch.float32).eval()
+    ref = hf.generate(ids[None], max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 40:].tolist()
+    eng = Engine(load_model(hf_qwen3), None, ctx=128, ubatch=ubatch)
+    out = eng.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert out["tokens"] == ref
+    assert out["stats"].gen_tokens == 24 and out["stats"].finish_reason == "length"
+
+
+def test_seeded_sampling_reproducible(demo):
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, max_tokens=20, ignore_eos=True)
+    a = demo.generate(["abc"], p)[0]["tokens"]
+    b = demo.generate(["abc"], p)[0]["tokens"]
+    c = demo.generate(["abc"], SamplingParams(**{**p.__dict__, "seed": 8}))[0]["tokens"]
+    assert a == b and a != c
+
+
+def test_stream_equals_batch(demo):
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    streamed = list(demo.stream("hi there", p))
+    batch = demo.generate(["hi there"], p)[0]
+    assert [t for c in streamed for t in c.tokens] == batch["tokens"]
+    assert "".join(c.text for c in streamed) == batch["text"]
+
+
+def test_stop_string_cuts_output(demo):
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = demo.generate(["xyz"], p)[0]["text"]
+    if len(full) < 4:
+        pytest.skip("random model produced too little text")
+    stop = full[2:4]
+    out = demo.generate(["xyz"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert out["text"] == full[: full.find(stop)]
+    assert out["stats"].finish_reason == "stop"
+
+
+def test_eos_stops(demo):
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    toks = demo.generate(["q"], p)[0]["tokens"]
+    old = demo.model.cfg.eos_token_ids
+    demo.model.cfg.eos_token_ids = (toks[3],)
+    try:
+        out = demo.generate(["q"], SamplingParams(temperature=0, max_tokens=30))[0]
+    finally:
+        demo.model.cfg.eos_token_ids = old
+    assert out["tokens"] == toks[: toks.index(toks[3])]  # the EOS token itself is not emitted
+    assert out["stats"].finish_reason == "stop"
+
+
+def test_context_overflow_is_clear_error(demo):
+    with pytest.raises(TurboSpecError, match="exceeds context size"):
+        list(demo.stream("a" * 300, SamplingParams(max_tokens=10)))
+
+
+def test_chat_template(demo):
+    text = demo.tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_safe_prefix():
+    assert _safe_prefix_len("hello wo", ["world"]) == 6
+    assert _safe_prefix_len("abc", ["x"]) == 3

@@ -1,0 +1,201 @@
+"""The engine: chunked prefill, the decode loop, stop conditions and timing stats."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from turbospec.errors import TurboSpecError
+from turbospec.kv.plan import AttentionPlan
+from turbospec.sampling import Sampler, SamplingParams
+from turbospec.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    gen_tokens: int = 0
+    decode_s: float = 0.0
+    peak_rss_bytes: int = 0
+    finish_reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first one, over the time after the first token."""
+        n = self.gen_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def line(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tok, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
+            f" | gen {self.gen_tokens} tok, decode {self.decode_tps:.1f} t/s"
+            f" | peak mem {self.peak_rss_bytes / 2**20:.0f} MiB"
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        return d
+
+
+@dataclass
+class Chunk:
+    """One streamed step: the new token ids and the text they complete (may be empty)."""
+
+    tokens: list[int]
+    text: str
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Engine:
+    """Drives a model: tokenize, prefill in ubatch-sized chunks, decode, sample, stop."""
+
+    def __init__(self, model, tokenizer: Tokenizer | None = None, ctx: int = 4096, ubatch: int = 512,
+                 batch: int = 2048):
+        if ctx <= 0 or ubatch <= 0 or batch <= 0:
+            raise TurboSpecError("context, batch and ubatch sizes must be positive")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ctx = ctx
+        self.ubatch = min(ubatch, batch)
+        self.batch = batch
+        self.cache = model.new_cache(ctx)
+        self.last_stats = GenStats()
+
+    # ---- building blocks -------------------------------------------------------------------------------
+    def prefill(self, tokens: list[int]) -> torch.Tensor:
+        """Run the prompt through the model in ubatch chunks; return the final hidden row [1, H]."""
+        self.cache.reset()
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        hidden = None
+        for s in range(0, len(tokens), self.ubatch):
+            chunk = ids[s:s + self.ubatch]
+            hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache)
+            self.cache.commit()
+        assert hidden is not None
+        return hidden[-1:]
+
+    def step(self, token: int) -> torch.Tensor:
+        plan = AttentionPlan.causal(self.cache.length, 1)
+        hidden = self.model.forward(torch.tensor([token], dtype=torch.int64), plan, self.cache)
+        self.cache.commit()
+        return hidden
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise TurboSpecError("a tokenizer is needed for text prompts")
+        if chat:
+            prompt = self.tokenizer.render_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt, add_special=not chat)
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
+               ) -> Iterator[Chunk]:
+        """Yield generated tokens (with text when a tokenizer is present); stats land in `last_stats`."""
+        params = params or SamplingParams()
+        tokens = self.encode_prompt(prompt, chat)
+        if not tokens:
+            raise TurboSpecError("empty prompt")
+        if len(tokens) + max(params.max_tokens, 1) > self.ctx:
+            raise TurboSpecError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds context size {self.ctx}"
+            )
+        stats = GenStats(prompt_tokens=len(tokens))
+        self.last_stats = stats
+        sampler = Sampler(params)
+        sampler.accept(tokens)
+        eos = set() if params.ignore_eos else self._eos_ids()
+        dec = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        stops = [s for s in params.stop if s]
+        held = ""  # text withheld because it may be the start of a stop string
+        t0 = time.perf_counter()
+        hidden = self.prefill(tokens)
+        logits = self.model.logits(hidden)[0]
+        stats.prefill_s = time.perf_counter() - t0
+        t_first = None
+        while stats.gen_tokens < params.max_tokens:
+            tok = sampler.sample(logits)
+            stats.gen_tokens += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            if tok in eos:
+                stats.finish_reason = "stop"
+                break
+            text = dec.push(tok) if dec else ""
+            if stops:
+                held += text
+                cut = _find_stop(held, stops)
+                if cut is not None:
+                    if held[:cut]:
+                        yield Chunk([tok], held[:cut])
+                    stats.finish_reason = "stop"
+                    break
+                safe = _safe_prefix_len(held, stops)
+                text, held = held[:safe], held[safe:]
+            yield Chunk([tok], text)
+            if stats.gen_tokens >= params.max_tokens:
+                break
+            if self.cache.length + 1 > self.ctx:
+                stats.finish_reason = "length"
+                break
+            logits = self.model.logits(self.step(tok))[0]
+        else:
+            stats.finish_reason = stats.finish_reason or "length"
+        if held and stats.finish_reason != "stop":
+            yield Chunk([], held)
+        stats.finish_reason = stats.finish_reason or "length"
+        if t_first is not None:
+            stats.decode_s = time.perf_counter() - t_first
+        stats.peak_rss_bytes = peak_rss_bytes()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                 chat: bool = False) -> list[dict]:
+        """Batch API: run each prompt to completion; returns dicts with text, token ids and stats."""
+        out = []
+        for p in prompts:
+            toks: list[int] = []
+            text = []
+            for ch in self.stream(p, params, chat):
+                toks += ch.tokens
+                text.append(ch.text)
+            out.append({"text": "".join(text), "tokens": toks, "stats": self.last_stats})
+        return out
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model.cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= self.tokenizer.eos_ids
+        return ids
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the prefix of `text` that cannot be the beginning of any stop string."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                keep = max(keep, k)
+                break
+    return len(text) - keep

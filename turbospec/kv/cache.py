@@ -1,0 +1,61 @@
+"""Preallocated per-sequence KV cache with committed positions, a scratch area and commit/compaction."""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.errors import TurboSpecError
+
+
+class KVCache:
+    """Attention KV for one sequence: `length` committed positions, then `pending` scratch positions.
+
+    A step writes its N new tokens at [length, length + N) (scratch); `commit()` keeps all of them,
+    `commit(keep)` keeps only the listed scratch indices (in order), compacting them to [length, length + j).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
+        self.max_len = max_len
+        self.dtype = dtype
+        shape = (num_layers, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.length = 0
+        self.pending = 0
+
+    def begin(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise TurboSpecError(
+                f"context full: {self.length} cached + {n} new tokens > context size {self.max_len} (raise -c)"
+            )
+        self.pending = n
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [kv_heads, N, D] in scratch; return views over committed + scratch positions."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        if keep is None:
+            self.length += self.pending
+        else:
+            if keep != list(range(len(keep))):
+                src = torch.tensor(keep, dtype=torch.int64) + self.length
+                dst = slice(self.length, self.length + len(keep))
+                self.k[:, :, dst] = self.k[:, :, src]
+                self.v[:, :, dst] = self.v[:, :, src]
+            self.length += len(keep)
+        self.pending = 0
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pending = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.max_len

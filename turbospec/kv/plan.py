@@ -1,0 +1,58 @@
+"""Attention plans: which cached and new positions each new token may attend to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionPlan:
+    """For N new tokens appended after `start` committed positions.
+
+    mask is None for a plain causal step (prefill chunk, decode, chain verification); otherwise a bool
+    [N, start + N] matrix, True where attention is allowed (tree verification).
+    """
+
+    positions: torch.Tensor  # int64 [N]: rope positions of the new tokens
+    start: int
+    mask: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.positions.numel())
+
+    @classmethod
+    def causal(cls, start: int, n: int) -> AttentionPlan:
+        return cls(torch.arange(start, start + n, dtype=torch.int64), start)
+
+    @classmethod
+    def tree(cls, start: int, parents: list[int]) -> AttentionPlan:
+        """Tree nodes in topological order; parents[i] is the index of node i's parent or -1 for a root."""
+        n = len(parents)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            if p >= i:
+                raise ValueError("tree nodes must be in topological order (parent before child)")
+            anc[i, i] = True
+            if p >= 0:
+                anc[i] |= anc[p]
+                depth[i] = depth[p] + 1
+        mask = torch.cat([torch.ones(n, start, dtype=torch.bool), anc], dim=1)
+        pos = torch.tensor(depth, dtype=torch.int64) + start
+        return cls(pos, start, mask)
+
+    def sdpa_mask(self) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for F.scaled_dot_product_attention over start + N keys."""
+        if self.mask is not None:
+            return self.mask, False
+        n = self.n
+        if n == 1:
+            return None, False
+        if self.start == 0:
+            return None, True
+        keys = torch.arange(self.start + n)
+        rows = torch.arange(self.start, self.start + n)
+        return keys[None, :] <= rows[:, None], False

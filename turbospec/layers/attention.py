@@ -1,0 +1,74 @@
+"""Full (optionally gated) attention over a KV cache, following an AttentionPlan."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.linear import Linear
+from turbospec.layers.norm import rms_norm
+
+
+class Attention:
+    def __init__(
+        self,
+        qkv: Linear,
+        o: Linear,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        gated: bool = False,
+        zero_centred: bool = False,
+    ):
+        self.qkv, self.o = qkv, o
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.eps, self.gated, self.zc = eps, gated, zero_centred
+        self.q_width = num_heads * head_dim * (2 if gated else 1)
+        self.kv_width = num_kv_heads * head_dim
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
+                 cache, layer: int) -> torch.Tensor:
+        from turbospec.layers.rope import apply_rope
+
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        gate = None
+        if self.gated:
+            qg = q.view(n, self.nh, 2 * self.hd)
+            q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(n, self.nh * self.hd)
+        q = q.reshape(n, self.nh, self.hd)
+        k = k.reshape(n, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps, self.zc)
+            k = rms_norm(k, self.k_norm, self.eps, self.zc)
+        cos, sin = rope
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        k = apply_rope(k.transpose(0, 1), cos, sin)
+        v = v.view(n, self.nkv, self.hd).transpose(0, 1)
+        keys, values = cache.write(layer, k, v)
+        mask, causal = plan.sdpa_mask()
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
+            enable_gqa=self.nh != self.nkv,
+        )[0]
+        out = out.transpose(0, 1).reshape(n, self.nh * self.hd)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o(out)
+
+
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one matrix."""
+
+    def __init__(self, gate_up: Linear, down: Linear):
+        self.gate_up, self.down = gate_up, down
+        self.inter = down.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_up(x).split([self.inter, self.inter], dim=-1)
+        return self.down(F.silu(g) * u)

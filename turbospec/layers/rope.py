@@ -1,0 +1,108 @@
+"""Rotary position embeddings: default, linear, llama3 and yarn frequency schedules."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inv_freq_and_scale(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the rotated dims and the cos/sin scale (yarn's attention factor)."""
+    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    base = float(rope.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(rope["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, rope), 1.0
+    if kind == "yarn":
+        return _yarn(dim, base, rope)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    factor = float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old_len = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, base: float, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    orig = float(rope.get("original_max_position_embeddings") or rope["max_position_embeddings"])
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else float(rope["max_position_embeddings"]) / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rope.get("attention_factor")
+    if attn is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast = float(rope.get("beta_fast") or 32)
+    beta_slow = float(rope.get("beta_slow") or 1)
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rope.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrap = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+    return inv, float(attn)
+
+
+class Rope:
+    """Precomputed cos/sin tables; `apply` rotates the first `rot_dim` dims of q/k at given positions."""
+
+    def __init__(self, rope: dict[str, Any], head_dim: int, max_positions: int, dtype: torch.dtype):
+        inv_freq, scale = inv_freq_and_scale(rope, head_dim)
+        self.rot_dim = inv_freq.numel() * 2
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.inv_freq = inv_freq
+        self.scale = scale
+        self._build(max_positions)
+
+    def _build(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.scale).to(self.dtype)
+        self.sin = (emb.sin() * self.scale).to(self.dtype)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            self._build(max(need, 2 * self.cos.shape[0]))
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, N, D]; cos/sin: [N, rot_dim]. Rotates the first rot_dim dims (rotate-half convention)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + _rotate_half(xr) * sin, xp), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

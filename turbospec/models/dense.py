@@ -1,0 +1,102 @@
+"""Dense decoder family: Qwen3, Qwen2 and Llama (GQA, optional q/k norm, biases, tied embeddings)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.config import ModelConfig
+from turbospec.kv.cache import KVCache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.attention import MLP, Attention
+from turbospec.layers.linear import Linear
+from turbospec.layers.norm import rms_norm
+from turbospec.layers.rope import Rope
+from turbospec.loader import WeightSource
+
+
+class DecoderLayer:
+    def __init__(self, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float):
+        self.attn, self.mlp = attn, mlp
+        self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
+
+    def __call__(self, x, rope, plan, cache, layer):
+        x = x + self.attn(rms_norm(x, self.in_norm, self.eps), rope, plan, cache, layer)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+
+def load_attention(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype, gated: bool = False,
+                   zero_centred: bool = False) -> Attention:
+    h, q, kv = cfg.hidden_size, cfg.q_size * (2 if gated else 1), cfg.kv_size
+    names = ("q_proj", "k_proj", "v_proj")
+    sizes = (q, kv, kv)
+    ws_ = [ws.get(f"{p}.{n}.weight", dtype, (s, h)) for n, s in zip(names, sizes)]
+    bs = [ws.get(f"{p}.{n}.bias", dtype, (s,)) if cfg.attention_bias else None for n, s in zip(names, sizes)]
+    o_bias = ws.get(f"{p}.o_proj.bias", dtype, (h,)) if cfg.o_bias else None
+    qn = kn = None
+    if cfg.qk_norm:
+        qn = ws.get(f"{p}.q_norm.weight", dtype, (cfg.head_dim,))
+        kn = ws.get(f"{p}.k_norm.weight", dtype, (cfg.head_dim,))
+    return Attention(
+        Linear.fused(ws_, bs), Linear(ws.get(f"{p}.o_proj.weight", dtype, (h, cfg.q_size)), o_bias),
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qn, kn, cfg.rms_norm_eps, gated, zero_centred,
+    )
+
+
+def load_mlp(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MLP:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    bias = cfg.mlp_bias
+    gate = ws.get(f"{p}.gate_proj.weight", dtype, (i, h))
+    up = ws.get(f"{p}.up_proj.weight", dtype, (i, h))
+    gb = [ws.get(f"{p}.{n}.bias", dtype, (i,)) if bias else None for n in ("gate_proj", "up_proj")]
+    down_b = ws.get(f"{p}.down_proj.bias", dtype, (h,)) if bias else None
+    return MLP(Linear.fused([gate, up], gb), Linear(ws.get(f"{p}.down_proj.weight", dtype, (h, i)), down_b))
+
+
+class DenseModel:
+    """forward(tokens, plan, cache) -> final-normed hidden states; logits(hidden) -> float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype, prefix: str = "model"):
+        self.cfg, self.dtype = cfg, dtype
+        h = cfg.hidden_size
+        self.embed = ws.get(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"{prefix}.layers.{i}"
+            self.layers.append(DecoderLayer(
+                load_attention(ws, f"{p}.self_attn", cfg, dtype), load_mlp(ws, f"{p}.mlp", cfg, dtype),
+                ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
+                ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
+            ))
+        self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
+        if cfg.tie_word_embeddings and not ws.has("lm_head.weight"):
+            self.lm_head = Linear(self.embed)
+        else:
+            self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
+        self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
+
+    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, kv_dtype or self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor:
+        cache.begin(tokens.numel())
+        x = F.embedding(tokens, self.embed)
+        rope = self.rope.tables(plan.positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, plan, cache, i)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def weight_bytes(self) -> int:
+        n = self.embed.numel() * self.embed.element_size()
+        for layer in self.layers:
+            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+        if self.lm_head.weight is not self.embed:
+            n += self.lm_head.nbytes
+        return n

@@ -1,0 +1,113 @@
+"""Tokenizer (tokenizers' tokenizer.json) with the checkpoint's chat template and incremental decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from turbospec.errors import TurboSpecError
+
+
+class Tokenizer:
+    def __init__(self, directory: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        d = Path(directory)
+        tj = d / "tokenizer.json"
+        if not tj.exists():
+            raise TurboSpecError(f"no tokenizer.json in {d}")
+        try:
+            self.tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:
+            raise TurboSpecError(f"{tj}: cannot load tokenizer ({' '.join(str(e).split())[:150]})") from None
+        cfg: dict[str, Any] = {}
+        tc = d / "tokenizer_config.json"
+        if tc.exists():
+            try:
+                cfg = json.loads(tc.read_text())
+            except json.JSONDecodeError as e:
+                raise TurboSpecError(f"{tc} is not valid JSON: {e}") from None
+        self.config = cfg
+        self.chat_template = _chat_template(d, cfg)
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None
+        self.eos_ids: set[int] = set()
+        for t in (self.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"):
+            if t is not None and (i := self.tok.token_to_id(t)) is not None:
+                if t == self.eos_token or t in ("<|im_end|>", "<|eot_id|>"):
+                    self.eos_ids.add(i)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            bos = self.tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TurboSpecError("this tokenizer has no chat template (tokenizer_config.json chat_template)")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg: str) -> None:
+            raise TemplateError(msg)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise TurboSpecError(f"chat template error: {e}") from None
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text pieces without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tk = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already returned
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tk.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[self.emitted:]
+        self.emitted = len(text)
+        return piece
+
+    def text(self) -> str:
+        return self.tk.decode(self.ids)
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _chat_template(d: Path, cfg: dict[str, Any]) -> str | None:
+    jf = d / "chat_template.jinja"
+    if jf.exists():
+        return jf.read_text()
+    t = cfg.get("chat_template")
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return t
