@@ -1,5 +1,6 @@
-"""Tests for turbospec.sampling: filters on hand-computed examples, penalties, seeds, greedy, and a statistical
-check that speculative rejection sampling preserves the target distribution (with negative controls)."""
+"""Tests for turbospec.sampling: filters on hand-computed examples, penalties, seeds, greedy, and a
+statistical check that speculative rejection sampling preserves the target distribution (with negative
+controls)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,21 @@ from turbospec.sampling import (
     probs_from_logits,
     sample,
     verify_greedy,
+    verify_greedy_batch,
     verify_rejection,
+    verify_rejection_batch,
 )
 
-OFF = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)  # every filter switched off
+OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # every filter switched off
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors only: intra-op threads just add contention on a shared CPU (3-10x slower under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def logits_of(probs):
@@ -30,7 +42,7 @@ def close(a, b, tol=1e-6):
     torch.testing.assert_close(a, torch.tensor(b, dtype=torch.float32), atol=tol, rtol=0)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # SamplingParams
 
 
@@ -46,20 +58,20 @@ def test_defaults_are_llama_cpp():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(temperature=-0.1),
-        dict(temperature=float("nan")),
-        dict(top_p=0.0),
-        dict(top_p=1.5),
-        dict(min_p=-0.01),
-        dict(min_p=1.01),
-        dict(top_k=-1),
-        dict(top_k=2.5),
-        dict(repeat_penalty=0.0),
-        dict(repeat_penalty=-1.0),
-        dict(repeat_last_n=-2),
-        dict(max_tokens=-1),
-        dict(presence_penalty=float("inf")),
-        dict(stop=[""]),
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"min_p": -0.01},
+        {"min_p": 1.01},
+        {"top_k": -1},
+        {"top_k": 2.5},
+        {"repeat_penalty": 0.0},
+        {"repeat_penalty": -1.0},
+        {"repeat_last_n": -2},
+        {"max_tokens": -1},
+        {"presence_penalty": float("inf")},
+        {"stop": [1]},
     ],
 )
 def test_invalid_params_raise_one_line(kwargs):
@@ -73,9 +85,10 @@ def test_invalid_params_raise_one_line(kwargs):
 def test_stop_string_is_wrapped():
     assert SamplingParams(stop="</s>").stop == ["</s>"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop=["", "x"]).stop == ["x"]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Penalties
 
 
@@ -94,14 +107,16 @@ def test_penalties_hand_computed():
 
 
 def test_repeat_penalty_only_divides_positive_multiplies_negative():
-    out = apply_penalties(torch.tensor([4.0, -4.0, 1.0]), torch.tensor([0, 1, 0, 0]), SamplingParams(repeat_penalty=1.6))
+    out = apply_penalties(
+        torch.tensor([4.0, -4.0, 1.0]), torch.tensor([0, 1, 0, 0]), SamplingParams(repeat_penalty=1.6)
+    )
     close(out, [2.5, -6.4, 1.0])  # applied once per token, whatever its count
 
 
 def test_penalty_window():
     logits = torch.zeros(4)
     recent = torch.tensor([0, 1, 2, 2])
-    p = dict(frequency_penalty=1.0)
+    p = {"frequency_penalty": 1.0}
     close(apply_penalties(logits, recent, SamplingParams(repeat_last_n=2, **p)), [0, 0, -2, 0])
     close(apply_penalties(logits, recent, SamplingParams(repeat_last_n=3, **p)), [0, -1, -2, 0])
     close(apply_penalties(logits, recent, SamplingParams(repeat_last_n=-1, **p)), [-1, -1, -2, 0])
@@ -117,7 +132,7 @@ def test_penalties_batched_and_validated():
         apply_penalties(torch.zeros(3), torch.tensor([3]), SamplingParams(presence_penalty=1.0))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Filters (llama.cpp order: top-k, top-p, min-p, then temperature)
 
 
@@ -140,7 +155,10 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     # cumulative 0.5, 0.75: 0.75 >= 0.7 -> keep two
     close(probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "top_p": 0.7})), [2 / 3, 1 / 3, 0, 0])
     # cumulative 0.5, 0.75, 0.9 -> keep three
-    close(probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "top_p": 0.8})), [5 / 9, 2.5 / 9, 1.5 / 9, 0])
+    close(
+        probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "top_p": 0.8})),
+        [5 / 9, 2.5 / 9, 1.5 / 9, 0],
+    )
     # top_p smaller than the top token's mass keeps the top token
     close(probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "top_p": 0.1})), [1, 0, 0, 0])
 
@@ -157,17 +175,24 @@ def test_min_p():
     # threshold 0.4 * 0.5 = 0.2 -> keep 0.5 and 0.25
     close(probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "min_p": 0.4})), [2 / 3, 1 / 3, 0, 0])
     # threshold 0.25 * 0.5 = 0.125 -> keep three
-    close(probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "min_p": 0.25})), [5 / 9, 2.5 / 9, 1.5 / 9, 0])
+    close(
+        probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "min_p": 0.25})),
+        [5 / 9, 2.5 / 9, 1.5 / 9, 0],
+    )
     close(probs_from_logits(logits_of(base), SamplingParams(**{**OFF, "min_p": 1.0})), [1, 0, 0, 0])
 
 
 def test_temperature():
     # p ** (1 / T) renormalized: T = 0.5 squares, T = 2 takes the square root
-    close(probs_from_logits(logits_of([0.5, 0.25, 0.25]), SamplingParams(**{**OFF, "temperature": 0.5})),
-          [2 / 3, 1 / 6, 1 / 6])
+    close(
+        probs_from_logits(logits_of([0.5, 0.25, 0.25]), SamplingParams(**{**OFF, "temperature": 0.5})),
+        [2 / 3, 1 / 6, 1 / 6],
+    )
     s = [math.sqrt(0.64), math.sqrt(0.36)]
-    close(probs_from_logits(logits_of([0.64, 0.36]), SamplingParams(**{**OFF, "temperature": 2.0})),
-          [s[0] / sum(s), s[1] / sum(s)])
+    close(
+        probs_from_logits(logits_of([0.64, 0.36]), SamplingParams(**{**OFF, "temperature": 2.0})),
+        [s[0] / sum(s), s[1] / sum(s)],
+    )
 
 
 def test_temperature_is_applied_after_the_filters():
@@ -195,6 +220,50 @@ def test_defaults_give_a_normalized_float32_distribution():
         torch.testing.assert_close(probs[row], probs_from_logits(logits[row], SamplingParams()))
 
 
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filters the plain way: one stable full sort per row, then each filter in llama.cpp order."""
+    rows = []
+    for x in logits.double().reshape(-1, logits.shape[-1]):
+        vals, ids = torch.sort(x, descending=True, stable=True)
+        keep = torch.ones_like(vals, dtype=torch.bool)
+        if 0 < params.top_k < len(x):
+            keep[params.top_k :] = False
+        if params.top_p < 1:
+            p = torch.softmax(vals.masked_fill(~keep, -math.inf), -1)
+            keep &= torch.cumsum(p, -1) - p < params.top_p
+        if params.min_p > 0:
+            p = torch.softmax(vals, -1)
+            keep &= p >= params.min_p * p[0]
+        probs = torch.softmax(vals.masked_fill(~keep, -math.inf) / params.temperature, -1)
+        rows.append(torch.zeros_like(x).scatter_(0, ids, probs).float())
+    return torch.stack(rows).reshape(logits.shape)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_candidate_paths_match_a_full_sort(seed):
+    # Large enough vocabularies for every path: top-k via topk with tie repair, the min-p set, the top-p
+    # nucleus search and the full-sort fallback. Rounded logits make ties at every boundary.
+    g = torch.Generator().manual_seed(seed)
+    vocab = [50, 5000, 20000][seed % 3]
+    scale = [0.5, 2.0, 6.0][seed // 3 % 3]
+    logits = torch.randn(3, vocab, generator=g) * scale
+    if seed % 2:
+        logits = logits.round()
+    configs = [
+        {"top_k": 40, "top_p": 0.95, "min_p": 0.05},
+        {"top_k": 7, "top_p": 1.0, "min_p": 0.0},
+        {"top_k": 0, "top_p": 0.9, "min_p": 0.0},
+        {"top_k": 0, "top_p": 0.5, "min_p": 0.02},
+        {"top_k": 0, "top_p": 1.0, "min_p": 0.1},
+        {"top_k": 0, "top_p": 1.0, "min_p": 0.0},
+    ]
+    for cfg in configs:
+        params = SamplingParams(temperature=0.7, **cfg)
+        got = probs_from_logits(logits, params)
+        torch.testing.assert_close(got, reference_probs(logits, params), atol=1e-6, rtol=1e-5, msg=str(cfg))
+        assert ((got > 0) == (reference_probs(logits, params) > 0)).all(), cfg
+
+
 def test_greedy_one_hot_and_lowest_index_tie_break():
     logits = torch.tensor([1.0, 3.0, 3.0, 0.0])
     greedy = SamplingParams(temperature=0.0)
@@ -212,7 +281,7 @@ def test_minus_inf_logits_never_sampled():
     assert {sample(logits, SamplingParams(**OFF), g) for _ in range(200)} == {0, 2}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Seeds and the Sampler
 
 
@@ -257,12 +326,11 @@ def test_sample_frequencies_match_probs():
     logits = torch.randn(6, generator=torch.Generator().manual_seed(3))
     params = SamplingParams(**OFF)
     g = torch.Generator().manual_seed(11)
-    n = 20_000
-    counts = np.bincount([sample(logits, params, g) for _ in range(n)], minlength=6)
+    counts = np.bincount([sample(logits, params, g) for _ in range(4000)], minlength=6)
     assert chi2_pvalue(counts, probs_from_logits(logits, params).numpy()) > 1e-3
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Greedy verification
 
 
@@ -291,7 +359,7 @@ def test_verify_shape_errors():
         verify_rejection(torch.tensor([7]), None, torch.ones(2, 4) / 4)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Rejection sampling: deterministic properties
 
 
@@ -320,8 +388,15 @@ def test_rejection_one_hot_certain_target_always_accepts():
     assert all(verify_rejection(torch.tensor([1]), None, p, g)[0] == 1 for _ in range(100))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rejection sampling preserves the target distribution: chi-square tests with fixed seeds
+# ------------------------------------------------------------------------------------------------------------
+# Rejection sampling preserves the target distribution: chi-square tests with fixed seeds.
+#
+# Toy target and draft "models" over V = 8 tokens are first-order Markov chains, p(x | prev) = P[prev] and
+# q(x | prev) = Q[prev], so that later positions are conditioned on earlier tokens as in real decoding.
+# Sequences start after token START; speculative decoding with chain length k runs until m tokens are emitted.
+# The first token must follow P[START] and the first two the joint P[START, a] * P[a, b]. The runs use the
+# batched verifier (50,000 chains in a few tensor calls); the single-chain verify_rejection wraps it and is
+# checked to give the same draws.
 
 
 def chi2_pvalue(observed, expected_probs) -> float:
@@ -335,57 +410,77 @@ def chi2_pvalue(observed, expected_probs) -> float:
         expected = np.append(expected[~small], expected[small].sum())
     stat = float(((observed - expected) ** 2 / expected).sum())
     df = len(observed) - 1
-    q = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    q = torch.special.gammaincc(
+        torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+    )
     return float(q)
+
+
+def test_chi2_pvalue_matches_known_values():
+    # Deviations d from an expected 10 (resp. 50) per cell chosen so that the statistic is 12 with df = 7
+    # (scipy.stats.chi2.sf(12, 7) = 0.100559) and 3.841459 with df = 1 (the 5% critical value).
+    d = 60**0.5
+    assert chi2_pvalue([10 + d, 10 - d] + [10] * 6, [1] * 8) == pytest.approx(0.100559, abs=1e-6)
+    d = (3.841459 * 25) ** 0.5
+    assert chi2_pvalue([50 + d, 50 - d], [1, 1]) == pytest.approx(0.05, abs=1e-6)
+    # expected [2, 2, 996] pools to [4, 996]: statistic 16/4 + 16/996 = 4.016, df = 1 -> p = 0.045
+    assert chi2_pvalue([0, 0, 1000], [0.002, 0.002, 0.996]) == pytest.approx(0.0451, abs=1e-3)
 
 
 V = 8
 START = 0
+N_BATCH = 50_000
+N_CONTROL = 10_000  # the negative controls are caught with a fifth of the samples
+PASS = 1e-3  # a correct sampler fails this with probability 0.1% per seed; the seeds here are fixed
+FAIL = 1e-6
 
 
 class ToyModels:
-    """A target and a draft "model" over V tokens: first-order Markov chains p(x | prev) = P[prev]."""
-
-    def __init__(self, seed: int, draft_temperature: float = 1.0):
+    def __init__(self, seed: int):
         g = torch.Generator().manual_seed(seed)
         self.P = torch.softmax(torch.randn(V, V, generator=g), -1)
-        self.Q = torch.softmax(torch.randn(V, V, generator=g) * draft_temperature, -1)
-        self.cumQ = np.cumsum(self.Q.double().numpy(), axis=1)
-        self.P64 = self.P.double().numpy()
+        self.Q = torch.softmax(torch.randn(V, V, generator=g), -1)
+        self.draft_gen = torch.Generator().manual_seed(seed + 1)
+        self.verify_gen = torch.Generator().manual_seed(seed + 2)
 
-    def draft(self, prev: int, rng: np.random.Generator, one_hot: bool) -> int:
-        if one_hot:  # a deterministic drafter: argmax of its own distribution
-            return int(torch.argmax(self.Q[prev]))
-        return min(int(np.searchsorted(self.cumQ[prev], rng.random(), side="right")), V - 1)
+    def draft(self, prev: torch.Tensor, one_hot: bool) -> torch.Tensor:
+        if one_hot:  # a deterministic drafter: the argmax of its own distribution
+            return self.Q[prev].argmax(-1)
+        return torch.multinomial(self.Q[prev], 1, generator=self.draft_gen).squeeze(1)
 
     def first_token_probs(self) -> np.ndarray:
-        return self.P64[START]
+        return self.P[START].double().numpy()
 
     def first_two_joint(self) -> np.ndarray:
-        return self.P64[START][:, None] * self.P64  # [a, b] = P(a | start) P(b | a)
+        P = self.P.double().numpy()
+        return P[START][:, None] * P  # [a, b] = P(a | START) P(b | a)
 
 
-def generate(models: ToyModels, verify, k: int, m: int, rng, gen, one_hot: bool = False) -> list[int]:
-    """Speculative decoding with chain length k until m tokens are emitted; returns the first m."""
-    seq = [START]
-    while len(seq) <= m:
-        drafts, ctx = [], seq[-1]
+def generate_batch(models: ToyModels, verify_batch, k: int, m: int, n: int, one_hot: bool) -> np.ndarray:
+    """n sequences of speculative decoding with chain length k; returns the first m emitted tokens, [n, m]."""
+    out = torch.full((n, m), -1, dtype=torch.int64)
+    count = torch.zeros(n, dtype=torch.int64)
+    last = torch.full((n,), START, dtype=torch.int64)
+    active = torch.arange(n)
+    while active.numel():
+        ctx, drafts = last[active], []
         for _ in range(k):
-            ctx = models.draft(ctx, rng, one_hot)
+            ctx = models.draft(ctx, one_hot)
             drafts.append(ctx)
-        parents = [seq[-1], *drafts]
-        q = None if one_hot else models.Q[parents[:-1]]
-        n, tok = verify(torch.tensor(drafts), q, models.P[parents], gen)
-        seq += drafts[:n] + [tok]
-    return seq[1 : m + 1]
-
-
-def run_experiment(verify, k: int, n_samples: int, seed: int, one_hot: bool = False, m: int = 1):
-    models = ToyModels(seed)
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    out = np.array([generate(models, verify, k, m, rng, gen, one_hot) for _ in range(n_samples)])
-    return models, out
+        draft = torch.stack(drafts, 1)
+        parents = torch.cat([last[active, None], draft], 1)  # the context token of each verified position
+        q = None if one_hot else models.Q[parents[:, :-1]]
+        n_acc, token = verify_batch(draft, q, models.P[parents], models.verify_gen)
+        emitted = torch.cat([draft, token[:, None]], 1)
+        emitted[torch.arange(len(active)), n_acc] = token  # draft[:n_acc] + [token]
+        for j in range(k + 1):
+            ok = (j <= n_acc) & (count[active] < m)
+            rows = active[ok]
+            out[rows, count[rows]] = emitted[ok, j]
+            count[rows] += 1
+        last[active] = token
+        active = active[count[active] < m]
+    return out.numpy()
 
 
 def first_token_pvalue(models, out) -> float:
@@ -396,62 +491,99 @@ def joint_pvalue(models, out) -> float:
     return chi2_pvalue(np.bincount(out[:, 0] * V + out[:, 1], minlength=V * V), models.first_two_joint())
 
 
-N = 10_000
-PASS = 1e-3  # a correct sampler fails this with probability 0.1% per seed; the seeds here are fixed
-FAIL = 1e-6
+def test_toy_models_differ_enough_to_reject_often():
+    models = ToyModels(101)
+    tv = 0.5 * (models.P[START] - models.Q[START]).abs().sum()
+    assert tv > 0.2  # P(rejection at the first position) = total variation distance
 
 
-def test_rejection_k1_marginal_is_target():
-    models, out = run_experiment(verify_rejection, k=1, n_samples=N, seed=101)
-    tv = 0.5 * np.abs(models.P64[START] - models.Q.double().numpy()[START]).sum()
-    assert tv > 0.2  # p and q differ substantially: many rejections happen
+def test_rejection_k1_first_token_is_target():
+    models = ToyModels(101)
+    out = generate_batch(models, verify_rejection_batch, k=1, m=1, n=N_BATCH, one_hot=False)
     assert first_token_pvalue(models, out) > PASS
 
 
 def test_rejection_k3_first_token_and_first_two_joint_are_target():
-    models, out = run_experiment(verify_rejection, k=3, n_samples=N, seed=202, m=2)
+    models = ToyModels(202)
+    out = generate_batch(models, verify_rejection_batch, k=3, m=2, n=N_BATCH, one_hot=False)
     assert first_token_pvalue(models, out) > PASS
     assert joint_pvalue(models, out) > PASS
 
 
-def test_rejection_one_hot_drafts_are_target():
-    # k = 3 covers a rejection at the first position (the first token's marginal) and later ones (the joint)
-    models, out = run_experiment(verify_rejection, k=3, n_samples=N, seed=303, one_hot=True, m=2)
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_one_hot_drafts_are_target(k):
+    models = ToyModels(303)
+    out = generate_batch(models, verify_rejection_batch, k=k, m=2, n=N_BATCH, one_hot=True)
     assert first_token_pvalue(models, out) > PASS
     assert joint_pvalue(models, out) > PASS
 
 
-# Negative controls: the same harness detects wrong samplers, so the tests above can fail.
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_single_chain_equals_batch_of_one(one_hot):
+    # verify_rejection wraps the batched verifier and consumes the generator identically, so the statistical
+    # tests of verify_rejection_batch hold for it draw for draw.
+    g = torch.Generator().manual_seed(0)
+    ga, gb = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    outcomes = set()
+    for _ in range(60):
+        p = torch.softmax(torch.randn(4, V, generator=g), -1)
+        q = torch.softmax(torch.randn(3, V, generator=g), -1)
+        draft = torch.multinomial(q, 1, generator=g).squeeze(1)
+        n, tok = verify_rejection_batch(draft[None], None if one_hot else q[None], p[None], gb)
+        single = verify_rejection(draft, None if one_hot else q, p, ga)
+        assert single == (int(n), int(tok))
+        outcomes.add(single[0])
+    assert outcomes == {0, 1, 2, 3} if not one_hot else len(outcomes) > 1
 
 
-def always_accept(draft_tokens, draft_probs, target_probs, generator):
-    k = len(draft_tokens)
-    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+def test_batch_verifiers_handle_mixed_outcomes():
+    target = torch.zeros(3, 3, 5)
+    target[:, 0, 2] = target[:, 1, 3] = target[:, 2, 4] = 1.0  # argmax 2, 3, 4 for every chain
+    draft = torch.tensor([[2, 3], [2, 0], [1, 3]])
+    n, bonus = verify_greedy_batch(draft, target)
+    assert n.tolist() == [2, 1, 0] and bonus.tolist() == [4, 3, 2]
+    # with one-hot targets rejection sampling is deterministic and must agree with greedy
+    n, token = verify_rejection_batch(draft, None, target, torch.Generator().manual_seed(0))
+    assert n.tolist() == [2, 1, 0] and token.tolist() == [4, 3, 2]
 
 
-def resample_from_p_on_rejection(draft_tokens, draft_probs, target_probs, generator):
-    """A classic bug: correct acceptance test, but the replacement is drawn from p instead of max(p - q, 0)."""
-    for i, x in enumerate(draft_tokens.tolist()):
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        if float(torch.rand(1, generator=generator)) * q_x >= float(target_probs[i, x]):
-            return i, int(torch.multinomial(target_probs[i], 1, generator=generator))
-    k = len(draft_tokens)
-    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+# Negative controls: the same harness and statistics detect wrong samplers, so the tests above can fail.
 
 
-# They run on a quarter of the samples: the test has the power to reject them even so.
-N_CONTROL = N // 4
+def always_accept_batch(draft_tokens, draft_probs, target_probs, generator):
+    batch, k = draft_tokens.shape
+    token = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(1)
+    return torch.full((batch,), k), token
+
+
+def resample_from_p_batch(draft_tokens, draft_probs, target_probs, generator):
+    """A classic bug: the right acceptance test, but the replacement drawn from p instead of max(p - q, 0)."""
+    batch, k = draft_tokens.shape
+    p_x = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(-1)
+    q_x = (
+        torch.ones_like(p_x)
+        if draft_probs is None
+        else draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1)
+    )
+    accepted = torch.rand(batch, k, generator=generator) * q_x < p_x
+    n = accepted.to(torch.int64).cumprod(-1).sum(-1)
+    token = torch.multinomial(target_probs[torch.arange(batch), n], 1, generator=generator).squeeze(1)
+    return n, token
 
 
 def test_negative_control_always_accept_is_detected():
-    models, out = run_experiment(always_accept, k=1, n_samples=N_CONTROL, seed=101)
+    models = ToyModels(101)
+    out = generate_batch(models, always_accept_batch, k=1, m=1, n=N_CONTROL, one_hot=False)
     assert first_token_pvalue(models, out) < FAIL
-    models, out = run_experiment(always_accept, k=3, n_samples=N_CONTROL, seed=202, m=2)
+    models = ToyModels(202)
+    out = generate_batch(models, always_accept_batch, k=3, m=2, n=N_CONTROL, one_hot=False)
     assert joint_pvalue(models, out) < FAIL
 
 
 def test_negative_control_wrong_residual_is_detected():
-    models, out = run_experiment(resample_from_p_on_rejection, k=1, n_samples=N_CONTROL, seed=101)
+    models = ToyModels(101)
+    out = generate_batch(models, resample_from_p_batch, k=1, m=1, n=N_CONTROL, one_hot=False)
     assert first_token_pvalue(models, out) < FAIL
-    models, out = run_experiment(resample_from_p_on_rejection, k=3, n_samples=N_CONTROL, seed=303, one_hot=True, m=2)
+    models = ToyModels(303)
+    out = generate_batch(models, resample_from_p_batch, k=3, m=2, n=N_CONTROL, one_hot=True)
     assert joint_pvalue(models, out) < FAIL

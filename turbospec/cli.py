@@ -33,6 +33,31 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec-type", default=None,
+                   help="speculative drafters, comma list: draft-mtp, ngram (prompt lookup), ngram-mod, draft-model")
+    p.add_argument("--spec-draft-n-max", type=int, default=3, help="max draft tokens per step (default 3)")
+    p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop drafting below this probability")
+    p.add_argument("-md", "--spec-draft-model", default=None, help="draft model directory (draft-model)")
+    p.add_argument("--spec-ngram-size-n", type=int, default=4, help="prompt lookup: longest n-gram to match")
+    p.add_argument("--spec-ngram-mod-n-match", type=int, default=8, help="ngram-mod: tokens hashed per key")
+    p.add_argument("--spec-ngram-mod-n-max", type=int, default=16, help="ngram-mod: max draft length")
+    p.add_argument("--spec-mtp-prompt-window", type=int, default=0,
+                   help="feed only the last N prompt positions to the MTP (0 = all)")
+    p.add_argument("-ctkd", "--cache-type-k-draft", default=None, help="draft KV cache type (dtype for now)")
+
+
+def spec_config(a: argparse.Namespace):
+    from turbospec.spec import SpecConfig
+
+    return SpecConfig.parse(
+        a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
+        ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
+        ngram_mod_n_max=a.spec_ngram_mod_n_max, mtp_prompt_window=a.spec_mtp_prompt_window,
+        draft_kv_dtype=a.cache_type_k_draft,
+    )
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
@@ -83,7 +108,16 @@ def load_engine(a: argparse.Namespace):
     set_threads(a.threads)
     model = load_model(path, a.dtype)
     tok = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
-    return Engine(model, tok, ctx=a.ctx_size, ubatch=a.ubatch_size, batch=a.batch_size), path
+    drafter = None
+    if getattr(a, "spec_type", None):
+        from turbospec.spec import make_drafter
+
+        sc = spec_config(a)
+        drafter = make_drafter(sc, model, a.ctx_size + sc.n_max + 1)
+    n_max = getattr(a, "spec_draft_n_max", 3)
+    eng = Engine(model, tok, ctx=a.ctx_size, ubatch=a.ubatch_size, batch=a.batch_size, drafter=drafter,
+                 n_max=n_max)
+    return eng, path
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -117,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="generate text from a prompt, streaming, then print a stats line")
     add_model_args(r)
+    add_spec_args(r)
     add_sampling_args(r)
     r.add_argument("-p", "--prompt", default=None, help="prompt text (default: a code prompt)")
     r.add_argument("-f", "--file", default=None, help="read the prompt from a file")

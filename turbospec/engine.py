@@ -12,6 +12,9 @@ import torch
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
 from turbospec.sampling import Sampler, SamplingParams
+from turbospec.spec.base import SpecStats
+from turbospec.spec.tree import DraftTree
+from turbospec.spec.verify import verify
 from turbospec.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -37,14 +40,18 @@ class GenStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def line(self) -> str:
+        spec = self.extra.get("spec")
+        tail = f" | {spec.line()}" if spec is not None else ""
         return (
             f"prompt {self.prompt_tokens} tok, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
             f" | gen {self.gen_tokens} tok, decode {self.decode_tps:.1f} t/s"
-            f" | peak mem {self.peak_rss_bytes / 2**20:.0f} MiB"
+            f" | peak mem {self.peak_rss_bytes / 2**20:.0f} MiB" + tail
         )
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if "spec" in self.extra:
+            d["extra"] = {**self.extra, "spec": self.extra["spec"].to_dict()}
         d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
         return d
 
@@ -65,7 +72,7 @@ class Engine:
     """Drives a model: tokenize, prefill in ubatch-sized chunks, decode, sample, stop."""
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, ctx: int = 4096, ubatch: int = 512,
-                 batch: int = 2048):
+                 batch: int = 2048, drafter=None, n_max: int = 3):
         if ctx <= 0 or ubatch <= 0 or batch <= 0:
             raise TurboSpecError("context, batch and ubatch sizes must be positive")
         self.model = model
@@ -74,26 +81,45 @@ class Engine:
         self.ubatch = min(ubatch, batch)
         self.batch = batch
         self.cache = model.new_cache(ctx)
+        self.drafter = drafter
+        self.n_max = n_max
         self.last_stats = GenStats()
 
     # ---- building blocks -------------------------------------------------------------------------------
-    def prefill(self, tokens: list[int]) -> torch.Tensor:
-        """Run the prompt through the model in ubatch chunks; return the final hidden row [1, H]."""
+    def prefill(self, tokens: list[int], all_rows: bool = False) -> torch.Tensor:
+        """Run the prompt through the model in ubatch chunks; return the final hidden row [1, H]
+        (or every row [P, H] when a drafter needs the target's hidden states)."""
         self.cache.reset()
         ids = torch.tensor(tokens, dtype=torch.int64)
-        hidden = None
+        rows = []
         for s in range(0, len(tokens), self.ubatch):
             chunk = ids[s:s + self.ubatch]
             hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache)
             self.cache.commit()
-        assert hidden is not None
-        return hidden[-1:]
+            rows.append(hidden if all_rows else hidden[-1:])
+        return torch.cat(rows) if all_rows else rows[-1]
 
     def step(self, token: int) -> torch.Tensor:
         plan = AttentionPlan.causal(self.cache.length, 1)
         hidden = self.model.forward(torch.tensor([token], dtype=torch.int64), plan, self.cache)
         self.cache.commit()
         return hidden
+
+    def verify_step(self, root: int, tree: DraftTree, sampler: Sampler) -> tuple[list[int], int, torch.Tensor]:
+        """One target forward over [root] + draft nodes; commit the accepted path.
+
+        Returns (accepted node indices, next token, hidden rows of the committed tokens)."""
+        start = self.cache.length
+        toks = torch.tensor([root] + tree.tokens, dtype=torch.int64)
+        if tree.is_chain:
+            plan = AttentionPlan.causal(start, toks.numel())
+        else:
+            plan = AttentionPlan.tree(start, [-1] + [p + 1 for p in tree.parents])
+        hidden = self.model.forward(toks, plan, self.cache)
+        path, nxt = verify(tree, self.model.logits(hidden), sampler)
+        keep = [0] + [1 + i for i in path]
+        self.cache.commit(keep)
+        return path, nxt, hidden[keep]
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -117,48 +143,77 @@ class Engine:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds context size {self.ctx}"
             )
         stats = GenStats(prompt_tokens=len(tokens))
+        spec = SpecStats()
         self.last_stats = stats
+        if self.drafter is not None:
+            stats.extra["spec"] = spec
         sampler = Sampler(params)
         sampler.accept(tokens)
         eos = set() if params.ignore_eos else self._eos_ids()
         dec = StreamDecoder(self.tokenizer) if self.tokenizer else None
         stops = [s for s in params.stop if s]
         held = ""  # text withheld because it may be the start of a stop string
+        drafter = self.drafter
         t0 = time.perf_counter()
-        hidden = self.prefill(tokens)
-        logits = self.model.logits(hidden)[0]
+        hidden = self.prefill(tokens, all_rows=drafter is not None and drafter.needs_hidden)
+        if drafter is not None:
+            drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0
+        pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
+        context = list(tokens)
         t_first = None
-        while stats.gen_tokens < params.max_tokens:
-            tok = sampler.sample(logits)
-            stats.gen_tokens += 1
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_s = t_first - t0
-            if tok in eos:
-                stats.finish_reason = "stop"
-                break
-            text = dec.push(tok) if dec else ""
-            if stops:
-                held += text
-                cut = _find_stop(held, stops)
-                if cut is not None:
-                    if held[:cut]:
-                        yield Chunk([tok], held[:cut])
+        done = False
+        while not done:
+            for tok in pending:
+                stats.gen_tokens += 1
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    stats.ttft_s = t_first - t0
+                if tok in eos:
                     stats.finish_reason = "stop"
+                    done = True
                     break
-                safe = _safe_prefix_len(held, stops)
-                text, held = held[:safe], held[safe:]
-            yield Chunk([tok], text)
-            if stats.gen_tokens >= params.max_tokens:
+                text = dec.push(tok) if dec else ""
+                if stops:
+                    held += text
+                    cut = _find_stop(held, stops)
+                    if cut is not None:
+                        if held[:cut]:
+                            yield Chunk([tok], held[:cut])
+                        held = ""
+                        stats.finish_reason = "stop"
+                        done = True
+                        break
+                    safe = _safe_prefix_len(held, stops)
+                    text, held = held[:safe], held[safe:]
+                yield Chunk([tok], text)
+                if stats.gen_tokens >= params.max_tokens:
+                    stats.finish_reason = "length"
+                    done = True
+                    break
+            if done:
                 break
-            if self.cache.length + 1 > self.ctx:
+            if self.cache.length + 1 >= self.ctx:
                 stats.finish_reason = "length"
                 break
-            logits = self.model.logits(self.step(tok))[0]
-        else:
-            stats.finish_reason = stats.finish_reason or "length"
-        if held and stats.finish_reason != "stop":
+            root = pending[-1]
+            context.append(root)
+            room = min(params.max_tokens - stats.gen_tokens - 1, self.ctx - self.cache.length - 1, self.n_max)
+            tree = drafter.propose(context, room) if drafter is not None and room > 0 else DraftTree()
+            if len(tree) > room:
+                tree = tree.truncate(room)
+            if len(tree):
+                path, nxt, rows = self.verify_step(root, tree, sampler)
+                spec.record(tree, len(path))
+                accepted = [tree.tokens[i] for i in path]
+            else:
+                rows = self.step(root)
+                nxt, accepted = sampler.sample(self.model.logits(rows)[0]), []
+            if drafter is not None:
+                drafter.accept([root] + accepted, rows, nxt)
+            context += accepted
+            pending = accepted + [nxt]
+        if held:
             yield Chunk([], held)
         stats.finish_reason = stats.finish_reason or "length"
         if t_first is not None:

@@ -22,6 +22,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)
         self.length = 0
         self.pending = 0
+        self.base = 0  # first attended position (drafters may skip a prompt prefix)
 
     def begin(self, n: int) -> None:
         if self.length + n > self.max_len:
@@ -51,6 +52,12 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.pending = 0
+        self.base = 0
+
+    def truncate(self, n: int) -> None:
+        """Drop committed positions >= n. Only drafters' own caches use this (target caches use commit)."""
+        self.length = min(self.length, n)
         self.pending = 0
 
     @property

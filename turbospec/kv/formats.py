@@ -14,7 +14,7 @@ Formats (see docs/kv-formats.md): f32, f16, bf16; q8_0 and q4_0 (bit-exact with 
 package, see ``to_ggml_bytes``); tbq4_0 / tbq4_0d (int4 + fp16 absmax scale per 64 values, optional
 dither); turbo4 / turbo3 / turbo2 (TurboQuant-MSE: fp16 norm + randomized-Hadamard rotation + Lloyd-Max
 codebook, 128-value blocks); turbo4p / turbo3p / turbo2p (TurboQuant-prod: (b-1)-bit MSE code plus a
-1-bit QJL sketch of the residual; unbiased inner products).
+1-bit QJL sketch of the residual; unbiased inner products; S has orthogonal rows by default).
 
 Rotated formats (``rotated = True``) also offer ``decode_rotated(p)``: the values in the rotated domain
 (padded length), so that attention can use  <rotate(q), decode_rotated(k)> == <q, decode(k)>.
@@ -38,24 +38,26 @@ from .hadamard import ROT_BLOCK, padded_dim, rotate, rotation_matrix, unrotate
 from .lloyd_max import lloyd_max_codebook
 
 __all__ = [
-    "Packed",
-    "StorageSpec",
+    "DITHER_SEED",
+    "FORMATS",
+    "NORM_MODES",
+    "QJL_KINDS",
+    "QJL_SEED",
     "KVFormat",
+    "Packed",
     "PlainFormat",
-    "Q8_0Format",
     "Q4_0Format",
+    "Q8_0Format",
+    "StorageSpec",
     "TBQ4Format",
     "TurboFormat",
     "TurboProdFormat",
-    "FORMATS",
     "get_format",
-    "rotate",
-    "unrotate",
     "qjl_matrix",
+    "qjl_scale",
+    "rotate",
     "round_half_away",
-    "NORM_MODES",
-    "QJL_SEED",
-    "DITHER_SEED",
+    "unrotate",
 ]
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -83,6 +85,13 @@ def round_half_away(v: torch.Tensor) -> torch.Tensor:
     a = v.abs()
     fl = torch.floor(a)
     return torch.sign(v) * (fl + torch.floor(2 * (a - fl)))
+
+
+def _safe_reciprocal(d: torch.Tensor) -> torch.Tensor:
+    """1/d in float32, with 0 where that is not finite (d == 0, like ggml's ``d ? 1/d : 0``, and also for
+    float32-subnormal d < 2^-128, where ggml's 1/d overflows to inf and its codes are undefined)."""
+    inv = torch.reciprocal(d)
+    return inv.masked_fill_(torch.isinf(inv), 0.0)
 
 
 def _per_device(cache: dict, key, make):
@@ -269,7 +278,7 @@ class Q8_0Format(_GGMLBlockFormat):
         a = xb.abs()
         d = a.amax(dim=-1) / 127.0
         # Same float32 operations as ggml: quantize with 1/d of the float32 d, store d as fp16.
-        inv = torch.where(d == 0, torch.zeros_like(d), torch.reciprocal(d))
+        inv = _safe_reciprocal(d)
         d16 = self._to_half(d, x)
         # roundf(x * inv) = sign(x) * round_half_away(|x| * inv)  (inv >= 0), computed in place
         a.mul_(inv.unsqueeze(-1))
@@ -303,7 +312,7 @@ class Q4_0Format(_GGMLBlockFormat):
         m = xb.gather(-1, imax).squeeze(-1)
         d = m / -8.0
         d16 = self._to_half(d, x)
-        inv = torch.where(d == 0, torch.zeros_like(d), torch.reciprocal(d))
+        inv = _safe_reciprocal(d)
         v = torch.mul(xb, inv.unsqueeze(-1), out=a)
         v.add_(8.5)  # separate op: no fused multiply-add, like the reference
         q = v.trunc_().clamp_(0, 15).to(torch.uint8)
@@ -357,7 +366,7 @@ class TBQ4Format(KVFormat):
         a = xb.abs()
         s16 = self._to_half(a.amax(dim=-1) / 7.0, x)
         s = s16.to(torch.float32)  # quantize against the stored scale
-        inv = torch.where(s == 0, torch.zeros_like(s), torch.reciprocal(s))
+        inv = _safe_reciprocal(s)
         v = torch.mul(xb, inv.unsqueeze(-1), out=a)
         if self.dither:
             v.add_(_hash_uniform(xb, self.seed))
@@ -390,15 +399,47 @@ def _codebook(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     return _per_device(_CODEBOOKS, (bits, device), make)
 
 
-def qjl_matrix(device: torch.device | str | None = None) -> torch.Tensor:
-    """The fixed Gaussian QJL matrix S (128 x 128, i.i.d. N(0, 1), seed ``QJL_SEED``), float32."""
+QJL_KINDS = ("orthogonal", "gaussian")
+
+
+def qjl_matrix(device: torch.device | str | None = None, kind: str = "orthogonal") -> torch.Tensor:
+    """The fixed 128 x 128 QJL matrix S (float32), drawn from ``QJL_SEED``.
+
+    ``"gaussian"``: i.i.d. N(0, 1) entries (the paper).  ``"orthogonal"`` (default): sqrt(128) * Q with Q
+    the Haar-random orthogonal factor of the same Gaussian draw (QR with the sign fix), i.e. rows that are
+    uniformly random directions, like a Gaussian's, but with norm exactly sqrt(128) and mutually orthogonal.
+    Both are unbiased in expectation over S (with ``qjl_scale(kind)``); for one fixed matrix the Gaussian
+    rows' random norms leave a measurable inner-product bias and ~3x the variance (docs/kv-formats.md).
+    """
+    if kind not in QJL_KINDS:
+        raise ValueError(f"QJL kind must be one of {QJL_KINDS}, got {kind!r}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
 
     def make():
         g = torch.Generator().manual_seed(QJL_SEED)
-        return torch.randn(ROT_BLOCK, ROT_BLOCK, generator=g, dtype=torch.float32).to(dev)
+        gauss = torch.randn(ROT_BLOCK, ROT_BLOCK, generator=g, dtype=torch.float64)
+        if kind == "gaussian":
+            return gauss.to(device=dev, dtype=torch.float32)
+        q, r = torch.linalg.qr(gauss)
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+        return (q.T * math.sqrt(ROT_BLOCK)).to(device=dev, dtype=torch.float32).contiguous()
 
-    return _per_device(_QJL, dev, make)
+    return _per_device(_QJL, (kind, dev), make)
+
+
+def qjl_scale(kind: str = "orthogonal", d: int = ROT_BLOCK) -> float:
+    """Dequant constant c with E_S[c * S^T sign(S r)] = r / ||r||.
+
+    Gaussian rows: E[s sign(s.r)] = sqrt(2/pi) r^ so c = sqrt(pi/2) / d (the paper).  Rows of norm sqrt(d)
+    in a uniformly random direction: E = sqrt(d) E|v_1| r^ with E|v_1| = Gamma(d/2) / (sqrt(pi)
+    Gamma((d+1)/2)), so c = 1 / (d^1.5 E|v_1|)  (= sqrt(pi/2)/d * 0.99805 for d = 128).
+    """
+    if kind == "gaussian":
+        return math.sqrt(math.pi / 2) / d
+    if kind == "orthogonal":
+        m = math.exp(math.lgamma(d / 2) - 0.5 * math.log(math.pi) - math.lgamma((d + 1) / 2))
+        return 1.0 / (d ** 1.5 * m)
+    raise ValueError(f"QJL kind must be one of {QJL_KINDS}, got {kind!r}")
 
 
 def _planes(bits: int) -> list[tuple[str, int]]:
@@ -425,8 +466,8 @@ class TurboFormat(KVFormat):
         if norm_mode not in NORM_MODES:
             raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {norm_mode!r}")
         super().__init__(name or f"turbo{bits}", ROT_BLOCK, check_finite=check_finite)
-        self.bits = bits
-        self.mse_bits = bits
+        self.bits = bits  # total index bits per value
+        self.mse_bits = bits  # bits of the Lloyd-Max index
         self.norm_mode = norm_mode
 
     @property
@@ -496,18 +537,21 @@ class TurboFormat(KVFormat):
 
 
 class TurboProdFormat(TurboFormat):
-    """TurboQuant-prod: (bits-1)-bit TurboQuant-MSE code + QJL: ``qjl`` = sign bits of S r (r = rotated
-    residual, S the fixed 128x128 Gaussian ``qjl_matrix``), ``gamma`` = fp16 ||r||.  Decode adds
-    sqrt(pi/2)/128 * gamma * S^T sign(S r), which makes E<y, x~> = <y, x> over S."""
+    """TurboQuant-prod: (bits-1)-bit TurboQuant-MSE code + 1-bit QJL sketch of the rotated residual r:
+    ``qjl`` = sign bits of S r (S = ``qjl_matrix(kind=qjl)``), ``gamma`` = fp16 ||r||.  Decode adds
+    c * gamma * S^T sign(S r) with c = ``qjl_scale(qjl)``, which makes E_S <y, x~> = <y, x>.
+    Layout per 128 values: fp16 norm, fp16 gamma, (bits-1)-bit index planes, 16 B of signs."""
 
     def __init__(self, bits: int, *, name: str | None = None, norm_mode: str = "lsq",
-                 check_finite: bool = True):
+                 qjl: str = "orthogonal", check_finite: bool = True):
         if bits not in (2, 3, 4, 5):
             raise ValueError(f"turbo-prod bits must be 2..5, got {bits}")
-        super().__init__(min(bits, 4), name=name or f"turbo{bits}p", norm_mode=norm_mode,
+        if qjl not in QJL_KINDS:
+            raise ValueError(f"qjl must be one of {QJL_KINDS}, got {qjl!r}")
+        super().__init__(bits - 1, name=name or f"turbo{bits}p", norm_mode=norm_mode,
                          check_finite=check_finite)
         self.bits = bits
-        self.mse_bits = bits - 1
+        self.qjl = qjl
 
     @property
     def bytes_per_block(self) -> int:
@@ -523,15 +567,16 @@ class TurboProdFormat(TurboFormat):
         fields, u, norm, s16, c = self._encode_mse(xb, x)
         r = u.mul_(norm.unsqueeze(-1)).sub_(c.mul_(s16.to(torch.float32).unsqueeze(-1)))  # rotated residual
         fields["gamma"] = self._to_half(torch.linalg.vector_norm(r, dim=-1), x)
-        z = torch.matmul(r, qjl_matrix(xb.device).T)  # S r per block
+        z = torch.matmul(r, qjl_matrix(xb.device, self.qjl).T)  # S r per block
         fields["qjl"] = pack_bits(z >= 0, 1)
         return fields
 
     def _rotated_blocks(self, p):
         base = self._mse_rotated(p)
         signs = unpack_bits(p["qjl"], 1).to(torch.float32).mul_(2).sub_(1)
-        gamma = p["gamma"].to(torch.float32) * (math.sqrt(math.pi / 2) / ROT_BLOCK)
-        return base.add_(torch.matmul(signs, qjl_matrix(signs.device)).mul_(gamma.unsqueeze(-1)))
+        gamma = p["gamma"].to(torch.float32) * qjl_scale(self.qjl)
+        sketch = torch.matmul(signs, qjl_matrix(signs.device, self.qjl))  # (S^T sign) per block
+        return base.add_(sketch.mul_(gamma.unsqueeze(-1)))
 
 
 # ----------------------------------------------------------------------------------------------------------

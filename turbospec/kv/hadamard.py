@@ -13,12 +13,20 @@ written in torch ops, and it is exactly the same linear map.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
-__all__ = ["ROT_BLOCK", "ROT_SEED", "hadamard_matrix", "rotation_signs", "rotation_matrix", "rotate",
-           "unrotate", "padded_dim"]
+__all__ = [
+    "ROT_BLOCK",
+    "ROT_SEED",
+    "hadamard_matrix",
+    "padded_dim",
+    "rotate",
+    "rotation_matrix",
+    "rotation_signs",
+    "unrotate",
+]
 
 ROT_BLOCK = 128
 ROT_SEED = 42
@@ -39,7 +47,7 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     return h
 
 
-@lru_cache(maxsize=None)
+@cache
 def rotation_signs(n: int = ROT_BLOCK, seed: int = ROT_SEED) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed sign vectors (s1, s2), float64 entries +-1, shape [n] each."""
     g = torch.Generator().manual_seed(seed)
@@ -47,7 +55,7 @@ def rotation_signs(n: int = ROT_BLOCK, seed: int = ROT_SEED) -> tuple[torch.Tens
     return s[0], s[1]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rotation_matrix_f64(n: int, seed: int) -> torch.Tensor:
     s1, s2 = rotation_signs(n, seed)
     return s2[:, None] * hadamard_matrix(n) * s1[None, :] / math.sqrt(n)

@@ -16,15 +16,15 @@ Everything here is float64 numpy and runs once per (bits, d) thanks to ``functoo
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
 __all__ = [
-    "beta_coordinate_pdf",
-    "lloyd_max_codebook",
-    "codebook_mse",
     "GAUSSIAN_LLOYD_MAX",
+    "beta_coordinate_pdf",
+    "codebook_mse",
+    "lloyd_max_codebook",
 ]
 
 # Lloyd-Max levels for N(0, 1) (positive half), from the classic tables (Max 1960); used as a
@@ -51,7 +51,7 @@ def beta_coordinate_pdf(x: np.ndarray, d: int) -> np.ndarray:
     return np.where(inside, out, 0.0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tables(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Grid x, cumulative integrals F(x) = int f, G(x) = int t f, H(x) = int t^2 f (trapezoid)."""
     # The density is negligible beyond |x| = 12 / sqrt(d) (e^-72); keep the grid where the mass is.
@@ -76,7 +76,7 @@ def _cell_moments(bounds: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, n
     return np.diff(Fi), np.diff(Gi), np.diff(Hi)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _lloyd_max(bits: int, d: int, tol: float, max_iter: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     n = 1 << bits
     sigma = 1.0 / math.sqrt(d)

@@ -1,9 +1,19 @@
-"""Linear layers with the weight layout that runs fastest for the dtype on this CPU."""
+"""Linear layers: torch's GEMM for prefill, an AVX2 skinny-GEMM kernel for decode and verification steps.
+
+On CPUs, torch's batch-1 matrix-vector products stream weights far below memory bandwidth (see docs/speed.md);
+the kernel in turbospec/kernels/gemv.cpp reads each weight once per step for up to `SKINNY_MAX_ROWS` tokens.
+"""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from turbospec.kernels.gemv import load_kernel
+
+SKINNY_MAX_ROWS = int(os.environ.get("TURBOSPEC_SKINNY_MAX_ROWS", "16"))
 
 
 class Linear:
@@ -13,6 +23,8 @@ class Linear:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = self.weight.shape
+        self.kernel = load_kernel()
+        self.prefill_weight: torch.Tensor | None = None
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Linear:
@@ -23,6 +35,9 @@ class Linear:
         return cls(w, torch.cat(bs, 0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.kernel is not None and rows <= SKINNY_MAX_ROWS:
+            return self.kernel.skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property

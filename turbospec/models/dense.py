@@ -74,6 +74,11 @@ class DenseModel:
         else:
             self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
+        self.mtp = None
+        if ws.has("mtp.fc.weight"):
+            from turbospec.spec.mtp import MTPModule
+
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
 
     def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
         c = self.cfg

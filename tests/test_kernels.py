@@ -1,0 +1,32 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbospec.kernels.gemv import load_kernel
+
+kernel = load_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="AVX2 kernel not available on this machine")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 17])
+@pytest.mark.parametrize("shape", [(64, 64), (37, 67), (5, 8), (130, 3)])
+def test_skinny_linear_matches_float_reference(dtype, m, shape):
+    g = torch.Generator().manual_seed(m)
+    out, inp = shape
+    w = torch.randn(out, inp, generator=g).to(dtype)
+    x = torch.randn(m, inp, generator=g).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype)
+    ref = F.linear(x.float(), w.float(), b.float())
+    for bias in (b, None):
+        got = kernel.skinny_linear(x, w, bias)
+        assert got.dtype == dtype and got.shape == (m, out)
+        want = ref if bias is not None else F.linear(x.float(), w.float())
+        tol = 1e-5 * inp if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= tol
+
+
+def test_leading_dims_preserved():
+    w = torch.randn(16, 32)
+    x = torch.randn(2, 3, 32)
+    assert torch.allclose(kernel.skinny_linear(x, w, None), x @ w.T, atol=1e-5)

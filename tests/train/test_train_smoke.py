@@ -1,0 +1,114 @@
+"""Fast checks of the bundled-model training pipeline (toy corpus, tiny config, 2 steps)."""
+
+import json
+import os
+import random
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from turbospec.train.corpus import (  # noqa: E402
+    CorpusError,
+    find_docs_dir,
+    is_heldout,
+    load_corpus,
+    make_retrieval_example,
+)
+
+CODE = '''def add(a, b):
+    """Return the sum."""
+    return a + b
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def norm(self):
+        return (self.x ** 2 + self.y ** 2) ** 0.5
+'''
+
+PROSE = """Lists
+=====
+
+Lists are mutable sequences, typically used to store collections of homogeneous items.
+The :func:`sorted` built-in returns a new sorted list from the items in *iterable*.
+"""
+
+
+@pytest.fixture()
+def toy_dirs(tmp_path):
+    code = tmp_path / "code"
+    docs = tmp_path / "docs"
+    for i in range(24):
+        d = code / f"pkg{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"mod{i}.py").write_text(CODE.replace("add", f"add{i}") * 3)
+    (code / "test").mkdir()
+    (code / "test" / "test_x.py").write_text("assert False\n")
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"page{i}.rst.txt").write_text(PROSE * 4 + f"\nPage {i}.\n")
+    return str(code), str(docs)
+
+
+def test_split_is_deterministic_and_disjoint(toy_dirs):
+    code, docs = toy_dirs
+    a = load_corpus(code_dir=code, docs_dir=docs, percent=20)
+    b = load_corpus(code_dir=code, docs_dir=docs, percent=20)
+    assert [d.path for d in a.heldout] == [d.path for d in b.heldout]
+    assert {d.path for d in a.train}.isdisjoint({d.path for d in a.heldout})
+    assert all(not p.path.startswith("test") for p in a.train + a.heldout)
+    for d in a.heldout:
+        assert is_heldout(d.kind, d.path, 20)
+    # the hash split holds out ~percent of many paths
+    frac = sum(is_heldout("code", f"m{i}.py") for i in range(4000)) / 4000
+    assert 0.045 < frac < 0.08
+
+
+def test_missing_docs_gives_clear_error(tmp_path):
+    with pytest.raises(CorpusError, match="python3.11-doc"):
+        find_docs_dir(str(tmp_path / "nope"))
+
+
+def test_two_training_steps_and_export(toy_dirs, tmp_path):
+    from turbospec.train.evaluate import load_exported
+    from turbospec.train.tokenizer import load_tokenizer
+    from turbospec.train.train import main
+
+    code, docs = toy_dirs
+    run = tmp_path / "run"
+    out = tmp_path / "export"
+    torch.manual_seed(0)
+    model, meta = main([
+        "--run", str(run), "--code-dir", code, "--docs-dir", docs, "--vocab", "400",
+        "--hidden", "32", "--layers", "4", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--intermediate", "64", "--linear-heads", "2", "--linear-head-dim", "16",
+        "--time-budget-min", "0", "--max-steps", "2", "--warmup-steps", "1", "--p-retrieval", "0.5",
+        "--curriculum", "[[0, 64, 2], [0.5, 128, 1]]", "--no-progress", "--threads", "1",
+        "--export", str(out),
+    ])
+    assert meta["step"] == 2 and meta["done"]
+    assert os.path.exists(run / "ckpt.pt")
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["mtp_num_hidden_layers"] == 1 and cfg["model_type"] == "qwen3_5_text"
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("mtp.fc.weight").shape == (32, 64)
+    for k in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+              "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.down_proj.weight",
+              "mtp.layers.0.input_layernorm.weight"):
+        assert k in keys
+    m2 = load_exported(str(out))
+    x = torch.randint(0, 300, (1, 16))
+    loss, _, _ = m2(x)
+    assert torch.isfinite(loss)
+    tok = load_tokenizer(str(out))
+    ex = make_retrieval_example(tok, [CODE, PROSE], random.Random(0), 200)
+    assert ex["value"] in ex["answer"] and ex["prompt"].endswith("Answer:")
+    assert ex["n_prompt_tokens"] <= 200

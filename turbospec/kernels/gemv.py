@@ -1,0 +1,35 @@
+"""Build (once, cached) and load the AVX2 skinny-GEMM kernel; None when it cannot be built here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+
+def cpu_has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+
+
+@lru_cache(maxsize=1)
+def load_kernel():
+    """The compiled module, or None (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
+    if os.environ.get("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        src = Path(__file__).with_name("gemv.cpp")
+        return load(
+            name="turbospec_gemv", sources=[str(src)], verbose=False,
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler or headers: fall back to torch's kernels
+        print(f"turbospec: skinny-GEMM kernel unavailable ({' '.join(str(e).split())[:120]}); "
+              "using torch kernels", file=sys.stderr)
+        return None

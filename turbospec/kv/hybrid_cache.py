@@ -1,0 +1,161 @@
+"""Cache of a hybrid model: attention KV for the full-attention layers, conv + recurrent state for the
+Gated DeltaNet layers, with the same begin / commit / reset / length contract as `KVCache`.
+
+Rollback for speculative verification (chains): a step of N <= `rollback_limit` tokens keeps the
+recurrent state after *every* scratch position (and the conv window, from which the conv state after any
+prefix is a slice), so `commit(keep=list(range(j)))` for any j <= N leaves every state exactly as if only
+those j tokens had been processed, without re-running them. Steps longer than `rollback_limit` (prefill
+chunks) keep only the final state and can only be committed whole. Trees (non-prefix `keep`) are rejected:
+they would need one state per branch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.errors import TurboSpecError
+from turbospec.kv.cache import KVCache
+
+TREE_MESSAGE = "tree verification is not supported on hybrid models; use a chain"
+
+
+class HybridCache:
+    def __init__(
+        self,
+        num_attn_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_gdn_layers: int,
+        conv_shape: tuple[int, int],
+        ssm_shape: tuple[int, int, int],
+        max_len: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+        rollback_limit: int = 16,
+        kv: KVCache | None = None,
+    ):
+        # `kv` lets a caller pass another attention-KV store (e.g. a quantized format) with KVCache's
+        # interface; only the attention layers ever see it.
+        self.kv = (
+            kv
+            if kv is not None
+            else KVCache(num_attn_layers, num_kv_heads, head_dim, max_len, kv_dtype or dtype)
+        )
+        self.max_len = max_len
+        self.dtype = dtype
+        self.rollback_limit = rollback_limit
+        self.conv = torch.zeros((num_gdn_layers,) + tuple(conv_shape), dtype=dtype)
+        self.ssm = torch.zeros((num_gdn_layers,) + tuple(ssm_shape), dtype=torch.float32)
+        self.pending = 0
+        self._windows: list[torch.Tensor | None] = [None] * num_gdn_layers
+        self._states: list[torch.Tensor | None] = [None] * num_gdn_layers
+        self._all_states = False
+
+    # ---- the step protocol -----------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def begin(self, n: int) -> None:
+        self.kv.begin(n)
+        self.pending = n
+        self._all_states = n <= self.rollback_limit
+        self._windows = [None] * len(self._windows)
+        self._states = [None] * len(self._states)
+
+    @property
+    def track_all_states(self) -> bool:
+        """Whether the current step keeps the state after every position (rollback to any prefix possible)."""
+        return self._all_states
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention layers: `layer` is the index among attention layers."""
+        return self.kv.write(layer, k, v)
+
+    def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed (conv state [K-1, C], recurrent state [Hv, Dk, Dv]) of GDN layer `layer` (index among GDN
+        layers). Read-only during a step."""
+        return self.conv[layer], self.ssm[layer]
+
+    def gdn_stash(self, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
+        """Scratch for the current step: the conv window [K-1+N, C] and the recurrent states ([N, ...] when
+        `track_all_states`, else [1, ...] = the final state)."""
+        self._windows[layer] = window
+        self._states[layer] = states
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        n = self.pending
+        if keep is None:
+            j = n
+        else:
+            keep = list(keep)
+            if keep != list(range(len(keep))):
+                raise TurboSpecError(f"{TREE_MESSAGE} (commit got non-prefix indices {keep[:8]})")
+            j = len(keep)
+            if j > n:
+                raise TurboSpecError(f"commit keeps {j} positions but the step wrote only {n}")
+            if j < n and j > 0 and not self._all_states:
+                raise TurboSpecError(
+                    f"cannot roll back a {n}-token step to {j} tokens: steps longer than rollback_limit="
+                    f"{self.rollback_limit} keep only their final recurrent state"
+                )
+        if j > 0:
+            k = self.conv.shape[1]
+            for i, (w, s) in enumerate(zip(self._windows, self._states)):
+                if w is None or s is None:
+                    raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+                self.conv[i] = w[j : j + k]
+                self.ssm[i] = s[j - 1] if s.shape[0] == n else s[-1]
+        self.kv.commit(None if keep is None else keep)
+        self.pending = 0
+        self._windows = [None] * len(self._windows)
+        self._states = [None] * len(self._states)
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.conv.zero_()
+        self.ssm.zero_()
+        self.pending = 0
+        self._windows = [None] * len(self._windows)
+        self._states = [None] * len(self._states)
+
+    # ---- memory accounting -----------------------------------------------------------------------------
+    @property
+    def attention_kv_bytes(self) -> int:
+        return self.kv.nbytes
+
+    @property
+    def conv_state_bytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size()
+
+    @property
+    def ssm_state_bytes(self) -> int:
+        return self.ssm.numel() * self.ssm.element_size()
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """Conv + recurrent (SSM) state of all GDN layers for one sequence (independent of context length)."""
+        return self.conv_state_bytes + self.ssm_state_bytes
+
+    def scratch_bytes(self, n: int) -> int:
+        """Transient bytes a step of n tokens allocates for rollback (per-position recurrent states)."""
+        per_state = self.ssm_state_bytes
+        kept = n if n <= self.rollback_limit else 1
+        return per_state * kept + self.conv[0:1].element_size() * self.conv.shape[0] * n * self.conv.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.attention_kv_bytes + self.recurrent_state_bytes
+
+    def bytes_per_token(self) -> int:
+        """Attention KV bytes per context token (the recurrent state does not grow with context)."""
+        return self.kv.bytes_per_token()
+
+    def memory_report(self) -> dict[str, int]:
+        return {
+            "attention_kv_bytes": self.attention_kv_bytes,
+            "conv_state_bytes": self.conv_state_bytes,
+            "ssm_state_bytes": self.ssm_state_bytes,
+            "recurrent_state_bytes": self.recurrent_state_bytes,
+            "nbytes": self.nbytes,
+        }

@@ -1,0 +1,201 @@
+"""Gated DeltaNet (the linear-attention layer of Qwen3.5 / Qwen3-Next).
+
+Per token t and value head h (key heads are shared by `num_v_heads // num_k_heads` value heads):
+
+    x_t        = causal depthwise conv1d (kernel K, no bias) over the projected [q | k | v] rows, then SiLU
+    q, k       = l2-normalised per head; q scaled by 1/sqrt(d_k)
+    beta       = sigmoid(b_t),  g = -exp(A_log) * softplus(a_t + dt_bias)        (log decay, <= 0)
+    S          = S * exp(g);  S = S + k (x) ((v - S^T k) * beta);  o = S^T q          (S: [d_k, d_v], float32)
+    y          = out_proj( RMSNorm(o) * w * silu(z) )                              (norm per value head)
+
+Two exact forms of the recurrence are provided, both keeping the state in float32:
+- `recurrent_gated_delta`: one token at a time; returns the state after *every* position (used for decode and
+  for speculative verification, so that any accepted prefix can be committed without re-decoding);
+- `chunked_gated_delta`: the WY/UT chunked form for prefill (64-token chunks, triangular solves inside a
+  chunk, a sequential scan across chunks); returns the final state only.
+
+The conv state is the last K-1 projected input rows; the layer hands the cache the whole window
+[K-1 previous rows + N new rows] so that the state after any prefix j is `window[j : j + K - 1]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.layers.linear import Linear
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule.
+
+    q, k: [H, N, Dk] (already normalised and scaled, float32); v: [H, N, Dv]; g, beta: [H, N];
+    state: [H, Dk, Dv] float32 (not modified). Returns (out [H, N, Dv], states [N, H, Dk, Dv]).
+    """
+    h, n, _ = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(h, n, dv, dtype=torch.float32)
+    states = torch.empty((n,) + tuple(state.shape), dtype=torch.float32)
+    decay = g.exp()
+    s = state
+    for t in range(n):
+        s = s * decay[:, t, None, None]
+        kt = k[:, t]  # [H, Dk]
+        mem = torch.bmm(kt.unsqueeze(1), s).squeeze(1)  # S^T k: [H, Dv]
+        delta = (v[:, t] - mem) * beta[:, t, None]
+        s = s + kt.unsqueeze(-1) * delta.unsqueeze(1)
+        out[:, t] = torch.bmm(q[:, t].unsqueeze(1), s).squeeze(1)
+        states[t] = s
+    return out, states
+
+
+def chunked_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule (shapes as in `recurrent_gated_delta`); returns (out, final state).
+
+    Inside a chunk with cumulative log decay G_t, the delta-rule updates are solved at once:
+    (I + tril(beta_i k_i.k_j e^{G_i - G_j}, -1)) U = beta V  gives the per-token corrections U, and the
+    state read by token t is e^{G_t} S_prev; across chunks the state is carried sequentially.
+    """
+    h, n, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-n) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    m = (n + pad) // chunk
+    q = q.reshape(h, m, chunk, dk)
+    k = k.reshape(h, m, chunk, dk)
+    v = v.reshape(h, m, chunk, dv)
+    beta = beta.reshape(h, m, chunk, 1)
+    cum = g.reshape(h, m, chunk).cumsum(-1)  # G_t within each chunk
+    upper = torch.ones(chunk, chunk, dtype=torch.bool).triu(1)
+    rel = (
+        (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    )  # e^{G_i - G_j}, j <= i
+    kb = k * beta
+    # unit lower-triangular system A = I + strictly-lower(beta_i k_i . k_j e^{G_i-G_j})
+    a = (kb @ k.transpose(-1, -2)) * rel
+    a = a.masked_fill(~torch.ones(chunk, chunk, dtype=torch.bool).tril(-1), 0.0)
+    a = a + torch.eye(chunk, dtype=torch.float32)
+    u = torch.linalg.solve_triangular(a, v * beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(a, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * rel  # intra-chunk q.k with decay, causal (incl. diagonal)
+    q_dec = q * cum.exp().unsqueeze(-1)
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()  # [H, M]
+    out = torch.empty(h, m, chunk, dv, dtype=torch.float32)
+    s = state
+    for i in range(m):
+        corr = u[:, i] - w[:, i] @ s  # corrections after subtracting what the carried state already predicts
+        out[:, i] = q_dec[:, i] @ s + attn[:, i] @ corr
+        s = s * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ corr
+    return out.reshape(h, m * chunk, dv)[:, :n], s
+
+
+class GatedDeltaNet:
+    """One Gated DeltaNet token mixer. `proj` is the fused input projection with rows [q | k | v | z | b | a]
+    (q, k, v head-major as in Qwen3.5's in_proj_qkv; Qwen3-Next's grouped in_proj_qkvz/ba are reordered at
+    load).
+    """
+
+    def __init__(
+        self,
+        proj: Linear,
+        conv_weight: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        norm_weight: torch.Tensor,
+        out_proj: Linear,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        eps: float,
+    ):
+        self.proj, self.out = proj, out_proj
+        self.nk, self.nv, self.dk, self.dv = num_k_heads, num_v_heads, k_head_dim, v_head_dim
+        self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_weight = conv_weight.reshape(self.conv_dim, -1).contiguous()  # [C, K]
+        self.kernel = self.conv_weight.shape[1]
+        self.conv_t = self.conv_weight.t().contiguous()  # [K, C]
+        self.neg_a = -a_log.float().exp()  # [Hv]
+        self.dt_bias = dt_bias.float()
+        self.norm_weight = norm_weight
+        self.eps = eps
+        if num_v_heads % num_k_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.kernel - 1, self.conv_dim)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.nv, self.dk, self.dv)
+
+    def __call__(
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, all_states: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, hidden]; conv_state: [K-1, C]; ssm_state: [Hv, Dk, Dv] float32 (neither is modified).
+
+        Returns (y [N, hidden], conv window [K-1+N, C], states): states is [N, Hv, Dk, Dv] (state after each
+        position) when `all_states`, else [1, Hv, Dk, Dv] (the final state only).
+        """
+        n = x.shape[0]
+        dtype = x.dtype
+        qkv, z, b, a = self.proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        window = torch.cat([conv_state.to(qkv.dtype), qkv], dim=0)  # [K-1+N, C]
+        # depthwise causal conv as K shifted multiply-adds (torch's grouped conv1d costs ms per call on CPU)
+        conv = window[0:n] * self.conv_t[0]
+        for i in range(1, self.kernel):
+            conv = conv + window[i:i + n] * self.conv_t[i]
+        mixed = F.silu(conv)  # [N, C]
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.nv // self.nk
+        q = l2_normalize(q.reshape(n, self.nk, self.dk)) * self.dk**-0.5
+        k = l2_normalize(k.reshape(n, self.nk, self.dk))
+        if rep > 1:
+            q = q.repeat_interleave(rep, dim=1)
+            k = k.repeat_interleave(rep, dim=1)
+        q, k = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()  # [Hv, N, Dk]
+        v = v.reshape(n, self.nv, self.dv).transpose(0, 1).contiguous()
+        beta = torch.sigmoid(b.float()).t().contiguous()  # [Hv, N]
+        g = (self.neg_a * F.softplus(a.float() + self.dt_bias)).t().contiguous()
+        if all_states:
+            o, states = recurrent_gated_delta(q, k, v, g, beta, ssm_state)
+        else:
+            o, final = chunked_gated_delta(q, k, v, g, beta, ssm_state)
+            states = final.unsqueeze(0)
+        o = o.transpose(0, 1)  # [N, Hv, Dv] float32
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        o = (self.norm_weight * o.to(dtype)) * F.silu(z.reshape(n, self.nv, self.dv).float())
+        y = self.out(o.to(dtype).reshape(n, self.value_dim))
+        return y, window, states
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(
+            t.numel() * t.element_size()
+            for t in (self.conv_weight, self.norm_weight, self.neg_a, self.dt_bias)
+        )
+        return self.proj.nbytes + self.out.nbytes + extra

@@ -1,0 +1,33 @@
+"""Chains of drafters: the first one with a non-empty draft wins; all of them see every accept()."""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.spec.tree import DraftTree
+
+
+class ChainDrafter:
+    name = "chain"
+
+    def __init__(self, drafters: list):
+        self.drafters = drafters
+        self.needs_hidden = any(d.needs_hidden for d in drafters)
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        for d in self.drafters:
+            d.begin(tokens, hidden)
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        best = DraftTree()
+        for d in self.drafters:
+            if len(best):
+                if hasattr(d, "sync"):
+                    d.sync(tokens)  # keep its state current without drafting
+                continue
+            best = d.propose(tokens, getattr(d, "n_max_override", None) or n_max)
+        return best
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        for d in self.drafters:
+            d.accept(committed, hidden, next_token)

@@ -1,0 +1,61 @@
+"""A separate, smaller draft model with the same tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.kv.plan import AttentionPlan
+from turbospec.spec.tree import DraftTree
+
+
+class DraftModelDrafter:
+    """Greedy chain drafts from a draft model; its cache mirrors the target's committed tokens."""
+
+    name = "draft"
+    needs_hidden = False
+
+    def __init__(self, model, max_len: int, p_min: float = 0.0, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        self.cache = model.new_cache(max_len, kv_dtype)
+        self.p_min = p_min
+        self.tokens: list[int] = []  # tokens whose KV is in the draft cache
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self.cache.reset()
+        self.tokens = []
+        self._feed(tokens[:-1])
+
+    def _feed(self, toks: list[int]) -> torch.Tensor | None:
+        h = None
+        for s in range(0, len(toks), 512):
+            chunk = torch.tensor(toks[s:s + 512], dtype=torch.int64)
+            h = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache)
+            self.cache.commit()
+        self.tokens += toks
+        return h
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        # bring the cache up to date: common prefix with what it holds, then the new tokens (incl. the root)
+        n = 0
+        while n < len(self.tokens) and n < len(tokens) and self.tokens[n] == tokens[n]:
+            n += 1
+        self.cache.truncate(n)
+        self.tokens = self.tokens[:n]
+        h = self._feed(tokens[n:])
+        committed = self.cache.length
+        out: list[int] = []
+        for i in range(n_max):
+            logits = self.model.logits(h[-1:])[0]
+            tok = int(logits.argmax())
+            if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
+                break
+            out.append(tok)
+            if i + 1 == n_max:
+                break
+            h = self.model.forward(torch.tensor([tok]), AttentionPlan.causal(self.cache.length, 1), self.cache)
+            self.cache.commit()
+        self.cache.truncate(committed)
+        return DraftTree.chain(out, source=self.name)
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        pass

@@ -1,0 +1,170 @@
+"""Native MTP (Qwen3.5 / Qwen3-Next `mtp.*` weights) as a drafter.
+
+The MTP element at position j combines the target's final-normed hidden h_j with the embedding of token x_{j+1}
+and predicts x_{j+2}: u = fc([norm_e(embed(x_{j+1})), norm_h(h_j)]) -> one decoder layer (own KV cache, rotary
+position j) -> norm -> shared lm_head. Drafting recurses by feeding the MTP's own output row as the next h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.config import HYBRID_ARCHS, ModelConfig
+from turbospec.kv.cache import KVCache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.linear import Linear
+from turbospec.layers.norm import rms_norm
+from turbospec.layers.rope import Rope
+from turbospec.loader import WeightSource
+from turbospec.spec.tree import DraftTree
+
+
+class MTPModule:
+    """The weights and forward of the MTP block; logits come from the target's lm_head."""
+
+    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype, embed: torch.Tensor,
+                 lm_head: Linear, prefix: str = "mtp"):
+        from turbospec.models.dense import DecoderLayer, load_attention, load_mlp
+
+        h = cfg.hidden_size
+        hybrid = cfg.arch in HYBRID_ARCHS
+        self.cfg, self.dtype, self.zc = cfg, dtype, hybrid
+        self.embed, self.lm_head = embed, lm_head
+        self.fc = Linear(ws.get(f"{prefix}.fc.weight", dtype, (h, 2 * h)))
+        self.norm_e = ws.get(f"{prefix}.pre_fc_norm_embedding.weight", dtype, (h,))
+        self.norm_h = ws.get(f"{prefix}.pre_fc_norm_hidden.weight", dtype, (h,))
+        self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
+        n = int(cfg.raw.get("mtp_num_hidden_layers") or cfg.raw.get("num_nextn_predict_layers") or 1)
+        self.layers = []
+        for i in range(n):
+            p = f"{prefix}.layers.{i}"
+            layer = DecoderLayer(
+                load_attention(ws, f"{p}.self_attn", cfg, dtype, gated=hybrid, zero_centred=hybrid),
+                load_mlp(ws, f"{p}.mlp", cfg, dtype),
+                ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
+                ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
+            )
+            layer.zc = hybrid
+            self.layers.append(layer)
+        self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
+
+    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+        c = self.cfg
+        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, max_len, kv_dtype or self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, plan: AttentionPlan, cache: KVCache,
+                step: int = 0) -> torch.Tensor:
+        """tokens x_{j+1} [N], hidden h_j [N, H], plan positions j -> normed MTP hidden [N, H]."""
+        eps = self.cfg.rms_norm_eps
+        cache.begin(tokens.numel())
+        e = rms_norm(F.embedding(tokens, self.embed), self.norm_e, eps, self.zc)
+        u = self.fc(torch.cat([e, rms_norm(hidden.to(self.dtype), self.norm_h, eps, self.zc)], -1))
+        li = step % len(self.layers)
+        layer = self.layers[li]
+        rope = self.rope.tables(plan.positions)
+        x = u + layer.attn(rms_norm(u, layer.in_norm, eps, self.zc), rope, plan, cache, li)
+        x = x + layer.mlp(rms_norm(x, layer.post_norm, eps, self.zc))
+        return rms_norm(x, self.norm, eps, self.zc)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.fc.nbytes + 3 * self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+        return n
+
+
+class MTPDrafter:
+    """Drafts a chain of up to n_max tokens by recursing the MTP block.
+
+    The MTP cache holds one entry per target position j < L (pairs (h_j, x_{j+1})); drafted entries are scratch
+    and dropped after each step. `prompt_window` limits how many prompt positions are fed to the MTP at begin()
+    (0 = all) so prompt processing is not slowed down by drafting.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
+                 kv_dtype: torch.dtype | None = None):
+        self.mtp = mtp
+        self.cache = mtp.new_cache(max_len, kv_dtype)
+        self.p_min = p_min
+        self.prompt_window = prompt_window
+        self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
+        self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
+        self.next_pos = 0
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
+        assert hidden is not None and hidden.shape[0] == len(tokens)
+        self.cache.reset()
+        n = len(tokens)
+        start = 0 if self.prompt_window <= 0 else max(0, n - 1 - self.prompt_window)
+        self.cache.length = start  # positions before `start` are skipped (masked out)
+        self.cache.base = start
+        self.next_pos = start
+        chunk = 512
+        for s in range(start, n - 1, chunk):
+            e = min(s + chunk, n - 1)
+            toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64)
+            self.mtp.forward(toks, hidden[s:e], _plan(self.cache, s, e - s), self.cache)
+            self.cache.commit()
+            self.next_pos = e
+        self.pending_tokens = []
+        self.pending_hidden = [hidden[n - 1:n]]
+
+    def _flush_and_first(self, root: int) -> torch.Tensor:
+        """Process all pending true pairs plus (h_{L-1}, root); return the last MTP output row."""
+        toks = self.pending_tokens + [root]
+        hid = torch.cat(self.pending_hidden, 0)
+        assert hid.shape[0] == len(toks)
+        plan = _plan(self.cache, self.next_pos, len(toks))
+        out = self.mtp.forward(torch.tensor(toks, dtype=torch.int64), hid, plan, self.cache)
+        # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
+        self.cache.commit()
+        self.next_pos += len(toks)
+        self.pending_tokens, self.pending_hidden = [], []
+        return out[-1:]
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        h = self._flush_and_first(tokens[-1])
+        committed = self.cache.length
+        drafted: list[int] = []
+        for i in range(n_max):
+            logits = self.mtp.lm_head(h).float()[0]
+            tok = int(logits.argmax())
+            if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
+                break
+            drafted.append(tok)
+            if i + 1 == n_max:
+                break
+            plan = _plan(self.cache, self.cache.length, 1)
+            h = self.mtp.forward(torch.tensor([tok]), h, plan, self.cache, step=i + 1)
+            self.cache.commit()
+        self.cache.length = committed  # drop speculative MTP entries
+        return DraftTree.chain(drafted, source=self.name)
+
+    def sync(self, tokens: list[int]) -> None:
+        """Process the pending true pairs without drafting (another drafter of a chain won this step)."""
+        self._flush_and_first(tokens[-1])
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}
+        assert hidden is not None and hidden.shape[0] == len(committed)
+        self.pending_tokens = list(committed[1:])
+        self.pending_hidden = [hidden]
+
+
+def _plan(cache: KVCache, pos: int, n: int) -> AttentionPlan:
+    base = getattr(cache, "base", 0)
+    plan = AttentionPlan.causal(cache.length, n)
+    plan.positions = torch.arange(pos, pos + n, dtype=torch.int64)
+    if base:
+        # skipped prompt positions hold zeros: mask them out
+        keys = torch.arange(cache.length + n)
+        rows = torch.arange(cache.length, cache.length + n)
+        plan.mask = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= base)
+    return plan

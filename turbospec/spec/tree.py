@@ -1,0 +1,61 @@
+"""Draft trees: candidate tokens with parent links; a chain is a tree whose parents are i - 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Nodes in topological order. parents[i] = index of the parent node, or -1 when the parent is the root
+    (the last emitted token, which is not part of the tree). q[i] = the drafter's distribution at node i's
+    parent position (the row node i was drawn from), or None for deterministic drafts (treated as one-hot)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q: list[torch.Tensor | None] = field(default_factory=list)
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], q: list[torch.Tensor | None] | None = None, source: str = "") -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(q) if q else [None] * len(tokens), source)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = root)."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def depth(self, node: int) -> int:
+        d = 0
+        while node >= 0:
+            node = self.parents[node]
+            d += 1
+        return d
+
+    def truncate(self, n: int) -> DraftTree:
+        """The first n nodes (still a valid tree: parents precede children)."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n], self.source)
+
+
+def topk_tree(first: list[int], rest: list[list[int]]) -> DraftTree:
+    """A small 'top-k at depth 1' tree: k alternatives for the first token, the best of them continued by `rest`.
+
+    first: candidate tokens for depth 1, best first; rest: continuation chain after first[0].
+    """
+    tokens = [first[0]]
+    parents = [-1]
+    for j, t in enumerate(rest):
+        tokens.append(t[0] if isinstance(t, list) else t)
+        parents.append(j)
+    for alt in first[1:]:
+        tokens.append(alt)
+        parents.append(-1)
+    return DraftTree(tokens, parents, [None] * len(tokens))
