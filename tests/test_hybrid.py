@@ -62,7 +62,7 @@ def test_full_forward_matches_transformers(models, refs, name):
         assert (got - r).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "qwen3_5_tied"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("ubatch", [1, 7, 16, 64])
 def test_chunked_prefill(models, refs, name, ubatch):
     ids, ref = refs
@@ -109,7 +109,7 @@ def test_rollback_equals_processing_prefix_only(models, name):
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 128, (30,), generator=gen)
     prefix, k = 18, 6  # prefix > rollback_limit: prefilled with the chunked form
-    js = sorted(set([0, k] + torch.randint(1, k, (2,), generator=gen).tolist()))
+    js = [0, int(torch.randint(1, k, (1,), generator=gen)), k]
     for j in js:
         a = model.new_cache(64)
         run(model, ids[:prefix], a)

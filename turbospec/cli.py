@@ -30,21 +30,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prefill chunk size (default 512)")
+    p.add_argument("-ctk", "--cache-type-k", default=None,
+                   help="K cache format: f16, bf16, f32, q8_0, q4_0, tbq4_0, turbo4, turbo3, turbo2, ... "
+                        "(default: the model dtype, i.e. f32 for a float32 model)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, help="V cache format (as -ctk)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-type", default=None,
-                   help="speculative drafters, comma list: draft-mtp, ngram (prompt lookup), ngram-mod, draft-model")
+                   help="speculative drafters, comma list: draft-mtp, medusa, ngram (prompt lookup), ngram-mod, "
+                        "draft-model")
     p.add_argument("--spec-draft-n-max", type=int, default=3, help="max draft tokens per step (default 3)")
     p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop drafting below this probability")
     p.add_argument("-md", "--spec-draft-model", default=None, help="draft model directory (draft-model)")
     p.add_argument("--spec-ngram-size-n", type=int, default=4, help="prompt lookup: longest n-gram to match")
     p.add_argument("--spec-ngram-mod-n-match", type=int, default=8, help="ngram-mod: tokens hashed per key")
     p.add_argument("--spec-ngram-mod-n-max", type=int, default=16, help="ngram-mod: max draft length")
+    p.add_argument("--spec-medusa", default=None,
+                   help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors; default: the model's)")
+    p.add_argument("--spec-tree", default=None,
+                   help="Medusa tree: JSON list of per-head top-k rank paths, e.g. '[[0],[1],[0,0]]', or "
+                        "topk:k1,k2,... (default [[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]); depth capped by n-max")
     p.add_argument("--spec-mtp-prompt-window", type=int, default=0,
                    help="feed only the last N prompt positions to the MTP (0 = all)")
-    p.add_argument("-ctkd", "--cache-type-k-draft", default=None, help="draft KV cache type (dtype for now)")
+    p.add_argument("-ctkd", "--cache-type-k-draft", default=None,
+                   help="draft/MTP K cache format (f16, bf16, f32, q8_0, q4_0, tbq4_0, turbo2/3/4; "
+                        "default: the model dtype)")
+    p.add_argument("-ctvd", "--cache-type-v-draft", default=None, help="draft/MTP V cache format (as -ctkd)")
 
 
 def spec_config(a: argparse.Namespace):
@@ -54,7 +67,8 @@ def spec_config(a: argparse.Namespace):
         a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
         ngram_mod_n_max=a.spec_ngram_mod_n_max, mtp_prompt_window=a.spec_mtp_prompt_window,
-        draft_kv_dtype=a.cache_type_k_draft,
+        draft_k_type=a.cache_type_k_draft, draft_v_type=getattr(a, "cache_type_v_draft", None),
+        medusa=getattr(a, "spec_medusa", None), tree=getattr(a, "spec_tree", None),
     )
 
 
@@ -96,6 +110,13 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def kv_type_arg(name: str | None) -> str | None:
+    """Validate a -ctk/-ctv value (dtype spellings like float16 accepted)."""
+    from turbospec.spec import _kv_type
+
+    return _kv_type(name)
+
+
 def load_engine(a: argparse.Namespace):
     """Model + tokenizer + engine from the common flags."""
     from turbospec.engine import Engine
@@ -113,10 +134,11 @@ def load_engine(a: argparse.Namespace):
         from turbospec.spec import make_drafter
 
         sc = spec_config(a)
-        drafter = make_drafter(sc, model, a.ctx_size + sc.n_max + 1)
+        drafter = make_drafter(sc, model, a.ctx_size + sc.n_max + 1, model_path=path)
     n_max = getattr(a, "spec_draft_n_max", 3)
     eng = Engine(model, tok, ctx=a.ctx_size, ubatch=a.ubatch_size, batch=a.batch_size, drafter=drafter,
-                 n_max=n_max)
+                 n_max=n_max, cache_type_k=kv_type_arg(getattr(a, "cache_type_k", None)),
+                 cache_type_v=kv_type_arg(getattr(a, "cache_type_v", None)))
     return eng, path
 
 
@@ -159,16 +181,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-echo", action="store_true", help="do not print the prompt before the output")
     r.add_argument("--json-stats", default=None, help="also write the stats as JSON to this file")
     r.set_defaults(func=cmd_run)
-    for name in ("tco",):
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    add_model_args(s)
+    add_spec_args(s)
+    add_sampling_args(s)
+    from turbospec.server import add_serve_args, cmd_serve
+
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+    for name in ("tco", "bench"):
         _add_optional_tool(sub, name)
+    _add_optional_tool(sub, "train-heads", "turbospec.spec.train_heads")
     return ap
 
 
-def _add_optional_tool(sub, name: str) -> None:
+def _add_optional_tool(sub, name: str, module: str | None = None) -> None:
+    """Register subcommand `name` from a module with add_cli(subparsers) (and run_cli(args) as its default
+    func); `module` defaults to turbospec.lab.<name>. Missing modules are skipped."""
     import importlib
 
     try:
-        mod = importlib.import_module(f"turbospec.lab.{name}")
+        mod = importlib.import_module(module or f"turbospec.lab.{name}")
     except ImportError:
         return
     if hasattr(mod, "add_cli"):

@@ -72,7 +72,8 @@ class Engine:
     """Drives a model: tokenize, prefill in ubatch-sized chunks, decode, sample, stop."""
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, ctx: int = 4096, ubatch: int = 512,
-                 batch: int = 2048, drafter=None, n_max: int = 3):
+                 batch: int = 2048, drafter=None, n_max: int = 3,
+                 prefix_cache: bool = True, cache_type_k: str | None = None, cache_type_v: str | None = None):
         if ctx <= 0 or ubatch <= 0 or batch <= 0:
             raise TurboSpecError("context, batch and ubatch sizes must be positive")
         self.model = model
@@ -80,19 +81,39 @@ class Engine:
         self.ctx = ctx
         self.ubatch = min(ubatch, batch)
         self.batch = batch
-        self.cache = model.new_cache(ctx)
+        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
+        if cache_type_k or cache_type_v:
+            self.cache = model.new_cache(ctx, k_type=cache_type_k, v_type=cache_type_v)
+        else:
+            self.cache = model.new_cache(ctx)
         self.drafter = drafter
         self.n_max = n_max
+        self.prefix_cache = prefix_cache
+        self.cached_tokens: list[int] = []
+        self.reused_tokens = 0
         self.last_stats = GenStats()
 
     # ---- building blocks -------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], all_rows: bool = False) -> torch.Tensor:
         """Run the prompt through the model in ubatch chunks; return the final hidden row [1, H]
-        (or every row [P, H] when a drafter needs the target's hidden states)."""
-        self.cache.reset()
+        (or the rows of every computed position when a drafter needs the target's hidden states).
+
+        Prefix reuse: positions whose tokens equal those already in the cache are kept (at least one token is
+        always recomputed), as llama-server's prompt cache does; caches without `truncate` start over."""
+        reuse = 0
+        if self.prefix_cache and hasattr(self.cache, "truncate"):
+            limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
+            while reuse < limit and self.cached_tokens[reuse] == tokens[reuse]:
+                reuse += 1
+        if reuse:
+            self.cache.truncate(reuse)
+        else:
+            self.cache.reset()
+        self.reused_tokens = reuse
+        self.cached_tokens = list(tokens)
         ids = torch.tensor(tokens, dtype=torch.int64)
         rows = []
-        for s in range(0, len(tokens), self.ubatch):
+        for s in range(reuse, len(tokens), self.ubatch):
             chunk = ids[s:s + self.ubatch]
             hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache)
             self.cache.commit()
@@ -198,10 +219,12 @@ class Engine:
                 break
             root = pending[-1]
             context.append(root)
-            room = min(params.max_tokens - stats.gen_tokens - 1, self.ctx - self.cache.length - 1, self.n_max)
-            tree = drafter.propose(context, room) if drafter is not None and room > 0 else DraftTree()
-            if len(tree) > room:
-                tree = tree.truncate(room)
+            # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
+            room = min(params.max_tokens - stats.gen_tokens - 1, self.n_max)
+            slots = self.ctx - self.cache.length - 1
+            tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
+            if len(tree):
+                tree = tree.limit(room, slots)
             if len(tree):
                 path, nxt, rows = self.verify_step(root, tree, sampler)
                 spec.record(tree, len(path))
@@ -211,6 +234,7 @@ class Engine:
                 nxt, accepted = sampler.sample(self.model.logits(rows)[0]), []
             if drafter is not None:
                 drafter.accept([root] + accepted, rows, nxt)
+            self.cached_tokens = context + accepted  # tokens whose KV is committed
             context += accepted
             pending = accepted + [nxt]
         if held:

@@ -112,3 +112,17 @@ def test_two_training_steps_and_export(toy_dirs, tmp_path):
     ex = make_retrieval_example(tok, [CODE, PROSE], random.Random(0), 200)
     assert ex["value"] in ex["answer"] and ex["prompt"].endswith("Answer:")
     assert ex["n_prompt_tokens"] <= 200
+
+
+def test_shipped_eval_data_is_small_and_complete():
+    from turbospec.train.evaldata import default_eval_dir, load_jsonl
+
+    d = default_eval_dir()
+    total = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    assert total <= 2 * 2**20
+    cases = load_jsonl(os.path.join(d, "retrieval.jsonl"))
+    assert {c["target_tokens"] for c in cases} >= {1024, 2048, 4096, 8192}
+    for c in cases:
+        assert c["value"] in c["answer"] and c["value"] in c["prompt"]
+        assert c["n_prompt_tokens"] <= c["target_tokens"]
+    assert load_jsonl(os.path.join(d, "code.jsonl")) and load_jsonl(os.path.join(d, "prose.jsonl"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -50,12 +52,15 @@ class Attention:
         q = apply_rope(q.transpose(0, 1), cos, sin)
         k = apply_rope(k.transpose(0, 1), cos, sin)
         v = v.view(n, self.nkv, self.hd).transpose(0, 1)
-        keys, values = cache.write(layer, k, v)
-        mask, causal = plan.sdpa_mask()
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
-            enable_gqa=self.nh != self.nkv,
-        )[0]
+        if hasattr(cache, "attend"):  # packed KV formats: block-wise attention inside the cache
+            out = cache.attend(layer, q, k, v, plan, 1.0 / math.sqrt(self.hd))
+        else:
+            keys, values = cache.write(layer, k, v)
+            mask, causal = plan.sdpa_mask()
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
+                enable_gqa=self.nh != self.nkv,
+            )[0]
         out = out.transpose(0, 1).reshape(n, self.nh * self.hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -50,13 +50,14 @@ def recurrent_gated_delta(
     decay = g.exp()
     s = state
     for t in range(n):
-        s = s * decay[:, t, None, None]
-        kt = k[:, t]  # [H, Dk]
-        mem = torch.bmm(kt.unsqueeze(1), s).squeeze(1)  # S^T k: [H, Dv]
-        delta = (v[:, t] - mem) * beta[:, t, None]
-        s = s + kt.unsqueeze(-1) * delta.unsqueeze(1)
-        out[:, t] = torch.bmm(q[:, t].unsqueeze(1), s).squeeze(1)
-        states[t] = s
+        st = states[t]
+        torch.mul(s, decay[:, t, None, None], out=st)  # decayed state, written in place of the t-th slot
+        kt = k[:, t].unsqueeze(1)  # [H, 1, Dk]
+        mem = torch.bmm(kt, st)  # S^T k: [H, 1, Dv]
+        delta = (v[:, t].unsqueeze(1) - mem) * beta[:, t, None, None]
+        st.baddbmm_(kt.transpose(1, 2), delta)  # S += k (x) delta
+        out[:, t] = torch.bmm(q[:, t].unsqueeze(1), st).squeeze(1)
+        s = st
     return out, states
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from turbospec.config import ModelConfig
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
@@ -80,9 +81,13 @@ class DenseModel:
 
             self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
 
-    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None, k_type: str | None = None,
+                  v_type: str | None = None) -> KVCache | QuantKVCache:
+        """Dense `KVCache` by default (model dtype, or `kv_dtype`); a packed `QuantKVCache` when a K or V
+        format (`k_type`/`v_type`: f16, q8_0, turbo3, ...) other than the model's own float type is asked."""
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, kv_dtype or self.dtype)
+        return make_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type,
+                             kv_dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor:

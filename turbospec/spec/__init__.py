@@ -1,4 +1,4 @@
-"""Speculative decoding: drafters (MTP, n-gram, draft model, chains), draft trees and verification."""
+"""Speculative decoding: drafters (MTP, Medusa, n-gram, draft model, chains), draft trees and verification."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from turbospec.errors import TurboSpecError
 
-SPEC_TYPES = ("draft-mtp", "ngram", "ngram-simple", "ngram-mod", "draft-model")
+SPEC_TYPES = ("draft-mtp", "medusa", "ngram", "ngram-simple", "ngram-mod", "draft-model")
 
 
 @dataclass
@@ -20,7 +20,11 @@ class SpecConfig:
     ngram_mod_n_match: int = 8
     ngram_mod_n_max: int = 16
     mtp_prompt_window: int = 0
-    draft_kv_dtype: str | None = None
+    draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches
+    draft_k_type: str | None = None  # KV format names for the draft/MTP caches (-ctkd / -ctvd)
+    draft_v_type: str | None = None
+    medusa: str | None = None  # directory (or medusa_heads.safetensors) of Medusa heads; default: the model dir
+    tree: str | None = None  # Medusa tree: JSON list of rank paths or "topk:k1,k2,..."; default: DEFAULT_TREE
 
     @classmethod
     def parse(cls, spec_type: str | None, **kw) -> SpecConfig:
@@ -31,11 +35,17 @@ class SpecConfig:
         cfg = cls(types=types, **kw)
         if cfg.n_max < 1:
             raise TurboSpecError("--spec-draft-n-max must be >= 1")
+        if cfg.tree:
+            from turbospec.spec.medusa import parse_tree
+
+            parse_tree(cfg.tree)  # fail early on a malformed tree
         return cfg
 
 
-def make_drafter(cfg: SpecConfig, target, max_len: int):
-    """Build the drafter (or chain) for a target model; None when speculation is off."""
+def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None = None):
+    """Build the drafter (or chain) for a target model; None when speculation is off.
+
+    model_path: the target's checkpoint directory, where Medusa heads are looked for by default."""
     if not cfg.types:
         return None
     from turbospec.spec.chain import ChainDrafter
@@ -45,6 +55,7 @@ def make_drafter(cfg: SpecConfig, target, max_len: int):
         from turbospec.loader import parse_dtype
 
         kv_dtype = parse_dtype(cfg.draft_kv_dtype)
+    k_type, v_type = _kv_type(cfg.draft_k_type), _kv_type(cfg.draft_v_type)
     drafters = []
     # llama.cpp's priority: n-gram drafters first (cheap, only fire on repeats), model-based drafters last
     order = sorted(cfg.types, key=lambda t: 0 if t.startswith("ngram") else 1)
@@ -64,7 +75,15 @@ def make_drafter(cfg: SpecConfig, target, max_len: int):
 
             if getattr(target, "mtp", None) is None:
                 raise TurboSpecError("--spec-type draft-mtp: this model has no mtp.* weights")
-            drafters.append(MTPDrafter(target.mtp, max_len, cfg.p_min, cfg.mtp_prompt_window, kv_dtype))
+            drafters.append(MTPDrafter(target.mtp, max_len, cfg.p_min, cfg.mtp_prompt_window, kv_dtype,
+                                       k_type, v_type))
+        elif t == "medusa":
+            from turbospec.spec.medusa import make_medusa_drafter
+
+            path = cfg.medusa or model_path
+            if not path:
+                raise TurboSpecError("--spec-type medusa needs --spec-medusa PATH (or heads beside the model)")
+            drafters.append(make_medusa_drafter(target, path, cfg.tree))
         elif t == "draft-model":
             from turbospec.models import load_model
             from turbospec.spec.draft_model import DraftModelDrafter
@@ -75,8 +94,25 @@ def make_drafter(cfg: SpecConfig, target, max_len: int):
             if dm.cfg.vocab_size != target.cfg.vocab_size:
                 raise TurboSpecError(
                     f"draft model vocab {dm.cfg.vocab_size} != target vocab {target.cfg.vocab_size}")
-            drafters.append(DraftModelDrafter(dm, max_len, cfg.p_min, kv_dtype))
+            drafters.append(DraftModelDrafter(dm, max_len, cfg.p_min, kv_dtype, k_type, v_type))
     return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters)
+
+
+_DTYPE_NAMES = {"float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "half": "f16",
+                "bfloat16": "bf16"}
+
+
+def _kv_type(name: str | None) -> str | None:
+    """A KV format name (dtype spellings float16/bfloat16/float32 accepted); TurboSpecError if unknown."""
+    if not name:
+        return None
+    name = _DTYPE_NAMES.get(name.lower(), name)
+    from turbospec.kv.formats import get_format
+
+    try:
+        return get_format(name).name
+    except ValueError as e:
+        raise TurboSpecError(str(e)) from None
 
 
 __all__ = ["SpecConfig", "make_drafter", "SPEC_TYPES"]

@@ -14,9 +14,11 @@ class DraftModelDrafter:
     name = "draft"
     needs_hidden = False
 
-    def __init__(self, model, max_len: int, p_min: float = 0.0, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model, max_len: int, p_min: float = 0.0, kv_dtype: torch.dtype | None = None,
+                 k_type: str | None = None, v_type: str | None = None):
         self.model = model
-        self.cache = model.new_cache(max_len, kv_dtype)
+        self.cache = model.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
+            model.new_cache(max_len, kv_dtype)
         self.p_min = p_min
         self.tokens: list[int] = []  # tokens whose KV is in the draft cache
 

@@ -49,9 +49,13 @@ class MTPModule:
             self.layers.append(layer)
         self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
 
-    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None, k_type: str | None = None,
+                  v_type: str | None = None) -> KVCache:
+        from turbospec.kv.quant_cache import make_kv_cache
+
         c = self.cfg
-        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, max_len, kv_dtype or self.dtype)
+        return make_kv_cache(len(self.layers), c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type,
+                             kv_dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, plan: AttentionPlan, cache: KVCache,
@@ -88,9 +92,10 @@ class MTPDrafter:
     needs_hidden = True
 
     def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, k_type: str | None = None, v_type: str | None = None):
         self.mtp = mtp
-        self.cache = mtp.new_cache(max_len, kv_dtype)
+        self.cache = mtp.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
+            mtp.new_cache(max_len, kv_dtype)
         self.p_min = p_min
         self.prompt_window = prompt_window
         self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
@@ -99,10 +104,14 @@ class MTPDrafter:
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
-        assert hidden is not None and hidden.shape[0] == len(tokens)
+        assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
         self.cache.reset()
         n = len(tokens)
-        start = 0 if self.prompt_window <= 0 else max(0, n - 1 - self.prompt_window)
+        # hidden may cover only the last rows (the engine reused a cached prompt prefix)
+        start = n - hidden.shape[0]
+        if self.prompt_window > 0:
+            start = max(start, n - 1 - self.prompt_window)
+        hidden = torch.cat([hidden.new_zeros(n - hidden.shape[0], hidden.shape[1]), hidden])
         self.cache.length = start  # positions before `start` are skipped (masked out)
         self.cache.base = start
         self.next_pos = start

@@ -44,6 +44,18 @@ class DraftTree:
         """The first n nodes (still a valid tree: parents precede children)."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n], self.source)
 
+    def limit(self, max_depth: int, max_nodes: int) -> DraftTree:
+        """Nodes at depth <= max_depth, then the first max_nodes of them (parents re-indexed)."""
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        if max(depths, default=0) <= max_depth:
+            return self.truncate(max_nodes) if len(self) > max_nodes else self
+        keep = [i for i, d in enumerate(depths) if d <= max_depth][:max(max_nodes, 0)]
+        new = {old: j for j, old in enumerate(keep)}
+        return DraftTree([self.tokens[i] for i in keep], [new.get(self.parents[i], -1) for i in keep],
+                         [self.q[i] for i in keep], self.source)
+
 
 def topk_tree(first: list[int], rest: list[list[int]]) -> DraftTree:
     """A small 'top-k at depth 1' tree: k alternatives for the first token, the best of them continued by `rest`.

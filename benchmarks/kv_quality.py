@@ -1,0 +1,124 @@
+"""KV-cache format quality: perplexity, KLD vs the f16 cache and same-top-1 %, per (K, V) format pair.
+
+llama-perplexity style: the token stream is cut into chunks of `--ctx` tokens; each chunk is prefilled from an
+empty cache in `--ubatch` pieces (so later pieces attend to quantized entries of earlier ones) and the second
+half of every chunk is scored. For every scored position the KL divergence KL(p_f16 || p_pair) of the next-token
+distribution against the f16/f16 cache is recorded; the table reports its mean and 99th percentile, the
+share of positions whose argmax equals the f16 cache's argmax, and PPL.
+
+    python benchmarks/kv_quality.py --model models/turbospec-tiny --text turbospec/data/eval/prose.jsonl \\
+        --ctx 512 4096 --chunks 4 [--pairs f16/f16 q8_0/turbo3 ...] [--out docs/results/kv_quality.json]
+
+`--text` is a plain text file or a .jsonl file with a "text" field per line (joined with blank lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from turbospec.kv.plan import AttentionPlan
+from turbospec.models import load_model
+
+PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
+         "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
+
+
+def read_text(path: str) -> str:
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        return "\n\n".join(json.loads(line)["text"] for line in p.read_text().splitlines() if line.strip())
+    return p.read_text()
+
+
+@torch.inference_mode()
+def chunk_logprobs(model, ids: torch.Tensor, k_type: str, v_type: str, ubatch: int) -> torch.Tensor:
+    """Log-probabilities [ctx//2 - 1, V] of the second half of one chunk (positions predicting the next token)."""
+    n = ids.numel()
+    cache = model.new_cache(n, k_type=k_type, v_type=v_type)
+    hs = []
+    for s in range(0, n, ubatch):
+        chunk = ids[s:s + ubatch]
+        hs.append(model.forward(chunk, AttentionPlan.causal(cache.length, chunk.numel()), cache))
+        cache.commit()
+    h = torch.cat(hs)[n // 2:n - 1]
+    return torch.log_softmax(model.logits(h), dim=-1)
+
+
+def evaluate(model, tokens: list[int], ctx: int, chunks: int, pairs: list[str], ubatch: int) -> list[dict]:
+    n_chunks = min(len(tokens) // ctx, chunks)
+    if n_chunks < 1:
+        raise SystemExit(f"text has {len(tokens)} tokens, fewer than one chunk of {ctx}")
+    stats = {p: {"nll": 0.0, "n": 0, "kld": [], "same": 0, "s": 0.0} for p in pairs}
+    base_pair = "f16/f16"
+    for c in range(n_chunks):
+        ids = torch.tensor(tokens[c * ctx:(c + 1) * ctx], dtype=torch.int64)
+        targets = ids[ctx // 2 + 1:]
+        base = None
+        for p in [base_pair] + [q for q in pairs if q != base_pair]:
+            kt, vt = p.split("/")
+            t = time.perf_counter()
+            lp = chunk_logprobs(model, ids, kt, vt, ubatch)
+            if base is None:
+                base = lp
+            if p not in stats:
+                continue
+            st = stats[p]
+            st["s"] += time.perf_counter() - t
+            st["nll"] += -lp.gather(1, targets[:, None]).sum().item()
+            st["n"] += targets.numel()
+            st["kld"].append((base.exp() * (base - lp)).sum(-1).clamp_min(0))
+            st["same"] += int((base.argmax(-1) == lp.argmax(-1)).sum())
+    rows = []
+    for p in pairs:
+        st = stats[p]
+        kld = torch.cat(st["kld"]).double()
+        rows.append({"pair": p, "ctx": ctx, "chunks": n_chunks, "tokens_scored": st["n"],
+                     "ppl": math.exp(st["nll"] / st["n"]), "kld_mean": kld.mean().item(),
+                     "kld_p99": torch.quantile(kld, 0.99).item(), "same_top1": 100.0 * st["same"] / st["n"],
+                     "seconds": st["s"]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled model)")
+    ap.add_argument("--text", default="turbospec/data/eval/prose.jsonl")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512])
+    ap.add_argument("--chunks", type=int, default=4, help="max chunks per context size")
+    ap.add_argument("--pairs", nargs="+", default=PAIRS)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from turbospec.cli import default_model
+    from turbospec.tokenizer import Tokenizer
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    path = a.model or default_model()
+    model = load_model(path, a.dtype)
+    tokens = Tokenizer(path).encode(read_text(a.text), add_special=False)
+    print(f"model {path}, {a.dtype}; text {a.text}: {len(tokens)} tokens")
+    rows = []
+    for ctx in a.ctx:
+        rows += evaluate(model, tokens, ctx, a.chunks, a.pairs, a.ubatch)
+    print("| K/V | ctx | PPL | mean KLD | p99 KLD | same top-1 % |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['pair']} | {r['ctx']} | {r['ppl']:.4f} | {r['kld_mean']:.6f} | {r['kld_p99']:.6f} "
+              f"| {r['same_top1']:.2f} |")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": str(path), "text": a.text, "dtype": a.dtype, "ubatch": a.ubatch, "tokens": len(tokens)}
+        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

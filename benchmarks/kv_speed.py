@@ -1,0 +1,104 @@
+"""Decode speed at depth per KV-cache format, on the engine-core benchmark shape.
+
+Model: the random-weight Qwen3 benchmark shape from `turbospec.demo` (hidden 512, 8 layers, 8 heads, 2 KV heads,
+head_dim 64, vocab 32000). The cache is filled to the depth with random K/V (encoded once per format and copied
+into every layer) instead of prefilling 32K tokens; then `--steps` single-token decode steps are timed and the
+median step time is reported as t/s. `dense` is the default dense `KVCache` in the model dtype (SDPA);
+every other row is a `QuantKVCache` (block-wise attention, `--block` positions per block).
+
+    python benchmarks/kv_speed.py [--depths 1024 8192 32768] [--types dense f16 q8_0 q4_0 tbq4_0 turbo3 turbo4]
+        [--dtype float32] [--steps 8] [--threads 2] [--out docs/results/kv_speed.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from turbospec.demo import make_demo_model
+from turbospec.kv.cache import KVCache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import QuantKVCache
+from turbospec.models import load_model
+
+
+def fill(cache, depth: int, seed: int = 0) -> None:
+    """Random K (unit-RMS, like k_norm output) and V for positions [0, depth) of every layer."""
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(cache, KVCache):
+        kvh, d = cache.k.shape[1], cache.k.shape[3]
+        k = torch.randn(kvh, depth, d, generator=g)
+        v = torch.randn(kvh, depth, d, generator=g) * 0.05
+        cache.k[:, :, :depth] = k.to(cache.dtype)
+        cache.v[:, :, :depth] = v.to(cache.dtype)
+    else:
+        kvh, d = cache.num_kv_heads, cache.head_dim
+        for s in range(0, depth, 8192):  # encode in pieces to bound the float temporaries
+            e = min(s + 8192, depth)
+            k = torch.randn(kvh, e - s, d, generator=g)
+            v = torch.randn(kvh, e - s, d, generator=g) * 0.05
+            for fmt, buf, x in ((cache.k_fmt, cache.k, k), (cache.v_fmt, cache.v, v)):
+                for name, t in fmt.encode(x).items():
+                    buf[name][:, :, s:e] = t  # same entries in every layer
+    cache.length = depth
+
+
+def bench(model, kind: str, depth: int, steps: int, block: int) -> dict:
+    c = model.cfg
+    n = depth + steps + 2
+    if kind == "dense":
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, n, model.dtype)
+    else:
+        cache = QuantKVCache(c.num_layers, c.num_kv_heads, c.head_dim, n, kind, kind, block=block)
+    fill(cache, depth)
+    tok = torch.tensor([5], dtype=torch.int64)
+    times = []
+    for i in range(steps + 1):
+        t = time.perf_counter()
+        h = model.forward(tok, AttentionPlan.causal(cache.length, 1), cache)
+        model.logits(h)
+        cache.commit()
+        if i:  # first step is a warm-up
+            times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    return {"type": kind, "depth": depth, "tps": 1.0 / med, "step_ms": med * 1e3,
+            "cache_mib": cache.nbytes / 2**20, "steps_ms": [x * 1e3 for x in times]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: build the benchmark shape)")
+    ap.add_argument("--depths", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--types", nargs="+", default=["dense", "f16", "q8_0", "q4_0", "tbq4_0", "turbo3", "turbo4"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.model or make_demo_model(Path(tmp) / "bench")
+        model = load_model(path, a.dtype)
+    rows = []
+    print(f"{'type':>8} {'depth':>6} {'t/s':>8} {'ms/step':>8} {'cache MiB':>10}")
+    for depth in a.depths:
+        for kind in a.types:
+            r = bench(model, kind, depth, a.steps, a.block)
+            rows.append(r)
+            print(f"{kind:>8} {depth:>6} {r['tps']:8.2f} {r['step_ms']:8.1f} {r['cache_mib']:10.1f}", flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        meta = {"dtype": a.dtype, "threads": torch.get_num_threads(), "steps": a.steps, "block": a.block}
+        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

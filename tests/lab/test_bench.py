@@ -1,0 +1,51 @@
+import json
+
+import pytest
+
+from turbospec.cli import main
+from turbospec.demo import make_demo_model
+from turbospec.errors import TurboSpecError
+from turbospec.lab.bench import parse_sweeps
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_demo_model(tmp_path_factory.mktemp("b") / "m", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           vocab_size=300)
+
+
+def test_sweep_is_cartesian():
+    cfgs = parse_sweeps(["spec-type=none,ngram", "ub=8,16,32"])
+    assert len(cfgs) == 6 and {"spec-type": "ngram", "ub": "16"} in cfgs
+    with pytest.raises(TurboSpecError):
+        parse_sweeps(["bogus=1"])
+
+
+def test_bench_writes_all_reports(tiny, tmp_path):
+    out = tmp_path / "rep"
+    rc = main(["bench", "-m", str(tiny), "-p", "12", "-n", "6", "-r", "2", "--warmup", "1", "--depth", "0,24",
+               "--sweep", "spec-type=none,ngram", "--out", str(out), "-q", "-t", "1"])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert len(rep["rows"]) == 4
+    for key in ("cpu", "python", "torch", "turbospec", "model", "model_sha256_16"):
+        assert key in rep["env"]
+    assert rep["settings"]["n_prompt"] == 12 and rep["settings"]["repetitions"] == 2
+    row = rep["rows"][0]
+    for key in ("prefill_tps", "decode_tps", "decode_tps_min", "decode_tps_max", "decode_tps_sd", "ttft_ms",
+                "peak_rss_mib"):
+        assert row[key] >= 0
+    assert any("acc_rate" in r for r in rep["rows"])
+    assert all("decode_loss_vs_d0_pct" in r for r in rep["rows"])
+    assert (out / "report.csv").read_text().count("\n") == 5
+    assert "## Environment" in (out / "report.md").read_text()
+    assert (out / "tps_vs_depth.png").stat().st_size > 1000
+
+
+def test_bench_categories(tiny, tmp_path):
+    rc = main(["bench", "-m", str(tiny), "-n", "4", "-r", "1", "--warmup", "0", "--categories", "code,math",
+               "--out", str(tmp_path / "c"), "-q", "-t", "1"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "c" / "report.json").read_text())["rows"]
+    assert [r["category"] for r in rows] == ["code", "math"]

@@ -1,0 +1,207 @@
+"""A KV cache stored in packed codec formats, with block-wise (flash-decoding style) attention.
+
+`QuantKVCache` has the bookkeeping API of `KVCache` (begin / commit(keep) / reset / truncate / length /
+base / pending / nbytes) but keeps K and V of every layer in packed buffers of two independently chosen
+formats from `turbospec.kv.formats` (f32/f16/bf16, q8_0, q4_0, tbq4_0, turbo2/3/4, turbo*p, ...),
+allocated once for `max_len` positions.
+
+Instead of `write()` returning dense views it offers
+
+    out = cache.attend(layer, q, k_new, v_new, plan, scale)   # q [H, N, D] (after rope), k/v [KVH, N, D]
+
+which encodes the new tokens into scratch and then walks committed + scratch positions in blocks of
+`block` positions: decode one block of K and V, scores, online-softmax accumulate.  Nothing ever holds
+more than one block of decoded K/V, so peak memory is the packed cache plus O(block) floats.
+
+Rotated formats (turbo*): q is rotated once per call and K blocks are read with `decode_rotated`
+(centroid x norm, no inverse transform per token); a rotated V is accumulated in the rotated domain and
+the output is `unrotate`d once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from turbospec.errors import TurboSpecError
+from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format, rotate, unrotate
+from turbospec.kv.plan import AttentionPlan
+
+DEFAULT_BLOCK = 1024
+
+
+class QuantKVCache:
+    """Attention KV for one sequence in packed formats: `length` committed positions, then `pending`
+    scratch positions (the tokens of the current step), exactly like `KVCache`."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 k_type: str = "f16", v_type: str = "f16", block: int = DEFAULT_BLOCK):
+        if block < 1:
+            raise ValueError("block must be >= 1")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_len = max_len
+        self.k_fmt: KVFormat = get_format(k_type)
+        self.v_fmt: KVFormat = get_format(v_type)
+        self.k_type, self.v_type = self.k_fmt.name, self.v_fmt.name
+        self.block = block
+        lead = (num_layers, num_kv_heads, max_len)
+        self.k: Packed = self.k_fmt.allocate(head_dim, lead)
+        self.v: Packed = self.v_fmt.allocate(head_dim, lead)
+        self.length = 0
+        self.pending = 0
+        self.base = 0  # first attended position (drafters may skip a prompt prefix)
+
+    # ---- bookkeeping (same semantics as KVCache) --------------------------------------------------------
+    def begin(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise TurboSpecError(
+                f"context full: {self.length} cached + {n} new tokens > context size {self.max_len} (raise -c)"
+            )
+        self.pending = n
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        if keep is None:
+            self.length += self.pending
+        else:
+            if keep != list(range(len(keep))):
+                src = torch.tensor(keep, dtype=torch.int64) + self.length
+                dst = slice(self.length, self.length + len(keep))
+                for buf in (*self.k.values(), *self.v.values()):
+                    buf[:, :, dst] = buf[:, :, src]
+            self.length += len(keep)
+        self.pending = 0
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pending = 0
+        self.base = 0
+
+    def truncate(self, n: int) -> None:
+        """Drop committed positions >= n. Only drafters' own caches use this (target caches use commit)."""
+        self.length = min(self.length, n)
+        self.pending = 0
+
+    # ---- memory accounting ------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.max_len
+
+    def bytes_per_token_per_layer(self) -> int:
+        d = self.head_dim
+        return self.num_kv_heads * (self.k_fmt.bytes_per_vector(d) + self.v_fmt.bytes_per_vector(d))
+
+    # ---- storage ----------------------------------------------------------------------------------------
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode k, v [kv_heads, N, D] into scratch positions [length, length + N) of `layer`."""
+        n = k.shape[1]
+        if self.length + n > self.max_len:
+            raise TurboSpecError(f"context full: {self.length} + {n} > {self.max_len}")
+        end = self.length + n
+        for fmt, buf, x in ((self.k_fmt, self.k, k), (self.v_fmt, self.v, v)):
+            for name, t in fmt.encode(x).items():
+                buf[name][layer, :, self.length:end] = t
+
+    def _slice(self, buf: Packed, layer: int, s: int, e: int) -> Packed:
+        return Packed({name: t[layer, :, s:e] for name, t in buf.items()}, dim=self.head_dim)
+
+    def read(self, layer: int, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded float32 K and V [kv_heads, e - s, D] of positions [s, e) (tests and fallbacks)."""
+        return (self.k_fmt.decode(self._slice(self.k, layer, s, e), self.head_dim),
+                self.v_fmt.decode(self._slice(self.v, layer, s, e), self.head_dim))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVCache-compatible fallback: store, then return *decoded* K/V over committed + scratch positions
+        (materializes the whole layer; attention code should call `attend` instead)."""
+        self.store(layer, k, v)
+        kd, vd = self.read(layer, 0, self.length + k.shape[1])
+        return kd.to(k.dtype), vd.to(v.dtype)
+
+    # ---- attention --------------------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
+        """Store the step's k/v, then attention of q [H, N, D] over positions [base, length + N) following
+        `plan` (causal, or plan.mask [N, start + N]); returns [H, N, D] in q's dtype."""
+        self.store(layer, k_new, v_new)
+        h, n, d = q.shape
+        kvh = self.num_kv_heads
+        if h % kvh:
+            raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
+        g = h // kvh
+        start = self.length
+        if plan.start != start or plan.n != n:
+            raise ValueError(f"plan (start {plan.start}, n {plan.n}) does not match the cache "
+                             f"({start} committed, {n} new)")
+        total = start + n
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        # rows are (query head within group, token): [KVH, G*N, D]
+        qf = q.to(torch.float32).reshape(kvh, g * n, d)
+        if self.k_fmt.rotated:
+            qf = rotate(qf)
+        qf = qf * scale
+        dv = self.v_fmt.padded_dim(d) if self.v_fmt.rotated else d
+        rows = g * n
+        m = torch.full((kvh, rows, 1), -math.inf)
+        lsum = torch.zeros(kvh, rows, 1)
+        acc = torch.zeros(kvh, rows, dv)
+        mask = plan.mask
+        tok_pos = torch.arange(start, total).repeat(g)  # position of each row's token, [G*N]
+        kslice, vslice = self.k, self.v
+        for s in range(self.base, total, self.block):
+            e = min(s + self.block, total)
+            kp = self._slice(kslice, layer, s, e)
+            if self.k_fmt.rotated:
+                kb = self.k_fmt.decode_rotated(kp)
+            else:
+                kb = self.k_fmt.decode(kp, d)
+            sc = torch.matmul(qf, kb.transpose(-1, -2))  # [KVH, rows, B]
+            if mask is not None:
+                allowed = mask[:, s:e].repeat(g, 1)  # [rows, B]
+                sc.masked_fill_(~allowed, -math.inf)
+            elif e > start + 1:  # block reaches into the scratch area: causal within the step
+                keys = torch.arange(s, e)
+                sc.masked_fill_(keys[None, :] > tok_pos[:, None], -math.inf)
+            vp = self._slice(vslice, layer, s, e)
+            vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
+            bmax = sc.amax(-1, keepdim=True)
+            m_new = torch.maximum(m, bmax)
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(sc.sub_(safe))
+            corr = torch.exp(m - safe)
+            lsum.mul_(corr).add_(p.sum(-1, keepdim=True))
+            acc.mul_(corr).add_(torch.matmul(p, vb))
+            m = m_new
+        out = acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
+        if self.v_fmt.rotated:
+            out = unrotate(out, d)
+        return out.reshape(h, n, d).to(q.dtype)
+
+    def __repr__(self) -> str:
+        return (f"<QuantKVCache K {self.k_type} V {self.v_type}: {self.num_layers} layers x {self.num_kv_heads} "
+                f"heads x {self.max_len} x {self.head_dim}, {self.nbytes / 2**20:.1f} MiB>")
+
+
+def make_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, model_dtype: torch.dtype,
+                  k_type: str | None = None, v_type: str | None = None, kv_dtype: torch.dtype | None = None):
+    """The fast dense `KVCache` when K and V both use the same plain float type as the model computes in
+    (or no type is given); a `QuantKVCache` otherwise."""
+    from turbospec.kv.cache import KVCache
+
+    dense = kv_dtype or model_dtype
+    if not k_type and not v_type:  # only a dense dtype was asked: the existing fast path
+        return KVCache(num_layers, num_kv_heads, head_dim, max_len, dense)
+    kf = get_format(k_type) if k_type else None
+    vf = get_format(v_type) if v_type else None
+    kd = kf.dtype if isinstance(kf, PlainFormat) else (dense if kf is None else None)
+    vd = vf.dtype if isinstance(vf, PlainFormat) else (dense if vf is None else None)
+    if kd is not None and kd == vd == model_dtype:
+        return KVCache(num_layers, num_kv_heads, head_dim, max_len, kd)
+    return QuantKVCache(num_layers, num_kv_heads, head_dim, max_len, k_type or _name_of(dense),
+                        v_type or _name_of(dense))
+
+
+def _name_of(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]

@@ -1,0 +1,111 @@
+"""Client-side measurement of OpenAI-compatible servers (llama-server, vLLM, turbospec serve).
+
+Streams /v1/completions and times every chunk: TTFT, TPOT (time per output token after the first), ITL
+(inter-token latency, every gap), end-to-end latency, output t/s; draft acceptance when the server reports
+llama-server style `timings.draft_n / draft_n_accepted`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from turbospec.errors import TurboSpecError
+from turbospec.lab.report import env_info, summarize
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def stream_once(base: str, prompt: str, max_tokens: int, temp: float, seed: int, api_key: str | None,
+                model: str | None, timeout: float = 600) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temp, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    req = urllib.request.Request(base.rstrip("/") + "/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    timings: dict[str, Any] = {}
+    n_tokens = 0
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if chunk.get("timings"):
+                    timings = chunk["timings"]
+                if chunk.get("usage") and chunk["usage"].get("completion_tokens"):
+                    n_tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices", []):
+                    if c.get("text"):
+                        stamps.append(time.perf_counter())
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
+        return {"ok": False, "error": " ".join(str(e).split())[:200]}
+    end = time.perf_counter()
+    if not stamps:
+        return {"ok": False, "error": "no tokens streamed"}
+    n = max(n_tokens, len(stamps))
+    ttft = stamps[0] - t0
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    tpot = (end - stamps[0]) / (n - 1) if n > 1 else 0.0
+    return {"ok": True, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "itl_ms": [x * 1e3 for x in itl],
+            "e2e_ms": (end - t0) * 1e3, "out_tokens": n, "out_tps": n / (end - t0), "timings": timings}
+
+
+def run_remote(a: argparse.Namespace) -> dict[str, Any]:
+    from turbospec.lab.bench import load_prompts
+
+    prompts = load_prompts(a.categories) if a.categories else None
+    if prompts is None:
+        rng = random.Random(a.seed)
+        words = "the of and to in is that for it as with was on be by this are from or at".split()
+        prompts = {"random": " ".join(rng.choice(words) for _ in range(a.n_prompt))}
+    rows = []
+    for url in a.url:
+        for cat, text in prompts.items():
+            runs = []
+            for rep in range(a.warmup + a.repetitions):
+                r = stream_once(url, text, a.n_gen, a.temp, a.seed + rep, a.api_key, None)
+                if not r["ok"]:
+                    raise TurboSpecError(f"{url}: request failed: {r['error']}")
+                if rep >= a.warmup:
+                    runs.append(r)
+            itl = [x for r in runs for x in r["itl_ms"]]
+            row: dict[str, Any] = {"engine": url, "config": "server", "depth": 0, "category": cat,
+                                   "n_gen": a.n_gen}
+            for key in ("ttft_ms", "tpot_ms", "e2e_ms", "out_tps"):
+                vals = [r[key] for r in runs]
+                s = summarize(vals)
+                row[key], row[f"{key}_p99"], row[f"{key}_sd"] = s["median"], percentile(vals, 0.99), s["sd"]
+            row["itl_median_ms"], row["itl_p99_ms"] = percentile(itl, 0.5), percentile(itl, 0.99)
+            row["decode_tps"] = 1e3 / row["tpot_ms"] if row["tpot_ms"] else 0.0
+            dn = sum(int(r["timings"].get("draft_n", 0) or 0) for r in runs)
+            da = sum(int(r["timings"].get("draft_n_accepted", 0) or 0) for r in runs)
+            if dn:
+                row["acc_rate"] = da / dn
+            rows.append(row)
+            print(f"{url} [{cat}] ttft {row['ttft_ms']:.0f} ms, tpot {row['tpot_ms']:.1f} ms, "
+                  f"out {row['out_tps']:.1f} t/s", file=sys.stderr)
+    settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
+    return {"env": env_info(None), "settings": settings, "rows": rows}

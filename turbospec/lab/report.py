@@ -1,0 +1,151 @@
+"""Reports: the environment every result is tied to, and JSON / CSV / Markdown / PNG writers."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_hash(path: str | Path, limit_bytes: int = 1 << 30) -> str:
+    """sha256 over config.json and the weight files (first 1 GiB of each), for identifying the model used."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted([*p.glob("config.json"), *p.glob("*.safetensors"), *p.glob("*.gguf")]) if p.is_dir() else [p]
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            left = limit_bytes
+            while left > 0 and (chunk := fh.read(min(1 << 22, left))):
+                h.update(chunk)
+                left -= len(chunk)
+    return h.hexdigest()[:16]
+
+
+def env_info(model_path: str | None = None) -> dict[str, Any]:
+    import torch
+
+    from turbospec import __version__
+
+    info: dict[str, Any] = {
+        "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "os": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+        "turbospec": __version__, "git_commit": _git_commit(),
+    }
+    try:
+        import psutil
+
+        info["ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    if model_path:
+        info["model"] = str(model_path)
+        try:
+            info["model_sha256_16"] = model_hash(model_path)
+        except OSError:
+            info["model_sha256_16"] = None
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                           cwd=Path(__file__).resolve().parent)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """median, min, max, mean and sd (as llama-bench reports avg +- sd)."""
+    if not values:
+        return {"median": 0.0, "min": 0.0, "max": 0.0, "mean": 0.0, "sd": 0.0, "n": 0}
+    return {
+        "median": statistics.median(values), "min": min(values), "max": max(values),
+        "mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str))
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        path.write_text("")
+        return
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def markdown_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.2f}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def line_plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str,
+              title: str) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(111)
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(111)
+    ax.bar(range(len(values)), values)
+    ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

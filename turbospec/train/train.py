@@ -1,0 +1,217 @@
+"""Train the bundled model (trunk + MTP head jointly), time-boxed and resumable.
+
+    python -m turbospec.train --run runs/tiny --time-budget-min 80 --export models/turbospec-tiny
+
+Progress (for the LR schedule and the sequence-length curriculum) is the fraction of the wall-clock
+budget already used (or of --max-steps when no budget is given), so the run always finishes its
+schedule and exports, whatever the machine's speed.  Checkpoints go to <run>/ckpt.pt every
+--ckpt-every-min minutes; rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from .corpus import CorpusError, load_corpus
+from .data import BatchSampler, build_streams
+from .export import export_model
+from .model import TrunkWithMTP, build_config, count_params
+from .tokenizer import EOT, load_tokenizer, save_tokenizer, train_tokenizer
+
+# (progress threshold, seq_len, batch) -- curriculum from short to long context
+DEFAULT_CURRICULUM = [(0.0, 256, 4), (0.30, 512, 2), (0.55, 1024, 2), (0.78, 2048, 1), (0.92, 4096, 1)]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m turbospec.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="runs/tiny", help="run directory (checkpoints, tokenizer, caches)")
+    ap.add_argument("--arch", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3"])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=832)
+    ap.add_argument("--linear-heads", type=int, default=4)
+    ap.add_argument("--linear-head-dim", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup-steps", type=int, default=30)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--p-retrieval", type=float, default=0.15)
+    ap.add_argument("--answer-weight", type=float, default=3.0)
+    ap.add_argument("--time-budget-min", type=float, default=75.0, help="wall-clock training budget (0 = use --max-steps)")
+    ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch]')
+    ap.add_argument("--ckpt-every-min", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--docs-dir", default=None, help="Python docs _sources dir (default: python3.11-doc package)")
+    ap.add_argument("--code-dir", default=None, help="code root (default: this interpreter's stdlib)")
+    ap.add_argument("--export", default=None, help="export the final model to this directory")
+    ap.add_argument("--export-only", action="store_true", help="export the checkpoint in --run and exit")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def lr_at(step: int, progress: float, args) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    p = min(max(progress, 0.0), 1.0)
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def phase_at(progress: float, curriculum):
+    cur = curriculum[0]
+    for c in curriculum:
+        if progress >= c[0]:
+            cur = c
+    return int(cur[1]), int(cur[2])
+
+
+def prepare(args):
+    """Corpus, tokenizer (trained once, cached in the run dir) and token streams."""
+    corpus = load_corpus(code_dir=args.code_dir, docs_dir=args.docs_dir)
+    tok_dir = os.path.join(args.run, "tokenizer")
+    if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        tok = load_tokenizer(tok_dir)
+    else:
+        tok = train_tokenizer(corpus.texts(), args.vocab)
+        save_tokenizer(tok, tok_dir)
+        tok = load_tokenizer(tok_dir)
+    streams = build_streams(tok, corpus, os.path.join(args.run, "tokens.npz"))
+    return corpus, tok, tok_dir, streams
+
+
+def make_model(args, tok):
+    cfg = build_config(args.arch, tok.get_vocab_size(), hidden=args.hidden, layers=args.layers, heads=args.heads,
+                       kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                       eos_token_id=tok.token_to_id(EOT), linear_heads=args.linear_heads,
+                       linear_head_dim=args.linear_head_dim)
+    cfg._attn_implementation = "sdpa"
+    return TrunkWithMTP(cfg, args.arch)
+
+
+def save_ckpt(path, model, opt, sampler, meta):
+    tmp = path + ".tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sampler": sampler.state(),
+                "torch_rng": torch.get_rng_state(), "meta": meta}, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.run, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    try:
+        corpus, tok, tok_dir, streams = prepare(args)
+    except CorpusError as e:
+        raise SystemExit(f"error: {e}")
+    curriculum = json.loads(args.curriculum) if args.curriculum else DEFAULT_CURRICULUM
+    model = make_model(args, tok)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    sampler = BatchSampler(tok, corpus, streams, seed=args.seed, p_retrieval=args.p_retrieval,
+                           answer_weight=args.answer_weight)
+    ckpt_path = os.path.join(args.run, "ckpt.pt")
+    meta = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "done": False, "history": [], "args": vars(args)}
+    if os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        sampler.load_state(ck["sampler"])
+        torch.set_rng_state(ck["torch_rng"])
+        meta = ck["meta"]
+        print(f"resumed from {ckpt_path}: step {meta['step']}, {meta['elapsed_s']/60:.1f} min, {meta['tokens']} tokens")
+    n_params = count_params(model)
+    meta["params"] = n_params
+    meta["trunk_params"] = count_params(model.lm)
+    meta["corpus"] = corpus.summary()
+    meta["train_tokens_available"] = {k: int(len(v)) for k, v in streams.items()}
+    print(f"params: {n_params/1e6:.2f}M (trunk {meta['trunk_params']/1e6:.2f}M), "
+          f"train tokens: {meta['train_tokens_available']}")
+
+    budget_s = args.time_budget_min * 60
+    use_time = budget_s > 0
+    # a finished run continues if given a larger budget (--time-budget-min / --max-steps)
+    remaining = meta["elapsed_s"] < budget_s if use_time else meta["step"] < args.max_steps
+    if not args.export_only and remaining:
+
+        def progress():
+            if use_time:
+                return meta["elapsed_s"] / budget_s
+            return meta["step"] / max(1, args.max_steps)
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(budget_s) if use_time else args.max_steps, initial=int(meta["elapsed_s"]) if use_time else meta["step"],
+                   unit="s" if use_time else "step", disable=args.no_progress, dynamic_ncols=True)
+        last_ckpt = time.time()
+        ema = None
+        model.train()
+        while progress() < 1.0:
+            t0 = time.time()
+            seq_len, bsz = phase_at(progress(), curriculum)
+            lr = lr_at(meta["step"], progress(), args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, w = sampler.batch(bsz, seq_len)
+            x = torch.from_numpy(x).long()
+            w = torch.from_numpy(w)
+            loss, lm_loss, mtp_loss = model(x, mtp_weight=args.mtp_weight, weights=w)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.time() - t0
+            meta["step"] += 1
+            meta["elapsed_s"] += dt
+            meta["tokens"] += bsz * seq_len
+            ema = lm_loss.item() if ema is None else 0.95 * ema + 0.05 * lm_loss.item()
+            if meta["step"] % 10 == 0:
+                meta["history"].append({"step": meta["step"], "elapsed_s": round(meta["elapsed_s"], 1),
+                                        "tokens": meta["tokens"], "seq_len": seq_len, "lr": lr,
+                                        "lm_loss": round(lm_loss.item(), 4), "mtp_loss": round(mtp_loss.item(), 4),
+                                        "grad_norm": round(float(gn), 3)})
+            bar.set_postfix(step=meta["step"], seq=seq_len, lm=f"{ema:.3f}", mtp=f"{mtp_loss.item():.3f}",
+                            lr=f"{lr:.2e}", tok=meta["tokens"], refresh=False)
+            bar.update(int(meta["elapsed_s"]) - bar.n if use_time else 1)
+            if args.no_progress and meta["step"] % 20 == 0:
+                print(f"step {meta['step']} t={meta['elapsed_s']:.0f}s seq={seq_len} lm={ema:.3f} "
+                      f"mtp={mtp_loss.item():.3f} lr={lr:.2e} tokens={meta['tokens']}", flush=True)
+            if time.time() - last_ckpt > args.ckpt_every_min * 60:
+                meta["retrieval_docs"] = sampler.retrieval_docs
+                save_ckpt(ckpt_path, model, opt, sampler, meta)
+                last_ckpt = time.time()
+        bar.close()
+        meta["done"] = True
+        meta["retrieval_docs"] = sampler.retrieval_docs
+        save_ckpt(ckpt_path, model, opt, sampler, meta)
+        print(f"training done: {meta['step']} steps, {meta['tokens']} tokens, {meta['elapsed_s']/60:.1f} min")
+
+    with open(os.path.join(args.run, "train_meta.json"), "w") as f:
+        json.dump({k: v for k, v in meta.items()}, f, indent=1, default=str)
+    if args.export:
+        export_model(model, tok_dir, args.export, meta)
+        print(f"exported to {args.export}")
+    return model, meta
+
+
+if __name__ == "__main__":
+    main()
