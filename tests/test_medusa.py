@@ -85,12 +85,22 @@ def random_heads(model, num_heads=3, shared=False, seed=0) -> MedusaHeads:
     return heads
 
 
-PROMPTS = [[(7 * i + j) % 64 for j in range(10)] * 3 for i in range(5)] + [
-    [(i * i + 3 * j) % 64 for j in range(17)] for i in range(5)]
+PROMPTS = [[(7 * i + j) % 64 for j in range(10)] * 3 for i in range(3)] + [
+    [(i * i + 3 * j) % 64 for j in range(17)] for i in range(3)]
+_PLAIN: dict = {}
 
 
 def gen(engine, prompt, params):
     return engine.generate([prompt], params)[0]["tokens"]
+
+
+def plain_greedy(target, prompt, max_tokens):
+    """Non-speculative greedy output (memoised across tests: the target is the same random model)."""
+    key = (tuple(prompt), max_tokens)
+    if key not in _PLAIN:
+        eng = Engine(target, None, ctx=256, ubatch=8)
+        _PLAIN[key] = gen(eng, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return _PLAIN[key]
 
 
 def greedy_continuation(model, tokens, n):
@@ -126,8 +136,7 @@ class OracleMedusa(MedusaDrafter):
 
 
 @pytest.mark.parametrize("tree_spec,shared,n_max", [
-    (None, False, 3), ("topk:3,2,2", False, 3), ("[[0],[1],[0,0],[1,0],[1,1],[0,0,0],[1,1,0]]", True, 3),
-    ("topk:2,2,2", False, 2)])
+    (None, False, 3), ("topk:3,2,2", False, 3), ("[[0],[1],[0,0],[1,0],[1,1],[0,0,0],[1,1,0]]", True, 2)])
 def test_greedy_identical_to_plain(target_dir, tmp_path, tree_spec, shared, n_max):
     target = load_model(target_dir, "float32")
     heads_dir = tmp_path / "heads"
@@ -136,12 +145,11 @@ def test_greedy_identical_to_plain(target_dir, tmp_path, tree_spec, shared, n_ma
     drafter = make_drafter(sc, target, 260)
     assert isinstance(drafter, MedusaDrafter)
     assert (drafter.heads is None) == shared
-    plain = Engine(target, None, ctx=256, ubatch=8)
     eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=n_max)
-    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     drafts = 0
     for prompt in PROMPTS:
-        assert gen(eng, prompt, p) == gen(plain, prompt, p), (tree_spec, prompt)
+        assert gen(eng, prompt, p) == plain_greedy(target, prompt, 20), (tree_spec, prompt)
         st = eng.last_stats.extra["spec"]
         drafts += st.drafts
         assert len(st.per_pos_drafted) <= n_max
@@ -150,20 +158,17 @@ def test_greedy_identical_to_plain(target_dir, tmp_path, tree_spec, shared, n_ma
 
 @pytest.mark.parametrize("tree_spec,ranks,expect", [
     (None, [1, 0, 0], 2),  # path [1] -> [1,0]; [1,0,0] is not in the default tree
-    (None, [0, 1, 0], 2),  # [0] -> [0,1]
-    (None, [0, 0, 0], 3),
     ("topk:2,2,2", [1, 0, 1], 3),
-    (None, [2, 0, 0], 1),
+    (None, [2, 0, 0], 1),  # [2] has no children
 ])
 def test_oracle_candidates_accept_through_tree(target_dir, tree_spec, ranks, expect):
     target = load_model(target_dir, "float32")
     heads = random_heads(target)
     tree = MedusaTree(parse_tree(tree_spec))
     eng = Engine(target, None, ctx=256, ubatch=8, drafter=OracleMedusa(heads, target, tree, ranks), n_max=3)
-    plain = Engine(target, None, ctx=256, ubatch=8)
-    p = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
-    for prompt in PROMPTS[:3] + PROMPTS[-2:]:
-        assert gen(eng, prompt, p) == gen(plain, prompt, p)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for prompt in (PROMPTS[0], PROMPTS[-1]):
+        assert gen(eng, prompt, p) == plain_greedy(target, prompt, 20)
         st = eng.last_stats.extra["spec"]
         assert st.per_pos_accepted[expect - 1] >= st.drafts - 1  # the last step may be cut by max_tokens
         assert sum(st.per_pos_accepted[expect:]) == 0  # no deeper path exists in the tree
@@ -175,9 +180,9 @@ def test_sampling_mode_completes(target_dir, tmp_path):
     drafter = make_drafter(SpecConfig.parse("medusa", n_max=3, tree="topk:2,2,1"), target, 260,
                            model_path=str(tmp_path))
     eng = Engine(target, None, ctx=128, ubatch=8, drafter=drafter, n_max=3)
-    p = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=3, max_tokens=25, ignore_eos=True)
-    for prompt in PROMPTS[:3]:
-        assert len(gen(eng, prompt, p)) == 25
+    p = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=3, max_tokens=20, ignore_eos=True)
+    for prompt in PROMPTS[:2]:
+        assert len(gen(eng, prompt, p)) == 20
     # context limit: the tree is cut to the cache rows left
     eng = Engine(target, None, ctx=40, ubatch=8, drafter=drafter, n_max=3)
     plain = Engine(target, None, ctx=40, ubatch=8)

@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from turbospec.kernels.gemv import load_kernel
 
 SKINNY_MAX_ROWS = int(os.environ.get("TURBOSPEC_SKINNY_MAX_ROWS", "16"))
+# Prefill GEMMs for 16-bit weights: "upcast" multiplies in float32 (weights converted per call), "native" uses
+# torch's bf16/fp16 GEMM. Which is faster depends on the CPU (AVX-512 BF16 vs AVX2); see docs/speed.md.
+PREFILL_MODE = os.environ.get("TURBOSPEC_PREFILL", "upcast")
 
 
 class Linear:
@@ -38,6 +41,9 @@ class Linear:
         rows = x.numel() // self.in_features
         if self.kernel is not None and rows <= SKINNY_MAX_ROWS:
             return self.kernel.skinny_linear(x, self.weight, self.bias)
+        if PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):
+            b = self.bias.float() if self.bias is not None else None
+            return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     @property

@@ -7,7 +7,7 @@ the first `partial_rotary_factor` (default 0.25) of each head and gates its outp
 q_proj.
 
 The `mtp.*` weights (native multi-token prediction head) are loaded into `self.mtp` (an `MTPModule`, or None
-when the checkpoint has none); all raw tensors are also in `self.mtp_weights`. See `MTPModule` for the
+when the checkpoint has none); their names are in `self.mtp_names`. See `turbospec.spec.mtp.MTPModule` for the
 interface.
 """
 
@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from turbospec.config import ModelConfig
 from turbospec.errors import TurboSpecError
-from turbospec.kv.cache import KVCache
 from turbospec.kv.hybrid_cache import TREE_MESSAGE, HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.attention import MLP
@@ -30,6 +29,7 @@ from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
 from turbospec.models.dense import load_attention, load_mlp
+from turbospec.spec.mtp import MTPModule
 
 log = logging.getLogger("turbospec")
 
@@ -191,115 +191,6 @@ class HybridLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
 
-class MTPModule:
-    """Qwen3.5 / Qwen3-Next native multi-token-prediction head (`mtp.*`), sharing embeddings and lm_head.
-
-    Interface (for an MTP drafter):
-      - `new_cache(max_len) -> KVCache` with one attention layer per MTP layer (own positions, own KV).
-      - `forward(token_ids[N], prev_hidden[N, H], plan, cache, step=0) -> hidden[N, H]`:
-        e = norm_e(embed(token_ids)); h = norm_h(prev_hidden); u = fc([e, h]); u = layers[step % L](u);
-        returns mtp.norm(u). Row i pairs token x_{t+1} with the trunk's final-normed hidden h_t (the
-        output of `HybridModel.forward` for x_t), and predicts x_{t+2}: `logits = model.logits(hidden)`.
-        For deeper drafts feed back the drafted token and this returned hidden. Like the trunk, `forward`
-        calls `cache.begin(N)`; the caller commits (`cache.commit()` / `commit(keep)`), and `plan` gives
-        positions and masking (tree plans work here: the MTP layer is plain attention).
-    All norms are zero-centred, as in the trunk (an assumption: transformers ships no MTP module to test
-    against; vLLM's Qwen3-Next MTP uses the same norm class as the trunk).
-    """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        ws: WeightSource,
-        dtype: torch.dtype,
-        embed: torch.Tensor,
-        lm_head: Linear,
-        rope: Rope,
-    ):
-        h = cfg.hidden_size
-        self.cfg, self.embed, self.lm_head, self.rope = cfg, embed, lm_head, rope
-        self.fc = Linear(ws.get("mtp.fc.weight", dtype, (h, 2 * h)))
-        self.norm_e = ws.get("mtp.pre_fc_norm_embedding.weight", dtype, (h,))
-        self.norm_h = ws.get("mtp.pre_fc_norm_hidden.weight", dtype, (h,))
-        self.norm = ws.get("mtp.norm.weight", dtype, (h,))
-        n = 0
-        while ws.has(f"mtp.layers.{n}.input_layernorm.weight"):
-            n += 1
-        self.layers = []
-        for i in range(n):
-            p = f"mtp.layers.{i}"
-            gated = (
-                ws.has(f"{p}.self_attn.q_proj.weight")
-                and ws.get(f"{p}.self_attn.q_proj.weight").shape[0] == 2 * cfg.q_size
-            )
-            attn = load_attention(ws, f"{p}.self_attn", cfg, dtype, gated=gated, zero_centred=True)
-            mlp = (
-                load_moe(ws, f"{p}.mlp", cfg, dtype)
-                if ws.has(f"{p}.mlp.gate.weight")
-                else load_mlp(ws, f"{p}.mlp", cfg, dtype)
-            )
-            self.layers.append(
-                HybridLayer(
-                    "full_attention",
-                    0,
-                    attn,
-                    mlp,
-                    ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
-                    ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)),
-                    cfg.rms_norm_eps,
-                )
-            )
-        if not self.layers:
-            raise TurboSpecError("mtp.* weights present but no mtp.layers.N found")
-        self.eps = cfg.rms_norm_eps
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = self.fc.nbytes + 3 * self.norm.numel() * self.norm.element_size()
-        for layer in self.layers:
-            m = layer.mlp
-            n += layer.mixer.qkv.nbytes + layer.mixer.o.nbytes
-            n += m.nbytes if isinstance(m, MoE) else m.gate_up.nbytes + m.down.nbytes
-        return n
-
-    def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
-        c = self.cfg
-        return KVCache(self.num_layers, c.num_kv_heads, c.head_dim, max_len, kv_dtype or self.embed.dtype)
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        prev_hidden: torch.Tensor,
-        plan: AttentionPlan,
-        cache: KVCache,
-        step: int = 0,
-    ) -> torch.Tensor:
-        cache.begin(token_ids.numel())
-        e = rms_norm(F.embedding(token_ids, self.embed), self.norm_e, self.eps, True)
-        hprev = rms_norm(prev_hidden.to(self.embed.dtype), self.norm_h, self.eps, True)
-        u = self.fc(torch.cat([e, hprev], dim=-1))
-        i = step % self.num_layers
-        layer = self.layers[i]
-        rope = self.rope.tables(plan.positions)
-        hx = rms_norm(u, layer.in_norm, self.eps, True)
-        u = u + layer.mixer(hx, rope, plan, cache, i)
-        u = u + layer.mlp(rms_norm(u, layer.post_norm, self.eps, True))
-        return rms_norm(u, self.norm, self.eps, True)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-
 class HybridModel:
     """forward(tokens, plan, cache) -> final-normed hidden states; logits(hidden) -> float32 logits.
 
@@ -355,12 +246,10 @@ class HybridModel:
         else:
             raise TurboSpecError(f"missing tensor 'lm_head.weight' in {ws.dir}")
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
-        self.mtp_weights: dict[str, torch.Tensor] = {
-            n: ws.get(n, dtype) for n in ws.names() if n.startswith("mtp.")
-        }
+        self.mtp_names = [n for n in ws.names() if n.startswith("mtp.")]
         self.mtp: MTPModule | None = None
-        if self.mtp_weights:
-            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, self.rope)
+        if self.mtp_names:
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
         gdn = next((layer.mixer for layer in self.layers if layer.kind == "linear_attention"), None)
         d = cfg.linear_dims()
         self._conv_shape = gdn.conv_state_shape if gdn else (d["conv_kernel"] - 1, 1)

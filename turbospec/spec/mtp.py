@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospec.config import HYBRID_ARCHS, ModelConfig
+from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import Linear
@@ -35,7 +36,11 @@ class MTPModule:
         self.norm_e = ws.get(f"{prefix}.pre_fc_norm_embedding.weight", dtype, (h,))
         self.norm_h = ws.get(f"{prefix}.pre_fc_norm_hidden.weight", dtype, (h,))
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
-        n = int(cfg.raw.get("mtp_num_hidden_layers") or cfg.raw.get("num_nextn_predict_layers") or 1)
+        n = 0
+        while ws.has(f"{prefix}.layers.{n}.input_layernorm.weight"):
+            n += 1
+        if n == 0:
+            raise TurboSpecError(f"{prefix}.* weights present but no {prefix}.layers.N found")
         self.layers = []
         for i in range(n):
             p = f"{prefix}.layers.{i}"
@@ -71,6 +76,13 @@ class MTPModule:
         x = u + layer.attn(rms_norm(u, layer.in_norm, eps, self.zc), rope, plan, cache, li)
         x = x + layer.mlp(rms_norm(x, layer.post_norm, eps, self.zc))
         return rms_norm(x, self.norm, eps, self.zc)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
     @property
     def nbytes(self) -> int:
