@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def evaluate(model, tokens: list[int], ctx: int, chunks: int, pairs: list[str], 
                 continue
             st = stats[p]
             st["s"] += time.perf_counter() - t
+            print(f"  ctx {ctx} chunk {c}: {p} {st['s']:.1f} s", file=sys.stderr, flush=True)
             st["nll"] += -lp.gather(1, targets[:, None]).sum().item()
             st["n"] += targets.numel()
             st["kld"].append((base.exp() * (base - lp)).sum(-1).clamp_min(0))
@@ -104,7 +106,8 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     path = a.model or default_model()
     model = load_model(path, a.dtype)
-    tokens = Tokenizer(path).encode(read_text(a.text), add_special=False)
+    text = read_text(a.text)[:max(a.ctx) * a.chunks * 8]  # tokenizing only what the chunks can use
+    tokens = Tokenizer(path).encode(text, add_special=False)
     print(f"model {path}, {a.dtype}; text {a.text}: {len(tokens)} tokens")
     rows = []
     for ctx in a.ctx:

@@ -181,3 +181,15 @@ def test_chi2_detects_a_wrong_sampler():
     for _ in range(N):
         first[int(torch.multinomial(q, 1, generator=g))] += 1  # 'accept everything' emits the draft as is
     assert _chi2_p(first, p) < 1e-6
+
+
+def test_mtp_reduced_draft_vocab_is_lossless(paths):
+    target = load_model(paths["target"], "float32")
+    plain = Engine(target, None, ctx=256, ubatch=8)
+    sc = SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=32)
+    drafter = make_drafter(sc, target, 260)
+    assert drafter.head.weight.shape[0] == 32
+    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for prompt in PROMPTS[:6]:
+        assert run(eng, prompt, p) == run(plain, prompt, p)

@@ -54,6 +54,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "topk:k1,k2,... (default [[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]); depth capped by n-max")
     p.add_argument("--spec-mtp-prompt-window", type=int, default=0,
                    help="feed only the last N prompt positions to the MTP (0 = all)")
+    p.add_argument("--spec-draft-vocab", type=int, default=0,
+                   help="MTP drafts over the N most frequent (lowest-id) tokens only (0 = full vocab)")
     p.add_argument("-ctkd", "--cache-type-k-draft", default=None,
                    help="draft/MTP K cache format (f16, bf16, f32, q8_0, q4_0, tbq4_0, turbo2/3/4; "
                         "default: the model dtype)")
@@ -67,6 +69,7 @@ def spec_config(a: argparse.Namespace):
         a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
         ngram_mod_n_max=a.spec_ngram_mod_n_max, mtp_prompt_window=a.spec_mtp_prompt_window,
+        draft_vocab=getattr(a, "spec_draft_vocab", 0),
         draft_k_type=a.cache_type_k_draft, draft_v_type=getattr(a, "cache_type_v_draft", None),
         medusa=getattr(a, "spec_medusa", None), tree=getattr(a, "spec_tree", None),
     )
@@ -189,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
-    for name in ("tco", "bench"):
+    for name in ("tco", "bench", "fit"):
         _add_optional_tool(sub, name)
     _add_optional_tool(sub, "train-heads", "turbospec.spec.train_heads")
     return ap

@@ -20,6 +20,7 @@ class SpecConfig:
     ngram_mod_n_match: int = 8
     ngram_mod_n_max: int = 16
     mtp_prompt_window: int = 0
+    draft_vocab: int = 0  # MTP drafts over the first N token ids only (0 = full vocabulary)
     draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches
     draft_k_type: str | None = None  # KV format names for the draft/MTP caches (-ctkd / -ctvd)
     draft_v_type: str | None = None
@@ -76,7 +77,7 @@ def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None =
             if getattr(target, "mtp", None) is None:
                 raise TurboSpecError("--spec-type draft-mtp: this model has no mtp.* weights")
             drafters.append(MTPDrafter(target.mtp, max_len, cfg.p_min, cfg.mtp_prompt_window, kv_dtype,
-                                       k_type, v_type))
+                                       k_type, v_type, draft_vocab=cfg.draft_vocab))
         elif t == "medusa":
             from turbospec.spec.medusa import make_medusa_drafter
 
@@ -115,4 +116,4 @@ def _kv_type(name: str | None) -> str | None:
         raise TurboSpecError(str(e)) from None
 
 
-__all__ = ["SpecConfig", "make_drafter", "SPEC_TYPES"]
+__all__ = ["SPEC_TYPES", "SpecConfig", "make_drafter"]

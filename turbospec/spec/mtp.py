@@ -104,8 +104,13 @@ class MTPDrafter:
     needs_hidden = True
 
     def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
-                 kv_dtype: torch.dtype | None = None, k_type: str | None = None, v_type: str | None = None):
+                 kv_dtype: torch.dtype | None = None, k_type: str | None = None, v_type: str | None = None,
+                 draft_vocab: int = 0):
         self.mtp = mtp
+        # Reduced-vocabulary drafting (as FR-Spec): score only the first `draft_vocab` token ids. Byte-level BPE
+        # assigns ids in merge order, so low ids are the frequent tokens; verification stays exact.
+        w = mtp.lm_head.weight
+        self.head = Linear(w[:draft_vocab]) if 0 < draft_vocab < w.shape[0] else mtp.lm_head
         self.cache = mtp.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
             mtp.new_cache(max_len, kv_dtype)
         self.p_min = p_min
@@ -155,7 +160,7 @@ class MTPDrafter:
         committed = self.cache.length
         drafted: list[int] = []
         for i in range(n_max):
-            logits = self.mtp.lm_head(h).float()[0]
+            logits = self.head(h).float()[0]
             tok = int(logits.argmax())
             if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
                 break

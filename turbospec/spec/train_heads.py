@@ -137,7 +137,7 @@ def train_heads(model_path: str, texts: list[str], out: str | None = None, *, st
         raise TurboSpecError("train-heads: this model has no lm_head")
     out_dir = Path(out or model_path)
     tok = Tokenizer(model_path)
-    eos = sorted(tok.eos_ids)[0] if tok.eos_ids else None
+    eos = min(tok.eos_ids) if tok.eos_ids else None
     stream = token_stream(tok, read_texts(texts), eos)
     if stream.numel() < seq_len + 1:
         raise TurboSpecError(f"train-heads: the corpus has {stream.numel()} tokens, fewer than --seq-len {seq_len}")
