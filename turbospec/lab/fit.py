@@ -87,6 +87,8 @@ class Arch:
     file_bytes: int = 0  # checkpoint bytes on disk (CPU load transient)
     largest_tensor_params: int = 0
     src_dtype_bytes: float = 2.0
+    src_dtypes: list[str] = field(default_factory=list)  # safetensors dtype names of the checkpoint
+    fused_params: int = 0  # projections turbospec concatenates (q/k/v, gate/up, GDN in_proj_*): copied on load
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -156,6 +158,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
+_FUSED = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|in_proj_\w+)\.weight$")
+_ST_NAMES = {"float32": "F32", "f32": "F32", "fp32": "F32", "bfloat16": "BF16", "bf16": "BF16", "float16": "F16",
+             "f16": "F16", "fp16": "F16"}
+
+
+def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
+    """True when turbospec's CPU loader keeps the checkpoint mmapped: every tensor is already in --dtype, so
+    safetensors hands out tensors backed by the file (no conversion copy); only fused projections are copied."""
+    return (setup.backend == "cpu" and setup.weights_bpw is None and bool(arch.src_dtypes)
+            and arch.src_dtypes == [_ST_NAMES.get(setup.dtype.lower(), "?")])
+
+
 def _read_st_header(path: Path) -> dict:
     with open(path, "rb") as f:
         head = f.read(8)
@@ -180,8 +194,9 @@ def arch_from_dir(path: Path) -> Arch:
     if not files:
         arch.notes.append("no safetensors found: weights computed from the config")
         return arch
-    trunk = mtp = 0
+    trunk = mtp = fused = 0
     biggest, params_total, bytes_total = 0, 0, 0
+    dtypes: set[str] = set()
     for f in files:
         arch.file_bytes += f.stat().st_size
         for name, t in _read_st_header(f).items():
@@ -191,6 +206,9 @@ def arch_from_dir(path: Path) -> Arch:
                 continue
             params_total += numel
             bytes_total += nbytes
+            dtypes.add(t["dtype"])
+            if _FUSED.search(name) and not name.startswith("mtp."):
+                fused += numel
             biggest = max(biggest, numel)
             if name.startswith("mtp.") or ".mtp." in name:
                 mtp += numel
@@ -198,6 +216,8 @@ def arch_from_dir(path: Path) -> Arch:
                 trunk += numel
     arch.trunk_params_counted, arch.mtp_params_counted = trunk, mtp  # type: ignore[attr-defined]
     arch.largest_tensor_params = biggest
+    arch.src_dtypes = sorted(dtypes)
+    arch.fused_params = fused
     arch.src_dtype_bytes = bytes_total / max(params_total, 1)
     arch.mtp_layers = arch.mtp_layers if mtp else 0
     return arch
@@ -345,7 +365,12 @@ def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     counted_mtp = getattr(arch, "mtp_params_counted", None)
     trunk_p = counted_trunk if counted_trunk is not None else arch.trunk_params()
     mtp_p = counted_mtp if counted_mtp is not None else arch.mtp_params()
-    if bpw is not None:
+    if bpw is not None and cpu_mmap_weights(arch, setup):
+        # the whole file becomes resident as the model runs (an untied embedding table only for the rows
+        # seen: counted in full, an upper bound) + anonymous copies of the fused projections
+        trunk = int((trunk_p + arch.fused_params) * bpw / 8)
+        mtp_b = int(mtp_p * bpw / 8)
+    elif bpw is not None:
         trunk = int(trunk_p * bpw / 8)
         mtp_b = int(mtp_p * bpw / 8)
     elif arch.trunk_bytes is not None:
@@ -454,9 +479,12 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         b.draft_kv += recurrent_bytes(draft, setup, chain)[0]
     cpu = setup.backend == "cpu"
     if cpu and setup.weights_bpw is None and _dtype_bytes(setup.dtype) == 2:
-        # Linear's prefill path ("upcast") converts the weight of the largest projection to float32 per call
-        biggest = max(arch.vocab * arch.hidden if rows > 16 else 0, arch.hidden * 2 * arch.intermediate)
-        b.upcast_scratch = biggest * 4
+        # Linear's prefill path ("upcast") converts the weight of a layer projection to float32 per call (the
+        # lm_head only ever sees <= 1 + n_max rows, which take the skinny kernel instead)
+        q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
+        biggest = max(arch.hidden * 2 * arch.intermediate, arch.hidden * (q + 2 * arch.n_kv_heads * arch.head_dim),
+                      arch.hidden * (arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim))
+        b.upcast_scratch = biggest * 4 if rows > 16 else 0
     if mode == "mtp":
         if cpu:
             # turbospec's MTP drafter takes the trunk's hidden row of every prompt position (prompt <= ctx)
@@ -474,7 +502,7 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         b.rope_tables = 2 * n * rot * _dtype_bytes(setup.dtype)
     b.runtime = setup.runtime_overhead if setup.runtime_overhead is not None else (
         CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
-    if cpu and arch.file_bytes:
+    if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
         # loading: the mmapped safetensors pages stay resident until the file is closed, next to the weights
         # converted so far; the largest tensor is converted last at worst (its source copy is transient)
         transient = arch.largest_tensor_params * int(round(arch.src_dtype_bytes))
