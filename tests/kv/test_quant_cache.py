@@ -267,3 +267,33 @@ def test_speculative_greedy_equals_plain_with_quantized_cache(peaked, kt, vt):
         assert a == b, (kt, vt, prompt)
         accepted += spec.last_stats.extra["spec"].accepted
     assert accepted > 0
+
+
+def test_draft_caches_with_their_own_types(tmp_path):
+    """-ctkd/-ctvd: the draft-model and MTP drafters get packed caches; greedy output is unchanged."""
+    from tests.test_spec import add_mtp
+    from turbospec.spec import SpecConfig, make_drafter
+    from turbospec.spec.draft_model import DraftModelDrafter
+    from turbospec.spec.mtp import MTPDrafter
+
+    shape = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 64}
+    cfg = qwen3_config(**shape, mtp_num_hidden_layers=1)
+    w = random_qwen3_weights(cfg, seed=11, dtype=torch.float32)
+    for k in w:
+        if k.endswith(("proj.weight", "embed_tokens.weight")):
+            w[k] = w[k] * 12
+    add_mtp(w, cfg)
+    target = load_model(write_checkpoint(tmp_path / "t", cfg, w), "float32")
+    plain = Engine(target, None, ctx=96, ubatch=8)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    drafters = [MTPDrafter(target.mtp, 100, prompt_window=8, k_type="q8_0", v_type="turbo3"),
+                DraftModelDrafter(target, 100, k_type="q4_0", v_type="f16")]
+    sc = SpecConfig(types=("draft-mtp",), draft_k_type="float16", draft_v_type="q8_0")
+    drafters.append(make_drafter(sc, target, 100))
+    for d in drafters:
+        assert isinstance(d.cache, QuantKVCache)
+        eng = Engine(target, None, ctx=96, ubatch=8, drafter=d, n_max=3)
+        for prompt in PROMPTS[:2] + PROMPTS[-1:]:
+            assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+    assert (drafters[2].cache.k_type, drafters[2].cache.v_type) == ("f16", "q8_0")

@@ -89,6 +89,7 @@ class Arch:
     src_dtype_bytes: float = 2.0
     src_dtypes: list[str] = field(default_factory=list)  # safetensors dtype names of the checkpoint
     fused_params: int = 0  # projections turbospec concatenates (q/k/v, gate/up, GDN in_proj_*): copied on load
+    fused_layer_max: int = 0  # the most fused-projection parameters of one layer
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -197,6 +198,7 @@ def arch_from_dir(path: Path) -> Arch:
     trunk = mtp = fused = 0
     biggest, params_total, bytes_total = 0, 0, 0
     dtypes: set[str] = set()
+    per_layer: dict[str, int] = {}
     for f in files:
         arch.file_bytes += f.stat().st_size
         for name, t in _read_st_header(f).items():
@@ -209,6 +211,8 @@ def arch_from_dir(path: Path) -> Arch:
             dtypes.add(t["dtype"])
             if _FUSED.search(name) and not name.startswith("mtp."):
                 fused += numel
+                lm = re.search(r"layers\.(\d+)\.", name)
+                per_layer[lm.group(1) if lm else name] = per_layer.get(lm.group(1) if lm else name, 0) + numel
             biggest = max(biggest, numel)
             if name.startswith("mtp.") or ".mtp." in name:
                 mtp += numel
@@ -218,6 +222,7 @@ def arch_from_dir(path: Path) -> Arch:
     arch.largest_tensor_params = biggest
     arch.src_dtypes = sorted(dtypes)
     arch.fused_params = fused
+    arch.fused_layer_max = max(per_layer.values(), default=0)
     arch.src_dtype_bytes = bytes_total / max(params_total, 1)
     arch.mtp_layers = arch.mtp_layers if mtp else 0
     return arch
@@ -503,9 +508,11 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     b.runtime = setup.runtime_overhead if setup.runtime_overhead is not None else (
         CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
     if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
-        # loading: the mmapped safetensors pages stay resident until the file is closed, next to the weights
-        # converted so far; the largest tensor is converted last at worst (its source copy is transient)
-        transient = arch.largest_tensor_params * int(round(arch.src_dtype_bytes))
+        # loading with conversion: safetensors hands out tensors backed by the mmapped file, `.to(dtype)` makes
+        # the converted copy; every page read stays resident until the file is closed after loading, so the
+        # peak holds the whole file next to all converted weights. Transient on top: one layer's converted
+        # q/k/v (gate/up) pieces while they are concatenated into the fused matrix.
+        transient = arch.fused_layer_max * _dtype_bytes(setup.dtype)
         base = setup.import_overhead if setup.import_overhead is not None else CPU_IMPORT_OVERHEAD
         b.load_peak = base + b.weights + b.mtp_weights + arch.file_bytes + transient
         if draft is not None and mode == "draft":
@@ -635,7 +642,11 @@ def measure_peak_rss(model: str | Path, ctx: int, ubatch: int = 512, prompt_file
                "-n", str(n_predict), "--temp", "0", "--no-echo", "--json-stats", str(out)]
         if prompt_file:
             cmd += ["-f", str(prompt_file)]
-        r = subprocess.run(cmd + list(extra or []), capture_output=True, text=True)
+        # Through a shell that forks (no exec of the last command): a child exec'd straight from this process
+        # inherits this process's RSS high-water mark in ru_maxrss (Linux keeps the pre-exec mm's peak in the
+        # signal struct), so `turbospec run` spawned from a process holding 400 MiB would report >= 400 MiB.
+        r = subprocess.run(["sh", "-c", '"$@"; exit $?', "sh"] + cmd + list(extra or []), capture_output=True,
+                           text=True)
         if r.returncode != 0:
             raise TurboSpecError(f"turbospec run failed: {r.stderr.strip()[-500:]}")
         return int(json.loads(out.read_text())["peak_rss_bytes"])

@@ -1,0 +1,164 @@
+"""Tests for turbospec.lab.fit: byte counts against turbospec's own objects, the 27B preset (cross-checked against
+the recurrent-state size llama.cpp logs), GGUF/safetensors readers, the command line, and the verification:
+predicted peak within 10% of the measured peak RSS of `turbospec run` subprocesses on small models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from turbospec.cli import build_parser
+from turbospec.demo import make_demo_model
+from turbospec.errors import TurboSpecError
+from turbospec.lab.fit import (
+    DEFAULT_KV_TYPES,
+    Setup,
+    arch_from_gguf,
+    estimate,
+    fit_table,
+    kv_bytes_per_token,
+    load_arch,
+    max_context,
+    measure_peak_rss,
+    measure_runtime_overhead,
+    parse_mem,
+)
+
+MiB, GiB = 2**20, 2**30
+SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=8000)
+MEDIUM = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=64, vocab_size=24000, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit")
+    return {"small": make_demo_model(root / "small", **SMALL), "medium": make_demo_model(root / "medium", **MEDIUM)}
+
+
+def test_parse_mem():
+    assert parse_mem("24GiB") == 24 * GiB
+    assert parse_mem("24 GB") == 24 * 10**9
+    assert parse_mem("512MiB") == 512 * MiB
+    assert parse_mem("1.5KiB") == 1536
+    assert parse_mem("1000") == 1000
+    with pytest.raises(TurboSpecError):
+        parse_mem("lots")
+
+
+def test_kv_bytes_match_the_caches():
+    from turbospec.kv.cache import KVCache
+    from turbospec.kv.quant_cache import QuantKVCache
+
+    import torch
+
+    assert kv_bytes_per_token(3, 2, 64, "f32", "f32") * 32 == KVCache(3, 2, 64, 32, torch.float32).nbytes
+    for k, v in (("q8_0", "q8_0"), ("tbq4_0", "turbo3"), ("turbo2", "q4_0"), ("f16", "turbo4")):
+        assert kv_bytes_per_token(3, 2, 128, k, v) * 16 == QuantKVCache(3, 2, 128, 16, k, v).nbytes
+    with pytest.raises(TurboSpecError):
+        kv_bytes_per_token(1, 1, 64, "nope", "f16")
+
+
+def test_weights_from_headers_match_the_loaded_model(models):
+    from turbospec.models import load_model
+
+    arch = load_arch(models["medium"])
+    b = estimate(arch, Setup(), 256, "f32", "f32")
+    norms = 4 * (2 * 384 + 2 * 64) + 384  # RMSNorm vectors: counted here, not in DenseModel.weight_bytes
+    assert b.weights == load_model(models["medium"], "float32").weight_bytes + 4 * norms
+    assert arch.trunk_params() == arch.trunk_params_counted  # config arithmetic agrees with the file
+
+
+def test_qwen36_27b_preset_and_the_seed_example():
+    arch = load_arch(preset="qwen3.6-27b")
+    assert (arch.n_attn, arch.n_gdn, arch.n_kv_heads, arch.head_dim) == (16, 48, 4, 256)
+    assert 26.5e9 < arch.trunk_params() < 27.5e9
+    cuda = Setup(backend="cuda")
+    b = estimate(arch, cuda, 262144, "tbq4_0", "tbq4_0")
+    # llama.cpp logs S (f32) 144 MiB + R 5.62 MiB per sequence for a 64-layer Qwen3.6
+    assert b.recurrent_state == 144 * MiB + int(5.625 * MiB)
+    assert b.attention_kv == 262144 * 16 * 4 * 2 * 136  # 256 dims of tbq4_0 = 136 bytes
+    assert b.total < 24 * GiB
+    m = estimate(arch, cuda, 262144, "tbq4_0", "tbq4_0", "mtp")
+    assert b.total < m.total < 24 * GiB and m.mtp_weights > 0 and m.mtp_kv > 0 and m.mtp_compute > 0
+    assert estimate(arch, cuda, 262144, "f16", "f16").total > 24 * GiB
+    n_base, _ = max_context(arch, cuda, 24 * GiB, "tbq4_0", "tbq4_0")
+    n_mtp, bm = max_context(arch, cuda, 24 * GiB, "tbq4_0", "tbq4_0", "mtp")
+    assert 262144 <= n_mtp < n_base and bm.total <= 24 * GiB
+
+
+def test_max_context_is_the_boundary(models):
+    arch = load_arch(models["small"])
+    s = Setup()
+    mem = 400 * MiB
+    for kt in ("f32", "q8_0", "turbo3"):
+        n, b = max_context(arch, s, mem, kt, kt)
+        assert b.total <= mem < estimate(arch, s, n + 256, kt, kt).total
+    assert max_context(arch, s, 100 * MiB, "f16", "f16") == (0, None)
+    rows = fit_table(arch, s, mem, list(DEFAULT_KV_TYPES), [], ["base"])
+    ctx = [r["max_ctx"] for r in rows]
+    assert ctx[DEFAULT_KV_TYPES.index("turbo2")] > ctx[DEFAULT_KV_TYPES.index("q8_0")] > ctx[0]
+
+
+def test_gguf_reader(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_context_length(4096)
+    w.add_token_list([f"t{i}" for i in range(100)])
+    w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float16))
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((64, 64), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    arch = arch_from_gguf(path)
+    assert (arch.n_layers, arch.hidden, arch.n_kv_heads, arch.head_dim, arch.vocab) == (2, 64, 2, 16, 100)
+    assert arch.trunk_bytes == (100 * 64 + 2 * 64 * 64) * 2
+    b = estimate(arch, Setup(backend="cuda"), 1024, "q8_0", "q8_0")
+    assert b.weights == arch.trunk_bytes
+    assert b.attention_kv == 1024 * kv_bytes_per_token(2, 2, 16, "q8_0", "q8_0")
+
+
+def test_cli_json_and_table(models, capsys):
+    ap = build_parser()
+    a = ap.parse_args(["fit", "-m", str(models["small"]), "--mem", "600MiB", "-ctk", "f16,turbo3", "-c", "8192",
+                       "--json"])
+    assert a.func(a) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["kv_type"] for r in d["rows"]] == ["f16", "turbo3"]
+    assert all(r["at_ctx"]["fits"] for r in d["rows"])
+    a = ap.parse_args(["fit", "--preset", "qwen3.6-27b", "--mem", "24GiB", "--backend", "cuda", "-ctk", "tbq4_0",
+                       "-c", "262144"])
+    assert a.func(a) == 0
+    out = capsys.readouterr().out
+    assert "tbq4_0" in out and "mtp" in out and "fits" in out
+    a = ap.parse_args(["fit", "-m", str(models["small"]), "--mem", "1GiB", "--mtp"])
+    with pytest.raises(TurboSpecError):
+        a.func(a)
+
+
+def test_predicted_peak_within_10_percent_of_measured(models, tmp_path):
+    """The verification: `turbospec run` subprocesses (600-token prompt, so a full ubatch is computed) on small
+    models; the CPU baseline is measured here too, on a minimal model, not assumed."""
+    imported, runtime = measure_runtime_overhead()
+    setup_kw = dict(runtime_overhead=runtime, import_overhead=imported)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(("The quick brown fox jumps over the lazy dog. " * 14)[:600])
+    cases = [("small", 2048, 512, "f32"), ("small", 16384, 256, "q8_0"), ("medium", 8192, 512, "f32")]
+    for name, ctx, ub, kt in cases:
+        extra = [] if kt == "f32" else ["-ctk", kt, "-ctv", kt]
+        measured = measure_peak_rss(models[name], ctx, ub, prompt, extra)
+        pred = estimate(load_arch(models[name]), Setup(ubatch=ub, **setup_kw), ctx, kt, kt).total
+        assert abs(pred - measured) / measured < 0.10, (name, ctx, kt, pred / MiB, measured / MiB)
