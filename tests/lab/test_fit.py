@@ -26,10 +26,10 @@ from turbospec.lab.fit import (
 )
 
 MiB, GiB = 2**20, 2**30
-SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=8000)
-MEDIUM = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=64, vocab_size=24000, tie_word_embeddings=False)
+SMALL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8000}
+MEDIUM = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 6,
+          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 24000, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,10 @@ def test_parse_mem():
 
 
 def test_kv_bytes_match_the_caches():
+    import torch
+
     from turbospec.kv.cache import KVCache
     from turbospec.kv.quant_cache import QuantKVCache
-
-    import torch
 
     assert kv_bytes_per_token(3, 2, 64, "f32", "f32") * 32 == KVCache(3, 2, 64, 32, torch.float32).nbytes
     for k, v in (("q8_0", "q8_0"), ("tbq4_0", "turbo3"), ("turbo2", "q4_0"), ("f16", "turbo4")):
@@ -153,7 +153,7 @@ def test_predicted_peak_within_10_percent_of_measured(models, tmp_path):
     """The verification: `turbospec run` subprocesses (600-token prompt, so a full ubatch is computed) on small
     models; the CPU baseline is measured here too, on a minimal model, not assumed."""
     imported, runtime = measure_runtime_overhead()
-    setup_kw = dict(runtime_overhead=runtime, import_overhead=imported)
+    setup_kw = {"runtime_overhead": runtime, "import_overhead": imported}
     prompt = tmp_path / "p.txt"
     prompt.write_text(("The quick brown fox jumps over the lazy dog. " * 14)[:600])
     cases = [("small", 2048, 512, "f32"), ("small", 16384, 256, "q8_0"), ("medium", 8192, 512, "f32")]
