@@ -90,6 +90,9 @@ class Arch:
     src_dtypes: list[str] = field(default_factory=list)  # safetensors dtype names of the checkpoint
     fused_params: int = 0  # projections turbospec concatenates (q/k/v, gate/up, GDN in_proj_*): copied on load
     fused_layer_max: int = 0  # the most fused-projection parameters of one layer
+    trunk_params_counted: int | None = None  # from a tensor table (None: computed from the config)
+    mtp_params_counted: int | None = None
+    preset_bpw: float | None = None  # a preset's assumed bits per weight
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -218,7 +221,7 @@ def arch_from_dir(path: Path) -> Arch:
                 mtp += numel
             else:
                 trunk += numel
-    arch.trunk_params_counted, arch.mtp_params_counted = trunk, mtp  # type: ignore[attr-defined]
+    arch.trunk_params_counted, arch.mtp_params_counted = trunk, mtp
     arch.largest_tensor_params = biggest
     arch.src_dtypes = sorted(dtypes)
     arch.fused_params = fused
@@ -306,7 +309,7 @@ def load_arch(model: str | None = None, config: str | None = None, preset: str |
         bpw, note = d.pop("_bpw", None), d.pop("_unverified", None)
         arch = arch_from_config(d, key)
         if bpw:
-            arch.preset_bpw = bpw  # type: ignore[attr-defined]
+            arch.preset_bpw = bpw
         if note:
             arch.notes.append(note)
         return arch
@@ -365,9 +368,8 @@ def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     if bpw is None and setup.backend == "cpu":
         bpw = 8.0 * _dtype_bytes(setup.dtype)
     if bpw is None:
-        bpw = getattr(arch, "preset_bpw", None)
-    counted_trunk = getattr(arch, "trunk_params_counted", None)
-    counted_mtp = getattr(arch, "mtp_params_counted", None)
+        bpw = arch.preset_bpw
+    counted_trunk, counted_mtp = arch.trunk_params_counted, arch.mtp_params_counted
     trunk_p = counted_trunk if counted_trunk is not None else arch.trunk_params()
     mtp_p = counted_mtp if counted_mtp is not None else arch.mtp_params()
     if bpw is not None and cpu_mmap_weights(arch, setup):
@@ -408,7 +410,9 @@ def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int) -> int:
     q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
     kv = arch.n_kv_heads * arch.head_dim
     attn = rows * (q + 2 * kv + 2 * arch.n_heads * arch.head_dim) * f  # qkv out, rotated q/k, attention out
-    attn += arch.n_heads * rows * min(ctx, QUANT_BLOCK) * f  # one block of scores
+    # scores: one block per chunk (prefill / packed caches), or, for a dense-cache decode step, every cached
+    # position at once (scores + probabilities)
+    attn += max(arch.n_heads * rows * min(ctx, QUANT_BLOCK) * f, 2 * arch.n_heads * ctx * f)
     mlp = rows * 4 * inter * f  # gate_up output (2I), silu(g), silu(g) * u
     gdn = 0
     if arch.n_gdn:
@@ -505,6 +509,9 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         while n < cache_len:
             n *= 2
         b.rope_tables = 2 * n * rot * _dtype_bytes(setup.dtype)
+        if mode == "draft" and draft is not None:  # the draft model builds its own tables
+            b.rope_tables += 2 * n * (int(draft.head_dim * (0.25 if draft.n_gdn else 1.0)) // 2 * 2) * \
+                _dtype_bytes(setup.dtype)
     b.runtime = setup.runtime_overhead if setup.runtime_overhead is not None else (
         CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
     if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
@@ -752,7 +759,7 @@ def run_cli(args: argparse.Namespace) -> int:
     rows = fit_table(arch, setup, mem, k_types, v_types, modes, draft, args.cache_type_k_draft,
                      args.cache_type_v_draft, args.ctx_size, cap=args.ctx_max or (1 << 22))
     info = {"model": arch.name, "mem_bytes": mem, "backend": setup.backend, "setup": asdict(setup),
-            "weights_bpw": bpw if bpw is not None else getattr(arch, "preset_bpw", None), "notes": arch.notes,
+            "weights_bpw": bpw if bpw is not None else arch.preset_bpw, "notes": arch.notes,
             "rows": rows}
     if args.json:
         print(json.dumps(info, indent=2))

@@ -48,23 +48,40 @@ class Attention:
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps, self.zc)
             k = rms_norm(k, self.k_norm, self.eps, self.zc)
-        cos, sin = rope
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        k = apply_rope(k.transpose(0, 1), cos, sin)
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [N, 1, rot]: broadcast over heads
+        q = apply_rope(q, cos, sin).transpose(0, 1)
+        k = apply_rope(k, cos, sin).transpose(0, 1)
         v = v.view(n, self.nkv, self.hd).transpose(0, 1)
         if hasattr(cache, "attend"):  # packed KV formats: block-wise attention inside the cache
             out = cache.attend(layer, q, k, v, plan, 1.0 / math.sqrt(self.hd))
         else:
             keys, values = cache.write(layer, k, v)
+            if n == 1 and plan.mask is None:
+                out = _decode_attention(q, keys, values)
+                return self._finish(out, gate, n)
             mask, causal = plan.sdpa_mask()
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
                 enable_gqa=self.nh != self.nkv,
             )[0]
+        return self._finish(out, gate, n)
+
+    def _finish(self, out: torch.Tensor, gate: torch.Tensor | None, n: int) -> torch.Tensor:
         out = out.transpose(0, 1).reshape(n, self.nh * self.hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query row per head (q [H, 1, D]) over [KVH, L, D]: three batched matmul/softmax ops (GQA by
+    grouping query heads), cheaper than SDPA's setup for a single row."""
+    h, _, d = q.shape
+    kvh = keys.shape[0]
+    qg = q.reshape(kvh, h // kvh, d)
+    scores = torch.matmul(qg, keys.transpose(1, 2)).float() * (1.0 / math.sqrt(d))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(h, 1, d)
 
 
 class MLP:

@@ -85,7 +85,10 @@ class Rope:
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * self.scale).to(self.dtype)
-        self.sin = (emb.sin() * self.scale).to(self.dtype)
+        sin = emb.sin() * self.scale
+        half = sin.shape[-1] // 2
+        # sign folded in so that rotate_half(x) * sin == roll(x, half) * sin_signed
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -95,14 +98,12 @@ class Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [heads, N, D]; cos/sin: [N, rot_dim]. Rotates the first rot_dim dims (rotate-half convention)."""
+    """x: [..., N, heads, D] or [heads, N, D] matching cos/sin's broadcast; cos/sin_signed: [N, (1,) rot_dim].
+
+    Rotate-half convention: x*cos + rotate_half(x)*sin, computed as x*cos + roll(x, half)*sin_signed
+    (three ops instead of seven). Only the first rot_dim dims rotate (partial rotary)."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return torch.addcmul(x * cos, x.roll(rot // 2, -1), sin)
     xr, xp = x[..., :rot], x[..., rot:]
-    return torch.cat((xr * cos + _rotate_half(xr) * sin, xp), dim=-1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((torch.addcmul(xr * cos, xr.roll(rot // 2, -1), sin), xp), dim=-1)
