@@ -40,7 +40,7 @@ def copy_bandwidth_gbs(reps: int = 5) -> float:
 
 
 def bench_turbospec(path: Path, dtype: str, ids: list[int], reps: int) -> dict:
-    eng = Engine(load_model(path, dtype), None, ctx=PROMPT + GEN + 8, ubatch=512)
+    eng = Engine(load_model(path, dtype), None, ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False)
     p = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     pre, dec = [], []
     for r in range(reps + 1):

@@ -21,6 +21,7 @@ from turbospec.tokenizer import StreamDecoder, Tokenizer
 @dataclass
 class GenStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from the previous request (not recomputed)
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     gen_tokens: int = 0
@@ -31,7 +32,8 @@ class GenStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -42,8 +44,9 @@ class GenStats:
     def line(self) -> str:
         spec = self.extra.get("spec")
         tail = f" | {spec.line()}" if spec is not None else ""
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (
-            f"prompt {self.prompt_tokens} tok, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
+            f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
             f" | gen {self.gen_tokens} tok, decode {self.decode_tps:.1f} t/s"
             f" | peak mem {self.peak_rss_bytes / 2**20:.0f} MiB" + tail
         )
@@ -180,6 +183,7 @@ class Engine:
         if drafter is not None:
             drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0
+        stats.cached_tokens = self.reused_tokens
         pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
         context = list(tokens)
         t_first = None
