@@ -52,6 +52,9 @@ def main():
         ("(extra, not part of the bar) MTP acceptance on self-generated code continuations >= 0.6",
          acc_c.get("acceptance") is not None and acc_c["acceptance"] >= 0.6, f3(acc_c.get("acceptance"))),
     ]
+    bar.append(("greedy continuations of held-out code look like Python (judged by eye): partly -- indentation, "
+                "`if ... is not None:` blocks, `self.` attribute chains and calls, but loops and reST fragments", False,
+                "see samples"))
     samples = acc_c.get("samples", [])[:3]
     fam = {}
     for L, v in r.items():
@@ -157,7 +160,11 @@ Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['voca
 | training wall time | {meta.get('elapsed_s', 0)/60:.1f} min (step time; 2 CPU cores shared with other jobs, `nice -n 10`, 2 torch threads) |
 {note_row}| final train loss (mean of the last 5 logged steps, weighted) | LM {meta.get('last_lm_loss', 'n/a')}, MTP {meta.get('last_mtp_loss', 'n/a')} |
 
-## Evaluation (held-out, `python -m turbospec.train.evaluate models/turbospec-tiny`)
+## Evaluation (held-out)
+
+`python -m turbospec.train.evaluate models/turbospec-tiny --max-tokens 12000 --accept-prompts 4 --accept-tokens 48
+--retrieval-limit 10 --lengths 1024,2048,4096` (the first 12K tokens of each held-out kind, 4 x 48 generated tokens
+per kind for acceptance, 10 retrieval cases per length; raw results in `eval.json`).
 
 | metric | code | prose |
 |---|---|---|

@@ -74,14 +74,15 @@ class Attention:
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One query row per head (q [H, 1, D]) over [KVH, L, D]: three batched matmul/softmax ops (GQA by
-    grouping query heads), cheaper than SDPA's setup for a single row."""
+    """One query row per head (q [H, 1, D]) over [KVH, L, D]: batched matmuls (GQA by grouping query heads),
+    cheaper than SDPA's setup for a single row. 16-bit caches are multiplied in float32: without AVX-512 BF16/FP16,
+    torch's 16-bit batched matmul is ~3x slower than converting and using the fp32 kernel (docs/speed.md)."""
     h, _, d = q.shape
     kvh = keys.shape[0]
-    qg = q.reshape(kvh, h // kvh, d)
-    scores = torch.matmul(qg, keys.transpose(1, 2)).float() * (1.0 / math.sqrt(d))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).reshape(h, 1, d)
+    qg = q.reshape(kvh, h // kvh, d).float()
+    scores = torch.matmul(qg, keys.transpose(1, 2).float()) * (1.0 / math.sqrt(d))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.float()).to(q.dtype).reshape(h, 1, d)
 
 
 class MLP:
