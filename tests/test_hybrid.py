@@ -241,3 +241,27 @@ def test_speculative_greedy_identical_on_hybrid(models, spec):
         assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
         drafts += eng.last_stats.extra["spec"].drafts
     assert drafts > 0
+
+
+def test_quantized_kv_applies_to_attention_layers_only(models):
+    from turbospec.engine import Engine
+    from turbospec.kv.formats import get_format
+    from turbospec.sampling import SamplingParams
+
+    model = models("qwen3_5_mm")
+    dense, q8 = model.new_cache(64), model.new_cache(64, k_type="q8_0", v_type="q8_0")
+    assert q8.recurrent_state_bytes == dense.recurrent_state_bytes  # GDN states untouched
+    per_tok = 2 * model.num_attn_layers * model.cfg.num_kv_heads * get_format("q8_0").bytes_per_vector(
+        model.cfg.head_dim)
+    assert q8.attention_kv_bytes == per_tok * 64 < dense.attention_kv_bytes
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(9))
+    outs = []
+    for cache in (dense, q8):
+        h = model.forward(ids, AttentionPlan.causal(0, 20), cache)
+        cache.commit()
+        outs.append(model.logits(h))
+    assert (outs[0] - outs[1]).abs().mean().item() < 0.01  # q8_0 noise, not a different computation
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean().item() >= 0.9
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng = Engine(model, None, ctx=64, ubatch=8, cache_type_k="q8_0", cache_type_v="q8_0")
+    assert len(eng.generate([ids.tolist()], p)[0]["tokens"]) == 12

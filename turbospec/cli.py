@@ -11,7 +11,7 @@ from pathlib import Path
 from turbospec.errors import TurboSpecError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPT = "def fibonacci(n):\n"
+DEFAULT_PROMPT = "import os\n\n\nclass FileCache:\n    def __init__(self, path):\n"
 
 
 def default_model() -> str | None:

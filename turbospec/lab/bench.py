@@ -62,6 +62,8 @@ def apply_config(a: argparse.Namespace, cfg: dict[str, str]) -> argparse.Namespa
         cur = getattr(a, dest, None)
         if v == "none":
             setattr(b, dest, None)
+        elif dest == "spec_type":
+            setattr(b, dest, v.replace("+", ","))  # chains inside a sweep: ngram-mod+draft-mtp
         elif isinstance(cur, int) or dest in ("spec_draft_n_max", "ubatch_size", "threads"):
             setattr(b, dest, int(v))
         else:
@@ -218,7 +220,8 @@ def add_cli(sub) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="discarded warm-up runs (default 1)")
     p.add_argument("-d", "--depth", default="0", help="context depths, comma list (default 0)")
     p.add_argument("--sweep", action="append", default=[],
-                   help=f"key=v1,v2 (keys: {', '.join(SWEEP_KEYS)}); several form a cartesian product")
+                   help=f"key=v1,v2 (keys: {', '.join(SWEEP_KEYS)}); several form a cartesian product; "
+                        "write spec-type chains with + (ngram-mod+draft-mtp)")
     p.add_argument("--categories", default=None, help="use the shipped prompt set: all or a comma list")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
     p.add_argument("--seed", type=int, default=0)

@@ -256,9 +256,17 @@ class HybridModel:
         self._ssm_shape = gdn.ssm_state_shape if gdn else (1, 1, 1)
 
     def new_cache(
-        self, max_len: int, kv_dtype: torch.dtype | None = None, rollback_limit: int = 16
+        self, max_len: int, kv_dtype: torch.dtype | None = None, rollback_limit: int = 16,
+        k_type: str | None = None, v_type: str | None = None,
     ) -> HybridCache:
+        """KV formats (-ctk/-ctv) apply to the attention layers only; recurrent states stay float32."""
         c = self.cfg
+        kv = None
+        if k_type or v_type:
+            from turbospec.kv.quant_cache import make_kv_cache
+
+            kv = make_kv_cache(self.num_attn_layers, c.num_kv_heads, c.head_dim, max_len, self.dtype,
+                               k_type, v_type, kv_dtype)
         return HybridCache(
             self.num_attn_layers,
             c.num_kv_heads,
@@ -270,6 +278,7 @@ class HybridModel:
             self.dtype,
             kv_dtype,
             rollback_limit,
+            kv=kv,
         )
 
     @torch.inference_mode()
