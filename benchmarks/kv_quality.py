@@ -1,4 +1,5 @@
-"""KV-cache format quality: perplexity, KLD vs the f16 cache and same-top-1 %, per (K, V) format pair.
+"""KV-cache format quality (the `turbospec quality` command is the full tool; this script keeps the first
+table's exact protocol): perplexity, KLD vs the f16 cache and same-top-1 %, per (K, V) format pair.
 
 llama-perplexity style: the token stream is cut into chunks of `--ctx` tokens; each chunk is prefilled from an
 empty cache in `--ubatch` pieces (so later pieces attend to quantized entries of earlier ones) and the second
@@ -23,32 +24,11 @@ from pathlib import Path
 
 import torch
 
-from turbospec.kv.plan import AttentionPlan
+from turbospec.lab.quality import chunk_logprobs, read_text
 from turbospec.models import load_model
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
          "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
-
-
-def read_text(path: str) -> str:
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        return "\n\n".join(json.loads(line)["text"] for line in p.read_text().splitlines() if line.strip())
-    return p.read_text()
-
-
-@torch.inference_mode()
-def chunk_logprobs(model, ids: torch.Tensor, k_type: str, v_type: str, ubatch: int) -> torch.Tensor:
-    """Log-probabilities [ctx//2 - 1, V] of the second half of one chunk (positions predicting the next token)."""
-    n = ids.numel()
-    cache = model.new_cache(n, k_type=k_type, v_type=v_type)
-    hs = []
-    for s in range(0, n, ubatch):
-        chunk = ids[s:s + ubatch]
-        hs.append(model.forward(chunk, AttentionPlan.causal(cache.length, chunk.numel()), cache))
-        cache.commit()
-    h = torch.cat(hs)[n // 2:n - 1]
-    return torch.log_softmax(model.logits(h), dim=-1)
 
 
 def evaluate(model, tokens: list[int], ctx: int, chunks: int, pairs: list[str], ubatch: int) -> list[dict]:

@@ -289,6 +289,27 @@ def test_metrics(server, client):
     assert 'turbospec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in m
 
 
+def test_bench_url_measures_the_live_server(server, tmp_path):
+    """`turbospec bench --url` against this real server: client-side TTFT/TPOT/ITL/e2e and acceptance."""
+    import json
+
+    from turbospec.cli import main
+
+    base = server[0] + "/v1"
+    out = tmp_path / "rep"
+    rc = main(["bench", "--url", base, "--url", base, "--api-key", KEY, "-n", "12", "-r", "2", "--warmup", "1",
+               "--categories", "code", "--out", str(out), "-q"])
+    assert rc == 0
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["engine"] == base for r in rows)  # two engines side by side
+    for r in rows:
+        for key in ("ttft_ms", "ttft_ms_p99", "tpot_ms", "itl_median_ms", "itl_p99_ms", "e2e_ms", "e2e_ms_p99",
+                    "out_tps"):
+            assert r[key] > 0, key
+        assert 0.0 <= r["acc_rate"] <= 1.0  # the server reports timings.draft_n (ngram drafter)
+    assert "api_key" not in json.loads((out / "report.json").read_text())["settings"]
+
+
 def test_zz_shutdown(server):
     proc = server[1]
     proc.send_signal(signal.SIGINT)

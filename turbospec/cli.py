@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
-    for name in ("tco", "bench", "fit"):
+    for name in ("tco", "bench", "fit", "quality"):
         _add_optional_tool(sub, name)
     _add_optional_tool(sub, "train-heads", "turbospec.spec.train_heads")
     return ap

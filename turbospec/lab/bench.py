@@ -20,7 +20,13 @@ from typing import Any
 
 from turbospec.errors import TurboSpecError
 from turbospec.lab.report import (
-    bar_plot, env_info, line_plot, markdown_table, summarize, write_csv, write_json,
+    bar_plot,
+    env_info,
+    line_plot,
+    markdown_table,
+    summarize,
+    write_csv,
+    write_json,
 )
 
 SWEEP_KEYS = {

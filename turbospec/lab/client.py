@@ -8,6 +8,7 @@ llama-server style `timings.draft_n / draft_n_accepted`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -67,7 +68,7 @@ def stream_once(base: str, prompt: str, max_tokens: int, temp: float, seed: int,
         return {"ok": False, "error": "no tokens streamed"}
     n = max(n_tokens, len(stamps))
     ttft = stamps[0] - t0
-    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
     tpot = (end - stamps[0]) / (n - 1) if n > 1 else 0.0
     return {"ok": True, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "itl_ms": [x * 1e3 for x in itl],
             "e2e_ms": (end - t0) * 1e3, "out_tokens": n, "out_tps": n / (end - t0), "timings": timings}
@@ -79,7 +80,7 @@ def run_remote(a: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(a.categories) if a.categories else None
     if prompts is None:
         rng = random.Random(a.seed)
-        words = "the of and to in is that for it as with was on be by this are from or at".split()
+        words = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "from", "or", "at"]
         prompts = {"random": " ".join(rng.choice(words) for _ in range(a.n_prompt))}
     rows = []
     for url in a.url:

@@ -68,8 +68,8 @@ def env_info(model_path: str | None = None) -> dict[str, Any]:
 
 def _git_commit() -> str | None:
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                           cwd=Path(__file__).resolve().parent)
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
+                           timeout=5, cwd=Path(__file__).resolve().parent)
         return r.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -106,7 +106,9 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def markdown_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:.2f}" if abs(v) < 1000 else f"{v:.0f}"
+            if v == 0 or 0.1 <= abs(v) < 1000:
+                return f"{v:.2f}"
+            return f"{v:.3g}" if abs(v) < 0.1 else f"{v:.0f}"
         return str(v)
 
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -1,0 +1,243 @@
+"""`turbospec quality`: perplexity, KL divergence vs a baseline, and long-context retrieval, per KV configuration.
+
+Perplexity the llama-perplexity way: the text is cut into chunks of `--ctx` tokens, each chunk is processed from an
+empty cache in ubatch pieces (later pieces attend to the quantized entries of earlier ones) and the second half of
+every chunk is scored. KLD(p_baseline || p_candidate) per scored position on the same weights (default baseline:
+f16/f16 KV, no speculation), reported as mean, median, 99%, 99.9%, max, same-top-1 % and RMS delta-p (change of
+the probability of the correct token). Retrieval: a passkey, or one number among many in a number-dense
+"financial report", placed at a chosen depth of real filler text; greedy answer must contain the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turbospec.errors import TurboSpecError
+from turbospec.kv.plan import AttentionPlan
+
+PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
+         "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
+EVAL_DIR = Path(__file__).resolve().parent.parent / "data" / "eval"
+
+
+def read_text(path: str | Path) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise TurboSpecError(f"text file {p} does not exist")
+    if p.suffix == ".jsonl":
+        return "\n\n".join(json.loads(line)["text"] for line in p.read_text().splitlines() if line.strip())
+    return p.read_text()
+
+
+def parse_pair(p: str) -> tuple[str, str]:
+    from turbospec.kv.formats import get_format
+
+    if "/" not in p:
+        p = f"{p}/{p}"
+    k, v = p.split("/", 1)
+    for t in (k, v):
+        try:
+            get_format(t)
+        except ValueError as e:
+            raise TurboSpecError(str(e)) from None
+    return k, v
+
+
+@torch.inference_mode()
+def chunk_logprobs(model, ids: torch.Tensor, k_type: str, v_type: str, ubatch: int) -> torch.Tensor:
+    """Log-probabilities [ctx//2 - 1, V] for the second half of one chunk."""
+    n = ids.numel()
+    cache = model.new_cache(n, k_type=k_type, v_type=v_type)
+    hs = []
+    for s in range(0, n, ubatch):
+        piece = ids[s:s + ubatch]
+        hs.append(model.forward(piece, AttentionPlan.causal(cache.length, piece.numel()), cache))
+        cache.commit()
+    h = torch.cat(hs)[n // 2:n - 1]
+    return torch.log_softmax(model.logits(h), dim=-1)
+
+
+def kld_stats(kld: torch.Tensor) -> dict[str, float]:
+    k = kld.double()
+    q = torch.quantile(k, torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64))
+    return {"kld_mean": k.mean().item(), "kld_median": q[0].item(), "kld_p99": q[1].item(),
+            "kld_p999": q[2].item(), "kld_max": k.max().item()}
+
+
+def perplexity_table(model, tokens: list[int], ctx: int, chunks: int, pairs: list[str], baseline: str,
+                     ubatch: int, progress=None) -> list[dict[str, Any]]:
+    n_chunks = min(len(tokens) // ctx, chunks)
+    if n_chunks < 1:
+        raise TurboSpecError(f"text has {len(tokens)} tokens, fewer than one chunk of {ctx}")
+    acc = {p: {"nll": 0.0, "n": 0, "kld": [], "same": 0, "dp": [], "s": 0.0} for p in pairs}
+    for c in range(n_chunks):
+        ids = torch.tensor(tokens[c * ctx:(c + 1) * ctx], dtype=torch.int64)
+        targets = ids[ctx // 2 + 1:]
+        base = chunk_logprobs(model, ids, *parse_pair(baseline), ubatch)
+        for p in pairs:
+            t = time.perf_counter()
+            lp = base if p == baseline else chunk_logprobs(model, ids, *parse_pair(p), ubatch)
+            st = acc[p]
+            st["s"] += time.perf_counter() - t
+            st["nll"] -= lp.gather(1, targets[:, None]).sum().item()
+            st["n"] += targets.numel()
+            st["kld"].append((base.exp() * (base - lp)).sum(-1).clamp_min(0))
+            st["same"] += int((base.argmax(-1) == lp.argmax(-1)).sum())
+            st["dp"].append(lp.gather(1, targets[:, None]).exp() - base.gather(1, targets[:, None]).exp())
+            if progress:
+                progress()
+    rows = []
+    for p in pairs:
+        st = acc[p]
+        dp = torch.cat(st["dp"]).double()
+        rows.append({"kv": p, "ctx": ctx, "chunks": n_chunks, "tokens_scored": st["n"],
+                     "ppl": math.exp(st["nll"] / st["n"]), **kld_stats(torch.cat(st["kld"])),
+                     "same_top1_pct": 100.0 * st["same"] / st["n"], "rms_dp_pct": 100.0 * dp.pow(2).mean().sqrt().item(),
+                     "seconds": st["s"]})
+    return rows
+
+
+def make_retrieval_case(tok, filler: list[int], length: int, depth: float, kind: str, rng: random.Random
+                        ) -> tuple[list[int], str]:
+    """A document of about `length` tokens: filler with a fact at relative `depth`, then a question."""
+    if kind == "passkey":
+        value = str(rng.randrange(10000, 99999))
+        fact = f"\nThe passkey is {value}. Remember it.\n"
+        question = "\nWhat is the passkey? The passkey is"
+    else:  # numbers: one account among many number-dense lines, the seeds' financial-report worry
+        target = rng.randrange(1, 99)
+        def amount() -> str:
+            return f"{rng.randrange(1, 9)},{rng.randrange(100, 999)},{rng.randrange(100, 999)}"
+
+        value = amount()
+        rows = [f"Account {a} balance: {amount()}\n" for a in rng.sample(range(100, 999), 6)]
+        fact = "".join(rows[:3]) + f"Account {target} balance: {value}\n" + "".join(rows[3:])
+        question = f"\nWhat is the balance of account {target}? The balance of account {target} is"
+    f_ids, q_ids = tok.encode(fact, add_special=False), tok.encode(question, add_special=False)
+    room = max(0, length - len(f_ids) - len(q_ids))
+    start = rng.randrange(0, max(1, len(filler) - room))
+    body = filler[start:start + room]
+    cut = int(len(body) * depth)
+    return body[:cut] + f_ids + body[cut:] + q_ids, value
+
+
+def retrieval_grid(engine_factory, tok, filler: list[int], pairs: list[str], lengths: list[int],
+                   depths: list[float], cases: int, kinds: list[str], seed: int = 0, progress=None
+                   ) -> list[dict[str, Any]]:
+    from turbospec.sampling import SamplingParams
+
+    rows = []
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for p in pairs:
+        engine = engine_factory(*parse_pair(p), max(lengths) + 512)  # room for fact + question
+        for kind in kinds:
+            for length in lengths:
+                for depth in depths:
+                    rng = random.Random(f"{seed}-{kind}-{length}-{depth}")
+                    hits = 0
+                    for _ in range(cases):
+                        ids, value = make_retrieval_case(tok, filler, length, depth, kind, rng)
+                        out = engine.generate([ids], params)[0]["text"]
+                        hits += int(value in out.replace(" ", ""))
+                        if progress:
+                            progress()
+                    rows.append({"kv": p, "kind": kind, "length": length, "depth": depth, "cases": cases,
+                                 "accuracy": hits / cases})
+    return rows
+
+
+def add_cli(sub) -> argparse.ArgumentParser:
+    from turbospec.cli import add_model_args
+
+    p = sub.add_parser("quality", help="perplexity, KLD vs a baseline and retrieval accuracy per KV configuration")
+    add_model_args(p)
+    p.add_argument("--text", default=str(EVAL_DIR / "prose.jsonl"), help="text or .jsonl (field 'text')")
+    p.add_argument("--ctx", default="512", help="chunk sizes, comma list (default 512)")
+    p.add_argument("--chunks", type=int, default=4, help="max chunks per size (default 4)")
+    p.add_argument("--kv", default=",".join(PAIRS), help="K/V pairs, comma list (default: the standard table)")
+    p.add_argument("--baseline", default="f16/f16", help="baseline K/V pair (default f16/f16)")
+    p.add_argument("--retrieval", action="store_true", help="also run the retrieval grid")
+    p.add_argument("--lengths", default="1024,2048,4096", help="retrieval context lengths")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval needle depths (0..1)")
+    p.add_argument("--cases", type=int, default=5, help="retrieval cases per cell (default 5)")
+    p.add_argument("--kinds", default="passkey,numbers", help="retrieval kinds: passkey, numbers")
+    p.add_argument("--out", default=None, help="report directory (default quality-<timestamp>)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from turbospec.cli import default_model, set_threads
+    from turbospec.engine import Engine
+    from turbospec.lab.report import bar_plot, env_info, markdown_table, write_csv, write_json
+    from turbospec.models import load_model
+    from turbospec.tokenizer import Tokenizer
+
+    path = a.model or default_model()
+    if path is None:
+        raise TurboSpecError("no model given (-m) and no bundled model found")
+    set_threads(a.threads)
+    pairs = [p.strip() for p in a.kv.split(",") if p.strip()]
+    for p in pairs + [a.baseline]:
+        parse_pair(p)
+    ctxs = [int(c) for c in a.ctx.split(",")]
+    model = load_model(path, a.dtype)
+    tok = Tokenizer(path)
+    text = read_text(a.text)[: max(ctxs) * a.chunks * 8]
+    tokens = tok.encode(text, add_special=False)
+    total = sum(min(len(tokens) // c, a.chunks) for c in ctxs) * len(pairs)
+    bar = tqdm(total=total, desc="quality", file=sys.stderr, disable=a.quiet)
+    ppl_rows: list[dict[str, Any]] = []
+    for c in ctxs:
+        ppl_rows += perplexity_table(model, tokens, c, a.chunks, pairs, a.baseline, a.ubatch_size,
+                                     lambda: bar.update(1))
+    bar.close()
+    ret_rows: list[dict[str, Any]] = []
+    if a.retrieval:
+        lengths = [int(x) for x in a.lengths.split(",")]
+        depths = [float(x) for x in a.depths.split(",")]
+        kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+        filler = tok.encode(read_text(EVAL_DIR / "prose.jsonl")[:200000], add_special=False)
+        rbar = tqdm(total=len(pairs) * len(kinds) * len(lengths) * len(depths) * a.cases, desc="retrieval",
+                    file=sys.stderr, disable=a.quiet)
+
+        def factory(k: str, v: str, ctx: int) -> Engine:
+            return Engine(model, tok, ctx=ctx, ubatch=a.ubatch_size, cache_type_k=k, cache_type_v=v,
+                          prefix_cache=False)
+
+        ret_rows = retrieval_grid(factory, tok, filler, pairs, lengths, depths, a.cases, kinds,
+                                  progress=lambda: rbar.update(1))
+        rbar.close()
+    out = Path(a.out or time.strftime("quality-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(a).items() if k != "func"}
+    report = {"env": env_info(path), "settings": settings, "perplexity": ppl_rows, "retrieval": ret_rows}
+    write_json(out / "report.json", report)
+    write_csv(out / "perplexity.csv", ppl_rows)
+    cols = ["kv", "ctx", "ppl", "kld_mean", "kld_median", "kld_p99", "kld_p999", "kld_max", "same_top1_pct",
+            "rms_dp_pct"]
+    md = ["# turbospec quality", "", f"model {path}, text {a.text}, baseline {a.baseline}", "",
+          markdown_table(ppl_rows, cols), ""]
+    if ret_rows:
+        write_csv(out / "retrieval.csv", ret_rows)
+        md += ["## Retrieval accuracy", "", markdown_table(ret_rows, ["kv", "kind", "length", "depth", "accuracy"]), ""]
+    (out / "report.md").write_text("\n".join(md))
+    bar_plot(out / "kld.png", [f"{r['kv']} @{r['ctx']}" for r in ppl_rows], [r["kld_mean"] for r in ppl_rows],
+             "mean KLD vs baseline", "KLD per KV type")
+    print(markdown_table(ppl_rows, cols))
+    if ret_rows:
+        print(markdown_table(ret_rows, ["kv", "kind", "length", "depth", "accuracy"]))
+    print(f"wrote {out}/report.json, report.md, perplexity.csv, kld.png", file=sys.stderr)
+    return 0
