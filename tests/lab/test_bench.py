@@ -49,3 +49,34 @@ def test_bench_categories(tiny, tmp_path):
     assert rc == 0
     rows = json.loads((tmp_path / "c" / "report.json").read_text())["rows"]
     assert [r["category"] for r in rows] == ["code", "math"]
+
+
+def test_prometheus_spec_counters_are_read():
+    """For servers without llama-server timings (vLLM), acceptance comes from the Prometheus counters."""
+    import http.server
+    import threading
+
+    from turbospec.lab.client import scrape_spec_counters
+
+    body = (b"# HELP vllm:spec_decode_num_draft_tokens_total x\n"
+            b'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 120.0\n'
+            b'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 90.0\n'
+            b'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 50.0\n'
+            b"vllm:spec_decode_num_drafts_total 40.0\n")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        got = scrape_spec_counters(f"http://127.0.0.1:{srv.server_port}/v1", None)
+    finally:
+        srv.shutdown()
+    assert got == {"draft": 120.0, "accepted": 90.0}

@@ -74,6 +74,41 @@ def stream_once(base: str, prompt: str, max_tokens: int, temp: float, seed: int,
             "e2e_ms": (end - t0) * 1e3, "out_tokens": n, "out_tps": n / (end - t0), "timings": timings}
 
 
+SPEC_COUNTERS = {"draft": ("spec_decode_num_draft_tokens",), "accepted": ("spec_decode_num_accepted_tokens",)}
+
+
+def scrape_spec_counters(base: str, api_key: str | None) -> dict[str, float] | None:
+    """Sum the Prometheus speculative-decoding counters (vLLM `vllm:spec_decode_num_draft_tokens_total`,
+    llama-server `llamacpp:spec_decode_...`, turbospec `turbospec:spec_decode_...`) at <server>/metrics."""
+    root = base.rstrip("/")
+    root = root.removesuffix("/v1")
+    req = urllib.request.Request(root + "/metrics")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError):
+        return None
+    out = {"draft": 0.0, "accepted": 0.0}
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{")[0]
+        if "per_pos" in metric or metric.endswith("_created"):
+            continue
+        for key, needles in SPEC_COUNTERS.items():
+            if any(metric.split(":")[-1].startswith(n) for n in needles):
+                try:
+                    out[key] += float(value)
+                    found = True
+                except ValueError:
+                    pass
+    return out if found else None
+
+
 def run_remote(a: argparse.Namespace) -> dict[str, Any]:
     from turbospec.lab.bench import load_prompts
 
@@ -86,7 +121,10 @@ def run_remote(a: argparse.Namespace) -> dict[str, Any]:
     for url in a.url:
         for cat, text in prompts.items():
             runs = []
+            before = None
             for rep in range(a.warmup + a.repetitions):
+                if rep == a.warmup:
+                    before = scrape_spec_counters(url, a.api_key)
                 r = stream_once(url, text, a.n_gen, a.temp, a.seed + rep, a.api_key, None)
                 if not r["ok"]:
                     raise TurboSpecError(f"{url}: request failed: {r['error']}")
@@ -105,6 +143,12 @@ def run_remote(a: argparse.Namespace) -> dict[str, Any]:
             da = sum(int(r["timings"].get("draft_n_accepted", 0) or 0) for r in runs)
             if dn:
                 row["acc_rate"] = da / dn
+                row["acc_source"] = "timings"
+            else:
+                after = scrape_spec_counters(url, a.api_key)
+                if before and after and after["draft"] > before["draft"]:
+                    row["acc_rate"] = (after["accepted"] - before["accepted"]) / (after["draft"] - before["draft"])
+                    row["acc_source"] = "prometheus"
             rows.append(row)
             print(f"{url} [{cat}] ttft {row['ttft_ms']:.0f} ms, tpot {row['tpot_ms']:.1f} ms, "
                   f"out {row['out_tps']:.1f} t/s", file=sys.stderr)
