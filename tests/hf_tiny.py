@@ -6,22 +6,22 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 512}
 
 VARIANTS = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
     "qwen3_tied_bias": ("Qwen3Config", "Qwen3ForCausalLM",
-                        dict(head_dim=24, tie_word_embeddings=True, attention_bias=True)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1)),
-    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        {"head_dim": 24, "tie_word_embeddings": True, "attention_bias": True}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 1}),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        attention_bias=True, mlp_bias=True)),
-    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                      "original_max_position_embeddings": 32})),
+        "attention_bias": True, "mlp_bias": True}),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", {
+        "head_dim": 16, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 32}}),
 }
 
 

@@ -11,8 +11,8 @@ from turbospec.spec import SpecConfig, make_drafter
 from turbospec.spec.tree import DraftTree
 from turbospec.spec.verify import verify
 
-SHAPE = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=12, vocab_size=64)
+SHAPE = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 64}
 
 
 def add_mtp(w: dict, cfg: dict, seed: int = 3) -> None:
@@ -34,7 +34,7 @@ def paths(tmp_path_factory):
     cfg = qwen3_config(**SHAPE, mtp_num_hidden_layers=1)
     w = random_qwen3_weights(cfg, seed=11, dtype=torch.float32)
     for k in w:  # larger weights: peaked, repetitive distributions that drafts can hit
-        if k.endswith("proj.weight") or k.endswith("embed_tokens.weight"):
+        if k.endswith(("proj.weight", "embed_tokens.weight")):
             w[k] = w[k] * 12
     add_mtp(w, cfg)
     target = write_checkpoint(d / "target", cfg, w)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                   num_key_value_heads=2, head_dim=64, vocab_size=32000)
+BENCH_SHAPE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000}
 
 
 def qwen3_config(**over) -> dict:

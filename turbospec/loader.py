@@ -56,14 +56,14 @@ class WeightSource:
             if not files:
                 raise TurboSpecError(f"no *.safetensors files in {self.dir}")
             for f in files:
-                for name in self._open(f).keys():
+                for name in self._open(f).keys():  # noqa: SIM118 -- safe_open is not iterable
                     self.index[name] = f
 
     def _open(self, f: Path):
         if f not in self._handles:
             try:
                 self._handles[f] = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
+            except Exception as e:  # noqa: BLE001 -- safetensors raises its own types for corrupt headers
                 raise TurboSpecError(f"{f.name}: corrupt or truncated safetensors file ({_one_line(e)})") from None
         return self._handles[f]
 
@@ -79,7 +79,7 @@ class WeightSource:
         f = self.index[name]
         try:
             t = self._open(f).get_tensor(name)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
             raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies {shape}")

@@ -19,7 +19,7 @@ class Tokenizer:
             raise TurboSpecError(f"no tokenizer.json in {d}")
         try:
             self.tok = HFTokenizer.from_file(str(tj))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises its own types; report them in one line
             raise TurboSpecError(f"{tj}: cannot load tokenizer ({' '.join(str(e).split())[:150]})") from None
         cfg: dict[str, Any] = {}
         tc = d / "tokenizer_config.json"
@@ -35,9 +35,9 @@ class Tokenizer:
         self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None
         self.eos_ids: set[int] = set()
         for t in (self.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"):
-            if t is not None and (i := self.tok.token_to_id(t)) is not None:
-                if t == self.eos_token or t in ("<|im_end|>", "<|eot_id|>"):
-                    self.eos_ids.add(i)
+            i = self.tok.token_to_id(t) if t is not None else None
+            if i is not None and (t == self.eos_token or t in ("<|im_end|>", "<|eot_id|>")):
+                self.eos_ids.add(i)
 
     @property
     def vocab_size(self) -> int:

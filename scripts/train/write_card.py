@@ -8,6 +8,11 @@ import json
 import os
 
 
+def _load(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
 def pct(x):
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -24,11 +29,11 @@ def main():
     ap.add_argument("--meta", default="runs/tiny/train_meta.json", help="training meta with loss history")
     ap.add_argument("--extra-eval", default=None, help="optional second eval json (e.g. 8K retrieval)")
     a = ap.parse_args()
-    cfg = json.load(open(os.path.join(a.model, "config.json")))
-    meta = json.load(open(os.path.join(a.model, "training_summary.json")))
-    ev = json.load(open(a.eval)) if os.path.exists(a.eval) else {}
+    cfg = _load(os.path.join(a.model, "config.json"))
+    meta = _load(os.path.join(a.model, "training_summary.json"))
+    ev = _load(a.eval) if os.path.exists(a.eval) else {}
     if a.extra_eval and os.path.exists(a.extra_eval):
-        ex = json.load(open(a.extra_eval))
+        ex = _load(a.extra_eval)
         ev.setdefault("retrieval", {}).update(ex.get("retrieval", {}))
     args = meta.get("args", {})
     c = meta.get("corpus", {})
@@ -52,8 +57,8 @@ def main():
         ("(extra, not part of the bar) MTP acceptance on self-generated code continuations >= 0.6",
          acc_c.get("acceptance") is not None and acc_c["acceptance"] >= 0.6, f3(acc_c.get("acceptance"))),
     ]
-    bar.append(("greedy continuations of held-out code look like Python (judged by eye): partly -- indentation, "
-                "`if ... is not None:` blocks, `self.` attribute chains and calls, but loops and reST fragments", False,
+    bar.append((("greedy continuations of held-out code look like Python (judged by eye): partly -- indentation, "
+                "`if ... is not None:` blocks, `self.` attribute chains and calls, but loops and reST fragments"), False,
                 "see samples"))
     samples = acc_c.get("samples", [])[:3]
     fam = {}
@@ -63,7 +68,7 @@ def main():
     fam_rows = "\n".join(f"| {k} | " + " | ".join(pct(v.get(L)) if L in v else "" for L in sorted(r, key=int)) + " |"
                          for k, v in sorted(fam.items()))
     if os.path.exists(a.meta):
-        full = json.load(open(a.meta))
+        full = _load(a.meta)
         hist = full.get("history", [])
         if hist:
             meta["last_lm_loss"] = sum(h["lm_loss"] for h in hist[-5:]) / len(hist[-5:])

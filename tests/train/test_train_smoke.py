@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from turbospec.train.corpus import (  # noqa: E402
+from turbospec.train.corpus import (
     CorpusError,
     find_docs_dir,
     is_heldout,
@@ -83,7 +83,7 @@ def test_two_training_steps_and_export(toy_dirs, tmp_path):
     run = tmp_path / "run"
     out = tmp_path / "export"
     torch.manual_seed(0)
-    model, meta = main([
+    _model, meta = main([
         "--run", str(run), "--code-dir", code, "--docs-dir", docs, "--vocab", "400",
         "--hidden", "32", "--layers", "4", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
         "--intermediate", "64", "--linear-heads", "2", "--linear-head-dim", "16",
@@ -93,7 +93,7 @@ def test_two_training_steps_and_export(toy_dirs, tmp_path):
     ])
     assert meta["step"] == 2 and meta["done"]
     assert os.path.exists(run / "ckpt.pt")
-    cfg = json.load(open(out / "config.json"))
+    cfg = json.loads((out / "config.json").read_text())
     assert cfg["mtp_num_hidden_layers"] == 1 and cfg["model_type"] == "qwen3_5_text"
     from safetensors import safe_open
 

@@ -29,7 +29,7 @@ def load_kernel():
             name="turbospec_gemv", sources=[str(src)], verbose=False,
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
         )
-    except Exception as e:  # no compiler or headers: fall back to torch's kernels
+    except Exception as e:  # noqa: BLE001 -- no compiler or headers: fall back to torch's kernels
         print(f"turbospec: skinny-GEMM kernel unavailable ({' '.join(str(e).split())[:120]}); "
               "using torch kernels", file=sys.stderr)
         return None

@@ -175,30 +175,30 @@ def _needle(rng: random.Random) -> dict:
     fam = rng.randrange(5)
     if fam == 0:
         v = str(rng.randint(10_000, 99_999))
-        return dict(family="passkey", needle=f"The passkey is {v}. Remember it. {v} is the passkey.",
-                    question="What is the passkey?", answer=f"The passkey is {v}.", value=v)
+        return {"family": "passkey", "needle": f"The passkey is {v}. Remember it. {v} is the passkey.",
+                    "question": "What is the passkey?", "answer": f"The passkey is {v}.", "value": v}
     if fam == 1:
         name = rng.choice(_NAMES)
         v = str(rng.randint(1000, 999_999))
-        return dict(family="secret", needle=f"The secret number of {name} is {v}.",
-                    question=f"What is the secret number of {name}?",
-                    answer=f"The secret number of {name} is {v}.", value=v)
+        return {"family": "secret", "needle": f"The secret number of {name} is {v}.",
+                    "question": f"What is the secret number of {name}?",
+                    "answer": f"The secret number of {name} is {v}.", "value": v}
     if fam == 2:
         k = rng.randint(1, 99)
         v = _money(rng)
-        return dict(family="account", needle=f"Account {k} balance: {v}",
-                    question=f"What is the balance of account {k}?",
-                    answer=f"Account {k} balance: {v}", value=v, key=k)
+        return {"family": "account", "needle": f"Account {k} balance: {v}",
+                    "question": f"What is the balance of account {k}?",
+                    "answer": f"Account {k} balance: {v}", "value": v, "key": k}
     if fam == 3:
         p = rng.choice(_PROJECTS)
         v = _money(rng)
-        return dict(family="budget", needle=f"The approved budget for project {p} is ${v}.",
-                    question=f"What is the approved budget for project {p}?",
-                    answer=f"The approved budget for project {p} is ${v}.", value=v, key=p)
+        return {"family": "budget", "needle": f"The approved budget for project {p} is ${v}.",
+                    "question": f"What is the approved budget for project {p}?",
+                    "answer": f"The approved budget for project {p} is ${v}.", "value": v, "key": p}
     v = str(rng.randint(100_000, 9_999_999))
-    return dict(family="code", needle=f"ACCESS_CODE = {v}",
-                question="Which value was assigned to ACCESS_CODE?",
-                answer=f"ACCESS_CODE = {v}", value=v)
+    return {"family": "code", "needle": f"ACCESS_CODE = {v}",
+                "question": "Which value was assigned to ACCESS_CODE?",
+                "answer": f"ACCESS_CODE = {v}", "value": v}
 
 
 def _distractor(rng: random.Random, needle: dict) -> str:
@@ -287,4 +287,4 @@ def make_retrieval_example(tokenizer, texts: list[str], rng: random.Random, n_to
                 needle_idx -= 1
         prompt = build(lines)
         n = len(tokenizer.encode(prompt).ids)
-    return dict(prompt=prompt, answer=answer, value=value, family=fam, n_prompt_tokens=n)
+    return {"prompt": prompt, "answer": answer, "value": value, "family": fam, "n_prompt_tokens": n}

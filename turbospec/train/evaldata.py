@@ -58,8 +58,7 @@ def build(out_dir: str, tokenizer, seed: int = 20261130, code_budget: int = 300_
             cases.append({"id": f"r{n}-{i}", "target_tokens": n, **ex})
     for name, rows in (("code", code), ("prose", prose), ("retrieval", cases)):
         with open(os.path.join(out_dir, f"{name}.jsonl"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     return {"code_files": len(code), "prose_files": len(prose), "retrieval_cases": len(cases)}
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 ARCHS = ("qwen3_5_text", "qwen3")
 
@@ -29,12 +29,12 @@ def build_config(arch: str, vocab_size: int, hidden: int = 384, layers: int = 8,
                  kv_heads: int = 2, head_dim: int = 64, intermediate: int = 1024, max_pos: int = 8192,
                  eos_token_id: int = 0, rope_theta: float = 100000.0, full_attention_interval: int = 4,
                  partial_rotary: float = 0.25, linear_heads: int = 4, linear_head_dim: int = 64):
-    common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=max_pos, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id, bos_token_id=None, initializer_range=0.02,
-    )
+    common = {
+        "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "eos_token_id": eos_token_id, "pad_token_id": eos_token_id, "bos_token_id": None, "initializer_range": 0.02,
+    }
     if arch == "qwen3_5_text":
         from transformers import Qwen3_5TextConfig
 

@@ -143,7 +143,7 @@ def main(argv=None):
     meta["params"] = n_params
     meta["trunk_params"] = count_params(model.lm)
     meta["corpus"] = corpus.summary()
-    meta["train_tokens_available"] = {k: int(len(v)) for k, v in streams.items()}
+    meta["train_tokens_available"] = {k: len(v) for k, v in streams.items()}
     print(f"params: {n_params/1e6:.2f}M (trunk {meta['trunk_params']/1e6:.2f}M), "
           f"train tokens: {meta['train_tokens_available']}")
 
