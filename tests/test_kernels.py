@@ -30,3 +30,16 @@ def test_leading_dims_preserved():
     w = torch.randn(16, 32)
     x = torch.randn(2, 3, 32)
     assert torch.allclose(kernel.skinny_linear(x, w, None), x @ w.T, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zero_centred", [False, True])
+def test_rms_norm_kernel_matches_reference(dtype, zero_centred):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 7, 96, generator=g) * 3).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    xf = F.rms_norm(x.float(), (96,), None, 1e-6)
+    ref = (xf * (1 + w.float())).to(dtype) if zero_centred else w * xf.to(dtype)
+    got = kernel.rms_norm(x, w, 1e-6, zero_centred)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert (got.float() - ref.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 1e-2)

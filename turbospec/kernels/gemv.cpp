@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
 
 namespace {
 
@@ -129,4 +130,41 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y.to(out_dtype).reshape(shape);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("skinny_linear", &skinny_linear, "x W^T for few rows"); }
+// RMSNorm over the last dim in one pass per row (torch's CPU rms_norm decomposes into ~6 ops, ~70 us per call):
+// y = x / sqrt(mean(x^2) + eps) * w, or * (1 + w) for zero-centred weights; float32 math, output in x's dtype.
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, double eps, bool zc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * d;
+    T* yr = y + r * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) { float v = static_cast<float>(xr[i]); ss += v * v; }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t i = 0; i < d; ++i) {
+      const float wi = static_cast<float>(w[i]);
+      const float n = static_cast<float>(xr[i]) * inv;
+      // non-zero-centred follows transformers: round the normalised value to T, then multiply by w in T
+      yr[i] = zc ? static_cast<T>(n * (1.0f + wi)) : static_cast<T>(static_cast<float>(static_cast<T>(n)) * wi);
+    }
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool zero_centred) {
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1), "bad weight");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = torch::empty_like(xc);
+  const int64_t d = x.size(-1), rows = xc.numel() / d;
+  switch (x.scalar_type()) {
+    case torch::kFloat: rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, d, eps, zero_centred); break;
+    case torch::kBFloat16: rms_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, d, eps, zero_centred); break;
+    case torch::kHalf: rms_rows(xc.data_ptr<at::Half>(), wc.data_ptr<at::Half>(), y.data_ptr<at::Half>(), rows, d, eps, zero_centred); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
+}
