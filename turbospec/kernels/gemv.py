@@ -22,9 +22,11 @@ def load_kernel():
     if os.environ.get("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         src = Path(__file__).with_name("gemv.cpp")
+        if not any(Path(_get_build_directory("turbospec_gemv", False)).glob("*.so")):
+            print("turbospec: building the AVX2 kernel (first run only, about a minute)...", file=sys.stderr)
         return load(
             name="turbospec_gemv", sources=[str(src)], verbose=False,
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
