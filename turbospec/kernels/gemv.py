@@ -25,7 +25,7 @@ def load_kernel():
         from torch.utils.cpp_extension import _get_build_directory, load
 
         src = Path(__file__).with_name("gemv.cpp")
-        if not any(Path(_get_build_directory("turbospec_gemv", False)).glob("*.so")):
+        if sys.stderr.isatty() and not any(Path(_get_build_directory("turbospec_gemv", False)).glob("*.so")):
             print("turbospec: building the AVX2 kernel (first run only, about a minute)...", file=sys.stderr)
         return load(
             name="turbospec_gemv", sources=[str(src)], verbose=False,
