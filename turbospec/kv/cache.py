@@ -7,22 +7,21 @@ import torch
 from turbospec.errors import TurboSpecError
 
 
-class KVCache:
-    """Attention KV for one sequence: `length` committed positions, then `pending` scratch positions.
-
-    A step writes its N new tokens at [length, length + N) (scratch); `commit()` keeps all of them,
+class CachePositions:
+    """Bookkeeping shared by every attention-KV store: `length` committed positions, then `pending` scratch
+    positions. A step writes its N new tokens at [length, length + N) (scratch); `commit()` keeps all of them,
     `commit(keep)` keeps only the listed scratch indices (in order), compacting them to [length, length + j).
+
+    Subclasses set `max_len` and implement `buffers()`: every storage tensor, positions on dim 2.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
-        self.max_len = max_len
-        self.dtype = dtype
-        shape = (num_layers, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self.length = 0
-        self.pending = 0
-        self.base = 0  # first attended position (drafters may skip a prompt prefix)
+    max_len: int
+    length: int
+    pending: int
+    base: int  # first attended position (drafters may skip a prompt prefix)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
     def begin(self, n: int) -> None:
         if self.length + n > self.max_len:
@@ -31,13 +30,6 @@ class KVCache:
             )
         self.pending = n
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [kv_heads, N, D] in scratch; return views over committed + scratch positions."""
-        end = self.length + k.shape[1]
-        self.k[layer, :, self.length:end] = k
-        self.v[layer, :, self.length:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
-
     def commit(self, keep: list[int] | None = None) -> None:
         if keep is None:
             self.length += self.pending
@@ -45,8 +37,8 @@ class KVCache:
             if keep != list(range(len(keep))):
                 src = torch.tensor(keep, dtype=torch.int64) + self.length
                 dst = slice(self.length, self.length + len(keep))
-                self.k[:, :, dst] = self.k[:, :, src]
-                self.v[:, :, dst] = self.v[:, :, src]
+                for buf in self.buffers():
+                    buf[:, :, dst] = buf[:, :, src]
             self.length += len(keep)
         self.pending = 0
 
@@ -62,7 +54,31 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def bytes_per_token(self) -> int:
         return self.nbytes // self.max_len
+
+
+class KVCache(CachePositions):
+    """Attention KV for one sequence in a plain float dtype (the fast default path)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
+        self.max_len = max_len
+        self.dtype = dtype
+        shape = (num_layers, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.length = 0
+        self.pending = 0
+        self.base = 0  # first attended position (drafters may skip a prompt prefix)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.k, self.v)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [kv_heads, N, D] in scratch; return views over committed + scratch positions."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]

@@ -25,13 +25,14 @@ import math
 import torch
 
 from turbospec.errors import TurboSpecError
+from turbospec.kv.cache import CachePositions
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format, rotate, unrotate
 from turbospec.kv.plan import AttentionPlan
 
 DEFAULT_BLOCK = 1024
 
 
-class QuantKVCache:
+class QuantKVCache(CachePositions):
     """Attention KV for one sequence in packed formats: `length` committed positions, then `pending`
     scratch positions (the tokens of the current step), exactly like `KVCache`."""
 
@@ -52,44 +53,10 @@ class QuantKVCache:
         self.pending = 0
         self.base = 0  # first attended position (drafters may skip a prompt prefix)
 
-    # ---- bookkeeping (same semantics as KVCache) --------------------------------------------------------
-    def begin(self, n: int) -> None:
-        if self.length + n > self.max_len:
-            raise TurboSpecError(
-                f"context full: {self.length} cached + {n} new tokens > context size {self.max_len} (raise -c)"
-            )
-        self.pending = n
-
-    def commit(self, keep: list[int] | None = None) -> None:
-        if keep is None:
-            self.length += self.pending
-        else:
-            if keep != list(range(len(keep))):
-                src = torch.tensor(keep, dtype=torch.int64) + self.length
-                dst = slice(self.length, self.length + len(keep))
-                for buf in (*self.k.values(), *self.v.values()):
-                    buf[:, :, dst] = buf[:, :, src]
-            self.length += len(keep)
-        self.pending = 0
-
-    def reset(self) -> None:
-        self.length = 0
-        self.pending = 0
-        self.base = 0
-
-    def truncate(self, n: int) -> None:
-        """Drop committed positions >= n. Only drafters' own caches use this (target caches use commit)."""
-        self.length = min(self.length, n)
-        self.pending = 0
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k.values(), *self.v.values())
 
     # ---- memory accounting ------------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-
-    def bytes_per_token(self) -> int:
-        return self.nbytes // self.max_len
-
     def bytes_per_token_per_layer(self) -> int:
         d = self.head_dim
         return self.num_kv_heads * (self.k_fmt.bytes_per_vector(d) + self.v_fmt.bytes_per_vector(d))
