@@ -185,7 +185,7 @@ class Engine:
         stats.prefill_s = time.perf_counter() - t0
         stats.cached_tokens = self.reused_tokens
         pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
-        context = list(tokens)
+        context = self.cached_tokens  # grows in place: always the tokens whose KV is committed
         t_first = None
         done = False
         while not done:
@@ -238,7 +238,6 @@ class Engine:
                 nxt, accepted = sampler.sample(self.model.logits(rows)[0]), []
             if drafter is not None:
                 drafter.accept([root] + accepted, rows, nxt)
-            self.cached_tokens = context + accepted  # tokens whose KV is committed
             context += accepted
             pending = accepted + [nxt]
         if held:
