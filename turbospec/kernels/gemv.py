@@ -16,22 +16,28 @@ def cpu_has_avx2() -> bool:
     return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
 
 
-@lru_cache(maxsize=1)
-def load_kernel():
-    """The compiled module, or None (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
+@lru_cache(maxsize=None)
+def load_extension(name: str, source: str, what: str):
+    """Build (once per machine, cached by torch) and load the C++ extension `name` from `source` in this
+    folder; None when it cannot be built here (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
     if os.environ.get("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
         return None
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        src = Path(__file__).with_name("gemv.cpp")
-        if sys.stderr.isatty() and not any(Path(_get_build_directory("turbospec_gemv", False)).glob("*.so")):
-            print("turbospec: building the AVX2 kernel (first run only, about a minute)...", file=sys.stderr)
+        src = Path(__file__).with_name(source)
+        if sys.stderr.isatty() and not any(Path(_get_build_directory(name, False)).glob("*.so")):
+            print(f"turbospec: building the AVX2 {what} kernel (first run only, about a minute)...", file=sys.stderr)
         return load(
-            name="turbospec_gemv", sources=[str(src)], verbose=False,
+            name=name, sources=[str(src)], verbose=False,
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # noqa: BLE001 -- no compiler or headers: fall back to torch's kernels
-        print(f"turbospec: skinny-GEMM kernel unavailable ({' '.join(str(e).split())[:120]}); "
+        print(f"turbospec: {what} kernel unavailable ({' '.join(str(e).split())[:120]}); "
               "using torch kernels", file=sys.stderr)
         return None
+
+
+def load_kernel():
+    """The skinny-GEMM / RMSNorm module, or None."""
+    return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM")

@@ -25,6 +25,7 @@ import math
 import torch
 
 from turbospec.errors import TurboSpecError
+from turbospec.kernels import attention as fused
 from turbospec.kv.cache import CachePositions
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format, rotate, unrotate
 from turbospec.kv.plan import AttentionPlan
@@ -111,13 +112,19 @@ class QuantKVCache(CachePositions):
         qf = qf * scale
         dv = self.v_fmt.padded_dim(d) if self.v_fmt.rotated else d
         rows = g * n
-        m = torch.full((kvh, rows, 1), -math.inf)
-        lsum = torch.zeros(kvh, rows, 1)
-        acc = torch.zeros(kvh, rows, dv)
         mask = plan.mask
+        # the fused kernel covers the committed positions (and the decode token itself: nothing to mask)
+        fused_end = total if (n == 1 and mask is None) else start
+        if rows <= fused.MAX_ROWS and fused_end > self.base and self._kernel_specs(d) is not None:
+            m, lsum, acc = self._attend_fused(layer, qf, d, self.base, fused_end)
+        else:
+            fused_end = self.base
+            m = torch.full((kvh, rows, 1), -math.inf)
+            lsum = torch.zeros(kvh, rows, 1)
+            acc = torch.zeros(kvh, rows, dv)
         tok_pos = torch.arange(start, total).repeat(g)  # position of each row's token, [G*N]
         kslice, vslice = self.k, self.v
-        for s in range(self.base, total, self.block):
+        for s in range(fused_end, total, self.block):
             e = min(s + self.block, total)
             kp = self._slice(kslice, layer, s, e)
             if self.k_fmt.rotated:
@@ -145,6 +152,24 @@ class QuantKVCache(CachePositions):
         if self.v_fmt.rotated:
             out = unrotate(out, d)
         return out.reshape(h, n, d).to(q.dtype)
+
+    def _kernel_specs(self, d: int):
+        """(K spec, V spec) for the fused C++ kernel, or None (no kernel here, or a format it cannot read)."""
+        if not hasattr(self, "_specs"):
+            ks, vs = fused.spec_of(self.k_fmt, d), fused.spec_of(self.v_fmt, d)
+            self._specs = (ks, vs) if ks is not None and vs is not None and fused.load() is not None else None
+        return self._specs
+
+    def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
+        """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel."""
+        ks, vs = self._kernel_specs(d)
+        kw, vw = self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d)
+        q = qf if qf.shape[-1] == kw else torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
+        m, lsum, acc = fused.partial(q.contiguous(), ks, [self.k[f][layer] for f in ks[2]], vs,
+                                     [self.v[f][layer] for f in vs[2]], vw, s, e)
+        if not self.v_fmt.rotated and vw != d:
+            acc = acc[..., :d].contiguous()
+        return m.unsqueeze(-1), lsum.unsqueeze(-1), acc
 
     def __repr__(self) -> str:
         return (f"<QuantKVCache K {self.k_type} V {self.v_type}: {self.num_layers} layers x {self.num_kv_heads} "

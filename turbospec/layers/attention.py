@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from turbospec.kernels import attention as fused
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
@@ -75,8 +76,12 @@ class Attention:
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """One query row per head (q [H, 1, D]) over [KVH, L, D]: batched matmuls (GQA by grouping query heads),
-    cheaper than SDPA's setup for a single row. 16-bit caches are multiplied in float32: without AVX-512 BF16/FP16,
-    torch's 16-bit batched matmul is ~3x slower than converting and using the fp32 kernel (docs/speed.md)."""
+    cheaper than SDPA's setup for a single row. Uses the fused C++ kernel (reads 16-bit caches directly, no
+    float32 copy of the cache) when it is built; otherwise 16-bit caches are multiplied in float32: without
+    AVX-512 BF16/FP16, torch's 16-bit batched matmul is ~3x slower than converting (docs/speed.md)."""
+    out = fused.dense_decode(q, keys, values, 1.0 / math.sqrt(q.shape[-1]))
+    if out is not None:
+        return out
     h, _, d = q.shape
     kvh = keys.shape[0]
     qg = q.reshape(kvh, h // kvh, d).float()

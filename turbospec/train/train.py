@@ -27,7 +27,7 @@ from .model import TrunkWithMTP, build_config, count_params
 from .tokenizer import EOT, load_tokenizer, save_tokenizer, train_tokenizer
 
 # (progress threshold, seq_len, batch) -- curriculum from short to long context
-DEFAULT_CURRICULUM = [(0.0, 256, 4), (0.30, 512, 2), (0.55, 1024, 2), (0.78, 2048, 1), (0.92, 4096, 1)]
+DEFAULT_CURRICULUM = [(0.0, 256, 4), (0.20, 512, 2), (0.45, 1024, 2), (0.70, 2048, 1), (0.90, 4096, 1)]
 
 
 def parse_args(argv=None):
@@ -49,9 +49,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
-    ap.add_argument("--p-retrieval", type=float, default=0.15)
-    ap.add_argument("--answer-weight", type=float, default=3.0)
-    ap.add_argument("--time-budget-min", type=float, default=75.0, help="wall-clock training budget (0 = use --max-steps)")
+    ap.add_argument("--p-retrieval", type=float, default=0.3)
+    ap.add_argument("--answer-weight", type=float, default=4.0)
+    ap.add_argument("--time-budget-min", type=float, default=105.0, help="wall-clock training budget (0 = use --max-steps)")
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch]')
     ap.add_argument("--ckpt-every-min", type=float, default=5.0)

@@ -1,0 +1,98 @@
+"""The fused C++ attention kernel against torch references, for every format it reads."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbospec.kernels import attention as fused
+from turbospec.kv.formats import get_format, rotate
+from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import QuantKVCache
+from turbospec.layers.attention import _decode_attention
+
+pytestmark = pytest.mark.skipif(fused.load() is None, reason="attention kernel not available on this machine")
+
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "tbq4_0", "tbq4_0d", "turbo2", "turbo3", "turbo4"]
+
+
+def _decoded(fmt, packed):
+    if fmt.rotated:
+        return fmt.decode_rotated(packed)
+    return fmt.decode(packed, packed.dim)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
+    g = torch.Generator().manual_seed(d)
+    fmt = get_format(name)
+    spec = fused.spec_of(fmt, d)
+    assert spec is not None
+    kvh, t, rows = 2, 600, 5  # 600 positions: three tiles, the last one partial
+    kp = fmt.encode(torch.randn(kvh, t, d, generator=g))
+    vp = fmt.encode(torch.randn(kvh, t, d, generator=g))
+    q = torch.randn(kvh, rows, d, generator=g) * 0.3
+    width = fmt.padded_dim(d)
+    kd = fmt.decode_rotated(kp) if fmt.rotated else fmt._decode_padded(kp)
+    vd = fmt.decode_rotated(vp) if fmt.rotated else fmt._decode_padded(vp)
+    kd, vd = kd.reshape(kvh, t, width), vd.reshape(kvh, t, width)
+    qq = rotate(q) if fmt.rotated else F.pad(q, (0, width - d))
+    s, e = 7, 590
+    scores = qq @ kd[:, s:e].transpose(1, 2)
+    m_ref = scores.amax(-1)
+    p = torch.exp(scores - m_ref[..., None])
+    out_ref = (p @ vd[:, s:e]) / p.sum(-1, keepdim=True)
+    m, lsum, acc = fused.partial(qq.contiguous(), spec, [kp[f] for f in spec[2]], spec, [vp[f] for f in spec[2]],
+                                 width, s, e)
+    assert m.shape == (kvh, rows) and acc.shape == (kvh, rows, width)
+    assert torch.allclose(m, m_ref, atol=1e-5)
+    assert torch.allclose(acc / lsum[..., None], out_ref, atol=1e-5)
+
+
+def test_turbo_prod_has_no_kernel_path():
+    assert fused.spec_of(get_format("turbo4p"), 64) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_decode_matches_softmax_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(8, 1, 64, generator=g).to(dtype)
+    keys = torch.randn(2, 300, 64, generator=g).to(dtype)
+    values = torch.randn(2, 300, 64, generator=g).to(dtype)
+    got = _decode_attention(q, keys, values)
+    qg = q.float().reshape(2, 4, 64)
+    ref = torch.softmax(qg @ keys.float().transpose(1, 2) / math.sqrt(64), -1) @ values.float()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype
+    assert torch.allclose(got.float(), ref.reshape(8, 1, 64), atol=tol)
+
+
+@pytest.mark.parametrize("kv", [("q4_0", "turbo3"), ("tbq4_0", "q8_0"), ("f16", "turbo4")])
+def test_cache_attend_same_with_and_without_kernel(kv, monkeypatch):
+    """QuantKVCache.attend: kernel (committed part) + torch (scratch part, causal / tree masks) equals the
+    all-torch block loop, for a chunked prefill, a decode step and a tree step."""
+    g = torch.Generator().manual_seed(2)
+    d, kvh, h = 64, 2, 4
+
+    def run():
+        cache = QuantKVCache(1, kvh, d, 128, kv[0], kv[1], block=16)
+        outs = []
+        for n, tree in ((40, False), (30, False), (1, False), (3, True)):
+            q = torch.randn(h, n, d, generator=g)
+            k = torch.randn(kvh, n, d, generator=g)
+            v = torch.randn(kvh, n, d, generator=g)
+            cache.begin(n)
+            plan = AttentionPlan.tree(cache.length, [-1, 0, 0]) if tree else AttentionPlan.causal(cache.length, n)
+            outs.append(cache.attend(0, q, k, v, plan, 1.0 / math.sqrt(d)))
+            cache.commit()
+        return outs
+
+    state = g.get_state()
+    with_kernel = run()
+    g.set_state(state)
+    monkeypatch.setenv("TURBOSPEC_NO_ATTN_KERNEL", "1")
+    without = run()
+    for a, b in zip(with_kernel, without):
+        assert torch.allclose(a, b, atol=2e-5)
