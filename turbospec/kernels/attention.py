@@ -14,7 +14,14 @@ import torch
 
 from turbospec.kernels.gemv import load_extension
 from turbospec.kv.formats import (
-    KVFormat, PlainFormat, Q4_0Format, Q8_0Format, TBQ4Format, TurboFormat, TurboProdFormat, _codebook,
+    KVFormat,
+    PlainFormat,
+    Q4_0Format,
+    Q8_0Format,
+    TBQ4Format,
+    TurboFormat,
+    TurboProdFormat,
+    _codebook,
 )
 
 # kinds shared with attention.cpp

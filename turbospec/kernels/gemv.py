@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 
@@ -16,7 +16,7 @@ def cpu_has_avx2() -> bool:
     return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_extension(name: str, source: str, what: str):
     """Build (once per machine, cached by torch) and load the C++ extension `name` from `source` in this
     folder; None when it cannot be built here (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
