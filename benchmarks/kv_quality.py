@@ -8,7 +8,13 @@ distribution against the f16/f16 cache is recorded; the table reports its mean a
 share of positions whose argmax equals the f16 cache's argmax, and PPL.
 
     python benchmarks/kv_quality.py --model models/turbospec-tiny --text turbospec/data/eval/prose.jsonl \\
-        --ctx 512 4096 --chunks 4 [--pairs f16/f16 q8_0/turbo3 ...] [--out docs/results/kv_quality.json]
+        --ctx 512 4096 --chunks 4 [--pairs f16/f16 q8_0/turbo3 ...] [--retrieval 20 --lengths 1024 2048 4096] \\
+        [--out docs/results/kv_quality.json]
+
+`--retrieval N` adds retrieval accuracy on the shipped long-context cases (turbospec/data/eval/retrieval.jsonl,
+first N cases of each length): the prompt and the answer sentence are prefilled through the pair's cache
+(in --ubatch pieces); a case counts when the argmax at every answer position is the answer token, i.e.
+greedy decoding with that cache reproduces the answer sentence (which contains the value).
 
 `--text` is a plain text file or a .jsonl file with a "text" field per line (joined with blank lines).
 """
@@ -24,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from turbospec.kv.plan import AttentionPlan
 from turbospec.lab.quality import chunk_logprobs, read_text
 from turbospec.models import load_model
 
@@ -67,6 +74,36 @@ def evaluate(model, tokens: list[int], ctx: int, chunks: int, pairs: list[str], 
     return rows
 
 
+def retrieval_accuracy(model, tok, cases: list[dict], pair: str, ubatch: int) -> dict[str, float]:
+    """Share of cases per length whose answer sentence greedy decoding reproduces (teacher-forced, one pass)."""
+    kt, vt = pair.split("/")
+    hits: dict[int, list[bool]] = {}
+    for c in cases:
+        p_ids = tok.encode(c["prompt"], add_special=False)
+        a_ids = tok.encode(c["answer"], add_special=False)
+        ids = torch.tensor(p_ids + a_ids, dtype=torch.int64)
+        cache = model.new_cache(ids.numel(), k_type=kt, v_type=vt)
+        hs = []
+        for s in range(0, ids.numel(), ubatch):
+            piece = ids[s:s + ubatch]
+            hs.append(model.forward(piece, AttentionPlan.causal(cache.length, piece.numel()), cache))
+            cache.commit()
+        pred = model.logits(torch.cat(hs)[len(p_ids) - 1:-1]).argmax(-1).tolist()
+        hits.setdefault(c["target_tokens"], []).append(pred == a_ids)
+    return {str(n): 100.0 * sum(v) / len(v) for n, v in sorted(hits.items())}
+
+
+def load_cases(path: str, lengths: list[int], per_length: int) -> list[dict]:
+    cases, count = [], {}
+    for line in Path(path).read_text().splitlines():
+        c = json.loads(line)
+        n = c["target_tokens"]
+        if n in lengths and count.get(n, 0) < per_length:
+            count[n] = count.get(n, 0) + 1
+            cases.append(c)
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled model)")
@@ -77,6 +114,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--retrieval", type=int, default=0, help="retrieval cases per length (0 = skip)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--cases", default="turbospec/data/eval/retrieval.jsonl")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from turbospec.cli import default_model
@@ -97,10 +137,25 @@ def main() -> None:
     for r in rows:
         print(f"| {r['pair']} | {r['ctx']} | {r['ppl']:.4f} | {r['kld_mean']:.6f} | {r['kld_p99']:.6f} "
               f"| {r['same_top1']:.2f} |")
+    retrieval = {}
+    if a.retrieval:
+        tok = Tokenizer(path)
+        cases = load_cases(a.cases, a.lengths, a.retrieval)
+        for p in a.pairs:
+            t = time.perf_counter()
+            retrieval[p] = retrieval_accuracy(model, tok, cases, p, a.ubatch)
+            print(f"  retrieval {p}: {retrieval[p]} ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+        lens = sorted({c["target_tokens"] for c in cases})
+        print(f"\nretrieval accuracy % ({a.retrieval} cases per length)")
+        print("| K/V | " + " | ".join(str(n) for n in lens) + " |")
+        print("|---|" + "---|" * len(lens))
+        for p, acc in retrieval.items():
+            print(f"| {p} | " + " | ".join(f"{acc[str(n)]:.0f}" for n in lens) + " |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": str(path), "text": a.text, "dtype": a.dtype, "ubatch": a.ubatch, "tokens": len(tokens)}
-        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        meta = {"model": str(path), "text": a.text, "dtype": a.dtype, "ubatch": a.ubatch, "tokens": len(tokens),
+                "retrieval_cases_per_length": a.retrieval}
+        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows, "retrieval": retrieval}, indent=1))
 
 
 if __name__ == "__main__":

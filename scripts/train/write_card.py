@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 
+from turbospec.train.train import DEFAULT_CURRICULUM
+
 
 def _load(path):
     with open(path) as fh:
@@ -28,6 +30,11 @@ def main():
     ap.add_argument("--note", default="", help="extra line for the training table (e.g. a continuation)")
     ap.add_argument("--meta", default="runs/tiny/train_meta.json", help="training meta with loss history")
     ap.add_argument("--extra-eval", default=None, help="optional second eval json (e.g. 8K retrieval)")
+    ap.add_argument("--run", default="runs/tiny", help="run directory named in the training command")
+    ap.add_argument("--machine", default="2 CPU cores, 2 torch threads",
+                    help="how the training machine was used (shared? niced?)")
+    ap.add_argument("--python-verdict", default="partly -- judged by eye, see samples",
+                    help="by-eye verdict on the greedy code samples; starts with 'yes' to count as a pass")
     a = ap.parse_args()
     cfg = _load(os.path.join(a.model, "config.json"))
     meta = _load(os.path.join(a.model, "training_summary.json"))
@@ -57,9 +64,10 @@ def main():
         ("(extra, not part of the bar) MTP acceptance on self-generated code continuations >= 0.6",
          acc_c.get("acceptance") is not None and acc_c["acceptance"] >= 0.6, f3(acc_c.get("acceptance"))),
     ]
-    bar.append((("greedy continuations of held-out code look like Python (judged by eye): partly -- indentation, "
-                "`if ... is not None:` blocks, `self.` attribute chains and calls, but loops and reST fragments"), False,
-                "see samples"))
+    bar.append(("greedy continuations of held-out code look like Python (judged by eye)",
+                a.python_verdict.lower().startswith("yes"), a.python_verdict))
+    cur = json.loads(args["curriculum"]) if args.get("curriculum") else DEFAULT_CURRICULUM
+    cur_text = ", ".join(f"{p:g}: {n}x{b}" for p, n, b in cur)
     samples = acc_c.get("samples", [])[:3]
     fam = {}
     for L, v in r.items():
@@ -87,7 +95,7 @@ tags: [turbospec, mtp, qwen3_5_text, tiny, cpu]
 
 A tiny {'Qwen3.5-style hybrid (`qwen3_5_text`: Gated DeltaNet + gated full attention, 3:1, partial rotary)' if hybrid else 'dense `qwen3`'}
 language model with a **native MTP (multi-token prediction) head** under the Qwen3.5 weight names, trained from
-scratch by turbospec on 2 shared CPU cores, on Python standard-library code and the Python documentation.
+scratch by turbospec on 2 CPU cores, on Python standard-library code and the Python documentation.
 It exists so that turbospec runs with one command without a model hub, and so that MTP drafting, KV-cache
 quantization and long-context retrieval can be measured on a *trained* model. It is not a useful assistant.
 
@@ -154,15 +162,15 @@ Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['voca
 
 | | |
 |---|---|
-| command | `python -m turbospec.train --run runs/tiny --time-budget-min {args.get('time_budget_min')} --export runs/tiny/export` (then copied to `models/turbospec-tiny`) |
+| command | `python -m turbospec.train --run {a.run} --time-budget-min {args.get('time_budget_min')} --export {a.run}/export` (then copied to `models/turbospec-tiny`) |
 | objective | next-token LM loss + {args.get('mtp_weight')} x MTP loss (token t+2), MTP trained jointly from the start |
 | optimizer | AdamW (beta 0.9/0.95, eps 1e-8, weight decay {args.get('weight_decay')} on matrices except embeddings), grad clip 1.0 |
 | schedule | peak LR {args.get('lr')}, {args.get('warmup_steps')} warmup steps, cosine to {args.get('min_lr_frac')} x peak over the wall-clock budget |
-| curriculum (progress: seq_len x batch) | 0: 256x4, 0.30: 512x2, 0.55: 1024x2, 0.78: 2048x1, 0.92: 4096x1 |
+| curriculum (progress: seq_len x batch) | {cur_text} |
 | precision | float32 (bf16 autocast was far slower on this CPU: no AVX-512 BF16), exported in bfloat16 |
 | seed | {args.get('seed')} |
 | steps / tokens seen | {meta.get('step')} / {meta.get('tokens'):,} |
-| training wall time | {meta.get('elapsed_s', 0)/60:.1f} min (step time; 2 CPU cores shared with other jobs, `nice -n 10`, 2 torch threads) |
+| training wall time | {meta.get('elapsed_s', 0)/60:.1f} min (step time; {a.machine}) |
 {note_row}| final train loss (mean of the last 5 logged steps, weighted) | LM {meta.get('last_lm_loss', 'n/a')}, MTP {meta.get('last_mtp_loss', 'n/a')} |
 
 ## Evaluation (held-out)
@@ -206,7 +214,7 @@ print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0]))
 
 ## Limitations
 
-Trained for about {meta.get('elapsed_s', 0)/60:.0f} minutes on a shared 2-core CPU ({meta.get('tokens'):,} tokens): the
+Trained for about {meta.get('elapsed_s', 0)/60:.0f} minutes on a 2-core CPU ({meta.get('tokens'):,} tokens): the
 model is badly under-trained; it produces Python-flavoured text, not correct programs; it knows nothing beyond
 its corpus; it is not instruction-tuned (the chat template only defines the format). Use it to measure
 speculative-decoding and KV-cache machinery, not for quality.
