@@ -96,3 +96,14 @@ def test_cache_attend_same_with_and_without_kernel(kv, monkeypatch):
     without = run()
     for a, b in zip(with_kernel, without):
         assert torch.allclose(a, b, atol=2e-5)
+
+
+def test_dense_decode_torch_fallback_agrees_with_kernel(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 1, 64, generator=g)
+    keys = torch.randn(2, 100, 64, generator=g).to(torch.bfloat16)
+    values = torch.randn(2, 100, 64, generator=g).to(torch.bfloat16)
+    with_kernel = _decode_attention(q, keys, values)
+    monkeypatch.setenv("TURBOSPEC_NO_ATTN_KERNEL", "1")
+    assert fused.dense_decode(q, keys, values, 0.125) is None
+    assert torch.allclose(_decode_attention(q, keys, values), with_kernel, atol=1e-5)
