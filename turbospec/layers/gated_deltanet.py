@@ -20,10 +20,20 @@ The conv state is the last K-1 projected input rows; the layer hands the cache t
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from turbospec.kernels.gemv import load_extension
 from turbospec.layers.linear import Linear
+
+
+def load_gdn_kernel():
+    """The C++ decode/verification mixer (turbospec/kernels/deltanet.cpp), or None."""
+    if os.environ.get("TURBOSPEC_NO_GDN_KERNEL"):
+        return None
+    return load_extension("turbospec_gdn", "deltanet.cpp", "Gated DeltaNet")
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -166,6 +176,11 @@ class GatedDeltaNet:
         dtype = x.dtype
         qkv, z, b, a = self.proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         window = torch.cat([conv_state.to(qkv.dtype), qkv], dim=0)  # [K-1+N, C]
+        kernel = load_gdn_kernel() if all_states else None
+        if kernel is not None:  # decode / verification: the whole mixer in one C++ call
+            o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
+                                        ssm_state, self.nk, self.nv, self.dk, self.dv, self.eps, True)
+            return self.out(o), window, states
         # depthwise causal conv as K shifted multiply-adds (torch's grouped conv1d costs ms per call on CPU)
         conv = window[0:n] * self.conv_t[0]
         for i in range(1, self.kernel):

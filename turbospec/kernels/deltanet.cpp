@@ -1,0 +1,138 @@
+// Gated DeltaNet token mixer for decode and speculative verification (few tokens, state after every token):
+// everything between the input projection and the output projection in one call -- causal depthwise conv +
+// SiLU, per-head l2 norm of q/k, beta/decay gates, the gated delta-rule recurrence (float32 state) and the
+// gated RMSNorm of the output. Replaces ~40 small torch ops per layer per step (turbospec/layers/gated_deltanet.py
+// documents the math; the Python path stays the reference and the prefill path).
+//
+// 16-bit models: the Python path rounds to the model dtype after the conv multiply-adds, the SiLU, the
+// normalised output and the norm weight product; this kernel rounds at the same points so both paths agree.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+template <typename T>
+void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, const float* neg_a,
+         const float* dt_bias, const T* norm_w, const float* state0, float* states, T* y,
+         int64_t n, int64_t kernel, int64_t nk, int64_t nv, int64_t dk, int64_t dv, double eps, bool all_states) {
+  const int64_t key_dim = nk * dk, value_dim = nv * dv, c = 2 * key_dim + value_dim;
+  const int64_t rep = nv / nk;
+  // conv + SiLU over all channels of the n new tokens, in float (rounded like the Python path)
+  std::vector<float> mixed(n * c);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t ch = 0; ch < c; ++ch) {
+      float acc = rnd<T>(static_cast<float>(window[t * c + ch]) * static_cast<float>(conv_t[ch]));
+      for (int64_t i = 1; i < kernel; ++i)
+        acc = rnd<T>(acc + rnd<T>(static_cast<float>(window[(t + i) * c + ch]) * static_cast<float>(conv_t[i * c + ch])));
+      mixed[t * c + ch] = rnd<T>(silu(acc));
+    }
+  }
+  // l2-normalised q (scaled) and k per key head
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(dk));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t part = 0; part < 2; ++part) {
+      for (int64_t h = 0; h < nk; ++h) {
+        float* x = mixed.data() + t * c + part * key_dim + h * dk;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < dk; ++i) ss += x[i] * x[i];
+        const float inv = 1.0f / std::sqrt(ss + 1e-6f);
+        for (int64_t i = 0; i < dk; ++i) x[i] = part == 0 ? x[i] * inv * qscale : x[i] * inv;
+      }
+    }
+  }
+  const int64_t state_sz = dk * dv;
+  at::parallel_for(0, nv, 4, [&](int64_t h0, int64_t h1) {
+    std::vector<float> s(state_sz), mem(dv), o(dv);
+    for (int64_t h = h0; h < h1; ++h) {
+      std::copy(state0 + h * state_sz, state0 + (h + 1) * state_sz, s.begin());
+      const int64_t kh = h / rep;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* q = mixed.data() + t * c + kh * dk;
+        const float* k = mixed.data() + t * c + key_dim + kh * dk;
+        const float* v = mixed.data() + t * c + 2 * key_dim + h * dv;
+        const float beta = sigmoid(static_cast<float>(b[t * nv + h]));
+        const float decay = std::exp(neg_a[h] * softplus(static_cast<float>(a[t * nv + h]) + dt_bias[h]));
+        std::fill(mem.begin(), mem.end(), 0.0f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = s.data() + i * dv;
+          const float ki = k[i];
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] *= decay;
+            mem[j] += ki * row[j];
+          }
+        }
+        for (int64_t j = 0; j < dv; ++j) mem[j] = (v[j] - mem[j]) * beta;  // delta
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = s.data() + i * dv;
+          const float ki = k[i], qi = q[i];
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] += ki * mem[j];
+            o[j] += qi * row[j];
+          }
+        }
+        if (all_states || t == n - 1) {
+          float* dst = states + ((all_states ? t : 0) * nv + h) * state_sz;
+          std::copy(s.begin(), s.end(), dst);
+        }
+        // gated RMSNorm: (w * round(o / rms(o))) * silu(z)
+        float ss = 0.0f;
+        for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(eps));
+        for (int64_t j = 0; j < dv; ++j) {
+          const float on = rnd<T>(o[j] * inv);
+          const float wn = rnd<T>(static_cast<float>(norm_w[j]) * on);
+          y[t * value_dim + h * dv + j] = static_cast<T>(wn * silu(static_cast<float>(z[t * value_dim + h * dv + j])));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// window [K-1+N, C] (conv state rows then the new projected rows), conv_t [K, C], z [N, Hv*Dv], b/a [N, Hv]
+// (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified).
+// Returns (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
+std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b,
+                                    torch::Tensor a, torch::Tensor neg_a, torch::Tensor dt_bias,
+                                    torch::Tensor norm_w, torch::Tensor state, int64_t nk, int64_t nv, int64_t dk,
+                                    int64_t dv, double eps, bool all_states) {
+  const auto dt = window.scalar_type();
+  TORCH_CHECK(conv_t.scalar_type() == dt && z.scalar_type() == dt && b.scalar_type() == dt &&
+              a.scalar_type() == dt && norm_w.scalar_type() == dt, "gdn_step: mixed dtypes");
+  TORCH_CHECK(state.scalar_type() == torch::kFloat && neg_a.scalar_type() == torch::kFloat &&
+              dt_bias.scalar_type() == torch::kFloat, "gdn_step: state and gates must be float32");
+  TORCH_CHECK(nv % nk == 0, "value heads must be a multiple of key heads");
+  window = window.contiguous(); conv_t = conv_t.contiguous(); z = z.contiguous(); b = b.contiguous();
+  a = a.contiguous(); norm_w = norm_w.contiguous(); state = state.contiguous();
+  const int64_t kernel = conv_t.size(0), n = window.size(0) - (kernel - 1);
+  TORCH_CHECK(n >= 1 && window.size(1) == 2 * nk * dk + nv * dv && state.numel() == nv * dk * dv, "gdn_step: shapes");
+  auto y = torch::empty({n, nv * dv}, window.options());
+  auto states = torch::empty({all_states ? n : 1, nv, dk, dv}, state.options());
+#define GDN_RUN(T)                                                                                              \
+  run<T>(window.data_ptr<T>(), conv_t.data_ptr<T>(), z.data_ptr<T>(), b.data_ptr<T>(), a.data_ptr<T>(),     \
+         neg_a.data_ptr<float>(), dt_bias.data_ptr<float>(), norm_w.data_ptr<T>(), state.data_ptr<float>(), \
+         states.data_ptr<float>(), y.data_ptr<T>(), n, kernel, nk, nv, dk, dv, eps, all_states)
+  switch (dt) {
+    case torch::kFloat: GDN_RUN(float); break;
+    case torch::kBFloat16: GDN_RUN(at::BFloat16); break;
+    case torch::kHalf: GDN_RUN(at::Half); break;
+    default: TORCH_CHECK(false, "gdn_step: unsupported dtype");
+  }
+#undef GDN_RUN
+  return {y, states};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gdn_step", &gdn_step, "Gated DeltaNet mixer for few tokens (decode / verification)");
+}
