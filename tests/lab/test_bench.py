@@ -80,3 +80,14 @@ def test_prometheus_spec_counters_are_read():
     finally:
         srv.shutdown()
     assert got == {"draft": 120.0, "accepted": 90.0}
+
+
+def test_sweep_values_take_the_option_type():
+    import argparse
+
+    from turbospec.lab.bench import apply_config
+
+    a = argparse.Namespace(spec_draft_vocab=0, spec_draft_p_min=0.0, spec_type=None, spec_draft_n_max=3)
+    b = apply_config(a, {"draft-vocab": "2048", "p-min": "0.25", "spec-type": "ngram-mod+draft-mtp"})
+    assert b.spec_draft_vocab == 2048 and b.spec_draft_p_min == 0.25
+    assert b.spec_type == "ngram-mod,draft-mtp" and a.spec_draft_vocab == 0

@@ -32,6 +32,7 @@ from turbospec.lab.report import (
 SWEEP_KEYS = {
     "ctk": "cache_type_k", "ctv": "cache_type_v", "spec-type": "spec_type", "n-max": "spec_draft_n_max",
     "ub": "ubatch_size", "dtype": "dtype", "threads": "threads", "ctkd": "cache_type_k_draft",
+    "draft-vocab": "spec_draft_vocab", "p-min": "spec_draft_p_min", "mtp-window": "spec_mtp_prompt_window",
 }
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "prompts.json"
 
@@ -72,6 +73,8 @@ def apply_config(a: argparse.Namespace, cfg: dict[str, str]) -> argparse.Namespa
             setattr(b, dest, v.replace("+", ","))  # chains inside a sweep: ngram-mod+draft-mtp
         elif isinstance(cur, int) or dest in ("spec_draft_n_max", "ubatch_size", "threads"):
             setattr(b, dest, int(v))
+        elif isinstance(cur, float):
+            setattr(b, dest, float(v))
         else:
             setattr(b, dest, v)
     return b
