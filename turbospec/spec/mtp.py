@@ -118,6 +118,7 @@ class MTPDrafter:
         self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
         self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
         self.next_pos = 0
+        self.offset = 0  # target position of MTP cache entry 0
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
@@ -129,8 +130,9 @@ class MTPDrafter:
         if self.prompt_window > 0:
             start = max(start, n - 1 - self.prompt_window)
         hidden = torch.cat([hidden.new_zeros(n - hidden.shape[0], hidden.shape[1]), hidden])
-        self.cache.length = start  # positions before `start` are skipped (masked out)
-        self.cache.base = start
+        # MTP cache entry i holds target position i + offset: skipped prompt positions take no cache room and
+        # need no mask (RoPE gets the true positions from the plan)
+        self.offset = start
         self.next_pos = start
         chunk = 512
         for s in range(start, n - 1, chunk):
@@ -167,7 +169,7 @@ class MTPDrafter:
             drafted.append(tok)
             if i + 1 == n_max:
                 break
-            plan = _plan(self.cache, self.cache.length, 1)
+            plan = _plan(self.cache, self.cache.length + self.offset, 1)
             h = self.mtp.forward(torch.tensor([tok]), h, plan, self.cache, step=i + 1)
             self.cache.commit()
         self.cache.length = committed  # drop speculative MTP entries
@@ -185,12 +187,7 @@ class MTPDrafter:
 
 
 def _plan(cache: KVCache, pos: int, n: int) -> AttentionPlan:
-    base = getattr(cache, "base", 0)
+    """Causal step over the MTP cache's entries, with RoPE at the true target positions [pos, pos + n)."""
     plan = AttentionPlan.causal(cache.length, n)
     plan.positions = torch.arange(pos, pos + n, dtype=torch.int64)
-    if base:
-        # skipped prompt positions hold zeros: mask them out
-        keys = torch.arange(cache.length + n)
-        rows = torch.arange(cache.length, cache.length + n)
-        plan.mask = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= base)
     return plan
