@@ -67,7 +67,7 @@ def main():
     bar.append(("greedy continuations of held-out code look like Python (judged by eye)",
                 a.python_verdict.lower().startswith("yes"), a.python_verdict))
     cur = json.loads(args["curriculum"]) if args.get("curriculum") else DEFAULT_CURRICULUM
-    cur_text = ", ".join(f"{p:g}: {n}x{b}" for p, n, b in cur)
+    cur_text = ", ".join(f"{c[0]:g}: {c[1]}x{c[2]}" + (f" (retrieval {c[3]:.0%})" if len(c) > 3 else "") for c in cur)
     samples = acc_c.get("samples", [])[:3]
     fam = {}
     for L, v in r.items():
@@ -166,7 +166,7 @@ Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['voca
 | objective | next-token LM loss + {args.get('mtp_weight')} x MTP loss (token t+2), MTP trained jointly from the start |
 | optimizer | AdamW (beta 0.9/0.95, eps 1e-8, weight decay {args.get('weight_decay')} on matrices except embeddings), grad clip 1.0 |
 | schedule | peak LR {args.get('lr')}, {args.get('warmup_steps')} warmup steps, cosine to {args.get('min_lr_frac')} x peak over the wall-clock budget |
-| curriculum (progress: seq_len x batch) | {cur_text} |
+| curriculum (progress: seq_len x batch, share of sequences with a retrieval document) | {cur_text} |
 | precision | float32 (bf16 autocast was far slower on this CPU: no AVX-512 BF16), exported in bfloat16 |
 | seed | {args.get('seed')} |
 | steps / tokens seen | {meta.get('step')} / {meta.get('tokens'):,} |

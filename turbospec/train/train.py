@@ -26,8 +26,11 @@ from .export import export_model
 from .model import TrunkWithMTP, build_config, count_params
 from .tokenizer import EOT, load_tokenizer, save_tokenizer, train_tokenizer
 
-# (progress threshold, seq_len, batch) -- curriculum from short to long context
-DEFAULT_CURRICULUM = [(0.0, 256, 4), (0.20, 512, 2), (0.45, 1024, 2), (0.70, 2048, 1), (0.90, 4096, 1)]
+# (progress threshold, seq_len, batch[, share of sequences with a retrieval document]) -- from short to long
+# context; the retrieval share rises for the long phases (copying a value across 1K-4K tokens is the skill
+# that forms last)
+DEFAULT_CURRICULUM = [(0.0, 256, 4, 0.3), (0.20, 512, 2, 0.3), (0.45, 1024, 2, 0.6), (0.70, 2048, 1, 0.6),
+                      (0.90, 4096, 1, 0.6)]
 
 
 def parse_args(argv=None):
@@ -49,11 +52,12 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
-    ap.add_argument("--p-retrieval", type=float, default=0.3)
+    ap.add_argument("--p-retrieval", type=float, default=0.3,
+                    help="share of sequences with a retrieval document (curriculum phases may override it)")
     ap.add_argument("--answer-weight", type=float, default=4.0)
     ap.add_argument("--time-budget-min", type=float, default=105.0, help="wall-clock training budget (0 = use --max-steps)")
     ap.add_argument("--max-steps", type=int, default=0)
-    ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch]')
+    ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch(, p_retrieval)]')
     ap.add_argument("--ckpt-every-min", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
@@ -72,12 +76,13 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def phase_at(progress: float, curriculum):
+def phase_at(progress: float, curriculum, p_retrieval: float = 0.3):
+    """(seq_len, batch, retrieval share) of the curriculum phase at `progress`."""
     cur = curriculum[0]
     for c in curriculum:
         if progress >= c[0]:
             cur = c
-    return int(cur[1]), int(cur[2])
+    return int(cur[1]), int(cur[2]), float(cur[3]) if len(cur) > 3 else p_retrieval
 
 
 def prepare(args):
@@ -167,7 +172,7 @@ def main(argv=None):
         model.train()
         while progress() < 1.0:
             t0 = time.time()
-            seq_len, bsz = phase_at(progress(), curriculum)
+            seq_len, bsz, sampler.p_retrieval = phase_at(progress(), curriculum, args.p_retrieval)
             lr = lr_at(meta["step"], progress(), args)
             for g in opt.param_groups:
                 g["lr"] = lr
