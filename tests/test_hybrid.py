@@ -147,17 +147,52 @@ def test_rollback_refused_after_long_step(models):
         cache.commit(keep=list(range(5)))
 
 
-def test_tree_rejected(models):
-    model = models("qwen3_5")
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("kernel", [True, False])
+def test_tree_step_equals_its_paths_and_commits_a_path(models, name, kernel, monkeypatch):
+    """A token tree verified in one step gives every node the logits of its root path run as a chain, and
+    committing a path leaves the cache as if only that path had been processed."""
+    if not kernel:
+        monkeypatch.setenv("TURBOSPEC_NO_GDN_KERNEL", "1")
+    model = models(name)
+    prefix = torch.arange(3, 9)
+    toks = torch.tensor([11, 12, 13, 14, 15, 16])
+    parents = [-1, 0, 0, 1, 2, 4]  # root; two branches; depths 0,1,1,2,2,3
     cache = model.new_cache(64)
+    run(model, prefix, cache)
+    tree_logits = model.logits(model.forward(toks, AttentionPlan.tree(cache.length, parents), cache))
+    for leaf in (3, 5):
+        path = []
+        u = leaf
+        while u >= 0:
+            path.insert(0, u)
+            u = parents[u]
+        ref = model.new_cache(64)
+        run(model, prefix, ref)
+        chain = run(model, toks[path], ref)
+        assert (tree_logits[path] - chain).abs().max() < TOL
+    path = [0, 2, 4, 5]
+    cache.commit(keep=path)
+    nxt = torch.tensor([21, 22])
+    got = run(model, nxt, cache)
+    ref = model.new_cache(64)
+    run(model, prefix, ref)
+    run(model, toks[path], ref)
+    assert (got - run(model, nxt, ref)).abs().max() < TOL
+
+
+def test_tree_commit_must_be_a_root_path(models):
+    model = models("qwen3_5")
+    cache = model.new_cache(64, rollback_limit=4)
     run(model, torch.arange(5), cache)
-    with pytest.raises(
-        TurboSpecError, match="tree verification is not supported on hybrid models; use a chain"
-    ):
-        model.forward(torch.tensor([1, 2, 3]), AttentionPlan.tree(cache.length, [-1, 0, 0]), cache)
+    model.forward(torch.tensor([1, 2, 3]), AttentionPlan.tree(cache.length, [-1, 0, 0]), cache)
+    with pytest.raises(TurboSpecError, match="not a root path"):
+        cache.commit(keep=[0, 1, 2])
     model.forward(torch.tensor([1, 2, 3]), AttentionPlan.causal(cache.length, 3), cache)
-    with pytest.raises(TurboSpecError, match="use a chain"):
+    with pytest.raises(TurboSpecError, match="not a root path"):
         cache.commit(keep=[0, 2])
+    with pytest.raises(TurboSpecError, match="rollback_limit"):
+        model.forward(torch.arange(5), AttentionPlan.tree(cache.length, [-1, 0, 0, 1, 1]), cache)
 
 
 def test_multimodal_layout_and_mtp_loaded(models):

@@ -276,22 +276,28 @@ def test_train_heads_shared_head_kl(byte_model, tmp_path):
     assert d.heads is None and d.tree.depth == 2
 
 
-def test_hybrid_target_uses_a_chain(tmp_path):
-    """Hybrid targets verify chains only: the default Medusa tree becomes the top-1 chain; greedy stays exact."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_hybrid_target_verifies_trees(tmp_path, kernel, monkeypatch):
+    """Hybrid targets verify Medusa trees (per-node Gated DeltaNet states); greedy output stays exact."""
     from tests.hf_hybrid import build
 
+    if not kernel:
+        monkeypatch.setenv("TURBOSPEC_NO_GDN_KERNEL", "1")
     path = build("qwen3_5", tmp_path)
     target = load_model(path, "float32")
     torch.manual_seed(0)
     heads = MedusaHeads(64, 128, 2, 1, False, target.lm_head.weight.float())
     save_heads(tmp_path / "h", heads)
-    drafter = make_drafter(SpecConfig.parse("medusa", n_max=2), target, 100, model_path=str(tmp_path / "h"))
-    assert drafter.tree.paths == [(0,), (0, 0)]
-    with pytest.raises(TurboSpecError, match="hybrid"):
-        make_drafter(SpecConfig.parse("medusa", tree="topk:2"), target, 100, model_path=str(tmp_path / "h"))
+    drafter = make_drafter(SpecConfig.parse("medusa", n_max=2, tree="topk:3,2"), target, 100,
+                           model_path=str(tmp_path / "h"))
+    assert len(drafter.tree.paths) == 9
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda toks, n: trees.append(propose(toks, n)) or trees[-1]
     eng = Engine(target, None, ctx=96, ubatch=8, drafter=drafter, n_max=2)
     plain = Engine(target, None, ctx=96, ubatch=8)
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for prompt in ([5, 9, 17, 33, 5, 9, 17, 33], [100, 3, 77, 3, 100]):
         assert gen(eng, prompt, p) == gen(plain, prompt, p)
     assert eng.last_stats.extra["spec"].drafts > 0
+    assert any(len(t.tokens) > 2 and not t.is_chain for t in trees)  # real branching trees were verified

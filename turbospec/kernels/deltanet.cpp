@@ -20,19 +20,33 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
+// Window rows feeding node t's conv, oldest first: its root path (row K-1+j for node j), then the committed
+// conv state rows K-2, K-3, ... A chain (parents == nullptr) gives rows t .. t+K-1.
+void conv_rows(const int64_t* parents, int64_t t, int64_t kernel, int64_t* rows) {
+  if (!parents) {
+    for (int64_t i = 0; i < kernel; ++i) rows[i] = t + i;
+    return;
+  }
+  int64_t len = 0, u = t, r = kernel - 2;
+  while (u >= 0 && len < kernel) { rows[kernel - 1 - len++] = kernel - 1 + u; u = parents[u]; }
+  while (len < kernel) rows[kernel - 1 - len++] = r--;
+}
+
 template <typename T>
 void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, const float* neg_a,
-         const float* dt_bias, const T* norm_w, const float* state0, float* states, T* y,
+         const float* dt_bias, const T* norm_w, const float* state0, const int64_t* parents, float* states, T* y,
          int64_t n, int64_t kernel, int64_t nk, int64_t nv, int64_t dk, int64_t dv, double eps, bool all_states) {
   const int64_t key_dim = nk * dk, value_dim = nv * dv, c = 2 * key_dim + value_dim;
   const int64_t rep = nv / nk;
   // conv + SiLU over all channels of the n new tokens, in float (rounded like the Python path)
   std::vector<float> mixed(n * c);
+  std::vector<int64_t> rows(kernel);
   for (int64_t t = 0; t < n; ++t) {
+    conv_rows(parents, t, kernel, rows.data());
     for (int64_t ch = 0; ch < c; ++ch) {
-      float acc = rnd<T>(static_cast<float>(window[t * c + ch]) * static_cast<float>(conv_t[ch]));
+      float acc = rnd<T>(static_cast<float>(window[rows[0] * c + ch]) * static_cast<float>(conv_t[ch]));
       for (int64_t i = 1; i < kernel; ++i)
-        acc = rnd<T>(acc + rnd<T>(static_cast<float>(window[(t + i) * c + ch]) * static_cast<float>(conv_t[i * c + ch])));
+        acc = rnd<T>(acc + rnd<T>(static_cast<float>(window[rows[i] * c + ch]) * static_cast<float>(conv_t[i * c + ch])));
       mixed[t * c + ch] = rnd<T>(silu(acc));
     }
   }
@@ -56,6 +70,10 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
       std::copy(state0 + h * state_sz, state0 + (h + 1) * state_sz, s.begin());
       const int64_t kh = h / rep;
       for (int64_t t = 0; t < n; ++t) {
+        if (parents && parents[t] != t - 1) {  // a tree node: continue from its parent's state
+          const float* src = parents[t] < 0 ? state0 + h * state_sz : states + (parents[t] * nv + h) * state_sz;
+          std::copy(src, src + state_sz, s.begin());
+        }
         const float* q = mixed.data() + t * c + kh * dk;
         const float* k = mixed.data() + t * c + key_dim + kh * dk;
         const float* v = mixed.data() + t * c + 2 * key_dim + h * dv;
@@ -101,12 +119,13 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
 }  // namespace
 
 // window [K-1+N, C] (conv state rows then the new projected rows), conv_t [K, C], z [N, Hv*Dv], b/a [N, Hv]
-// (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified).
+// (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified); parents
+// int64 [N] for a token tree (node i continues from node parents[i], -1 = state), empty for a chain.
 // Returns (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
 std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b,
                                     torch::Tensor a, torch::Tensor neg_a, torch::Tensor dt_bias,
-                                    torch::Tensor norm_w, torch::Tensor state, int64_t nk, int64_t nv, int64_t dk,
-                                    int64_t dv, double eps, bool all_states) {
+                                    torch::Tensor norm_w, torch::Tensor state, torch::Tensor parents, int64_t nk,
+                                    int64_t nv, int64_t dk, int64_t dv, double eps, bool all_states) {
   const auto dt = window.scalar_type();
   TORCH_CHECK(conv_t.scalar_type() == dt && z.scalar_type() == dt && b.scalar_type() == dt &&
               a.scalar_type() == dt && norm_w.scalar_type() == dt, "gdn_step: mixed dtypes");
@@ -117,11 +136,17 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
   a = a.contiguous(); norm_w = norm_w.contiguous(); state = state.contiguous();
   const int64_t kernel = conv_t.size(0), n = window.size(0) - (kernel - 1);
   TORCH_CHECK(n >= 1 && window.size(1) == 2 * nk * dk + nv * dv && state.numel() == nv * dk * dv, "gdn_step: shapes");
+  const bool tree = parents.numel() > 0;
+  TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kLong && all_states),
+              "gdn_step: parents must be int64 [N] and need all_states");
+  parents = parents.contiguous();
+  const int64_t* par = tree ? parents.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < n && tree; ++t) TORCH_CHECK(par[t] < t && par[t] >= -1, "gdn_step: parents out of order");
   auto y = torch::empty({n, nv * dv}, window.options());
   auto states = torch::empty({all_states ? n : 1, nv, dk, dv}, state.options());
 #define GDN_RUN(T)                                                                                              \
   run<T>(window.data_ptr<T>(), conv_t.data_ptr<T>(), z.data_ptr<T>(), b.data_ptr<T>(), a.data_ptr<T>(),     \
-         neg_a.data_ptr<float>(), dt_bias.data_ptr<float>(), norm_w.data_ptr<T>(), state.data_ptr<float>(), \
+         neg_a.data_ptr<float>(), dt_bias.data_ptr<float>(), norm_w.data_ptr<T>(), state.data_ptr<float>(), par, \
          states.data_ptr<float>(), y.data_ptr<T>(), n, kernel, nk, nv, dk, dv, eps, all_states)
   switch (dt) {
     case torch::kFloat: GDN_RUN(float); break;

@@ -1,12 +1,13 @@
 """Cache of a hybrid model: attention KV for the full-attention layers, conv + recurrent state for the
 Gated DeltaNet layers, with the same begin / commit / reset / length contract as `KVCache`.
 
-Rollback for speculative verification (chains): a step of N <= `rollback_limit` tokens keeps the
-recurrent state after *every* scratch position (and the conv window, from which the conv state after any
-prefix is a slice), so `commit(keep=list(range(j)))` for any j <= N leaves every state exactly as if only
-those j tokens had been processed, without re-running them. Steps longer than `rollback_limit` (prefill
-chunks) keep only the final state and can only be committed whole. Trees (non-prefix `keep`) are rejected:
-they would need one state per branch.
+Rollback for speculative verification: a step of N <= `rollback_limit` tokens keeps the recurrent state
+after *every* scratch position (and the conv window, from which the conv state after any prefix is a slice),
+so `commit(keep=list(range(j)))` for any j <= N leaves every state exactly as if only those j tokens had been
+processed, without re-running them. Tree steps (`set_tree(parents)`, verification of a token tree) work the
+same way: every node's state is computed from its parent's, and `commit(keep=path)` keeps the state of the
+path's last node and the conv rows along the path. Steps longer than `rollback_limit` (prefill chunks) keep
+only the final state and can only be committed whole.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
 
-TREE_MESSAGE = "tree verification is not supported on hybrid models; use a chain"
+TREE_MESSAGE = "a tree step on a hybrid model must have at most rollback_limit nodes"
 
 
 class HybridCache:
@@ -50,6 +51,7 @@ class HybridCache:
         self._windows: list[torch.Tensor | None] = [None] * num_gdn_layers
         self._states: list[torch.Tensor | None] = [None] * num_gdn_layers
         self._all_states = False
+        self._parents: list[int] | None = None
 
     # ---- the step protocol -----------------------------------------------------------------------------
     @property
@@ -60,8 +62,20 @@ class HybridCache:
         self.kv.begin(n)
         self.pending = n
         self._all_states = n <= self.rollback_limit
+        self._parents = None
         self._windows = [None] * len(self._windows)
         self._states = [None] * len(self._states)
+
+    def set_tree(self, parents: list[int] | None) -> None:
+        """The current step is a token tree (parents[i]: index of node i's parent in the step, -1: the
+        committed context); None for a chain. Call after begin()."""
+        if parents is not None and not self._all_states:
+            raise TurboSpecError(f"{TREE_MESSAGE} ({self.rollback_limit}); got {len(parents)}")
+        self._parents = list(parents) if parents is not None else None
+
+    @property
+    def tree_parents(self) -> list[int] | None:
+        return self._parents
 
     @property
     def track_all_states(self) -> bool:
@@ -85,29 +99,38 @@ class HybridCache:
 
     def commit(self, keep: list[int] | None = None) -> None:
         n = self.pending
+        parents = self._parents if self._parents is not None else list(range(-1, n - 1))
         if keep is None:
-            j = n
+            if self._parents is not None:
+                raise TurboSpecError("a tree step must be committed with the accepted path (commit(keep))")
+            keep = list(range(n))
         else:
             keep = list(keep)
-            if keep != list(range(len(keep))):
-                raise TurboSpecError(f"{TREE_MESSAGE} (commit got non-prefix indices {keep[:8]})")
-            j = len(keep)
-            if j > n:
-                raise TurboSpecError(f"commit keeps {j} positions but the step wrote only {n}")
-            if j < n and j > 0 and not self._all_states:
+            if len(keep) > n:
+                raise TurboSpecError(f"commit keeps {len(keep)} positions but the step wrote only {n}")
+            for a, b in zip([-1] + keep, keep):
+                if not 0 <= b < n or parents[b] != a:
+                    raise TurboSpecError(f"commit keeps {keep[:8]}, which is not a root path of the step "
+                                         f"(parents {parents[:8]})")
+            if 0 < len(keep) < n and not self._all_states:
                 raise TurboSpecError(
-                    f"cannot roll back a {n}-token step to {j} tokens: steps longer than rollback_limit="
+                    f"cannot roll back a {n}-token step to {len(keep)} tokens: steps longer than rollback_limit="
                     f"{self.rollback_limit} keep only their final recurrent state"
                 )
-        if j > 0:
+        if keep:
             k = self.conv.shape[1]
+            rows = torch.tensor(keep, dtype=torch.int64) + k
             for i, (w, s) in enumerate(zip(self._windows, self._states)):
                 if w is None or s is None:
                     raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
-                self.conv[i] = w[j : j + k]
-                self.ssm[i] = s[j - 1] if s.shape[0] == n else s[-1]
-        self.kv.commit(None if keep is None else keep)
+                if keep == list(range(len(keep))):  # a prefix: the conv rows are contiguous
+                    self.conv[i] = w[len(keep):len(keep) + k]
+                else:
+                    self.conv[i] = torch.cat([w[:k], w[rows]])[-k:]
+                self.ssm[i] = s[keep[-1]] if s.shape[0] == n else s[-1]
+        self.kv.commit(None if keep == list(range(n)) else keep)
         self.pending = 0
+        self._parents = None
         self._windows = [None] * len(self._windows)
         self._states = [None] * len(self._states)
 
@@ -116,6 +139,7 @@ class HybridCache:
         self.conv.zero_()
         self.ssm.zero_()
         self.pending = 0
+        self._parents = None
         self._windows = [None] * len(self._windows)
         self._states = [None] * len(self._states)
 

@@ -18,6 +18,7 @@ class AttentionPlan:
     positions: torch.Tensor  # int64 [N]: rope positions of the new tokens
     start: int
     mask: torch.Tensor | None = None
+    parents: list[int] | None = None  # tree steps: parent index of each node (-1: the committed context)
 
     @property
     def n(self) -> int:
@@ -42,7 +43,7 @@ class AttentionPlan:
                 depth[i] = depth[p] + 1
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool), anc], dim=1)
         pos = torch.tensor(depth, dtype=torch.int64) + start
-        return cls(pos, start, mask)
+        return cls(pos, start, mask, list(parents))
 
     def sdpa_mask(self) -> tuple[torch.Tensor | None, bool]:
         """(attn_mask, is_causal) for F.scaled_dot_product_attention over start + N keys."""

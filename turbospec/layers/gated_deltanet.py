@@ -47,8 +47,10 @@ def recurrent_gated_delta(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    parents: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule.
+    """Token-by-token gated delta rule (`parents`: token i continues from token parents[i]'s state, -1 = the
+    input state; default: a chain).
 
     q, k: [H, N, Dk] (already normalised and scaled, float32); v: [H, N, Dv]; g, beta: [H, N];
     state: [H, Dk, Dv] float32 (not modified). Returns (out [H, N, Dv], states [N, H, Dk, Dv]).
@@ -60,6 +62,8 @@ def recurrent_gated_delta(
     decay = g.exp()
     s = state
     for t in range(n):
+        if parents is not None:
+            s = state if parents[t] < 0 else states[parents[t]]
         st = states[t]
         torch.mul(s, decay[:, t, None, None], out=st)  # decayed state, written in place of the t-th slot
         kt = k[:, t].unsqueeze(1)  # [H, 1, Dk]
@@ -69,6 +73,26 @@ def recurrent_gated_delta(
         out[:, t] = torch.bmm(q[:, t].unsqueeze(1), st).squeeze(1)
         s = st
     return out, states
+
+
+def conv_rows(parents: list[int], kernel: int) -> torch.Tensor:
+    """Window rows [N, kernel] feeding each tree node's causal conv, oldest first: the node's ancestors along its
+    root path (window row K-1+j for node j), then the committed conv state rows K-2, K-3, ... For a chain this
+    is rows [t, t + kernel) for node t."""
+    k1 = kernel - 1
+    out = []
+    for t in range(len(parents)):
+        path = []
+        u = t
+        while u >= 0 and len(path) < kernel:
+            path.append(k1 + u)
+            u = parents[u]
+        r = k1 - 1
+        while len(path) < kernel:
+            path.append(r)
+            r -= 1
+        out.append(path[::-1])
+    return torch.tensor(out, dtype=torch.int64)
 
 
 def chunked_gated_delta(
@@ -165,26 +189,38 @@ class GatedDeltaNet:
         return (self.nv, self.dk, self.dv)
 
     def __call__(
-        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, all_states: bool
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, all_states: bool,
+        parents: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden]; conv_state: [K-1, C]; ssm_state: [Hv, Dk, Dv] float32 (neither is modified).
 
         Returns (y [N, hidden], conv window [K-1+N, C], states): states is [N, Hv, Dk, Dv] (state after each
         position) when `all_states`, else [1, Hv, Dk, Dv] (the final state only).
+        `parents` makes the N tokens a tree (parents[i]: the node before node i, -1: the committed context):
+        every node's conv inputs and recurrent state follow its own root path (needs `all_states`).
         """
         n = x.shape[0]
         dtype = x.dtype
+        if parents is not None and not all_states:
+            raise ValueError("tree steps need all_states")
         qkv, z, b, a = self.proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         window = torch.cat([conv_state.to(qkv.dtype), qkv], dim=0)  # [K-1+N, C]
         kernel = load_gdn_kernel() if all_states else None
         if kernel is not None:  # decode / verification: the whole mixer in one C++ call
+            par = torch.tensor(parents if parents is not None else [], dtype=torch.int64)
             o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
-                                        ssm_state, self.nk, self.nv, self.dk, self.dv, self.eps, True)
+                                        ssm_state, par, self.nk, self.nv, self.dk, self.dv, self.eps, True)
             return self.out(o), window, states
-        # depthwise causal conv as K shifted multiply-adds (torch's grouped conv1d costs ms per call on CPU)
-        conv = window[0:n] * self.conv_t[0]
-        for i in range(1, self.kernel):
-            conv = conv + window[i:i + n] * self.conv_t[i]
+        if parents is not None:  # conv rows along each node's root path (then the committed conv state)
+            rows = conv_rows(parents, self.kernel)
+            conv = window[rows[:, 0]] * self.conv_t[0]
+            for i in range(1, self.kernel):
+                conv = conv + window[rows[:, i]] * self.conv_t[i]
+        else:
+            # depthwise causal conv as K shifted multiply-adds (torch's grouped conv1d costs ms per call on CPU)
+            conv = window[0:n] * self.conv_t[0]
+            for i in range(1, self.kernel):
+                conv = conv + window[i:i + n] * self.conv_t[i]
         mixed = F.silu(conv)  # [N, C]
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.nv // self.nk
@@ -198,7 +234,7 @@ class GatedDeltaNet:
         beta = torch.sigmoid(b.float()).t().contiguous()  # [Hv, N]
         g = (self.neg_a * F.softplus(a.float() + self.dt_bias)).t().contiguous()
         if all_states:
-            o, states = recurrent_gated_delta(q, k, v, g, beta, ssm_state)
+            o, states = recurrent_gated_delta(q, k, v, g, beta, ssm_state, parents)
         else:
             o, final = chunked_gated_delta(q, k, v, g, beta, ssm_state)
             states = final.unsqueeze(0)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from turbospec.config import ModelConfig
 from turbospec.errors import TurboSpecError
-from turbospec.kv.hybrid_cache import TREE_MESSAGE, HybridCache
+from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import GatedDeltaNet
@@ -185,7 +185,7 @@ class HybridLayer:
             x = x + self.mixer(hx, rope, plan, cache.kv, self.slot)
         else:
             conv, ssm = cache.gdn_state(self.slot)
-            y, window, states = self.mixer(hx, conv, ssm, cache.track_all_states)
+            y, window, states = self.mixer(hx, conv, ssm, cache.track_all_states, cache.tree_parents)
             cache.gdn_stash(self.slot, window, states)
             x = x + y
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
@@ -283,11 +283,12 @@ class HybridModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
-        if plan.mask is not None:
-            raise TurboSpecError(TREE_MESSAGE)
         if not isinstance(cache, HybridCache):
             raise TurboSpecError("hybrid models need the cache from HybridModel.new_cache()")
+        if plan.mask is not None and plan.parents is None:
+            raise TurboSpecError("hybrid models need tree steps as AttentionPlan.tree(...) (with parents)")
         cache.begin(tokens.numel())
+        cache.set_tree(plan.parents)
         x = F.embedding(tokens, self.embed)
         rope = self.rope.tables(plan.positions)
         for layer in self.layers:

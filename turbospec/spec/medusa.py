@@ -274,19 +274,8 @@ class MedusaDrafter:
 def make_medusa_drafter(target, path: str | Path, tree_spec: str | list | None = None) -> MedusaDrafter:
     """Heads from `path`; the tree from tree_spec (default DEFAULT_TREE, cut to the number of heads).
 
-    Hybrid targets (Gated DeltaNet layers) cannot verify trees -- their recurrent state follows one sequence --
-    so there the default is the top-1 chain [0], [0,0], ... and an explicit branching tree is an error."""
-    from turbospec.config import HYBRID_ARCHS
-
+    Hybrid targets verify trees too (every node's Gated DeltaNet state follows its own root path), up to the
+    cache's rollback_limit nodes per step (16 by default)."""
     heads = load_heads(path, target.cfg.hidden_size, target.cfg.vocab_size, target.lm_head.weight)
-    chain_only = target.cfg.arch in HYBRID_ARCHS
-    if tree_spec:
-        tree = MedusaTree(parse_tree(tree_spec))
-        if chain_only and any(p[-1] != 0 for p in tree.paths):
-            raise TurboSpecError("this hybrid model cannot verify draft trees: use a chain tree such as "
-                                 "--spec-tree topk:1,1,1")
-    elif chain_only:
-        tree = MedusaTree([(0,) * d for d in range(1, heads.num_heads + 1)])
-    else:
-        tree = MedusaTree(parse_tree(None)).limit(heads.num_heads)
+    tree = MedusaTree(parse_tree(tree_spec)) if tree_spec else MedusaTree(parse_tree(None)).limit(heads.num_heads)
     return MedusaDrafter(heads, target, tree)
