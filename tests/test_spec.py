@@ -193,3 +193,27 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for prompt in PROMPTS[:6]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_mtp_topk_tree_is_lossless_and_branches(paths, hybrid, tmp_path):
+    """MTP drafting a top-k tree (best candidate continued, the others leaves): greedy output equals plain
+    greedy decoding, on a dense and on a hybrid target (per-node Gated DeltaNet states)."""
+    if hybrid:
+        from tests.hf_hybrid import build, to_multimodal
+
+        target = load_model(to_multimodal(build("qwen3_5", tmp_path), tmp_path / "mm"), "float32")  # + mtp.*
+        prompts = [[5, 9, 17, 33, 5, 9, 17, 33], [100, 3, 77, 3, 100], [1, 2, 3, 4, 5, 6]]
+    else:
+        target = load_model(paths["target"], "float32")
+        prompts = PROMPTS[:4]
+    plain = Engine(target, None, ctx=256, ubatch=8)
+    drafter = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, mtp_topk=3), target, 260)
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda toks, n: trees.append(propose(toks, n)) or trees[-1]
+    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for prompt in prompts:
+        assert run(eng, prompt, p) == run(plain, prompt, p)
+    assert any(t.parents == [-1, -1, -1, 0, 0, 0, 3, 3, 3] for t in trees)  # top-3 at each of 3 depths

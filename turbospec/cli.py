@@ -56,6 +56,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="feed only the last N prompt positions to the MTP (0 = all)")
     p.add_argument("--spec-draft-vocab", type=int, default=0,
                    help="MTP drafts over the N most frequent (lowest-id) tokens only (0 = full vocab)")
+    p.add_argument("--spec-mtp-topk", type=int, default=1,
+                   help="MTP draft tree: top-k candidates at every depth, the best continued (1 = a chain)")
     p.add_argument("-ctkd", "--cache-type-k-draft", default=None,
                    help="draft/MTP K cache format (f16, bf16, f32, q8_0, q4_0, tbq4_0, turbo2/3/4; "
                         "default: the model dtype)")
@@ -69,7 +71,7 @@ def spec_config(a: argparse.Namespace):
         a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
         ngram_mod_n_max=a.spec_ngram_mod_n_max, mtp_prompt_window=a.spec_mtp_prompt_window,
-        draft_vocab=getattr(a, "spec_draft_vocab", 0),
+        draft_vocab=getattr(a, "spec_draft_vocab", 0), mtp_topk=getattr(a, "spec_mtp_topk", 1),
         draft_k_type=a.cache_type_k_draft, draft_v_type=getattr(a, "cache_type_v_draft", None),
         medusa=getattr(a, "spec_medusa", None), tree=getattr(a, "spec_tree", None),
     )

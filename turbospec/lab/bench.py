@@ -33,6 +33,7 @@ SWEEP_KEYS = {
     "ctk": "cache_type_k", "ctv": "cache_type_v", "spec-type": "spec_type", "n-max": "spec_draft_n_max",
     "ub": "ubatch_size", "dtype": "dtype", "threads": "threads", "ctkd": "cache_type_k_draft",
     "draft-vocab": "spec_draft_vocab", "p-min": "spec_draft_p_min", "mtp-window": "spec_mtp_prompt_window",
+    "mtp-topk": "spec_mtp_topk",
 }
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "prompts.json"
 

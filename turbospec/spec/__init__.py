@@ -21,6 +21,7 @@ class SpecConfig:
     ngram_mod_n_max: int = 16
     mtp_prompt_window: int = 0
     draft_vocab: int = 0  # MTP drafts over the first N token ids only (0 = full vocabulary)
+    mtp_topk: int = 1  # MTP tree: top-k candidates per depth (the best one continued); 1 = a chain
     draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches
     draft_k_type: str | None = None  # KV format names for the draft/MTP caches (-ctkd / -ctvd)
     draft_v_type: str | None = None
@@ -77,7 +78,7 @@ def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None =
             if getattr(target, "mtp", None) is None:
                 raise TurboSpecError("--spec-type draft-mtp: this model has no mtp.* weights")
             drafters.append(MTPDrafter(target.mtp, max_len, cfg.p_min, cfg.mtp_prompt_window, kv_dtype,
-                                       k_type, v_type, draft_vocab=cfg.draft_vocab))
+                                       k_type, v_type, draft_vocab=cfg.draft_vocab, topk=cfg.mtp_topk))
         elif t == "medusa":
             from turbospec.spec.medusa import make_medusa_drafter
 

@@ -105,8 +105,11 @@ class MTPDrafter:
 
     def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
                  kv_dtype: torch.dtype | None = None, k_type: str | None = None, v_type: str | None = None,
-                 draft_vocab: int = 0):
+                 draft_vocab: int = 0, topk: int = 1):
         self.mtp = mtp
+        # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
+        # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
+        self.topk = max(1, topk)
         # Reduced-vocabulary drafting (as FR-Spec): score only the first `draft_vocab` token ids. Byte-level BPE
         # assigns ids in merge order, so low ids are the frequent tokens; verification stays exact.
         w = mtp.lm_head.weight
@@ -161,18 +164,27 @@ class MTPDrafter:
         h = self._flush_and_first(tokens[-1])
         committed = self.cache.length
         drafted: list[int] = []
+        tokens: list[int] = []
+        parents: list[int] = []
+        spine = -1  # tree index of the last drafted top-1 token
         for i in range(n_max):
             logits = self.head(h).float()[0]
-            tok = int(logits.argmax())
+            top = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [int(logits.argmax())]
+            tok = top[0]
             if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
                 break
             drafted.append(tok)
+            tokens += top
+            parents += [spine] * len(top)
+            spine = len(tokens) - len(top)
             if i + 1 == n_max:
                 break
             plan = _plan(self.cache, self.cache.length + self.offset, 1)
             h = self.mtp.forward(torch.tensor([tok]), h, plan, self.cache, step=i + 1)
             self.cache.commit()
         self.cache.length = committed  # drop speculative MTP entries
+        if self.topk > 1:
+            return DraftTree(tokens, parents, [None] * len(tokens), self.name)
         return DraftTree.chain(drafted, source=self.name)
 
     def sync(self, tokens: list[int]) -> None:
