@@ -52,8 +52,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tree", default=None,
                    help="Medusa tree: JSON list of per-head top-k rank paths, e.g. '[[0],[1],[0,0]]', or "
                         "topk:k1,k2,... (default [[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]); depth capped by n-max")
-    p.add_argument("--spec-mtp-prompt-window", type=int, default=0,
-                   help="feed only the last N prompt positions to the MTP (0 = all)")
+    p.add_argument("--spec-mtp-prompt-window", type=int, default=256,
+                   help="feed only the last N prompt positions to the MTP, so drafting costs prefill little "
+                        "(default 256; 0 = all)")
     p.add_argument("--spec-draft-vocab", type=int, default=0,
                    help="MTP drafts over the N most frequent (lowest-id) tokens only (0 = full vocab)")
     p.add_argument("--spec-mtp-topk", type=int, default=1,

@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--note", default="", help="extra line for the training table (e.g. a continuation)")
     ap.add_argument("--meta", default="runs/tiny/train_meta.json", help="training meta with loss history")
     ap.add_argument("--extra-eval", default=None, help="optional second eval json (e.g. 8K retrieval)")
+    ap.add_argument("--retrieval-limit", type=int, default=20, help="retrieval cases per length in the eval")
     ap.add_argument("--run", default="runs/tiny", help="run directory named in the training command")
     ap.add_argument("--machine", default="2 CPU cores, 2 torch threads",
                     help="how the training machine was used (shared? niced?)")
@@ -147,8 +148,8 @@ when loading with `AutoModelForCausalLM` (a warning lists them as unused); turbo
   random depth -- passkey, a person's secret number, an account balance, a project budget, an `ACCESS_CODE = ...`
   assignment -- in real filler text (number-dense variants add distractor lines such as
   `Account 17 balance: 4,512,330` and revenue / line-item rows), then `Question: ...` / `Answer:` with the fact
-  repeated. {pct(args.get('p_retrieval'))} of the training *sequences* contain one ({meta.get('retrieval_docs')} documents,
-  of 1/4 to 1 of the sequence length); the synthetic sentences themselves are well under 5% of the tokens
+  repeated. A share of the training *sequences* set by the curriculum below contains one ({meta.get('retrieval_docs')} documents,
+  of 1/4 to 1 of the sequence length); the synthetic lines themselves (needle, distractors, question, answer) are a few percent of the tokens
   seen, the rest of those sequences is real filler. Answer tokens get loss weight {args.get('answer_weight')}.
 * tokens available for training: {meta.get('train_tokens_available')}.
 
@@ -176,8 +177,8 @@ Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['voca
 ## Evaluation (held-out)
 
 `python -m turbospec.train.evaluate models/turbospec-tiny --max-tokens 12000 --accept-prompts 4 --accept-tokens 48
---retrieval-limit 10 --lengths 1024,2048,4096` (the first 12K tokens of each held-out kind, 4 x 48 generated tokens
-per kind for acceptance, 10 retrieval cases per length; raw results in `eval.json`).
+--retrieval-limit {a.retrieval_limit} --lengths 1024,2048,4096` (the first 12K tokens of each held-out kind, 4 x 48 generated tokens
+per kind for acceptance, {a.retrieval_limit} retrieval cases per length; raw results in `eval.json`).
 
 | metric | code | prose |
 |---|---|---|

@@ -77,7 +77,7 @@ inline __m256 dec8(const Source& s, const Row& r, int64_t c) {
     const int64_t blk = c / per, k = c % per;
     const float d = half_to_float(reinterpret_cast<const uint16_t*>(r.a)[blk]);
     __m256 v = nibbles8(r.b + blk * (per * 4) + (k % (per / 2)) * 8, k >= per / 2);
-    return _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(8.0f)), _mm256_set1_ps(d));
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(d), _mm256_set1_ps(-8.0f * d));  // d * (q - 8)
   } else {  // TURBO: 128 values per block, fp16 scale, BITS-bit Lloyd-Max indices in bit planes
     constexpr int plane = BITS == 3 ? 2 : BITS;  // width of the qs plane (3 bits: + a 1-bit plane qh)
     constexpr int plane_bytes = 128 * plane / 8;

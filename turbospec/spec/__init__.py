@@ -19,7 +19,9 @@ class SpecConfig:
     ngram_n_max: int = 4
     ngram_mod_n_match: int = 8
     ngram_mod_n_max: int = 16
-    mtp_prompt_window: int = 0
+    # the MTP reads only the last N prompt positions: prefill with MTP on stays >= 0.9x of MTP off
+    # (benchmarks/spec_prefill.py: 0.86x at a 2K prompt with the whole prompt, 0.93x with 256); 0 = all
+    mtp_prompt_window: int = 256
     draft_vocab: int = 0  # MTP drafts over the first N token ids only (0 = full vocabulary)
     mtp_topk: int = 1  # MTP tree: top-k candidates per depth (the best one continued); 1 = a chain
     draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches
