@@ -120,7 +120,6 @@ class MTPDrafter:
         self.prompt_window = prompt_window
         self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
         self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
-        self.next_pos = 0
         self.offset = 0  # target position of MTP cache entry 0
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
@@ -136,14 +135,12 @@ class MTPDrafter:
         # MTP cache entry i holds target position i + offset: skipped prompt positions take no cache room and
         # need no mask (RoPE gets the true positions from the plan)
         self.offset = start
-        self.next_pos = start
         chunk = 512
         for s in range(start, n - 1, chunk):
             e = min(s + chunk, n - 1)
             toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64)
             self.mtp.forward(toks, hidden[s:e], _plan(self.cache, s, e - s), self.cache)
             self.cache.commit()
-            self.next_pos = e
         self.pending_tokens = []
         self.pending_hidden = [hidden[n - 1:n]]
 
@@ -156,36 +153,36 @@ class MTPDrafter:
         out = self.mtp.forward(torch.tensor(toks, dtype=torch.int64), hid, plan, self.cache)
         # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
         self.cache.commit()
-        self.next_pos += len(toks)
         self.pending_tokens, self.pending_hidden = [], []
         return out[-1:]
+
+    @property
+    def next_pos(self) -> int:
+        """Target position of the next pair fed to the MTP."""
+        return self.cache.length + self.offset
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
         h = self._flush_and_first(tokens[-1])
         committed = self.cache.length
-        drafted: list[int] = []
-        tokens: list[int] = []
+        nodes: list[int] = []
         parents: list[int] = []
-        spine = -1  # tree index of the last drafted top-1 token
+        spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
         for i in range(n_max):
             logits = self.head(h).float()[0]
             top = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [int(logits.argmax())]
             tok = top[0]
             if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
                 break
-            drafted.append(tok)
-            tokens += top
+            nodes += top
             parents += [spine] * len(top)
-            spine = len(tokens) - len(top)
+            spine = len(nodes) - len(top)
             if i + 1 == n_max:
                 break
-            plan = _plan(self.cache, self.cache.length + self.offset, 1)
+            plan = _plan(self.cache, self.next_pos, 1)
             h = self.mtp.forward(torch.tensor([tok]), h, plan, self.cache, step=i + 1)
             self.cache.commit()
         self.cache.length = committed  # drop speculative MTP entries
-        if self.topk > 1:
-            return DraftTree(tokens, parents, [None] * len(tokens), self.name)
-        return DraftTree.chain(drafted, source=self.name)
+        return DraftTree(nodes, parents, [None] * len(nodes), self.name)
 
     def sync(self, tokens: list[int]) -> None:
         """Process the pending true pairs without drafting (another drafter of a chain won this step)."""
