@@ -27,6 +27,8 @@ from turbospec.kv.formats import (
 # kinds shared with attention.cpp
 F32, F16, BF16, Q8_0, Q4_0, TBQ4_0, TURBO = range(7)
 _PLAIN = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+_NO_TABLE = torch.empty(0)
+_PLAIN_SPECS = {dt: (kind, 0, ("data",), _NO_TABLE) for dt, kind in _PLAIN.items()}
 MAX_ROWS = 64  # above this many query rows per KV head (prefill), batched matmuls win
 TILE = 256  # positions per parallel task
 
@@ -39,17 +41,16 @@ def load():
 
 def spec_of(fmt: KVFormat, dim: int) -> tuple[int, int, tuple[str, ...], torch.Tensor] | None:
     """(kind, index bits, field names, centroid table) of a format the kernel reads, or None."""
-    empty = torch.empty(0)
     if fmt.padded_dim(dim) % 8:
         return None
     if isinstance(fmt, PlainFormat):
-        return _PLAIN[fmt.dtype], 0, ("data",), empty
+        return _PLAIN_SPECS[fmt.dtype]
     if isinstance(fmt, Q8_0Format):
-        return Q8_0, 0, ("d", "qs"), empty
+        return Q8_0, 0, ("d", "qs"), _NO_TABLE
     if isinstance(fmt, Q4_0Format):
-        return Q4_0, 0, ("d", "qs"), empty
+        return Q4_0, 0, ("d", "qs"), _NO_TABLE
     if isinstance(fmt, TBQ4Format):
-        return TBQ4_0, 0, ("d", "qs"), empty
+        return TBQ4_0, 0, ("d", "qs"), _NO_TABLE
     if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat):
         names = ("norm", "qs", "qh") if fmt.mse_bits == 3 else ("norm", "qs")
         return TURBO, fmt.mse_bits, names, _codebook(fmt.mse_bits, torch.device("cpu"))[0]
@@ -57,10 +58,10 @@ def spec_of(fmt: KVFormat, dim: int) -> tuple[int, int, tuple[str, ...], torch.T
 
 
 def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor],
-            v_width: int, start: int, end: int):
+            v_width: int, start: int, end: int, mod=None):
     """q float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width); fields [KVH, T, ...].
-    Returns m [KVH, R], l [KVH, R], acc [KVH, R, v_width]."""
-    mod = load()
+    Returns m [KVH, R], l [KVH, R], acc [KVH, R, v_width]. `mod`: the loaded kernel, when the caller has it."""
+    mod = mod or load()
     return mod.attend_partial(q, k_spec[0], k_spec[1], k_fields, k_spec[3], v_spec[0], v_spec[1], v_width,
                               v_fields, v_spec[3], start, end, TILE)
 
@@ -70,10 +71,10 @@ def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
     kernel is unavailable. Output [H, 1, D] in q's dtype."""
     h, _, d = q.shape
     kvh = keys.shape[0]
-    if load() is None or d % 8 or keys.dtype not in _PLAIN or values.dtype not in _PLAIN:
+    mod = load()
+    if mod is None or d % 8 or keys.dtype not in _PLAIN or values.dtype not in _PLAIN:
         return None
     qg = q.reshape(kvh, h // kvh, d).to(torch.float32) * scale
-    ks = (_PLAIN[keys.dtype], 0, ("data",), torch.empty(0))
-    vs = (_PLAIN[values.dtype], 0, ("data",), torch.empty(0))
-    _, lsum, acc = partial(qg, ks, [keys], vs, [values], d, 0, keys.shape[1])
+    _, lsum, acc = partial(qg, _PLAIN_SPECS[keys.dtype], [keys], _PLAIN_SPECS[values.dtype], [values], d, 0,
+                           keys.shape[1], mod)
     return (acc / lsum.unsqueeze(-1)).to(q.dtype).reshape(h, 1, d)

@@ -21,6 +21,7 @@ the output is `unrotate`d once.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 
 import torch
 
@@ -115,7 +116,7 @@ class QuantKVCache(CachePositions):
         mask = plan.mask
         # the fused kernel covers the committed positions (and the decode token itself: nothing to mask)
         fused_end = total if (n == 1 and mask is None) else start
-        if rows <= fused.MAX_ROWS and fused_end > self.base and self._kernel_specs(d) is not None:
+        if rows <= fused.MAX_ROWS and fused_end > self.base and self._kernel_specs is not None:
             m, lsum, acc = self._attend_fused(layer, qf, d, self.base, fused_end)
         else:
             fused_end = self.base
@@ -153,16 +154,15 @@ class QuantKVCache(CachePositions):
             out = unrotate(out, d)
         return out.reshape(h, n, d).to(q.dtype)
 
-    def _kernel_specs(self, d: int):
+    @cached_property
+    def _kernel_specs(self):
         """(K spec, V spec) for the fused C++ kernel, or None (no kernel here, or a format it cannot read)."""
-        if not hasattr(self, "_specs"):
-            ks, vs = fused.spec_of(self.k_fmt, d), fused.spec_of(self.v_fmt, d)
-            self._specs = (ks, vs) if ks is not None and vs is not None and fused.load() is not None else None
-        return self._specs
+        ks, vs = fused.spec_of(self.k_fmt, self.head_dim), fused.spec_of(self.v_fmt, self.head_dim)
+        return (ks, vs) if ks is not None and vs is not None and fused.load() is not None else None
 
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
         """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel."""
-        ks, vs = self._kernel_specs(d)
+        ks, vs = self._kernel_specs
         kw, vw = self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d)
         q = qf if qf.shape[-1] == kw else torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
         m, lsum, acc = fused.partial(q.contiguous(), ks, [self.k[f][layer] for f in ks[2]], vs,
