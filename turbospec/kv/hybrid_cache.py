@@ -117,18 +117,16 @@ class HybridCache:
                     f"cannot roll back a {n}-token step to {len(keep)} tokens: steps longer than rollback_limit="
                     f"{self.rollback_limit} keep only their final recurrent state"
                 )
+        prefix = keep == list(range(len(keep)))  # a chain prefix: the conv rows are contiguous
         if keep:
             k = self.conv.shape[1]
-            rows = torch.tensor(keep, dtype=torch.int64) + k
+            rows = None if prefix else torch.tensor(keep, dtype=torch.int64) + k
             for i, (w, s) in enumerate(zip(self._windows, self._states)):
                 if w is None or s is None:
                     raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
-                if keep == list(range(len(keep))):  # a prefix: the conv rows are contiguous
-                    self.conv[i] = w[len(keep):len(keep) + k]
-                else:
-                    self.conv[i] = torch.cat([w[:k], w[rows]])[-k:]
+                self.conv[i] = w[len(keep):len(keep) + k] if prefix else torch.cat([w[:k], w[rows]])[-k:]
                 self.ssm[i] = s[keep[-1]] if s.shape[0] == n else s[-1]
-        self.kv.commit(None if keep == list(range(n)) else keep)
+        self.kv.commit(None if prefix and len(keep) == n else keep)
         self.pending = 0
         self._parents = None
         self._windows = [None] * len(self._windows)

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from turbospec.kernels.gemv import load_extension
 from turbospec.layers.linear import Linear
 
+_CHAIN = torch.empty(0, dtype=torch.int64)  # "no parents": the step's tokens are a chain
+
 
 def load_gdn_kernel():
     """The C++ decode/verification mixer (turbospec/kernels/deltanet.cpp), or None."""
@@ -207,7 +209,7 @@ class GatedDeltaNet:
         window = torch.cat([conv_state.to(qkv.dtype), qkv], dim=0)  # [K-1+N, C]
         kernel = load_gdn_kernel() if all_states else None
         if kernel is not None:  # decode / verification: the whole mixer in one C++ call
-            par = torch.tensor(parents if parents is not None else [], dtype=torch.int64)
+            par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
             o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
                                         ssm_state, par, self.nk, self.nv, self.dk, self.dv, self.eps, True)
             return self.out(o), window, states
