@@ -119,12 +119,12 @@ def main() -> None:
     ap.add_argument("--cases", default="turbospec/data/eval/retrieval.jsonl")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from turbospec.cli import default_model
+    from turbospec.cli import model_path
     from turbospec.tokenizer import Tokenizer
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    path = a.model or default_model()
+    path = model_path(a.model)
     model = load_model(path, a.dtype)
     text = read_text(a.text)[:max(a.ctx) * a.chunks * 8]  # tokenizing only what the chunks can use
     tokens = Tokenizer(path).encode(text, add_special=False)

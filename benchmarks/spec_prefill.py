@@ -39,11 +39,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from turbospec.cli import default_model
+    from turbospec.cli import model_path
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    path = a.model or default_model()
+    path = model_path(a.model)
     model = load_model(path, "float32")
     tok = Tokenizer(path)
     ids = tok.encode(read_text(a.text)[: max(a.lengths) * 8], add_special=False)

@@ -107,6 +107,15 @@ def sampling_params(a: argparse.Namespace):
         raise TurboSpecError(str(e)) from None
 
 
+def model_path(given: str | None) -> str:
+    """The checkpoint to use: `-m` if given, else the bundled model (or TURBOSPEC_MODEL); a one-line error if
+    there is none."""
+    path = given or default_model()
+    if path is None:
+        raise TurboSpecError("no model given (-m) and no bundled model found; run scripts/make_demo_model.py")
+    return path
+
+
 def set_threads(n: int | None) -> None:
     import torch
 
@@ -129,9 +138,7 @@ def load_engine(a: argparse.Namespace):
     from turbospec.models import load_model
     from turbospec.tokenizer import Tokenizer
 
-    path = a.model or default_model()
-    if path is None:
-        raise TurboSpecError("no model given (-m) and no bundled model found; run scripts/make_demo_model.py")
+    path = model_path(a.model)
     set_threads(a.threads)
     model = load_model(path, a.dtype)
     tok = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None

@@ -179,15 +179,13 @@ def add_cli(sub) -> argparse.ArgumentParser:
 def run_cli(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from turbospec.cli import default_model, set_threads
+    from turbospec.cli import model_path, set_threads
     from turbospec.engine import Engine
     from turbospec.lab.report import bar_plot, env_info, markdown_table, write_csv, write_json
     from turbospec.models import load_model
     from turbospec.tokenizer import Tokenizer
 
-    path = a.model or default_model()
-    if path is None:
-        raise TurboSpecError("no model given (-m) and no bundled model found")
+    path = model_path(a.model)
     set_threads(a.threads)
     pairs = [p.strip() for p in a.kv.split(",") if p.strip()]
     for p in pairs + [a.baseline]:

@@ -264,11 +264,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from turbospec.cli import default_model, set_threads
+    from turbospec.cli import model_path, set_threads
 
-    path = args.model or default_model()
-    if path is None:
-        raise TurboSpecError("no model given (-m) and no bundled model found")
+    path = model_path(args.model)
     set_threads(args.threads)
     summary = train_heads(
         path, args.text, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
