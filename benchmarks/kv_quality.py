@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from turbospec.kv.plan import AttentionPlan
-from turbospec.lab.quality import chunk_logprobs, read_text
+from turbospec.lab.quality import chunk_logprobs, prefill_hidden, read_text
 from turbospec.models import load_model
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
@@ -81,14 +80,8 @@ def retrieval_accuracy(model, tok, cases: list[dict], pair: str, ubatch: int) ->
     for c in cases:
         p_ids = tok.encode(c["prompt"], add_special=False)
         a_ids = tok.encode(c["answer"], add_special=False)
-        ids = torch.tensor(p_ids + a_ids, dtype=torch.int64)
-        cache = model.new_cache(ids.numel(), k_type=kt, v_type=vt)
-        hs = []
-        for s in range(0, ids.numel(), ubatch):
-            piece = ids[s:s + ubatch]
-            hs.append(model.forward(piece, AttentionPlan.causal(cache.length, piece.numel()), cache))
-            cache.commit()
-        pred = model.logits(torch.cat(hs)[len(p_ids) - 1:-1]).argmax(-1).tolist()
+        hidden = prefill_hidden(model, torch.tensor(p_ids + a_ids, dtype=torch.int64), kt, vt, ubatch)
+        pred = model.logits(hidden[len(p_ids) - 1:-1]).argmax(-1).tolist()
         hits.setdefault(c["target_tokens"], []).append(pred == a_ids)
     return {str(n): 100.0 * sum(v) / len(v) for n, v in sorted(hits.items())}
 

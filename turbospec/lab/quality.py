@@ -53,16 +53,22 @@ def parse_pair(p: str) -> tuple[str, str]:
 
 
 @torch.inference_mode()
-def chunk_logprobs(model, ids: torch.Tensor, k_type: str, v_type: str, ubatch: int) -> torch.Tensor:
-    """Log-probabilities [ctx//2 - 1, V] for the second half of one chunk."""
-    n = ids.numel()
-    cache = model.new_cache(n, k_type=k_type, v_type=v_type)
+def prefill_hidden(model, ids: torch.Tensor, k_type: str, v_type: str, ubatch: int) -> torch.Tensor:
+    """Hidden states [N, H] of every position, prefilled from an empty (K, V)-format cache in `ubatch` pieces
+    (later pieces attend to the quantized entries of earlier ones)."""
+    cache = model.new_cache(ids.numel(), k_type=k_type, v_type=v_type)
     hs = []
-    for s in range(0, n, ubatch):
+    for s in range(0, ids.numel(), ubatch):
         piece = ids[s:s + ubatch]
         hs.append(model.forward(piece, AttentionPlan.causal(cache.length, piece.numel()), cache))
         cache.commit()
-    h = torch.cat(hs)[n // 2:n - 1]
+    return torch.cat(hs)
+
+
+def chunk_logprobs(model, ids: torch.Tensor, k_type: str, v_type: str, ubatch: int) -> torch.Tensor:
+    """Log-probabilities [ctx//2 - 1, V] for the second half of one chunk."""
+    n = ids.numel()
+    h = prefill_hidden(model, ids, k_type, v_type, ubatch)[n // 2:n - 1]
     return torch.log_softmax(model.logits(h), dim=-1)
 
 
