@@ -4,7 +4,8 @@ Model: the random-weight Qwen3 benchmark shape from `turbospec.demo` (hidden 512
 head_dim 64, vocab 32000). The cache is filled to the depth with random K/V (encoded once per format and copied
 into every layer) instead of prefilling 32K tokens; then `--steps` single-token decode steps are timed and the
 median step time is reported as t/s. `dense` is the default dense `KVCache` in the model dtype (SDPA);
-every other row is a `QuantKVCache` (block-wise attention, `--block` positions per block).
+every other row is a `QuantKVCache` (block-wise attention, `--block` positions per block). The types' steps are
+interleaved round-robin at each depth, so that the machine's noisy phases hit every type alike.
 
     python benchmarks/kv_speed.py [--depths 1024 8192 32768] [--types dense f16 q8_0 q4_0 tbq4_0 turbo3 turbo4]
         [--dtype float32] [--steps 8] [--threads 2] [--out docs/results/kv_speed.json]
@@ -49,7 +50,7 @@ def fill(cache, depth: int, seed: int = 0) -> None:
     cache.length = depth
 
 
-def bench(model, kind: str, depth: int, steps: int, block: int) -> dict:
+def make_cache(model, kind: str, depth: int, steps: int, block: int):
     c = model.cfg
     n = depth + steps + 2
     if kind == "dense":
@@ -57,18 +58,29 @@ def bench(model, kind: str, depth: int, steps: int, block: int) -> dict:
     else:
         cache = QuantKVCache(c.num_layers, c.num_kv_heads, c.head_dim, n, kind, kind, block=block)
     fill(cache, depth)
+    return cache
+
+
+def bench(model, kinds: list[str], depth: int, steps: int, block: int) -> list[dict]:
+    """Decode steps at `depth` for every type, interleaved round-robin (step i of every type, then step i + 1),
+    so that the machine's slow phases hit all types alike; median step time per type."""
+    caches = {kind: make_cache(model, kind, depth, steps, block) for kind in kinds}
     tok = torch.tensor([5], dtype=torch.int64)
-    times = []
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for i in range(steps + 1):
-        t = time.perf_counter()
-        h = model.forward(tok, AttentionPlan.causal(cache.length, 1), cache)
-        model.logits(h)
-        cache.commit()
-        if i:  # first step is a warm-up
-            times.append(time.perf_counter() - t)
-    med = statistics.median(times)
-    return {"type": kind, "depth": depth, "tps": 1.0 / med, "step_ms": med * 1e3,
-            "cache_mib": cache.nbytes / 2**20, "steps_ms": [x * 1e3 for x in times]}
+        for kind, cache in caches.items():
+            t = time.perf_counter()
+            h = model.forward(tok, AttentionPlan.causal(cache.length, 1), cache)
+            model.logits(h)
+            cache.commit()
+            if i:  # first step is a warm-up
+                times[kind].append(time.perf_counter() - t)
+    rows = []
+    for kind in kinds:
+        med = statistics.median(times[kind])
+        rows.append({"type": kind, "depth": depth, "tps": 1.0 / med, "step_ms": med * 1e3,
+                     "cache_mib": caches[kind].nbytes / 2**20, "steps_ms": [x * 1e3 for x in times[kind]]})
+    return rows
 
 
 def main() -> None:
@@ -90,10 +102,9 @@ def main() -> None:
     rows = []
     print(f"{'type':>8} {'depth':>6} {'t/s':>8} {'ms/step':>8} {'cache MiB':>10}")
     for depth in a.depths:
-        for kind in a.types:
-            r = bench(model, kind, depth, a.steps, a.block)
+        for r in bench(model, a.types, depth, a.steps, a.block):
             rows.append(r)
-            print(f"{kind:>8} {depth:>6} {r['tps']:8.2f} {r['step_ms']:8.1f} {r['cache_mib']:10.1f}", flush=True)
+            print(f"{r['type']:>8} {depth:>6} {r['tps']:8.2f} {r['step_ms']:8.1f} {r['cache_mib']:10.1f}", flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"dtype": a.dtype, "threads": torch.get_num_threads(), "steps": a.steps, "block": a.block}

@@ -24,7 +24,7 @@ def _decoded(fmt, packed):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("d", [40, 64, 80, 128, 192, 256])  # 40: odd chunk count; 192: three 64-value turbo blocks
 def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
     g = torch.Generator().manual_seed(d)
     fmt = get_format(name)

@@ -33,7 +33,7 @@ from turbospec.kv.formats import (
     round_half_away,
     unrotate,
 )
-from turbospec.kv.hadamard import hadamard_matrix, rotation_matrix, rotation_signs
+from turbospec.kv.hadamard import hadamard_matrix, rot_block_for, rotation_matrix, rotation_signs
 from turbospec.kv.lloyd_max import GAUSSIAN_LLOYD_MAX, beta_coordinate_pdf, codebook_mse, lloyd_max_codebook
 
 # Deterministic by default (no flaky CI, no .hypothesis database); TURBOSPEC_HYPOTHESIS_EXAMPLES=500
@@ -46,7 +46,10 @@ BPV_TABLE = {
     "f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "tbq4_0": 4.25, "tbq4_0d": 4.25,
     "turbo4": 4.125, "turbo3": 3.125, "turbo2": 2.125, "turbo4p": 4.25, "turbo3p": 3.25, "turbo2p": 2.25,
 }
-HEAD_SIZES = (64, 80, 96, 128, 256)
+# turbo* at head sizes that are a multiple of 64 but not of 128 use 64-value rotation blocks (one norm,
+# and for turbo*p one gamma, per 64 values instead of per 128)
+BPV_TABLE_64 = {"turbo4": 4.25, "turbo3": 3.25, "turbo2": 2.25, "turbo4p": 4.5, "turbo3p": 3.5, "turbo2p": 2.5}
+HEAD_SIZES = (64, 80, 96, 128, 192, 256)
 GGUF_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
 PAPER_MSE = {1: 0.363, 2: 0.118, 3: 0.0345, 4: 0.0095}
 
@@ -103,8 +106,12 @@ def test_bits_and_bytes_table(name, dim):
     fmt = get_format(name)
     assert fmt.bits_per_value == BPV_TABLE[name]
     assert isinstance(fmt.bits_per_value, float)
-    padded = -(-dim // fmt.block_size) * fmt.block_size
-    expected = padded * BPV_TABLE[name] / 8
+    small = name in BPV_TABLE_64 and dim in (64, 192)
+    block = 64 if small else fmt.block_size
+    assert fmt.for_dim(dim).block_size == block
+    assert fmt.for_dim(dim).bits_per_value == (BPV_TABLE_64[name] if small else BPV_TABLE[name])
+    padded = -(-dim // block) * block
+    expected = padded * fmt.for_dim(dim).bits_per_value / 8
     assert expected == int(expected)
     assert fmt.bytes_per_vector(dim) == int(expected)
     spec = fmt.storage_spec(dim)
@@ -463,17 +470,21 @@ def test_rotation_is_fixed_and_orthonormal():
     assert torch.equal(s1, rotation_signs()[0])
     r = rotation_matrix(dtype=torch.float64)
     torch.testing.assert_close(r @ r.T, torch.eye(128, dtype=torch.float64), atol=1e-12, rtol=0)
-    # y = D2 H D1 x / sqrt(128)
-    x = _randn(3, 128, seed=2).double()
-    ref = (s2 * ((s1 * x) @ hadamard_matrix(128).T)) / math.sqrt(128)
-    torch.testing.assert_close(rotate(x), ref, atol=1e-12, rtol=0)
+    # y = D2 H D1 x / sqrt(n), per 128-value block (64-value blocks for a 64-value vector)
+    for n in (128, 64):
+        s1, s2 = rotation_signs(n)
+        x = _randn(3, n, seed=2).double()
+        ref = (s2 * ((s1 * x) @ hadamard_matrix(n).T)) / math.sqrt(n)
+        torch.testing.assert_close(rotate(x), ref, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("dim", HEAD_SIZES)
 def test_rotate_unrotate(dim):
     x = _randn(4, 5, dim, seed=dim)
     y = rotate(x)
-    assert y.shape == (4, 5, -(-dim // 128) * 128) and y.dtype == torch.float32
+    block = 64 if dim in (64, 192) else 128  # 64-value blocks where 64 divides the head size and 128 does not
+    assert rot_block_for(dim) == block
+    assert y.shape == (4, 5, -(-dim // block) * block) and y.dtype == torch.float32
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(unrotate(y, dim), x, rtol=1e-5, atol=1e-5)
     q = _randn(4, 5, dim, seed=dim + 1)
@@ -484,7 +495,7 @@ def test_rotate_unrotate(dim):
 
 
 @pytest.mark.parametrize("name", ["turbo4", "turbo3", "turbo2", "turbo4p", "turbo3p", "turbo2p"])
-@pytest.mark.parametrize("dim", [80, 128, 256])
+@pytest.mark.parametrize("dim", [64, 80, 128, 192, 256])
 def test_rotated_domain_inner_products(name, dim):
     fmt = get_format(name)
     k = _randn(64, dim, seed=20)

@@ -153,11 +153,12 @@ def test_masked_prefix_base_and_truncate():
 
 
 # bytes per vector of one head, from the format table in docs/kv-formats.md
+# bytes per head vector at head_dim 64 / 128 / 256 (turbo* at head_dim 64: one 64-value rotation block)
 TABLE = {
     "f32": (256, 512, 1024), "f16": (128, 256, 512), "bf16": (128, 256, 512), "q8_0": (68, 136, 272),
-    "q4_0": (36, 72, 144), "tbq4_0": (34, 68, 136), "tbq4_0d": (34, 68, 136), "turbo4": (66, 66, 132),
-    "turbo3": (50, 50, 100), "turbo2": (34, 34, 68), "turbo4p": (68, 68, 136), "turbo3p": (52, 52, 104),
-    "turbo2p": (36, 36, 72),
+    "q4_0": (36, 72, 144), "tbq4_0": (34, 68, 136), "tbq4_0d": (34, 68, 136), "turbo4": (34, 66, 132),
+    "turbo3": (26, 50, 100), "turbo2": (18, 34, 68), "turbo4p": (36, 68, 136), "turbo3p": (28, 52, 104),
+    "turbo2p": (20, 36, 72),
 }
 
 

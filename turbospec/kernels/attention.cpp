@@ -14,8 +14,9 @@
 
 namespace {
 
-// Format kinds; the Python side (turbospec/kernels/attention.py) uses the same numbers.
-enum Kind : int64_t { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3, Q4_0 = 4, TBQ4_0 = 5, TURBO = 6 };
+// Format kinds; the Python side (turbospec/kernels/attention.py) uses the same numbers. TURBO: 128-value
+// rotation blocks, TURBO64: 64-value blocks (head sizes that are a multiple of 64 but not of 128).
+enum Kind : int64_t { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3, Q4_0 = 4, TBQ4_0 = 5, TURBO = 6, TURBO64 = 7 };
 
 struct Field {
   const uint8_t* p = nullptr;
@@ -28,7 +29,7 @@ struct Source {
   int64_t bits = 0;   // TURBO: index bits (1..4)
   int64_t width = 0;  // decoded (padded) values per row, multiple of 8
   Field f[3];         // plain: data | ggml-like: d, qs | turbo: norm, qs[, qh]
-  __m256 cent_lo, cent_hi;
+  __m256 cent_lo, cent_hi;  // turbo lookup tables (see make_source)
 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -40,10 +41,8 @@ inline __m256 nibbles8(const uint8_t* q, bool high) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
 }
 
-inline __m256i codes8(const uint8_t* q, int shift, int mask) {
-  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  v = _mm256_srlv_epi32(v, _mm256_set1_epi32(shift));
-  return _mm256_and_si256(v, _mm256_set1_epi32(mask));
+inline __m256i bytes8(const uint8_t* q) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
 }
 
 struct Row {  // field pointers of one (head, position)
@@ -56,45 +55,101 @@ inline Row row_of(const Source& s, int64_t h, int64_t t) {
   return {s.f[0].at(h, t), s.f[1].p ? s.f[1].at(h, t) : nullptr, s.f[2].p ? s.f[2].at(h, t) : nullptr};
 }
 
-// Values [8c, 8c + 8) of one row, as float32. KIND is the format, BITS the TurboQuant index bits.
-template <int64_t KIND, int BITS>
-inline __m256 dec8(const Source& s, const Row& r, int64_t c) {
+constexpr bool is_turbo(int64_t kind) { return kind == TURBO || kind == TURBO64; }
+constexpr int64_t turbo_block(int64_t kind) { return kind == TURBO64 ? 64 : 128; }
+
+// Chunks of 8 values are decoded in pairs (c, c + H) that share their bytes: adjacent chunks of plain and
+// q8_0 rows, the low/high nibbles of q4_0 and tbq4_0, the bit fields 4 bits apart of turbo's bit planes.
+template <int64_t KIND>
+constexpr int64_t pair_dist() {
+  if constexpr (KIND == Q4_0) return 2;
+  else if constexpr (KIND == TBQ4_0) return 4;
+  else if constexpr (is_turbo(KIND)) return turbo_block(KIND) / 16;
+  else return 1;
+}
+
+// Block formats decode *raw* values (ints, nibbles, centroids) and the callers apply each block's fp16 scale
+// (field 0: d or norm) once per block and row: value = scale * (raw - OFFSET). SPAN: chunks per block (0: plain).
+template <int64_t KIND>
+constexpr int64_t span_chunks() {
+  if constexpr (KIND == Q8_0 || KIND == Q4_0) return 4;
+  else if constexpr (KIND == TBQ4_0) return 8;
+  else if constexpr (is_turbo(KIND)) return turbo_block(KIND) / 8;
+  else return 0;
+}
+template <int64_t KIND>
+constexpr float raw_offset() { return KIND == Q4_0 || KIND == TBQ4_0 ? 8.0f : 0.0f; }
+
+inline float block_scale(const Row& r, int64_t blk) { return half_to_float(reinterpret_cast<const uint16_t*>(r.a)[blk]); }
+
+// Values [8c, 8c + 8) of a plain row, as float32.
+template <int64_t KIND>
+inline __m256 plain8(const Row& r, int64_t c) {
   if constexpr (KIND == F32) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(r.a) + 8 * c);
   } else if constexpr (KIND == F16) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.a + 16 * c)));
-  } else if constexpr (KIND == BF16) {
+  } else {  // BF16
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.a + 16 * c)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  } else if constexpr (KIND == Q8_0) {  // 32 values: fp16 d, int8 qs[32]
-    const int64_t blk = c >> 2;
-    const float d = half_to_float(reinterpret_cast<const uint16_t*>(r.a)[blk]);
-    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.b + blk * 32 + (c & 3) * 8));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(d));
-  } else if constexpr (KIND == Q4_0 || KIND == TBQ4_0) {
-    // q4_0: 32 values in 16 bytes (low nibbles 0..15, high 16..31); tbq4_0: 64 values in 32 bytes
-    constexpr int64_t per = KIND == Q4_0 ? 4 : 8;  // chunks of 8 per block
-    const int64_t blk = c / per, k = c % per;
-    const float d = half_to_float(reinterpret_cast<const uint16_t*>(r.a)[blk]);
-    __m256 v = nibbles8(r.b + blk * (per * 4) + (k % (per / 2)) * 8, k >= per / 2);
-    return _mm256_fmadd_ps(v, _mm256_set1_ps(d), _mm256_set1_ps(-8.0f * d));  // d * (q - 8)
-  } else {  // TURBO: 128 values per block, fp16 scale, BITS-bit Lloyd-Max indices in bit planes
-    constexpr int plane = BITS == 3 ? 2 : BITS;  // width of the qs plane (3 bits: + a 1-bit plane qh)
-    constexpr int plane_bytes = 128 * plane / 8;
-    constexpr int group = 16 / (8 / plane);     // chunks of 8 sharing one byte range
-    const int64_t blk = c >> 4, k = c & 15;
-    __m256i idx = codes8(r.b + blk * plane_bytes + (k % group) * 8, static_cast<int>((k / group) * plane),
-                         (1 << plane) - 1);
-    if constexpr (BITS == 3) {
-      __m256i hi = codes8(r.c + blk * 16 + (k & 1) * 8, static_cast<int>(k >> 1), 1);
-      idx = _mm256_or_si256(idx, _mm256_slli_epi32(hi, 2));
-    }
-    __m256 v = _mm256_permutevar8x32_ps(s.cent_lo, idx);
-    if constexpr (BITS == 4) {
-      __m256 vh = _mm256_permutevar8x32_ps(s.cent_hi, idx);
-      v = _mm256_blendv_ps(v, vh, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7))));
-    }
-    return _mm256_mul_ps(v, _mm256_set1_ps(half_to_float(reinterpret_cast<const uint16_t*>(r.a)[blk])));
+  }
+}
+
+// Turbo: chunks c and c + H of one row (same block), centroid values. Index planes: bit plane of width w
+// stores value j of a block at byte j % P, bit (j / P) * w (P = block * w / 8 bytes).
+// vpermps looks up only the low 3 bits of each lane (vpermilps, within each 128-bit half: the low 2 bits), so
+// the tables repeat with the plane's period and the remaining index bit (4-bit: bit 3, 3-bit: the qh plane)
+// picks between two tables with a blend on the sign.
+template <int64_t KIND, int BITS>
+inline void turbo_pair(const Source& s, const Row& r, int64_t c, __m256& x0, __m256& x1) {
+  constexpr int64_t B = turbo_block(KIND), CH = B / 8;  // values, chunks per block
+  constexpr int w = BITS == 3 ? 2 : BITS;
+  constexpr int64_t P = B * w / 8;
+  const int64_t blk = c / CH, k = c % CH;
+  const int sh = static_cast<int>((8 * k / P) * w);
+  const __m256i v = bytes8(r.b + blk * P + (8 * k) % P);
+  if constexpr (BITS == 4) {  // k < CH / 2: low nibble, partner: high nibble
+    const __m256i u = _mm256_srli_epi32(v, 4);
+    x0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(s.cent_lo, v), _mm256_permutevar8x32_ps(s.cent_hi, v),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+    x1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(s.cent_lo, u), _mm256_permutevar8x32_ps(s.cent_hi, u),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(v, 24)));
+  } else if constexpr (BITS == 3) {
+    constexpr int64_t PH = B / 8;  // 1-bit plane
+    const int shh = static_cast<int>(8 * k / PH);
+    const __m256i hb = bytes8(r.c + blk * PH + (8 * k) % PH);
+    const __m256i a = _mm256_srl_epi32(v, _mm_cvtsi32_si128(sh));
+    const __m256i b = _mm256_srl_epi32(v, _mm_cvtsi32_si128(sh + 4));
+    x0 = _mm256_blendv_ps(_mm256_permutevar_ps(s.cent_lo, a), _mm256_permutevar_ps(s.cent_hi, a),
+                          _mm256_castsi256_ps(_mm256_sll_epi32(hb, _mm_cvtsi32_si128(31 - shh))));
+    x1 = _mm256_blendv_ps(_mm256_permutevar_ps(s.cent_lo, b), _mm256_permutevar_ps(s.cent_hi, b),
+                          _mm256_castsi256_ps(_mm256_sll_epi32(hb, _mm_cvtsi32_si128(27 - shh))));
+  } else if constexpr (BITS == 2) {  // in-lane 4-entry lookup (vpermilps reads the low 2 bits)
+    x0 = _mm256_permutevar_ps(s.cent_lo, _mm256_srl_epi32(v, _mm_cvtsi32_si128(sh)));
+    x1 = _mm256_permutevar_ps(s.cent_lo, _mm256_srl_epi32(v, _mm_cvtsi32_si128(sh + 4)));
+  } else {  // 1 bit: periodic table
+    x0 = _mm256_permutevar8x32_ps(s.cent_lo, _mm256_srl_epi32(v, _mm_cvtsi32_si128(sh)));
+    x1 = _mm256_permutevar8x32_ps(s.cent_lo, _mm256_srl_epi32(v, _mm_cvtsi32_si128(sh + 4)));
+  }
+}
+
+// Raw values of chunks c and c + H.
+template <int64_t KIND, int BITS>
+inline void dec_pair(const Source& s, const Row& r, int64_t c, __m256& x0, __m256& x1) {
+  if constexpr (is_turbo(KIND)) {
+    turbo_pair<KIND, BITS>(s, r, c, x0, x1);
+  } else if constexpr (KIND == Q8_0) {  // 32 int8 per block; c even: 16 bytes of two chunks
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.b + (c >> 2) * 32 + (c & 3) * 8));
+    x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+  } else if constexpr (KIND == Q4_0 || KIND == TBQ4_0) {  // nibbles: low = chunk c, high = chunk c + H
+    constexpr int64_t per = KIND == Q4_0 ? 4 : 8;  // chunks per block
+    const __m256i v = bytes8(r.b + (c / per) * (per * 4) + (c % per) * 8);
+    x0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    x1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    x0 = plain8<KIND>(r, c);
+    x1 = plain8<KIND>(r, c + 1);
   }
 }
 
@@ -146,63 +201,163 @@ Source make_source(int64_t kind, int64_t bits, int64_t width, const std::vector<
     s.f[i].sh = t.stride(0) * isz;
     s.f[i].st = t.stride(1) * isz;
   }
-  float table[16] = {0};
-  if (kind == TURBO) {
+  float lo[8] = {0}, hi[8] = {0};
+  if (is_turbo(kind)) {
     TORCH_CHECK(bits >= 1 && bits <= 4 && cent.numel() == (1 << bits) && cent.scalar_type() == torch::kFloat,
                 "turbo needs a float32 table of 2^bits centroids");
     TORCH_CHECK(fields.size() == (bits == 3 ? 3u : 2u), "turbo field count");
+    TORCH_CHECK(width % turbo_block(kind) == 0, "turbo width must be a multiple of its block");
     auto c = cent.contiguous();
-    std::copy(c.data_ptr<float>(), c.data_ptr<float>() + c.numel(), table);
+    const float* t = c.data_ptr<float>();
+    // lookup tables indexed by the low 3 bits of a lane (see turbo_pair)
+    const int period = bits == 3 ? 4 : std::min<int>(1 << bits, 8);
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = t[i % period];
+      if (bits == 3) hi[i] = t[4 + i % 4];
+      if (bits == 4) hi[i] = t[8 + i];
+    }
   }
-  s.cent_lo = _mm256_loadu_ps(table);
-  s.cent_hi = _mm256_loadu_ps(table + 8);
+  s.cent_lo = _mm256_loadu_ps(lo);
+  s.cent_hi = _mm256_loadu_ps(hi);
   return s;
 }
 
+// Sums of 4 vectors at once: lane i of the result = sum of the lanes of a_i.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Visits the chunks of a row (or of one block) as pairs (c, c + H) and, for an odd plain row, a last single
+// chunk: fn(c, paired).
+template <int64_t H, class Fn>
+inline void for_pairs(int64_t c0, int64_t c1, Fn&& fn) {
+  for (int64_t g = c0; g < c1; g += 2 * H)
+    for (int64_t c = g; c < g + H && c < c1; ++c) fn(c, c + H < c1);
+}
+
+#define FMA4(acc, x, w0, w1, w2, w3)            \
+  acc##0 = _mm256_fmadd_ps(w0, x, acc##0);      \
+  acc##1 = _mm256_fmadd_ps(w1, x, acc##1);      \
+  acc##2 = _mm256_fmadd_ps(w2, x, acc##2);      \
+  acc##3 = _mm256_fmadd_ps(w3, x, acc##3)
+
 // Scores of 4 query rows (q4: [4, width]) against positions [s0, s1) of head h: sc[i * tile + (t - s0)].
+// Two accumulators per row (the two chunks of a pair) keep 8 independent FMA chains in flight. Block formats:
+// per block, score += scale * (sum q * raw - OFFSET * sum q), with qsum [blocks][4] the rows' sums of q.
 template <int64_t KIND, int BITS>
-void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const float* q4, float* sc, int64_t tile) {
+void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const float* q4, const float* qsum, float* sc,
+            int64_t tile) {
+  constexpr int64_t H = pair_dist<KIND>(), SPAN = span_chunks<KIND>();
+  constexpr float OFF = raw_offset<KIND>();
   const int64_t chunks = ks.width / 8, w = ks.width;
+  const int64_t span = SPAN ? SPAN : chunks;
   for (int64_t t = s0; t < s1; ++t) {
     const Row row = row_of(ks, h, t);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 kv = dec8<KIND, BITS>(ks, row, c);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q4 + 8 * c), kv, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q4 + w + 8 * c), kv, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q4 + 2 * w + 8 * c), kv, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q4 + 3 * w + 8 * c), kv, a3);
+    __m128 tot = _mm_setzero_ps();
+    for (int64_t b0 = 0; b0 < chunks; b0 += span) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      __m256 b0v = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+      for_pairs<H>(b0, b0 + span, [&](int64_t c, bool paired) {
+        const float* q = q4 + 8 * c;
+        if (paired) {
+          __m256 x0, x1;
+          dec_pair<KIND, BITS>(ks, row, c, x0, x1);
+          const float* p = q + 8 * H;
+          b0v = _mm256_fmadd_ps(_mm256_loadu_ps(p), x1, b0v);
+          b1 = _mm256_fmadd_ps(_mm256_loadu_ps(p + w), x1, b1);
+          b2 = _mm256_fmadd_ps(_mm256_loadu_ps(p + 2 * w), x1, b2);
+          b3 = _mm256_fmadd_ps(_mm256_loadu_ps(p + 3 * w), x1, b3);
+          FMA4(a, x0, _mm256_loadu_ps(q), _mm256_loadu_ps(q + w), _mm256_loadu_ps(q + 2 * w), _mm256_loadu_ps(q + 3 * w));
+        } else {  // plain rows only
+          const __m256 x0 = plain8<SPAN ? F32 : KIND>(row, c);
+          FMA4(a, x0, _mm256_loadu_ps(q), _mm256_loadu_ps(q + w), _mm256_loadu_ps(q + 2 * w), _mm256_loadu_ps(q + 3 * w));
+        }
+      });
+      __m128 part = hsum4(_mm256_add_ps(a0, b0v), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
+      if constexpr (SPAN != 0) {
+        const int64_t blk = b0 / span;
+        if constexpr (OFF != 0.0f) part = _mm_fnmadd_ps(_mm_set1_ps(OFF), _mm_loadu_ps(qsum + 4 * blk), part);
+        tot = _mm_fmadd_ps(part, _mm_set1_ps(block_scale(row, blk)), tot);
+      } else {
+        tot = _mm_add_ps(tot, part);
+      }
     }
-    sc[t - s0] = hsum(a0);
-    sc[tile + t - s0] = hsum(a1);
-    sc[2 * tile + t - s0] = hsum(a2);
-    sc[3 * tile + t - s0] = hsum(a3);
+    alignas(16) float s4[4];
+    _mm_store_ps(s4, tot);
+    sc[t - s0] = s4[0];
+    sc[tile + t - s0] = s4[1];
+    sc[2 * tile + t - s0] = s4[2];
+    sc[3 * tile + t - s0] = s4[3];
   }
 }
 
 // acc4[i, :] = sum_t p[i * tile + (t - s0)] * v_t over positions [s0, s1), for 4 rows (acc4: [4, width]).
+// Block formats: per block the weights are first scaled by each position's block scale (pn, scratch of
+// 4 * tile floats) and, with an offset, OFFSET * sum(pn) is subtracted from the block's outputs.
 template <int64_t KIND, int BITS>
-void accumulate4(const Source& vs, int64_t h, int64_t s0, int64_t s1, const float* p, int64_t tile, float* acc4) {
-  const int64_t chunks = vs.width / 8, w = vs.width;
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t t = s0; t < s1; ++t) {
-      const __m256 vv = dec8<KIND, BITS>(vs, row_of(vs, h, t), c);
-      const int64_t i = t - s0;
-      a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), vv, a0);
-      a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[tile + i]), vv, a1);
-      a2 = _mm256_fmadd_ps(_mm256_set1_ps(p[2 * tile + i]), vv, a2);
-      a3 = _mm256_fmadd_ps(_mm256_set1_ps(p[3 * tile + i]), vv, a3);
+void accumulate4(const Source& vs, int64_t h, int64_t s0, int64_t s1, const float* p, int64_t tile, float* acc4,
+                 float* pn) {
+  constexpr int64_t H = pair_dist<KIND>(), SPAN = span_chunks<KIND>();
+  constexpr float OFF = raw_offset<KIND>();
+  const int64_t chunks = vs.width / 8, w = vs.width, len = s1 - s0;
+  const int64_t span = SPAN ? SPAN : chunks;
+  for (int64_t b0 = 0; b0 < chunks; b0 += span) {
+    const float* pw = p;
+    __m256 off0 = _mm256_setzero_ps(), off1 = off0, off2 = off0, off3 = off0;
+    if constexpr (SPAN != 0) {
+      float ps[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int64_t i = 0; i < len; ++i) {
+        const float sc = block_scale(row_of(vs, h, s0 + i), b0 / span);
+        for (int r = 0; r < 4; ++r) {
+          pn[r * tile + i] = p[r * tile + i] * sc;
+          ps[r] += pn[r * tile + i];
+        }
+      }
+      pw = pn;
+      off0 = _mm256_set1_ps(OFF * ps[0]);
+      off1 = _mm256_set1_ps(OFF * ps[1]);
+      off2 = _mm256_set1_ps(OFF * ps[2]);
+      off3 = _mm256_set1_ps(OFF * ps[3]);
     }
-    _mm256_storeu_ps(acc4 + 8 * c, a0);
-    _mm256_storeu_ps(acc4 + w + 8 * c, a1);
-    _mm256_storeu_ps(acc4 + 2 * w + 8 * c, a2);
-    _mm256_storeu_ps(acc4 + 3 * w + 8 * c, a3);
+    for_pairs<H>(b0, b0 + span, [&](int64_t c, bool paired) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      __m256 b0v = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+      if (paired) {
+        for (int64_t i = 0; i < len; ++i) {
+          __m256 x0, x1;
+          dec_pair<KIND, BITS>(vs, row_of(vs, h, s0 + i), c, x0, x1);
+          const __m256 p0 = _mm256_broadcast_ss(pw + i), p1 = _mm256_broadcast_ss(pw + tile + i);
+          const __m256 p2 = _mm256_broadcast_ss(pw + 2 * tile + i), p3 = _mm256_broadcast_ss(pw + 3 * tile + i);
+          FMA4(a, x0, p0, p1, p2, p3);
+          b0v = _mm256_fmadd_ps(p0, x1, b0v);
+          b1 = _mm256_fmadd_ps(p1, x1, b1);
+          b2 = _mm256_fmadd_ps(p2, x1, b2);
+          b3 = _mm256_fmadd_ps(p3, x1, b3);
+        }
+        float* o = acc4 + 8 * (c + H);
+        _mm256_storeu_ps(o, _mm256_sub_ps(b0v, off0));
+        _mm256_storeu_ps(o + w, _mm256_sub_ps(b1, off1));
+        _mm256_storeu_ps(o + 2 * w, _mm256_sub_ps(b2, off2));
+        _mm256_storeu_ps(o + 3 * w, _mm256_sub_ps(b3, off3));
+      } else {  // plain rows only
+        for (int64_t i = 0; i < len; ++i) {
+          const __m256 x0 = plain8<SPAN ? F32 : KIND>(row_of(vs, h, s0 + i), c);
+          FMA4(a, x0, _mm256_broadcast_ss(pw + i), _mm256_broadcast_ss(pw + tile + i),
+               _mm256_broadcast_ss(pw + 2 * tile + i), _mm256_broadcast_ss(pw + 3 * tile + i));
+        }
+      }
+      float* o = acc4 + 8 * c;
+      _mm256_storeu_ps(o, _mm256_sub_ps(a0, off0));
+      _mm256_storeu_ps(o + w, _mm256_sub_ps(a1, off1));
+      _mm256_storeu_ps(o + 2 * w, _mm256_sub_ps(a2, off2));
+      _mm256_storeu_ps(o + 3 * w, _mm256_sub_ps(a3, off3));
+    });
   }
 }
 
-using ScoreFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, float*, int64_t);
-using AccFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, int64_t, float*);
+using ScoreFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, const float*, float*, int64_t);
+using AccFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, int64_t, float*, float*);
 
 template <template <int64_t, int> class Pick>
 auto pick(int64_t kind, int64_t bits) {
@@ -219,6 +374,15 @@ auto pick(int64_t kind, int64_t bits) {
         case 2: return Pick<TURBO, 2>::fn;
         case 3: return Pick<TURBO, 3>::fn;
         case 4: return Pick<TURBO, 4>::fn;
+        default: break;
+      }
+      break;
+    case TURBO64:
+      switch (bits) {
+        case 1: return Pick<TURBO64, 1>::fn;
+        case 2: return Pick<TURBO64, 2>::fn;
+        case 3: return Pick<TURBO64, 3>::fn;
+        case 4: return Pick<TURBO64, 4>::fn;
         default: break;
       }
       break;
@@ -259,17 +423,29 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
   const int64_t tasks = kvh * tiles;
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   const float* qp = qp4.data_ptr<float>();
+  // per (head, group of 4 rows, K block): the 4 rows' sums of q over the block (for the raw-value offset)
+  const int64_t kblock = k_kind == Q8_0 || k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64
+                         : k_kind == TURBO ? 128 : k_kind == TURBO64 ? 64 : dk;
+  TORCH_CHECK(dk % kblock == 0, "K width is not a multiple of its block");
+  const int64_t kblocks = dk / kblock, groups = rows4 / 4;
+  std::vector<float> qsum(kvh * groups * kblocks * 4, 0.0f);
+  for (int64_t h = 0; h < kvh; ++h)
+    for (int64_t r = 0; r < rows4; ++r)
+      for (int64_t j = 0; j < dk; ++j)
+        qsum[((h * groups + r / 4) * kblocks + j / kblock) * 4 + r % 4] += qp[(h * rows4 + r) * dk + j];
 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     // flush denormals: tiny softmax weights times small values would otherwise hit the slow denormal path
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
-    std::vector<float> sc(rows4 * tile);
+    std::vector<float> sc(rows4 * tile), pn(4 * tile);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task / tiles, s0 = start + (task % tiles) * tile;
       const int64_t s1 = std::min(end, s0 + tile), len = s1 - s0;
       const float* qh = qp + h * rows4 * dk;
-      for (int64_t r0 = 0; r0 < rows4; r0 += 4) score(ks, h, s0, s1, qh + r0 * dk, sc.data() + r0 * tile, tile);
+      for (int64_t r0 = 0; r0 < rows4; r0 += 4)
+        score(ks, h, s0, s1, qh + r0 * dk, qsum.data() + (h * groups + r0 / 4) * kblocks * 4, sc.data() + r0 * tile,
+              tile);
       float* m = pm.data() + task * rows4;
       float* l = pl.data() + task * rows4;
       for (int64_t r = 0; r < rows4; ++r) {
@@ -293,7 +469,7 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
         l[r] = sum;
       }
       float* acc = pacc.data() + task * rows4 * dv;
-      for (int64_t r0 = 0; r0 < rows4; r0 += 4) accumulate(vs, h, s0, s1, sc.data() + r0 * tile, tile, acc + r0 * dv);
+      for (int64_t r0 = 0; r0 < rows4; r0 += 4) accumulate(vs, h, s0, s1, sc.data() + r0 * tile, tile, acc + r0 * dv, pn.data());
     }
     _mm_setcsr(csr);
   });

@@ -24,8 +24,8 @@ from turbospec.kv.formats import (
     _codebook,
 )
 
-# kinds shared with attention.cpp
-F32, F16, BF16, Q8_0, Q4_0, TBQ4_0, TURBO = range(7)
+# kinds shared with attention.cpp (TURBO: 128-value rotation blocks, TURBO64: 64-value blocks)
+F32, F16, BF16, Q8_0, Q4_0, TBQ4_0, TURBO, TURBO64 = range(8)
 _PLAIN = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _NO_TABLE = torch.empty(0)
 _PLAIN_SPECS = {dt: (kind, 0, ("data",), _NO_TABLE) for dt, kind in _PLAIN.items()}
@@ -53,7 +53,9 @@ def spec_of(fmt: KVFormat, dim: int) -> tuple[int, int, tuple[str, ...], torch.T
         return TBQ4_0, 0, ("d", "qs"), _NO_TABLE
     if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat):
         names = ("norm", "qs", "qh") if fmt.mse_bits == 3 else ("norm", "qs")
-        return TURBO, fmt.mse_bits, names, _codebook(fmt.mse_bits, torch.device("cpu"))[0]
+        block = fmt.for_dim(dim).block_size
+        kind = TURBO64 if block == 64 else TURBO
+        return kind, fmt.mse_bits, names, _codebook(fmt.mse_bits, torch.device("cpu"), block)[0]
     return None
 
 

@@ -17,7 +17,7 @@ def cpu_has_avx2() -> bool:
 
 
 @cache
-def load_extension(name: str, source: str, what: str):
+def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = ()):
     """Build (once per machine, cached by torch) and load the C++ extension `name` from `source` in this
     folder; None when it cannot be built here (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
     if os.environ.get("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
@@ -30,7 +30,7 @@ def load_extension(name: str, source: str, what: str):
             print(f"turbospec: building the AVX2 {what} kernel (first run only, about a minute)...", file=sys.stderr)
         return load(
             name=name, sources=[str(src)], verbose=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # noqa: BLE001 -- no compiler or headers: fall back to torch's kernels
         print(f"turbospec: {what} kernel unavailable ({' '.join(str(e).split())[:120]}); "

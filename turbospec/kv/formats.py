@@ -27,6 +27,7 @@ exact zeros.
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
 
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from .bitpack import pack_bits, unpack_bits
-from .hadamard import ROT_BLOCK, padded_dim, rotate, rotation_matrix, unrotate
+from .hadamard import ROT_BLOCK, padded_dim, rot_block_for, rotate, rotation_matrix, unrotate
 from .lloyd_max import lloyd_max_codebook
 
 __all__ = [
@@ -128,16 +129,21 @@ class KVFormat(ABC):
     def bits_per_value(self) -> float:
         return self.bytes_per_block * 8 / self.block_size
 
+    def for_dim(self, dim: int) -> KVFormat:
+        """The instance that stores vectors of length ``dim`` (itself, except turbo* at head sizes that take
+        64-value rotation blocks). Every method taking a head size goes through it."""
+        return self
+
     def padded_dim(self, dim: int) -> int:
-        return padded_dim(dim, self.block_size)
+        return padded_dim(dim, self.for_dim(dim).block_size)
 
     def num_blocks(self, dim: int) -> int:
         self._check_dim(dim)
-        return self.padded_dim(dim) // self.block_size
+        return self.padded_dim(dim) // self.for_dim(dim).block_size
 
     def storage_spec(self, dim: int) -> StorageSpec:
         """Per-vector field shapes and dtypes of ``encode``'s output for head size ``dim``."""
-        return self._spec(self.num_blocks(dim))
+        return self.for_dim(dim)._spec(self.num_blocks(dim))
 
     def bytes_per_vector(self, dim: int) -> int:
         return sum(math.prod(shape) * dt.itemsize for shape, dt in self.storage_spec(dim).values())
@@ -154,6 +160,8 @@ class KVFormat(ABC):
             raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
         dim = x.shape[-1] if x.dim() else 0
         self._check_dim(dim)
+        if self.for_dim(dim) is not self:
+            return self.for_dim(dim).encode(x)
         xf = x.to(torch.float32)
         dp = self.padded_dim(dim)
         if dp != dim:
@@ -388,22 +396,22 @@ _CODEBOOKS: dict = {}
 _QJL: dict = {}
 
 
-def _codebook(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(centroids, boundaries) float32 on ``device`` for the d=128 rotated-coordinate law."""
+def _codebook(bits: int, device: torch.device, d: int = ROT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids, boundaries) float32 on ``device`` for the rotated-coordinate law of a d-value block."""
 
     def make():
-        c, b = lloyd_max_codebook(bits, ROT_BLOCK)
+        c, b = lloyd_max_codebook(bits, d)
         return (torch.tensor(c, dtype=torch.float32, device=device),
                 torch.tensor(b, dtype=torch.float32, device=device))
 
-    return _per_device(_CODEBOOKS, (bits, device), make)
+    return _per_device(_CODEBOOKS, (bits, device, d), make)
 
 
 QJL_KINDS = ("orthogonal", "gaussian")
 
 
-def qjl_matrix(device: torch.device | str | None = None, kind: str = "orthogonal") -> torch.Tensor:
-    """The fixed 128 x 128 QJL matrix S (float32), drawn from ``QJL_SEED``.
+def qjl_matrix(device: torch.device | str | None = None, kind: str = "orthogonal", n: int = ROT_BLOCK) -> torch.Tensor:
+    """The fixed n x n (default 128 x 128) QJL matrix S (float32), drawn from ``QJL_SEED``.
 
     ``"gaussian"``: i.i.d. N(0, 1) entries (the paper).  ``"orthogonal"`` (default): sqrt(128) * Q with Q
     the Haar-random orthogonal factor of the same Gaussian draw (QR with the sign fix), i.e. rows that are
@@ -417,14 +425,14 @@ def qjl_matrix(device: torch.device | str | None = None, kind: str = "orthogonal
 
     def make():
         g = torch.Generator().manual_seed(QJL_SEED)
-        gauss = torch.randn(ROT_BLOCK, ROT_BLOCK, generator=g, dtype=torch.float64)
+        gauss = torch.randn(n, n, generator=g, dtype=torch.float64)
         if kind == "gaussian":
             return gauss.to(device=dev, dtype=torch.float32)
         q, r = torch.linalg.qr(gauss)
         q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
-        return (q.T * math.sqrt(ROT_BLOCK)).to(device=dev, dtype=torch.float32).contiguous()
+        return (q.T * math.sqrt(n)).to(device=dev, dtype=torch.float32).contiguous()
 
-    return _per_device(_QJL, (kind, dev), make)
+    return _per_device(_QJL, (kind, dev, n), make)
 
 
 def qjl_scale(kind: str = "orthogonal", d: int = ROT_BLOCK) -> float:
@@ -450,6 +458,8 @@ def _planes(bits: int) -> list[tuple[str, int]]:
 class TurboFormat(KVFormat):
     """TurboQuant-MSE over 128-value blocks: fp16 norm + ``bits``-bit Lloyd-Max indices of the rotated,
     normalized block.  ``bits`` in 1..4; 3-bit indices are two planes (low 2 bits ``qs``, high bit ``qh``).
+    Head sizes that are a multiple of 64 but not of 128 use 64-value blocks (``for_dim``; codebook for the
+    d = 64 coordinate law), as the llama.cpp ports fall back to: no padding to 128.
 
     ``norm_mode`` chooses the stored fp16 scale s (decode = s * centroid[idx], rotated domain):
     ``"plain"`` s = ||x|| (the paper), ``"corrected"`` s = ||x|| / ||c[idx]|| (the llama.cpp ports: the
@@ -469,24 +479,41 @@ class TurboFormat(KVFormat):
         self.bits = bits  # total index bits per value
         self.mse_bits = bits  # bits of the Lloyd-Max index
         self.norm_mode = norm_mode
+        self._variants: dict[int, TurboFormat] = {ROT_BLOCK: self}
+
+    def for_dim(self, dim: int) -> TurboFormat:
+        return self.with_block(rot_block_for(dim))
+
+    def with_block(self, block: int) -> TurboFormat:
+        """This format over ``block``-value rotation blocks (128 or 64); shares the variant table."""
+        v = self._variants.get(block)
+        if v is None:
+            v = copy.copy(self)
+            v.block_size = block
+            self._variants[block] = v
+        return v
+
+    def _block_of(self, p: dict[str, torch.Tensor]) -> int:
+        field, w = _planes(self.mse_bits)[0]
+        return p[field].shape[-1] * 8 // w
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 + ROT_BLOCK * self.mse_bits // 8
+        return 2 + self.block_size * self.mse_bits // 8
 
     def _spec(self, nb):
         spec: StorageSpec = {"norm": ((nb,), torch.float16)}
         for field, w in _planes(self.mse_bits):
-            spec[field] = ((nb, ROT_BLOCK * w // 8), torch.uint8)
+            spec[field] = ((nb, self.block_size * w // 8), torch.uint8)
         return spec
 
     # rotated-domain MSE code; returns (fields, u, norm, s16, c): the unit rotated block u, its norm,
     # the stored scale and the chosen centroids (u and c are scratch buffers the caller may overwrite)
     def _encode_mse(self, xb, x):
-        u = torch.matmul(xb, rotation_matrix(xb.device).T)  # rotate each block
+        u = torch.matmul(xb, rotation_matrix(xb.device, n=self.block_size).T)  # rotate each block
         norm = torch.linalg.vector_norm(u, dim=-1)
         u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1))
-        cent, bounds = _codebook(self.mse_bits, xb.device)
+        cent, bounds = _codebook(self.mse_bits, xb.device, self.block_size)
         idx = torch.bucketize(u, bounds)
         c = torch.nn.functional.embedding(idx, cent.unsqueeze(-1)).view(u.shape)
         if self.norm_mode == "plain":
@@ -512,7 +539,7 @@ class TurboFormat(KVFormat):
         return self._encode_mse(xb, x)[0]
 
     def _mse_rotated(self, p) -> torch.Tensor:
-        """[..., nb, 128] rotated-domain reconstruction s * c[idx]."""
+        """[..., nb, block] rotated-domain reconstruction s * c[idx]."""
         idx = None
         shift = 0
         for field, w in _planes(self.mse_bits):
@@ -520,7 +547,7 @@ class TurboFormat(KVFormat):
             idx = part if idx is None else idx.bitwise_or_(part << shift)
             shift += w
         norm = p["norm"]
-        cent, _ = _codebook(self.mse_bits, norm.device)
+        cent, _ = _codebook(self.mse_bits, norm.device, self._block_of(p))
         y = torch.nn.functional.embedding(idx.to(torch.int32), cent.unsqueeze(-1)).view(idx.shape)
         return y.mul_(norm.to(torch.float32).unsqueeze(-1))
 
@@ -530,17 +557,18 @@ class TurboFormat(KVFormat):
     def decode_rotated(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rotated-domain values, float32 [..., padded D] (no inverse transform)."""
         y = self._rotated_blocks(p)
-        return y.reshape(*y.shape[:-2], y.shape[-2] * ROT_BLOCK)
+        return y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
 
     def _decode_padded(self, p):
-        return unrotate(self.decode_rotated(p))
+        return unrotate(self.decode_rotated(p), block=self._block_of(p))
 
 
 class TurboProdFormat(TurboFormat):
     """TurboQuant-prod: (bits-1)-bit TurboQuant-MSE code + 1-bit QJL sketch of the rotated residual r:
     ``qjl`` = sign bits of S r (S = ``qjl_matrix(kind=qjl)``), ``gamma`` = fp16 ||r||.  Decode adds
     c * gamma * S^T sign(S r) with c = ``qjl_scale(qjl)``, which makes E_S <y, x~> = <y, x>.
-    Layout per 128 values: fp16 norm, fp16 gamma, (bits-1)-bit index planes, 16 B of signs."""
+    Layout per 128 values: fp16 norm, fp16 gamma, (bits-1)-bit index planes, 16 B of signs (per 64 values
+    with 64-value blocks: 8 B of signs, a 64 x 64 S)."""
 
     def __init__(self, bits: int, *, name: str | None = None, norm_mode: str = "lsq",
                  qjl: str = "orthogonal", check_finite: bool = True):
@@ -555,27 +583,28 @@ class TurboProdFormat(TurboFormat):
 
     @property
     def bytes_per_block(self) -> int:
-        return 4 + ROT_BLOCK * self.bits // 8
+        return 4 + self.block_size * self.bits // 8
 
     def _spec(self, nb):
         spec = super()._spec(nb)
         spec["gamma"] = ((nb,), torch.float16)
-        spec["qjl"] = ((nb, ROT_BLOCK // 8), torch.uint8)
+        spec["qjl"] = ((nb, self.block_size // 8), torch.uint8)
         return spec
 
     def _encode(self, xb, x):
         fields, u, norm, s16, c = self._encode_mse(xb, x)
         r = u.mul_(norm.unsqueeze(-1)).sub_(c.mul_(s16.to(torch.float32).unsqueeze(-1)))  # rotated residual
         fields["gamma"] = self._to_half(torch.linalg.vector_norm(r, dim=-1), x)
-        z = torch.matmul(r, qjl_matrix(xb.device, self.qjl).T)  # S r per block
+        z = torch.matmul(r, qjl_matrix(xb.device, self.qjl, self.block_size).T)  # S r per block
         fields["qjl"] = pack_bits(z >= 0, 1)
         return fields
 
     def _rotated_blocks(self, p):
         base = self._mse_rotated(p)
         signs = unpack_bits(p["qjl"], 1).to(torch.float32).mul_(2).sub_(1)
-        gamma = p["gamma"].to(torch.float32) * qjl_scale(self.qjl)
-        sketch = torch.matmul(signs, qjl_matrix(signs.device, self.qjl))  # (S^T sign) per block
+        n = signs.shape[-1]
+        gamma = p["gamma"].to(torch.float32) * qjl_scale(self.qjl, n)
+        sketch = torch.matmul(signs, qjl_matrix(signs.device, self.qjl, n))  # (S^T sign) per block
         return base.add_(sketch.mul_(gamma.unsqueeze(-1)))
 
 

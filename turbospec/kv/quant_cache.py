@@ -27,8 +27,9 @@ import torch
 
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
+from turbospec.kernels import encode as encoder
 from turbospec.kv.cache import CachePositions
-from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format, rotate, unrotate
+from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
 
 DEFAULT_BLOCK = 1024
@@ -70,7 +71,12 @@ class QuantKVCache(CachePositions):
         if self.length + n > self.max_len:
             raise TurboSpecError(f"context full: {self.length} + {n} > {self.max_len}")
         end = self.length + n
-        for fmt, buf, x in ((self.k_fmt, self.k, k), (self.v_fmt, self.v, v)):
+        specs = self._encode_specs if k.shape[0] * n <= encoder.MAX_ROWS else None
+        for i, (fmt, buf, x) in enumerate(((self.k_fmt, self.k, k), (self.v_fmt, self.v, v))):
+            spec = specs[i] if specs is not None else None
+            if spec is not None and encoder.encode_into(x, spec, [buf[f][layer] for f in spec.fields], self.length,
+                                                        self._encoder):
+                continue
             for name, t in fmt.encode(x).items():
                 buf[name][layer, :, self.length:end] = t
 
@@ -109,9 +115,8 @@ class QuantKVCache(CachePositions):
         # rows are (query head within group, token): [KVH, G*N, D]
         qf = q.to(torch.float32).reshape(kvh, g * n, d)
         if self.k_fmt.rotated:
-            qf = rotate(qf)
+            qf = encoder.rotate_fast(qf, mod=self._encoder)
         qf = qf * scale
-        dv = self.v_fmt.padded_dim(d) if self.v_fmt.rotated else d
         rows = g * n
         mask = plan.mask
         # the fused kernel covers the committed positions (and the decode token itself: nothing to mask)
@@ -122,16 +127,26 @@ class QuantKVCache(CachePositions):
             fused_end = self.base
             m = torch.full((kvh, rows, 1), -math.inf)
             lsum = torch.zeros(kvh, rows, 1)
-            acc = torch.zeros(kvh, rows, dv)
+            acc = torch.zeros(kvh, rows, self.v_fmt.padded_dim(d) if self.v_fmt.rotated else d)
+        if fused_end < total:
+            m, lsum, acc = self._attend_blocks(layer, qf, d, plan, fused_end, m, lsum, acc)
+        out = acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
+        if self.v_fmt.rotated:
+            out = encoder.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
+        return out.reshape(h, n, d).to(q.dtype)
+
+    def _attend_blocks(self, layer: int, qf: torch.Tensor, d: int, plan: AttentionPlan, s0: int, m: torch.Tensor,
+                       lsum: torch.Tensor, acc: torch.Tensor):
+        """Online-softmax accumulation (torch) over positions [s0, length + n) in blocks, with the plan's
+        causal / tree mask over the step's own positions."""
+        start, n, mask = plan.start, plan.n, plan.mask
+        total = start + n
+        g = qf.shape[1] // n
         tok_pos = torch.arange(start, total).repeat(g)  # position of each row's token, [G*N]
-        kslice, vslice = self.k, self.v
-        for s in range(fused_end, total, self.block):
+        for s in range(s0, total, self.block):
             e = min(s + self.block, total)
-            kp = self._slice(kslice, layer, s, e)
-            if self.k_fmt.rotated:
-                kb = self.k_fmt.decode_rotated(kp)
-            else:
-                kb = self.k_fmt.decode(kp, d)
+            kp = self._slice(self.k, layer, s, e)
+            kb = self.k_fmt.decode_rotated(kp) if self.k_fmt.rotated else self.k_fmt.decode(kp, d)
             sc = torch.matmul(qf, kb.transpose(-1, -2))  # [KVH, rows, B]
             if mask is not None:
                 allowed = mask[:, s:e].repeat(g, 1)  # [rows, B]
@@ -139,7 +154,7 @@ class QuantKVCache(CachePositions):
             elif e > start + 1:  # block reaches into the scratch area: causal within the step
                 keys = torch.arange(s, e)
                 sc.masked_fill_(keys[None, :] > tok_pos[:, None], -math.inf)
-            vp = self._slice(vslice, layer, s, e)
+            vp = self._slice(self.v, layer, s, e)
             vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
             bmax = sc.amax(-1, keepdim=True)
             m_new = torch.maximum(m, bmax)
@@ -149,10 +164,18 @@ class QuantKVCache(CachePositions):
             lsum.mul_(corr).add_(p.sum(-1, keepdim=True))
             acc.mul_(corr).add_(torch.matmul(p, vb))
             m = m_new
-        out = acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
-        if self.v_fmt.rotated:
-            out = unrotate(out, d)
-        return out.reshape(h, n, d).to(q.dtype)
+        return m, lsum, acc
+
+    @cached_property
+    def _encoder(self):
+        return encoder.load()
+
+    @cached_property
+    def _encode_specs(self):
+        """(K spec, V spec) of the C++ encoder (an entry None: that format uses its torch encoder), or None."""
+        if self._encoder is None:
+            return None
+        return encoder.spec_of(self.k_fmt, self.head_dim), encoder.spec_of(self.v_fmt, self.head_dim)
 
     @cached_property
     def _kernel_specs(self):
