@@ -239,7 +239,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--text", nargs="+", required=True, help="training text files (.txt, or .jsonl with 'text')")
     p.add_argument("--out", default=None, help="output directory (default: the model directory)")
-    p.add_argument("--kind", choices=["medusa"], default="medusa", help="what to train (medusa; MTP: not yet)")
+    p.add_argument("--kind", choices=["medusa", "mtp"], default="medusa",
+                   help="medusa: new Medusa heads; mtp: self-distil the checkpoint's own MTP module (mtp.*) toward "
+                        "its frozen base, in place (needs transformers)")
     p.add_argument("--num-heads", type=int, default=3, help="Medusa heads (default 3)")
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default 1)")
     p.add_argument("--shared-head", action="store_true",
@@ -247,10 +249,11 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=400, help="optimizer steps in total (default 400)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window (default 256)")
     p.add_argument("--batch", type=int, default=4, help="windows per step (default 4)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 medusa, 3e-4 mtp)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    p.add_argument("--loss", choices=["ce", "kl"], default="ce",
-                   help="ce: the base's greedy tokens as labels; kl: its full distribution (default ce)")
+    p.add_argument("--loss", choices=["ce", "kl"], default=None,
+                   help="ce: the base's greedy tokens as labels; kl: its full distribution (default ce medusa, kl mtp)")
+    p.add_argument("--minutes", type=float, default=None, help="mtp: stop after this much training time")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--eval-windows", type=int, default=4, help="held-out windows for the eval loss (default 4)")
@@ -268,12 +271,24 @@ def run_cli(args: argparse.Namespace) -> int:
 
     path = model_path(args.model)
     set_threads(args.threads)
-    summary = train_heads(
-        path, args.text, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
-        weight_decay=args.weight_decay, num_heads=args.num_heads, num_layers=args.num_layers,
-        shared_head=args.shared_head, loss=args.loss, save_every=args.save_every, resume=args.resume,
-        seed=args.seed, eval_windows=args.eval_windows, dtype=args.dtype, progress=not args.no_progress,
-    )
+    if args.kind == "mtp":
+        from turbospec.spec.train_mtp import train_mtp
+
+        if args.out:
+            raise TurboSpecError("--kind mtp trains the checkpoint's mtp.* in place; --out is not supported")
+        summary = train_mtp(
+            path, args.text, steps=args.steps, seq_len=args.seq_len, batch=args.batch, lr=args.lr or 3e-4,
+            loss=args.loss or "kl", save_every=args.save_every, resume=args.resume, seed=args.seed,
+            eval_windows=args.eval_windows, minutes=args.minutes, progress=not args.no_progress,
+        )
+    else:
+        summary = train_heads(
+            path, args.text, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+            lr=args.lr or 1e-3, weight_decay=args.weight_decay, num_heads=args.num_heads,
+            num_layers=args.num_layers, shared_head=args.shared_head, loss=args.loss or "ce",
+            save_every=args.save_every, resume=args.resume, seed=args.seed, eval_windows=args.eval_windows,
+            dtype=args.dtype, progress=not args.no_progress,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
