@@ -217,3 +217,18 @@ def test_mtp_topk_tree_is_lossless_and_branches(paths, hybrid, tmp_path):
     for prompt in prompts:
         assert run(eng, prompt, p) == run(plain, prompt, p)
     assert any(t.parents == [-1, -1, -1, 0, 0, 0, 3, 3, 3] for t in trees)  # top-3 at each of 3 depths
+
+
+def test_exact_bf16_weights_are_bit_identical_or_left_alone():
+    from turbospec.layers.linear import Linear, exact_bf16
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16).to(torch.float32)  # bf16 values held in float32
+    lin = Linear(w)
+    small = exact_bf16(lin)
+    assert small is not lin and small.weight.dtype == torch.bfloat16
+    for rows in (1, 4, 40):  # skinny kernel and the prefill GEMM
+        x = torch.randn(rows, 24, generator=g)
+        assert torch.equal(small(x), lin(x))
+    rough = Linear(torch.randn(40, 24, generator=g))  # not bf16-representable: untouched
+    assert exact_bf16(rough) is rough

@@ -50,3 +50,20 @@ class Linear:
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+def exact_bf16(lin: Linear) -> Linear:
+    """`lin` with its weights stored in bfloat16 when that loses nothing (float32 weights that are all bf16
+    values, as when a bf16 checkpoint is loaded in float32): the skinny kernel widens bf16 to float32 exactly and
+    accumulates in the same order, so the outputs are bit-identical while half the bytes are read. Otherwise
+    `lin` itself."""
+    w = lin.weight
+    if w.dtype != torch.float32:
+        return lin
+    wb = w.to(torch.bfloat16)
+    if not torch.equal(wb.to(torch.float32), w):
+        return lin
+    b = lin.bias
+    if b is not None and not torch.equal(b.to(torch.bfloat16).to(torch.float32), b):
+        return lin
+    return Linear(wb, b)

@@ -14,7 +14,7 @@ from turbospec.config import HYBRID_ARCHS, ModelConfig
 from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, exact_bf16
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
@@ -77,6 +77,13 @@ class MTPModule:
         x = x + layer.mlp(rms_norm(x, layer.post_norm, eps, self.zc))
         return rms_norm(x, self.norm, eps, self.zc)
 
+    def compact_weights(self) -> None:
+        """Store the MTP's own matrices in bf16 where that is exact (see `exact_bf16`); idempotent."""
+        self.fc = exact_bf16(self.fc)
+        for layer in self.layers:
+            layer.attn.qkv, layer.attn.o = exact_bf16(layer.attn.qkv), exact_bf16(layer.attn.o)
+            layer.mlp.gate_up, layer.mlp.down = exact_bf16(layer.mlp.gate_up), exact_bf16(layer.mlp.down)
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -113,7 +120,10 @@ class MTPDrafter:
         # Reduced-vocabulary drafting (as FR-Spec): score only the first `draft_vocab` token ids. Byte-level BPE
         # assigns ids in merge order, so low ids are the frequent tokens; verification stays exact.
         w = mtp.lm_head.weight
-        self.head = Linear(w[:draft_vocab]) if 0 < draft_vocab < w.shape[0] else mtp.lm_head
+        # the draft head and the MTP's own matrices are read in bf16 where that is exact (a bf16 checkpoint run in
+        # float32): bit-identical drafts from half the bytes; the target's lm_head itself is untouched
+        self.head = exact_bf16(Linear(w[:draft_vocab]) if 0 < draft_vocab < w.shape[0] else mtp.lm_head)
+        mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
             mtp.new_cache(max_len, kv_dtype)
         self.p_min = p_min

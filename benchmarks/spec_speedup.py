@@ -1,0 +1,108 @@
+"""Speculative-decoding speed-up over plain decoding, measured *paired*: every repetition runs plain decoding and
+each drafter configuration back to back on the same prompt, and the speed-up is the median of the per-repetition
+ratios. On a machine whose speed drifts by 30% within minutes (this one), ratios of medians taken minutes apart
+swing by that much; paired ratios do not.
+
+    python benchmarks/spec_speedup.py --categories code explain --configs "draft-mtp:n=3" "draft-mtp:n=1" \
+        --reps 7 --gen 128 --threads 2 --out docs/results/spec_speedup.json
+
+A config is `spec-type[:key=value,...]` with keys n (n_max), vocab (draft vocab), pmin, topk, window.
+Prompts: the shipped bench set (`turbospec/data/prompts.json`, the categories of `turbospec bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from turbospec.cli import model_path
+from turbospec.engine import Engine
+from turbospec.lab.bench import load_prompts
+from turbospec.models import load_model
+from turbospec.sampling import SamplingParams
+from turbospec.spec import SpecConfig, make_drafter
+from turbospec.tokenizer import Tokenizer
+
+KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", float), "topk": ("mtp_topk", int),
+        "window": ("mtp_prompt_window", int)}
+
+
+def parse_config(text: str) -> SpecConfig:
+    kind, _, rest = text.partition(":")
+    kw = {}
+    for part in filter(None, rest.split(",")):
+        k, _, v = part.partition("=")
+        name, cast = KEYS[k]
+        kw[name] = cast(v)
+    return SpecConfig.parse(kind, **kw)
+
+
+def run_once(model, tok, path: str, prompt: str, cfg: SpecConfig | None, gen: int) -> dict:
+    drafter = make_drafter(cfg, model, 4096, path) if cfg is not None else None
+    eng = Engine(model, tok, ctx=4096, drafter=drafter, n_max=cfg.n_max if cfg else 3)
+    t = time.perf_counter()
+    list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
+    st = eng.last_stats
+    out = {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t}
+    spec = st.extra.get("spec")
+    if spec is not None:
+        out["drafts"], out["accepted"] = spec.drafts, spec.accepted
+        out["mean_acc_len"] = 1 + spec.accepted / max(spec.drafts, 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--categories", nargs="+", default=["code", "explain"])
+    ap.add_argument("--configs", nargs="+", default=["draft-mtp:n=3"])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    path = model_path(a.model)
+    model = load_model(path, a.dtype)
+    tok = Tokenizer(path)
+    prompts = load_prompts(",".join(a.categories))
+    configs = {c: parse_config(c) for c in a.configs}
+    results = {}
+    for cat, prompt in prompts.items():
+        run_once(model, tok, path, prompt, None, 16)  # warm-up
+        rows = {name: [] for name in ["plain", *configs]}
+        for _ in range(a.reps):
+            rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen))
+            for name, cfg in configs.items():
+                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen))
+        plain = [r["decode_tps"] for r in rows["plain"]]
+        res = {"plain_tps_median": statistics.median(plain), "configs": {}}
+        for name in configs:
+            tps = [r["decode_tps"] for r in rows[name]]
+            ratios = [x / p for x, p in zip(tps, plain)]
+            res["configs"][name] = {
+                "tps_median": statistics.median(tps), "speedup_median": statistics.median(ratios),
+                "speedup_min": min(ratios), "speedup_max": max(ratios),
+                "mean_acc_len": statistics.median(r["mean_acc_len"] for r in rows[name]),
+                "ratios": ratios}
+            c = res["configs"][name]
+            print(f"{cat:10s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {res['plain_tps_median']:7.1f}: "
+                  f"{c['speedup_median']:.2f}x (paired, min {c['speedup_min']:.2f} max {c['speedup_max']:.2f}), "
+                  f"mean acceptance length {c['mean_acc_len']:.2f}", flush=True)
+        res["raw"] = rows
+        results[cat] = res
+    if a.out:
+        meta = {"model": path, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
+                "date": time.strftime("%Y-%m-%d")}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
