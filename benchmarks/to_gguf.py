@@ -1,0 +1,102 @@
+"""Write a dense qwen3 checkpoint (e.g. the engine-core benchmark model from `turbospec.demo`) as a GGUF file that
+llama.cpp loads, so that `llama-bench` can decode *the same weights* side by side with turbospec.
+
+The tokenizer is a placeholder (a gpt2-style vocabulary of `<t{i}>` strings without merges): llama-bench feeds
+token ids and never detokenizes, so speed is unaffected. Tensors are written in f32 or f16 (`--type`).
+
+    python benchmarks/to_gguf.py --model <checkpoint dir> --type f16 --out /tmp/bench-f16.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+NAMES = {  # HF name (per layer) -> GGUF name
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def load_tensors(model: Path) -> dict[str, np.ndarray]:
+    import torch
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(model.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            out[k] = v.to(torch.float32).numpy()
+    return out
+
+
+def convert(model: Path, out: Path, wtype: str) -> None:
+    import gguf
+
+    cfg = json.loads((model / "config.json").read_text())
+    if cfg.get("model_type") != "qwen3":
+        raise SystemExit(f"only dense qwen3 checkpoints are supported, got {cfg.get('model_type')!r}")
+    t = load_tensors(model)
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    n_layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
+    w.add_name("turbospec-bench")
+    w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 1e6)))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if wtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    w.add_token_merges(["< t"])  # llama.cpp requires the key; never used
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def put(name: str, arr: np.ndarray) -> None:
+        # matrices in the requested type, norms (1-D) in f32 as llama.cpp's converter does
+        arr = arr.astype(np.float16 if wtype == "f16" and arr.ndim == 2 else np.float32)
+        w.add_tensor(name, arr)
+
+    put("token_embd.weight", t["model.embed_tokens.weight"])
+    for i in range(n_layers):
+        for hf, gg in NAMES.items():
+            put(f"blk.{i}.{gg}", t[f"model.layers.{i}.{hf}"])
+    put("output_norm.weight", t["model.norm.weight"])
+    if "lm_head.weight" in t and not cfg.get("tie_word_embeddings", False):
+        put("output.weight", t["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--type", choices=["f32", "f16"], default="f16")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    convert(Path(a.model), Path(a.out), a.type)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
