@@ -94,6 +94,9 @@ class Rope:
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             self._build(max(need, 2 * self.cos.shape[0]))
+        if positions.numel() == 1:  # a decode step: views instead of a gather (~20 us each on CPU)
+            p = need - 1
+            return self.cos[p:p + 1], self.sin[p:p + 1]
         return self.cos[positions], self.sin[positions]
 
 
