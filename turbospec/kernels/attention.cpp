@@ -34,13 +34,6 @@ struct Source {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-inline __m256 nibbles8(const uint8_t* q, bool high) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-  if (high) b = _mm_srli_epi16(b, 4);
-  b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-}
-
 inline __m256i bytes8(const uint8_t* q) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
 }
@@ -359,6 +352,19 @@ void accumulate4(const Source& vs, int64_t h, int64_t s0, int64_t s1, const floa
 using ScoreFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, const float*, float*, int64_t);
 using AccFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, int64_t, float*, float*);
 
+template <template <int64_t, int> class Pick, int64_t KIND>
+auto pick_bits(int64_t bits) {
+  switch (bits) {
+    case 1: return Pick<KIND, 1>::fn;
+    case 2: return Pick<KIND, 2>::fn;
+    case 3: return Pick<KIND, 3>::fn;
+    case 4: return Pick<KIND, 4>::fn;
+    default: break;
+  }
+  TORCH_CHECK(false, "turbo index bits must be 1..4, got ", bits);
+  return Pick<KIND, 1>::fn;
+}
+
 template <template <int64_t, int> class Pick>
 auto pick(int64_t kind, int64_t bits) {
   switch (kind) {
@@ -368,24 +374,8 @@ auto pick(int64_t kind, int64_t bits) {
     case Q8_0: return Pick<Q8_0, 0>::fn;
     case Q4_0: return Pick<Q4_0, 0>::fn;
     case TBQ4_0: return Pick<TBQ4_0, 0>::fn;
-    case TURBO:
-      switch (bits) {
-        case 1: return Pick<TURBO, 1>::fn;
-        case 2: return Pick<TURBO, 2>::fn;
-        case 3: return Pick<TURBO, 3>::fn;
-        case 4: return Pick<TURBO, 4>::fn;
-        default: break;
-      }
-      break;
-    case TURBO64:
-      switch (bits) {
-        case 1: return Pick<TURBO64, 1>::fn;
-        case 2: return Pick<TURBO64, 2>::fn;
-        case 3: return Pick<TURBO64, 3>::fn;
-        case 4: return Pick<TURBO64, 4>::fn;
-        default: break;
-      }
-      break;
+    case TURBO: return pick_bits<Pick, TURBO>(bits);
+    case TURBO64: return pick_bits<Pick, TURBO64>(bits);
     default: break;
   }
   TORCH_CHECK(false, "unknown KV kind ", kind, " (bits ", bits, ")");
@@ -423,16 +413,18 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
   const int64_t tasks = kvh * tiles;
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   const float* qp = qp4.data_ptr<float>();
-  // per (head, group of 4 rows, K block): the 4 rows' sums of q over the block (for the raw-value offset)
-  const int64_t kblock = k_kind == Q8_0 || k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64
-                         : k_kind == TURBO ? 128 : k_kind == TURBO64 ? 64 : dk;
+  // per (head, group of 4 rows, K block): the 4 rows' sums of q over the block, for the raw-value offset of
+  // q4_0 / tbq4_0 keys (score4 reads them only for those kinds)
+  const bool k_offset = k_kind == Q4_0 || k_kind == TBQ4_0;
+  const int64_t kblock = k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64 : dk;
   TORCH_CHECK(dk % kblock == 0, "K width is not a multiple of its block");
   const int64_t kblocks = dk / kblock, groups = rows4 / 4;
-  std::vector<float> qsum(kvh * groups * kblocks * 4, 0.0f);
-  for (int64_t h = 0; h < kvh; ++h)
-    for (int64_t r = 0; r < rows4; ++r)
-      for (int64_t j = 0; j < dk; ++j)
-        qsum[((h * groups + r / 4) * kblocks + j / kblock) * 4 + r % 4] += qp[(h * rows4 + r) * dk + j];
+  std::vector<float> qsum(k_offset ? kvh * groups * kblocks * 4 : 4, 0.0f);
+  if (k_offset)
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t r = 0; r < rows4; ++r)
+        for (int64_t j = 0; j < dk; ++j)
+          qsum[((h * groups + r / 4) * kblocks + j / kblock) * 4 + r % 4] += qp[(h * rows4 + r) * dk + j];
 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     // flush denormals: tiny softmax weights times small values would otherwise hit the slow denormal path
@@ -444,8 +436,8 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
       const int64_t s1 = std::min(end, s0 + tile), len = s1 - s0;
       const float* qh = qp + h * rows4 * dk;
       for (int64_t r0 = 0; r0 < rows4; r0 += 4)
-        score(ks, h, s0, s1, qh + r0 * dk, qsum.data() + (h * groups + r0 / 4) * kblocks * 4, sc.data() + r0 * tile,
-              tile);
+        score(ks, h, s0, s1, qh + r0 * dk, qsum.data() + (k_offset ? (h * groups + r0 / 4) * kblocks * 4 : 0),
+              sc.data() + r0 * tile, tile);
       float* m = pm.data() + task * rows4;
       float* l = pl.data() + task * rows4;
       for (int64_t r = 0; r < rows4; ++r) {

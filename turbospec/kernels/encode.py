@@ -10,23 +10,15 @@ can differ from the reference's for coordinates within an ulp of a codebook boun
 from __future__ import annotations
 
 import os
+from functools import cache
 from typing import NamedTuple
 
 import torch
 
+from turbospec.kernels import attention
 from turbospec.kernels.gemv import load_extension
-from turbospec.kv.formats import (
-    NORM_MODES,
-    KVFormat,
-    PlainFormat,
-    Q4_0Format,
-    Q8_0Format,
-    TBQ4Format,
-    TurboFormat,
-    TurboProdFormat,
-    _codebook,
-)
-from turbospec.kv.hadamard import rotation_signs
+from turbospec.kv.formats import NORM_MODES, KVFormat, TBQ4Format, _codebook
+from turbospec.kv.hadamard import padded_dim, rot_block_for, rotate, rotation_signs, unrotate
 
 MAX_ROWS = 256  # above this many vectors per call (prefill), the vectorized torch encoders win
 _EMPTY = torch.empty(0)
@@ -51,29 +43,21 @@ def load():
 
 
 def spec_of(fmt: KVFormat, dim: int) -> EncodeSpec | None:
-    """How the kernel encodes `fmt` at head size `dim`, or None (dithered tbq4_0d, turbo*p, unchecked formats)."""
-    from turbospec.kernels.attention import BF16, F16, F32, Q4_0, Q8_0, TBQ4_0, TURBO, TURBO64
-
-    if not fmt.check_finite:
+    """How the kernel encodes `fmt` at head size `dim`, or None: the formats the attention kernel reads (same kind
+    numbers and field order), except dithered tbq4_0d and formats built with check_finite=False."""
+    if not fmt.check_finite or (isinstance(fmt, TBQ4Format) and fmt.dither):
         return None
+    read = attention.spec_of(fmt, dim)
+    if read is None:
+        return None
+    kind, bits, fields, cent = read
     width = fmt.padded_dim(dim)
-    plain = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
-    if isinstance(fmt, PlainFormat):
-        return EncodeSpec(plain[fmt.dtype], 0, width, ("data",), _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0)
-    if isinstance(fmt, Q8_0Format):
-        return EncodeSpec(Q8_0, 0, width, ("d", "qs"), _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0)
-    if isinstance(fmt, Q4_0Format):
-        return EncodeSpec(Q4_0, 0, width, ("d", "qs"), _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0)
-    if isinstance(fmt, TBQ4Format) and not fmt.dither:
-        return EncodeSpec(TBQ4_0, 0, width, ("d", "qs"), _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0)
-    if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat):
+    if kind in (attention.TURBO, attention.TURBO64):
         block = fmt.for_dim(dim).block_size
-        cent, bounds = _codebook(fmt.mse_bits, torch.device("cpu"), block)
         s1, s2 = _signs(block)
-        names = ("norm", "qs", "qh") if fmt.mse_bits == 3 else ("norm", "qs")
-        return EncodeSpec(TURBO64 if block == 64 else TURBO, fmt.mse_bits, width, names, cent, bounds, s1, s2,
-                          NORM_MODES.index(fmt.norm_mode))
-    return None
+        bounds = _codebook(bits, torch.device("cpu"), block)[1]
+        return EncodeSpec(kind, bits, width, fields, cent, bounds, s1, s2, NORM_MODES.index(fmt.norm_mode))
+    return EncodeSpec(kind, 0, width, fields, _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0)
 
 
 def encode_into(x: torch.Tensor, spec: EncodeSpec, fields: list[torch.Tensor], start: int, mod=None) -> bool:
@@ -87,8 +71,6 @@ def encode_into(x: torch.Tensor, spec: EncodeSpec, fields: list[torch.Tensor], s
 def rotate_fast(x: torch.Tensor, inverse: bool = False, dim: int | None = None, mod=None) -> torch.Tensor:
     """`rotate(x)` / `unrotate(x, dim)` of turbospec.kv.hadamard for float32 x, as one C++ call (a fast
     Walsh-Hadamard transform: the same map, rounded differently) when the kernel is here."""
-    from turbospec.kv.hadamard import padded_dim, rot_block_for, rotate, unrotate
-
     mod = mod or load()
     if mod is None or x.dtype != torch.float32:
         return unrotate(x, dim) if inverse else rotate(x)
@@ -101,10 +83,8 @@ def rotate_fast(x: torch.Tensor, inverse: bool = False, dim: int | None = None, 
     return y[..., :dim] if inverse and dim is not None and dim != w else y
 
 
-_SIGNS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@cache
 def _signs(block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if block not in _SIGNS:
-        _SIGNS[block] = tuple(s.to(torch.float32).contiguous() for s in rotation_signs(block))
-    return _SIGNS[block]
+    """The rotation's sign vectors (s1, s2) for `block`, float32."""
+    s1, s2 = rotation_signs(block)
+    return s1.to(torch.float32).contiguous(), s2.to(torch.float32).contiguous()

@@ -53,6 +53,8 @@ class MTPModule:
             layer.zc = hybrid
             self.layers.append(layer)
         self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
+        self._draft_heads: dict[int, Linear] = {}
+        self._compacted = False
 
     def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None, k_type: str | None = None,
                   v_type: str | None = None) -> KVCache:
@@ -78,11 +80,22 @@ class MTPModule:
         return rms_norm(x, self.norm, eps, self.zc)
 
     def compact_weights(self) -> None:
-        """Store the MTP's own matrices in bf16 where that is exact (see `exact_bf16`); idempotent."""
+        """Store the MTP's own matrices in bf16 where that is exact (see `exact_bf16`); once."""
+        if self._compacted:
+            return
+        self._compacted = True
         self.fc = exact_bf16(self.fc)
         for layer in self.layers:
             layer.attn.qkv, layer.attn.o = exact_bf16(layer.attn.qkv), exact_bf16(layer.attn.o)
             layer.mlp.gate_up, layer.mlp.down = exact_bf16(layer.mlp.gate_up), exact_bf16(layer.mlp.down)
+
+    def draft_head(self, vocab: int = 0) -> Linear:
+        """The lm_head's first `vocab` rows (all of them for 0) for drafting, in bf16 where that is exact; built
+        once per size and shared by every drafter of this module (the target's lm_head itself is untouched)."""
+        key = vocab if 0 < vocab < self.lm_head.out_features else 0
+        if key not in self._draft_heads:
+            self._draft_heads[key] = exact_bf16(Linear(self.lm_head.weight[:key]) if key else self.lm_head)
+        return self._draft_heads[key]
 
     @property
     def num_layers(self) -> int:
@@ -119,10 +132,9 @@ class MTPDrafter:
         self.topk = max(1, topk)
         # Reduced-vocabulary drafting (as FR-Spec): score only the first `draft_vocab` token ids. Byte-level BPE
         # assigns ids in merge order, so low ids are the frequent tokens; verification stays exact.
-        w = mtp.lm_head.weight
-        # the draft head and the MTP's own matrices are read in bf16 where that is exact (a bf16 checkpoint run in
-        # float32): bit-identical drafts from half the bytes; the target's lm_head itself is untouched
-        self.head = exact_bf16(Linear(w[:draft_vocab]) if 0 < draft_vocab < w.shape[0] else mtp.lm_head)
+        # The draft head and the MTP's own matrices are read in bf16 where that is exact (a bf16 checkpoint run in
+        # float32): bit-identical drafts from half the bytes.
+        self.head = mtp.draft_head(draft_vocab)
         mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
             mtp.new_cache(max_len, kv_dtype)

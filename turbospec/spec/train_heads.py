@@ -67,6 +67,19 @@ def token_stream(tok, docs: list[str], sep: int | None) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def train_eval_streams(tok, texts: list[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train stream, eval stream, corpus tokens) of the --text files: documents joined by the tokenizer's eos, the
+    last 10% held out for the eval windows when that is at least one window long (else both are the whole stream)."""
+    eos = min(tok.eos_ids) if tok.eos_ids else None
+    stream = token_stream(tok, read_texts(texts), eos)
+    if stream.numel() < seq_len + 1:
+        raise TurboSpecError(f"train-heads: the corpus has {stream.numel()} tokens, fewer than --seq-len {seq_len}")
+    cut = int(stream.numel() * 0.9)
+    if stream.numel() - cut >= seq_len:
+        return stream[:cut], stream[cut:], stream.numel()
+    return stream, stream, stream.numel()
+
+
 def windows(stream: torch.Tensor, n: int, seq_len: int, g: torch.Generator) -> list[torch.Tensor]:
     hi = max(1, stream.numel() - seq_len + 1)
     starts = torch.randint(0, hi, (n,), generator=g).tolist()
@@ -136,14 +149,7 @@ def train_heads(model_path: str, texts: list[str], out: str | None = None, *, st
     if not hasattr(model, "lm_head"):
         raise TurboSpecError("train-heads: this model has no lm_head")
     out_dir = Path(out or model_path)
-    tok = Tokenizer(model_path)
-    eos = min(tok.eos_ids) if tok.eos_ids else None
-    stream = token_stream(tok, read_texts(texts), eos)
-    if stream.numel() < seq_len + 1:
-        raise TurboSpecError(f"train-heads: the corpus has {stream.numel()} tokens, fewer than --seq-len {seq_len}")
-    # hold out the last 10% of the stream for the eval windows when it is long enough
-    cut = int(stream.numel() * 0.9)
-    train_s, eval_s = (stream[:cut], stream[cut:]) if stream.numel() - cut >= seq_len else (stream, stream)
+    train_s, eval_s, n_tokens = train_eval_streams(Tokenizer(model_path), texts, seq_len)
     cfg = model.cfg
     lm_w = model.lm_head.weight.float()
     state_path = out_dir / STATE_NAME
@@ -177,7 +183,7 @@ def train_heads(model_path: str, texts: list[str], out: str | None = None, *, st
 
     before = evaluate()
     log(f"train-heads: {cfg.arch} H={cfg.hidden_size} V={cfg.vocab_size}, {num_heads} heads x {num_layers} "
-        f"layers ({'shared lm_head' if shared_head else 'own heads'}), corpus {stream.numel()} tokens, "
+        f"layers ({'shared lm_head' if shared_head else 'own heads'}), corpus {n_tokens} tokens, "
         f"steps {start}->{steps}, eval loss {before[0]:.4f} acc {_fmt(before[2])}")
 
     def checkpoint(step: int, last_loss: float) -> None:
@@ -220,7 +226,7 @@ def train_heads(model_path: str, texts: list[str], out: str | None = None, *, st
     summary = {"out": str(out_dir), "steps": steps, "start_step": start, "seconds": time.perf_counter() - t0,
                "eval_loss_before": before[0], "eval_loss_after": after[0],
                "head_loss_before": before[1], "head_loss_after": after[1],
-               "head_acc_before": before[2], "head_acc_after": after[2], "corpus_tokens": int(stream.numel())}
+               "head_acc_before": before[2], "head_acc_after": after[2], "corpus_tokens": int(n_tokens)}
     log(f"train-heads: eval loss {before[0]:.4f} -> {after[0]:.4f}, top-1 agreement with the base per head "
         f"{_fmt(before[2])} -> {_fmt(after[2])}; saved to {out_dir}")
     return summary

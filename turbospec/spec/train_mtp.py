@@ -13,7 +13,6 @@ continue. Needs transformers (the training extra).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospec.errors import TurboSpecError
-from turbospec.spec.train_heads import lr_at, read_texts, token_stream, windows
+from turbospec.spec.train_heads import lr_at, train_eval_streams, windows
 
 STATE_NAME = "mtp_train_state.pt"
 WEIGHTS = "model.safetensors"
@@ -103,14 +102,8 @@ def train_mtp(model_path: str, texts: list[str], *, steps: int = 300, seq_len: i
     path = Path(model_path)
     lm, mtp, tensors = _load(path)
     dtype = next(iter(v for k, v in tensors.items() if k.startswith("mtp."))).dtype
-    tok = Tokenizer(str(path))
-    eos = min(tok.eos_ids) if tok.eos_ids else None
-    stream = token_stream(tok, read_texts(texts), eos)
-    if stream.numel() < seq_len + 1:
-        raise TurboSpecError(f"train-heads: the corpus has {stream.numel()} tokens, fewer than --seq-len {seq_len}")
-    cut = int(stream.numel() * 0.9)
-    train_s, eval_s = (stream[:cut], stream[cut:]) if stream.numel() - cut >= seq_len else (stream, stream)
-    params = [p for p in mtp.parameters()]
+    train_s, eval_s, n_tokens = train_eval_streams(Tokenizer(str(path)), texts, seq_len)
+    params = list(mtp.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     state_path = path / STATE_NAME
     start = 0
@@ -133,7 +126,7 @@ def train_mtp(model_path: str, texts: list[str], *, steps: int = 300, seq_len: i
         return float(value), agree
 
     before = evaluate()
-    log(f"train-heads --kind mtp: corpus {stream.numel()} tokens, steps {start}->{steps}, "
+    log(f"train-heads --kind mtp: corpus {n_tokens} tokens, steps {start}->{steps}, "
         f"eval {loss} {before[0]:.4f}, agreement with the base {before[1]:.3f}")
 
     def checkpoint(step: int) -> None:
@@ -182,7 +175,3 @@ def train_mtp(model_path: str, texts: list[str], *, steps: int = 300, seq_len: i
         f"{before[1]:.3f} -> {after[1]:.3f}; mtp.* saved in {path / WEIGHTS}")
     return summary
 
-
-def write_summary(summary: dict, path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(summary, indent=2))
