@@ -493,6 +493,78 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
   return {m_out, l_out, acc_out};
 }
 
+namespace {
+
+int64_t plain_kind(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return F32;
+    case torch::kHalf: return F16;
+    case torch::kBFloat16: return BF16;
+    default: TORCH_CHECK(false, "plain caches are float32, float16 or bfloat16");
+  }
+  return F32;
+}
+
+template <typename T, typename C>
+void put_row(const T* src, C* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(static_cast<float>(src[i]));
+}
+
+template <typename T>
+void put_row_any(const T* src, torch::Tensor& cache, int64_t h, int64_t pos, int64_t n) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat: put_row(src, cache.data_ptr<float>() + h * cache.stride(0) + pos * cache.stride(1), n); break;
+    case torch::kHalf: put_row(src, cache.data_ptr<at::Half>() + h * cache.stride(0) + pos * cache.stride(1), n); break;
+    default: put_row(src, cache.data_ptr<at::BFloat16>() + h * cache.stride(0) + pos * cache.stride(1), n); break;
+  }
+}
+
+template <typename T>
+torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
+                            int64_t nkv, int64_t hd, bool gated, double scale) {
+  const T* row = qkv.data_ptr<T>();
+  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride, g = nh / nkv;
+  for (int64_t h = 0; h < nkv; ++h) {
+    put_row_any(row + q_width + h * hd, kc, h, pos, hd);
+    put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos, hd);
+  }
+  auto q = torch::empty({nkv, g, hd}, torch::kFloat);
+  float* qp = q.data_ptr<float>();
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t j = 0; j < hd; ++j) qp[h * hd + j] = static_cast<float>(row[h * q_stride + j]) * static_cast<float>(scale);
+  const int64_t kind_k = plain_kind(kc.scalar_type()), kind_v = plain_kind(vc.scalar_type());
+  auto none = torch::empty({0});
+  auto r = attend_partial(q, kind_k, 0, {kc}, none, kind_v, 0, hd, {vc}, none, 0, pos + 1, 256);
+  const float* l = r[1].data_ptr<float>();
+  const float* acc = r[2].data_ptr<float>();
+  auto out = torch::empty({1, nh * hd}, qkv.options());
+  T* op = out.data_ptr<T>();
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t j = 0; j < hd; ++j) op[h * hd + j] = static_cast<T>(acc[h * hd + j] / l[h]);
+  return out;
+}
+
+}  // namespace
+
+// One decode token's attention over a plain cache: k/v are read from the fused qkv row [1, W] (per head
+// [q | gate] when gated), written at `pos` of the layer's caches [KVH, L, D], and q attends to positions
+// [0, pos]. Returns [1, H*D] in qkv's dtype (the same values as `dense_decode`).
+torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc, int64_t pos, int64_t nh, int64_t nkv,
+                          int64_t hd, bool gated, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == 1 && qkv.is_contiguous(), "qkv must be one contiguous row");
+  TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd && nh % nkv == 0, "qkv width mismatch");
+  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 && pos < kc.size(1),
+              "bad K cache");
+  TORCH_CHECK(vc.sizes() == kc.sizes() && vc.stride(2) == 1, "bad V cache");
+  switch (qkv.scalar_type()) {
+    case torch::kFloat: return decode_step_t<float>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
+    case torch::kBFloat16: return decode_step_t<at::BFloat16>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
+    case torch::kHalf: return decode_step_t<at::Half>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_partial", &attend_partial, "partial softmax attention over a (packed) KV cache");
+  m.def("decode_step", &decode_step, "store one token's K/V in a plain cache and attend");
 }

@@ -4,7 +4,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -33,11 +35,14 @@ inline float hsum(__m256 v) {
 // 4 weight rows x 2 input rows per inner block: 8 independent accumulators.
 template <typename W>
 void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_t in, float* out0, float* out1,
-               int64_t ldo, bool two) {
+               int64_t ldo, bool two, const char* pf) {
   __m256 a[4][2];
   for (int r = 0; r < 4; ++r) { a[r][0] = _mm256_setzero_ps(); a[r][1] = _mm256_setzero_ps(); }
   int64_t i = 0;
   for (; i + 8 <= in; i += 8) {
+    // prefetch the same share of a later row block (4 rows x 8 values = 32 weights per iteration)
+    const char* pp = pf + i * 4 * sizeof(W);
+    for (size_t b = 0; b < 32 * sizeof(W); b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
     __m256 v0 = _mm256_loadu_ps(x0 + i);
     __m256 v1 = two ? _mm256_loadu_ps(x1 + i) : v0;
     for (int r = 0; r < 4; ++r) {
@@ -77,6 +82,11 @@ void block_1x2(const W* w, const float* x0, const float* x1, int64_t in, float* 
   if (two) *out1 = s1;
 }
 
+// Software prefetch distance: while one block of 4 weight rows is multiplied, the block this many bytes ahead
+// is fetched (the hardware prefetcher alone leaves the 0.5-3 MB matrices of a decode step at ~60% of copy
+// bandwidth; see docs/speed.md).
+constexpr int64_t PREFETCH_BYTES = 6144;
+
 template <typename W>
 void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t out) {
   const int64_t nblk = (out + 3) / 4;
@@ -89,7 +99,10 @@ void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t ou
         const float* x1 = two ? x0 + in : x0;
         if (o + 4 <= out) {
           float t0[4], t1[4];
-          block_4x2(w + o * in, in, x0, x1, in, t0, t1, 1, two);
+          const int64_t blk_bytes = 4 * in * static_cast<int64_t>(sizeof(W));
+          const int64_t ahead = std::max<int64_t>(1, (PREFETCH_BYTES + blk_bytes - 1) / blk_bytes);
+          const char* pf = reinterpret_cast<const char*>(w + std::min(o + 4 * ahead, out - 4) * in);
+          block_4x2(w + o * in, in, x0, x1, in, t0, t1, 1, two, r == 0 ? pf : reinterpret_cast<const char*>(w + o * in));
           for (int q = 0; q < 4; ++q) {
             y[r * out + o + q] = t0[q];
             if (two) y[(r + 1) * out + o + q] = t1[q];
@@ -164,7 +177,197 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool zero_c
   return y;
 }
 
+// ---- Fused decode blocks: a decoder layer in two calls (see turbospec/layers/block.py) ----
+// Every intermediate is rounded to the model dtype T where the Python path rounds (after a norm, a product, an
+// activation, a residual add), so 16-bit models see the same values up to the ordering of float32 math.
+
+template <typename T>
+inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype.
+void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m) {
+  const int64_t in = w.size(1), out = w.size(0);
+  switch (w.scalar_type()) {
+    case torch::kFloat: run(w.data_ptr<float>(), x, y, m, in, out); break;
+    case torch::kBFloat16: run(w.data_ptr<at::BFloat16>(), x, y, m, in, out); break;
+    case torch::kHalf: run(w.data_ptr<at::Half>(), x, y, m, in, out); break;
+    default: TORCH_CHECK(false, "unsupported weight dtype");
+  }
+  if (b.has_value()) {
+    auto bf = b->to(torch::kFloat).contiguous();
+    const float* bp = bf.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t o = 0; o < out; ++o) y[r * out + o] += bp[o];
+  }
+}
+
+// RMSNorm of one row of T-valued floats, as rms_rows computes it.
+template <typename T>
+void rms_row(const float* x, const T* w, float* y, int64_t d, float eps, bool zc) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) {
+    const float wi = static_cast<float>(w[i]);
+    const float n = x[i] * inv;
+    y[i] = zc ? rnd<T>(n * (1.0f + wi)) : rnd<T>(rnd<T>(n) * wi);
+  }
+}
+
+template <typename T>
+std::vector<float> to_floats(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  const T* p = c.data_ptr<T>();
+  std::vector<float> v(c.numel());
+  for (int64_t i = 0; i < c.numel(); ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+template <typename T>
+torch::Tensor from_floats(const std::vector<float>& v, int64_t rows, int64_t cols, const torch::Tensor& like) {
+  auto y = torch::empty({rows, cols}, like.options());
+  T* p = y.data_ptr<T>();
+  for (int64_t i = 0; i < rows * cols; ++i) p[i] = static_cast<T>(v[i]);
+  return y;
+}
+
+// Rotate-half RoPE on the first `rot` values of a head: x*cos + roll(x, rot/2)*sin_signed (sin carries the sign).
+template <typename T>
+void rope_head(float* x, const T* cos, const T* sin, int64_t rot, float* tmp) {
+  const int64_t half = rot / 2;
+  for (int64_t j = 0; j < rot; ++j) tmp[j] = x[j];
+  for (int64_t j = 0; j < rot; ++j) {
+    const float a = rnd<T>(tmp[j] * static_cast<float>(cos[j]));
+    x[j] = rnd<T>(a + tmp[(j + half) % rot] * static_cast<float>(sin[j]));
+  }
+}
+
+template <typename T>
+torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc, const torch::Tensor& w,
+                        const c10::optional<torch::Tensor>& b, const c10::optional<torch::Tensor>& q_norm,
+                        const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
+                        int64_t nh, int64_t nkv, int64_t hd, bool gated) {
+  const int64_t d = x.size(-1), m = x.numel() / d, out = w.size(0), rot = cos.size(-1);
+  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * out), tmp(rot);
+  const T* nw = norm_w.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], nw, &xn[r * d], d, static_cast<float>(eps), zc);
+  product(w, b, xn.data(), y.data(), m);
+  for (auto& v : y) v = rnd<T>(v);
+  auto cc = cos.contiguous(), sc = sin.contiguous();
+  const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
+  const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
+  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
+  std::vector<float> nb(hd);
+  for (int64_t r = 0; r < m; ++r) {
+    const T* cr = cc.data_ptr<T>() + (cc.size(0) == 1 ? 0 : r) * rot;
+    const T* sr = sc.data_ptr<T>() + (sc.size(0) == 1 ? 0 : r) * rot;
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      float* v = &y[r * out] + (h < nh ? h * q_stride : q_width + (h - nh) * hd);
+      const T* nrm = h < nh ? qn : kn;
+      if (nrm) {
+        rms_row<T>(v, nrm, nb.data(), hd, static_cast<float>(eps), zc);
+        std::copy(nb.begin(), nb.end(), v);
+      }
+      rope_head<T>(v, cr, sr, rot, tmp.data());
+    }
+  }
+  return from_floats<T>(y, m, out, x);
+}
+
+torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, torch::Tensor w,
+                      c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> q_norm,
+                      c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin, int64_t nh,
+                      int64_t nkv, int64_t hd, bool gated) {
+  TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && cos.scalar_type() == x.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(-1), "bad weight");
+  TORCH_CHECK(w.size(0) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
+  switch (x.scalar_type()) {
+    case torch::kFloat: return attn_in_t<float>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+    case torch::kBFloat16: return attn_in_t<at::BFloat16>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+    case torch::kHalf: return attn_in_t<at::Half>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
+// RMSNorm then product: y = norm(x) W^T (+ b), rounded to T (the Gated DeltaNet's input projection).
+template <typename T>
+torch::Tensor norm_linear_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc,
+                            const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  const int64_t d = x.size(-1), m = x.numel() / d, out = w.size(0);
+  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * out);
+  for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  product(w, b, xn.data(), y.data(), m);
+  return from_floats<T>(y, m, out, x);
+}
+
+torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, torch::Tensor w,
+                          c10::optional<torch::Tensor> b) {
+  TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == x.size(-1), "bad input");
+  switch (x.scalar_type()) {
+    case torch::kFloat: return norm_linear_t<float>(x, norm_w, eps, zc, w, b);
+    case torch::kBFloat16: return norm_linear_t<at::BFloat16>(x, norm_w, eps, zc, w, b);
+    case torch::kHalf: return norm_linear_t<at::Half>(x, norm_w, eps, zc, w, b);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
+// The rest of a decoder layer after the mixer: x1 = x + o(a * sigmoid(gate)); x2 = x1 + down(silu(g) * u) with
+// [g | u] = gate_up(norm(x1)). `a` [N, A] is the attention (or Gated DeltaNet) output, `gate` an optional
+// [N, A] view (any row stride, unit column stride).
+template <typename T>
+torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c10::optional<torch::Tensor>& gate,
+                        const torch::Tensor& w_o, const c10::optional<torch::Tensor>& b_o, const torch::Tensor& post_w,
+                        double eps, bool zc, const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
+                        const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn) {
+  const int64_t d = x.size(-1), m = x.numel() / d, aw = w_o.size(1), inter = w_dn.size(1);
+  std::vector<float> af = to_floats<T>(a);
+  if (gate.has_value()) {
+    const T* g = gate->data_ptr<T>();
+    const int64_t gs = gate->stride(0);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < aw; ++j) {
+        const float s = rnd<T>(1.0f / (1.0f + std::exp(-static_cast<float>(g[r * gs + j]))));
+        af[r * aw + j] = rnd<T>(af[r * aw + j] * s);
+      }
+  }
+  std::vector<float> x1 = to_floats<T>(x), o(m * d), xn(m * d), gu(m * 2 * inter), hbuf(m * inter), dn(m * d);
+  product(w_o, b_o, af.data(), o.data(), m);
+  for (int64_t i = 0; i < m * d; ++i) x1[i] = rnd<T>(x1[i] + rnd<T>(o[i]));
+  for (int64_t r = 0; r < m; ++r) rms_row<T>(&x1[r * d], post_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  product(w_gu, b_gu, xn.data(), gu.data(), m);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < inter; ++j) {
+      const float g = rnd<T>(gu[r * 2 * inter + j]), u = rnd<T>(gu[r * 2 * inter + inter + j]);
+      hbuf[r * inter + j] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * u);
+    }
+  product(w_dn, b_dn, hbuf.data(), dn.data(), m);
+  for (int64_t i = 0; i < m * d; ++i) x1[i] = rnd<T>(x1[i] + rnd<T>(dn[i]));
+  return from_floats<T>(x1, m, d, x);
+}
+
+torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Tensor> gate, torch::Tensor w_o,
+                      c10::optional<torch::Tensor> b_o, torch::Tensor post_w, double eps, bool zc, torch::Tensor w_gu,
+                      c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn, c10::optional<torch::Tensor> b_dn) {
+  TORCH_CHECK(a.scalar_type() == x.scalar_type() && post_w.scalar_type() == x.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(w_o.is_contiguous() && w_gu.is_contiguous() && w_dn.is_contiguous(), "weights must be contiguous");
+  TORCH_CHECK(w_o.size(1) * x.size(0) == a.numel() && w_o.size(0) == x.size(-1), "o shape mismatch");
+  TORCH_CHECK(w_gu.size(0) == 2 * w_dn.size(1) && w_gu.size(1) == x.size(-1) && w_dn.size(0) == x.size(-1),
+              "mlp shape mismatch");
+  if (gate.has_value())
+    TORCH_CHECK(gate->scalar_type() == x.scalar_type() && gate->stride(1) == 1 && gate->size(1) == w_o.size(1),
+                "bad gate");
+  switch (x.scalar_type()) {
+    case torch::kFloat: return out_mlp_t<float>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+    case torch::kBFloat16: return out_mlp_t<at::BFloat16>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+    case torch::kHalf: return out_mlp_t<at::Half>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");
+  m.def("norm_linear", &norm_linear, "RMSNorm then product");
+  m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
 }

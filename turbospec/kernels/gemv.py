@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -26,7 +27,9 @@ def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = 
         from torch.utils.cpp_extension import _get_build_directory, load
 
         src = Path(__file__).with_name(source)
-        if sys.stderr.isatty() and not any(Path(_get_build_directory(name, False)).glob("*.so")):
+        build = Path(_get_build_directory(name, False))
+        _drop_stale_lock(build / "lock")
+        if sys.stderr.isatty() and not any(build.glob("*.so")):
             print(f"turbospec: building the AVX2 {what} kernel (first run only, about a minute)...", file=sys.stderr)
         return load(
             name=name, sources=[str(src)], verbose=False,
@@ -36,6 +39,20 @@ def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = 
         print(f"turbospec: {what} kernel unavailable ({' '.join(str(e).split())[:120]}); "
               "using torch kernels", file=sys.stderr)
         return None
+
+
+STALE_LOCK_S = 600  # a build takes about a minute; an older lock was left by a killed build
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch waits forever on a build lock left behind by a process killed while compiling: remove it when it is
+    older than any real build."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            print(f"turbospec: removed a stale kernel build lock ({lock})", file=sys.stderr)
+    except OSError:
+        pass
 
 
 def load_kernel():

@@ -39,39 +39,43 @@ class Attention:
         from turbospec.layers.rope import apply_rope
 
         n = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-        gate = None
-        if self.gated:
-            qg = q.view(n, self.nh, 2 * self.hd)
-            q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(n, self.nh * self.hd)
-        q = q.reshape(n, self.nh, self.hd)
-        k = k.reshape(n, self.nkv, self.hd)
+        q, k, v, gate = self.split(self.qkv(x), n)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps, self.zc)
             k = rms_norm(k, self.k_norm, self.eps, self.zc)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [N, 1, rot]: broadcast over heads
-        q = apply_rope(q, cos, sin).transpose(0, 1)
-        k = apply_rope(k, cos, sin).transpose(0, 1)
-        v = v.view(n, self.nkv, self.hd).transpose(0, 1)
+        out = self.mix(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, plan, cache, layer)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o(out)
+
+    def split(self, qkv: torch.Tensor, n: int):
+        """q [N, H, D], k and v [N, KVH, D] and the output gate ([N, H*D] or None) from the qkv product."""
+        q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        gate = None
+        if self.gated:
+            qg = q.view(n, self.nh, 2 * self.hd)
+            q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(n, self.nh * self.hd)
+        return q.reshape(n, self.nh, self.hd), k.reshape(n, self.nkv, self.hd), v.view(n, self.nkv, self.hd), gate
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cache,
+            layer: int) -> torch.Tensor:
+        """Store the step's k/v and attend: q [N, H, D] (normed, rotated), k/v [N, KVH, D] -> [N, H*D]."""
+        n = q.shape[0]
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if hasattr(cache, "attend"):  # packed KV formats: block-wise attention inside the cache
             out = cache.attend(layer, q, k, v, plan, 1.0 / math.sqrt(self.hd))
         else:
             keys, values = cache.write(layer, k, v)
             if n == 1 and plan.mask is None:
                 out = _decode_attention(q, keys, values)
-                return self._finish(out, gate, n)
-            mask, causal = plan.sdpa_mask()
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
-                enable_gqa=self.nh != self.nkv,
-            )[0]
-        return self._finish(out, gate, n)
-
-    def _finish(self, out: torch.Tensor, gate: torch.Tensor | None, n: int) -> torch.Tensor:
-        out = out.transpose(0, 1).reshape(n, self.nh * self.hd)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o(out)
+            else:
+                mask, causal = plan.sdpa_mask()
+                out = F.scaled_dot_product_attention(
+                    q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
+                    enable_gqa=self.nh != self.nkv,
+                )[0]
+        return out.transpose(0, 1).reshape(n, self.nh * self.hd)
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

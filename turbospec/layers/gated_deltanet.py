@@ -201,18 +201,27 @@ class GatedDeltaNet:
         `parents` makes the N tokens a tree (parents[i]: the node before node i, -1: the committed context):
         every node's conv inputs and recurrent state follow its own root path (needs `all_states`).
         """
-        n = x.shape[0]
-        dtype = x.dtype
+        o, window, states = self.mix(self.proj(x), conv_state, ssm_state, all_states, parents)
+        return self.out(o), window, states
+
+    def mix(
+        self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, all_states: bool,
+        parents: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`__call__` from the input projection's output [N, conv + value + 2 Hv] up to, not including, the output
+        projection: returns (o [N, value_dim] in the model dtype, conv window, states)."""
+        n = proj.shape[0]
+        dtype = proj.dtype
         if parents is not None and not all_states:
             raise ValueError("tree steps need all_states")
-        qkv, z, b, a = self.proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         window = torch.cat([conv_state.to(qkv.dtype), qkv], dim=0)  # [K-1+N, C]
         kernel = load_gdn_kernel() if all_states else None
         if kernel is not None:  # decode / verification: the whole mixer in one C++ call
             par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
             o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
                                         ssm_state, par, self.nk, self.nv, self.dk, self.dv, self.eps, True)
-            return self.out(o), window, states
+            return o, window, states
         if parents is not None:  # conv rows along each node's root path (then the committed conv state)
             rows = conv_rows(parents, self.kernel)
             conv = window[rows[:, 0]] * self.conv_t[0]
@@ -243,8 +252,7 @@ class GatedDeltaNet:
         o = o.transpose(0, 1)  # [N, Hv, Dv] float32
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm_weight * o.to(dtype)) * F.silu(z.reshape(n, self.nv, self.dv).float())
-        y = self.out(o.to(dtype).reshape(n, self.value_dim))
-        return y, window, states
+        return o.to(dtype).reshape(n, self.value_dim), window, states
 
     @property
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ from turbospec.config import ModelConfig
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
+from turbospec.layers import block
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
@@ -17,13 +18,18 @@ from turbospec.loader import WeightSource
 
 
 class DecoderLayer:
-    def __init__(self, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float):
+    def __init__(self, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                 zero_centred: bool = False):
         self.attn, self.mlp = attn, mlp
-        self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
+        self.in_norm, self.post_norm, self.eps, self.zc = in_norm, post_norm, eps, zero_centred
 
     def __call__(self, x, rope, plan, cache, layer):
-        x = x + self.attn(rms_norm(x, self.in_norm, self.eps), rope, plan, cache, layer)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        k = block.fusable(x, self.mlp, self.in_norm)
+        if k is not None:  # decode / verification: two C++ calls around the attention
+            return block.attention_layer(k, x, self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc,
+                                         rope, plan, cache, layer)
+        x = x + self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
 
 
 def load_attention(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype, gated: bool = False,

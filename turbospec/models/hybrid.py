@@ -22,6 +22,7 @@ from turbospec.config import ModelConfig
 from turbospec.errors import TurboSpecError
 from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
+from turbospec.layers import block
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import GatedDeltaNet
 from turbospec.layers.linear import Linear
@@ -180,14 +181,24 @@ class HybridLayer:
         self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
 
     def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
-        hx = rms_norm(x, self.in_norm, self.eps, True)
+        k = block.fusable(x, self.mlp, self.in_norm)
+        if k is not None and self.kind == "full_attention":  # decode / verification: fused C++ calls
+            return block.attention_layer(k, x, self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True,
+                                         rope, plan, cache.kv, self.slot)
         if self.kind == "full_attention":
-            x = x + self.mixer(hx, rope, plan, cache.kv, self.slot)
-        else:
-            conv, ssm = cache.gdn_state(self.slot)
-            y, window, states = self.mixer(hx, conv, ssm, cache.track_all_states, cache.tree_parents)
+            x = x + self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot)
+            return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+        conv, ssm = cache.gdn_state(self.slot)
+        gdn = self.mixer
+        if k is not None:
+            proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+            o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
             cache.gdn_stash(self.slot, window, states)
-            x = x + y
+            return block.out_mlp(k, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
+        y, window, states = gdn(rms_norm(x, self.in_norm, self.eps, True), conv, ssm, cache.track_all_states,
+                                cache.tree_parents)
+        cache.gdn_stash(self.slot, window, states)
+        x = x + y
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
 

@@ -48,9 +48,8 @@ class MTPModule:
                 load_attention(ws, f"{p}.self_attn", cfg, dtype, gated=hybrid, zero_centred=hybrid),
                 load_mlp(ws, f"{p}.mlp", cfg, dtype),
                 ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
-                ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
+                ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps, hybrid,
             )
-            layer.zc = hybrid
             self.layers.append(layer)
         self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
         self._draft_heads: dict[int, Linear] = {}
@@ -73,10 +72,7 @@ class MTPModule:
         e = rms_norm(F.embedding(tokens, self.embed), self.norm_e, eps, self.zc)
         u = self.fc(torch.cat([e, rms_norm(hidden.to(self.dtype), self.norm_h, eps, self.zc)], -1))
         li = step % len(self.layers)
-        layer = self.layers[li]
-        rope = self.rope.tables(plan.positions)
-        x = u + layer.attn(rms_norm(u, layer.in_norm, eps, self.zc), rope, plan, cache, li)
-        x = x + layer.mlp(rms_norm(x, layer.post_norm, eps, self.zc))
+        x = self.layers[li](u, self.rope.tables(plan.positions), plan, cache, li)
         return rms_norm(x, self.norm, eps, self.zc)
 
     def compact_weights(self) -> None:
