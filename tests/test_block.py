@@ -6,6 +6,7 @@ import torch
 from tests.hf_hybrid import build as build_hybrid
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.plan import AttentionPlan
+from turbospec.layers import block
 from turbospec.models import load_model
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="C++ kernels unavailable")
@@ -17,10 +18,7 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 def steps(model, ids, monkeypatch, fused: bool):
     """Prefill 20 tokens (torch path), decode 5 single tokens, then one 4-token step: logits of each, and the
     cache afterwards."""
-    if fused:
-        monkeypatch.delenv("TURBOSPEC_NO_FUSED", raising=False)
-    else:
-        monkeypatch.setenv("TURBOSPEC_NO_FUSED", "1")
+    monkeypatch.setattr(block, "ENABLED", fused)
     cache = model.new_cache(64)
     model.forward(ids[:20], AttentionPlan.causal(0, 20), cache)
     cache.commit()
@@ -59,8 +57,6 @@ def test_hybrid_fused_matches_op_by_op(tmp_path, dtype, monkeypatch):
 
 def test_fused_path_is_taken(hf_models, monkeypatch):
     """The fused calls run for decode-sized steps (so the comparisons above compare two different paths)."""
-    from turbospec.layers import block
-
     calls = []
     orig = block.attention_layer
     monkeypatch.setattr(block, "attention_layer", lambda *a: calls.append(1) or orig(*a))
@@ -68,7 +64,7 @@ def test_fused_path_is_taken(hf_models, monkeypatch):
     cache = model.new_cache(8)
     model.forward(torch.tensor([1, 2]), AttentionPlan.causal(0, 2), cache)
     assert len(calls) == len(model.layers)
-    monkeypatch.setenv("TURBOSPEC_NO_FUSED", "1")
+    monkeypatch.setattr(block, "ENABLED", False)
     cache.commit()
     model.forward(torch.tensor([3]), AttentionPlan.causal(2, 1), cache)
     assert len(calls) == len(model.layers)

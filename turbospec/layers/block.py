@@ -4,13 +4,15 @@
 projection and residual, the post-mixer RMSNorm, the SwiGLU MLP and its residual. Between them the step's K/V go
 into the cache and attention runs (or the Gated DeltaNet recurrence, after `norm_linear`). For up to
 `SKINNY_MAX_ROWS` tokens this replaces ~30 torch ops per layer; every intermediate is rounded to the model
-dtype where the op-by-op path rounds (tests/test_block.py compares the two). `TURBOSPEC_NO_FUSED=1` turns it off.
+dtype where the op-by-op path rounds (tests/test_block.py compares the two). `TURBOSPEC_NO_FUSED=1` (read at
+import) turns it off.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from functools import cache
 
 import torch
 
@@ -22,15 +24,22 @@ from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import SKINNY_MAX_ROWS
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ENABLED = not os.environ.get("TURBOSPEC_NO_FUSED")  # read once: this is checked per layer per token
+
+
+@cache
+def _modules():
+    """(the skinny-GEMM / fused-layer module, the attention module); either may be None."""
+    return load_kernel(), fused_attention.load()
 
 
 def fusable(x: torch.Tensor, mlp, norm: torch.Tensor):
     """The kernel module when this step can run fused (few rows, a SwiGLU MLP, matching dtypes), else None."""
-    if os.environ.get("TURBOSPEC_NO_FUSED") or not isinstance(mlp, MLP):
+    if not ENABLED or not isinstance(mlp, MLP):
         return None
     if x.dim() != 2 or x.shape[0] > SKINNY_MAX_ROWS or x.dtype not in _DTYPES or norm.dtype != x.dtype:
         return None
-    return load_kernel()
+    return _modules()[0]
 
 
 def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor,
@@ -53,7 +62,7 @@ def _plain_decode(qkv: torch.Tensor, attn: Attention, plan: AttentionPlan, cache
     """A single decode token over a plain `KVCache`: store K/V and attend in one C++ call; None otherwise."""
     if qkv.shape[0] != 1 or plan.mask is not None or not isinstance(cache, KVCache) or attn.hd % 8:
         return None
-    mod = fused_attention.load()
+    mod = _modules()[1]
     if mod is None:
         return None
     return mod.decode_step(qkv, cache.k[layer], cache.v[layer], cache.length, attn.nh, attn.nkv, attn.hd, attn.gated,
