@@ -6,7 +6,8 @@
     python benchmarks/step_profile.py store                     # QuantKVCache.store: C++ encoder vs torch encoders
 
 `dense`: median step time of single-token decoding (512-token context) and, in a second pass with every `Linear`
-call timed, the share spent in the matrix products. `spec`: one greedy 128-token generation of the `code` prompt
+call timed, the share spent in the matrix products (with the fused decode layer only the lm_head is a `Linear`
+call; `TURBOSPEC_NO_FUSED=1` gives the op-by-op split). `spec`: one greedy 128-token generation of the `code` prompt
 with MTP n_max 3, per speculative step: verification, drafting, the MTP forwards and the draft-head products.
 `cold`: the same product in a tight loop and after 2 ms of sleep (weights and clocks cold). `store`: median time
 of storing one decode step's K and V (2 KV heads x 64) into one layer of a packed cache, per format, with the C++
