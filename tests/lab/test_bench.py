@@ -91,3 +91,12 @@ def test_sweep_values_take_the_option_type():
     b = apply_config(a, {"draft-vocab": "2048", "p-min": "0.25", "spec-type": "ngram-mod+draft-mtp"})
     assert b.spec_draft_vocab == 2048 and b.spec_draft_p_min == 0.25
     assert b.spec_type == "ngram-mod,draft-mtp" and a.spec_draft_vocab == 0
+
+
+def test_env_records_kernel_switches(monkeypatch):
+    from turbospec.lab.report import env_info
+
+    monkeypatch.setenv("TURBOSPEC_NO_FUSED", "1")
+    monkeypatch.setenv("UNRELATED_VAR", "x")
+    env = env_info()["turbospec_env"]
+    assert env.get("TURBOSPEC_NO_FUSED") == "1" and "UNRELATED_VAR" not in env

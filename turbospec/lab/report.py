@@ -48,6 +48,8 @@ def env_info(model_path: str | None = None) -> dict[str, Any]:
         "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "os": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
         "turbospec": __version__, "git_commit": _git_commit(),
+        # kernel switches (TURBOSPEC_NO_FUSED, TURBOSPEC_NO_KERNEL, ...) change the measured path
+        "turbospec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TURBOSPEC_")},
     }
     try:
         import psutil
