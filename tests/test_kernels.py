@@ -43,3 +43,34 @@ def test_rms_norm_kernel_matches_reference(dtype, zero_centred):
     got = kernel.rms_norm(x, w, 1e-6, zero_centred)
     assert got.dtype == dtype and got.shape == x.shape
     assert (got.float() - ref.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_hugepage_copy_keeps_values_and_file_backed_source(tmp_path):
+    """Weights move into huge-page memory; a source in a read-only file mapping (a memory-mapped checkpoint) is
+    dropped from this process's pages (MADV_DONTNEED) and stays readable (the file still holds it)."""
+    import mmap
+    import warnings
+
+    k = load_kernel()
+    if k is None:
+        pytest.skip("C++ kernels unavailable")
+    w = torch.randn(300, 200)
+    for src in (w, w.to(torch.bfloat16)):
+        out = k.hugepage_copy(src)
+        assert out.data_ptr() != src.data_ptr() and torch.equal(out, src)
+    path = tmp_path / "w.bin"
+    path.write_bytes(w.numpy().tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # non-writable buffer
+        mapped = torch.frombuffer(mm, dtype=torch.float32).view(300, 200)
+    out = k.hugepage_copy(mapped)
+    assert torch.equal(out, w) and torch.equal(mapped, w)
+
+
+def test_tied_embedding_is_one_matrix(hf_models):
+    from turbospec.models import load_model
+
+    m = load_model(hf_models["qwen2"], "float32")  # tied embeddings: lm_head moved, embedding follows it
+    assert m.embed is m.lm_head.weight

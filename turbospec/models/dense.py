@@ -78,6 +78,7 @@ class DenseModel:
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
         if cfg.tie_word_embeddings and not ws.has("lm_head.weight"):
             self.lm_head = Linear(self.embed)
+            self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
         else:
             self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)

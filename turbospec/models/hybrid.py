@@ -254,6 +254,7 @@ class HybridModel:
             self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
         elif cfg.tie_word_embeddings:
             self.lm_head = Linear(self.embed)
+            self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
         else:
             raise TurboSpecError(f"missing tensor 'lm_head.weight' in {ws.dir}")
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
