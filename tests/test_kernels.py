@@ -74,3 +74,18 @@ def test_tied_embedding_is_one_matrix(hf_models):
 
     m = load_model(hf_models["qwen2"], "float32")  # tied embeddings: lm_head moved, embedding follows it
     assert m.embed is m.lm_head.weight
+
+
+def test_hugepage_zeros_for_cache_buffers():
+    from turbospec.kv.cache import KVCache
+
+    k = load_kernel()
+    if k is None:
+        pytest.skip("C++ kernels unavailable")
+    for shape, dt in (((2, 3, 4096, 64), torch.float16), ((5, 7), torch.float32), ((1, 2, 3000, 18), torch.uint8)):
+        t = k.hugepage_zeros(list(shape), dt)
+        assert t.shape == shape and t.dtype == dt and not t.any()
+        t.fill_(1)  # writable, and all of it
+        assert int(t.sum()) == t.numel()
+    c = KVCache(2, 2, 64, 8192, torch.float16)
+    assert c.k.shape == (2, 2, 8192, 64) and not c.k.any() and c.nbytes == 2 * 2 * 2 * 8192 * 64 * 2

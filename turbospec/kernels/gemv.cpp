@@ -434,8 +434,13 @@ torch::Tensor hugepage_copy(torch::Tensor t) {
   auto c = t.contiguous();
   const size_t n = c.nbytes(), need = (n + 4095) / 4096 * 4096;
   auto& cur = current_arena();
-  if (!cur || cur->used + need > cur->size) cur = new_arena(need);
-  std::shared_ptr<Arena> arena = cur;
+  std::shared_ptr<Arena> arena;
+  if (need > ARENA_MIN / 2) {
+    arena = new_arena(need);  // a large matrix gets its own mapping, unmapped when it dies
+  } else {
+    if (!cur || cur->used + need > cur->size) cur = new_arena(need);
+    arena = cur;
+  }
   char* dst = arena->base + arena->used;
   arena->used += need;
   std::memcpy(dst, c.data_ptr(), n);
@@ -448,7 +453,22 @@ torch::Tensor hugepage_copy(torch::Tensor t) {
   return torch::from_blob(dst, c.sizes(), [arena](void*) {}, c.options());
 }
 
+// Zero-filled tensor in its own huge-page mapping (KV caches: attention at depth streams them like weights). The
+// memory is touched here, as torch.zeros would, so resident memory is what `turbospec fit` predicts.
+torch::Tensor hugepage_zeros(std::vector<int64_t> sizes, at::ScalarType dtype) {
+  auto opts = torch::TensorOptions().dtype(dtype);
+  int64_t numel = 1;
+  for (auto d : sizes) numel *= d;
+  const size_t n = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  if (n < HUGE_PAGE) return torch::zeros(sizes, opts);
+  std::shared_ptr<Arena> arena = new_arena(n);
+  char* dst = arena->base + arena->used;
+  std::memset(dst, 0, n);
+  return torch::from_blob(dst, sizes, [arena](void*) {}, opts);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");
   m.def("norm_linear", &norm_linear, "RMSNorm then product");

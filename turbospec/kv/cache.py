@@ -7,6 +7,16 @@ import torch
 from turbospec.errors import TurboSpecError
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU cache buffer, in transparent huge pages when the kernels are here (attention at depth
+    streams the cache every step; see docs/speed.md); `TURBOSPEC_NO_HUGEPAGES=1` gives plain torch.zeros."""
+    from turbospec.kernels.gemv import load_kernel
+    from turbospec.layers.linear import HUGEPAGES
+
+    k = load_kernel() if HUGEPAGES else None
+    return k.hugepage_zeros(list(shape), dtype) if k is not None else torch.zeros(shape, dtype=dtype)
+
+
 class CachePositions:
     """Bookkeeping shared by every attention-KV store: `length` committed positions, then `pending` scratch
     positions. A step writes its N new tokens at [length, length + N) (scratch); `commit()` keeps all of them,
@@ -67,8 +77,8 @@ class KVCache(CachePositions):
         self.max_len = max_len
         self.dtype = dtype
         shape = (num_layers, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = zeros(shape, dtype)
+        self.v = zeros(shape, dtype)
         self.length = 0
         self.pending = 0
         self.base = 0  # first attended position (drafters may skip a prompt prefix)

@@ -150,8 +150,15 @@ class KVFormat(ABC):
 
     def allocate(self, dim: int, leading: tuple[int, ...] | list[int], device=None) -> Packed:
         """Zero-filled buffers ``[*leading, *shape]`` for every field (zeros decode to zeros)."""
-        return Packed({k: torch.zeros(*leading, *shape, dtype=dt, device=device)
-                       for k, (shape, dt) in self.storage_spec(dim).items()}, dim=dim)
+        from turbospec.kv.cache import zeros
+
+        def buf(shape, dt):
+            full = (*leading, *shape)
+            if device is None or torch.device(device).type == "cpu":
+                return zeros(full, dt)
+            return torch.zeros(*full, dtype=dt, device=device)
+
+        return Packed({k: buf(shape, dt) for k, (shape, dt) in self.storage_spec(dim).items()}, dim=dim)
 
     # -- coding -----------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Packed:
