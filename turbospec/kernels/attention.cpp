@@ -546,7 +546,7 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
 
 }  // namespace
 
-// One decode token's attention over a plain cache: k/v are read from the fused qkv row [1, W] (per head
+// One decode token's attention over a plain cache (used by gemv.cpp's layer_decode): k/v are read from the fused qkv row [1, W] (per head
 // [q | gate] when gated), written at `pos` of the layer's caches [KVH, L, D], and q attends to positions
 // [0, pos]. Returns [1, H*D] in qkv's dtype (the same values as `dense_decode`).
 torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc, int64_t pos, int64_t nh, int64_t nkv,
@@ -564,7 +564,8 @@ torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc,
   }
 }
 
+#ifndef TURBOSPEC_EMBED_ATTENTION  // gemv.cpp includes this file for its one-call decoder layer
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_partial", &attend_partial, "partial softmax attention over a (packed) KV cache");
-  m.def("decode_step", &decode_step, "store one token's K/V in a plain cache and attend");
 }
+#endif

@@ -369,6 +369,27 @@ torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Ten
   }
 }
 
+// ---- The whole decoder layer for one token over a plain cache: attn_in, attention, out_mlp in one call ----
+// The attention kernel is compiled into this extension too (a unity build: attention.cpp in its own namespace).
+#define TURBOSPEC_EMBED_ATTENTION
+namespace attn {
+#include "attention.cpp"
+}  // namespace attn
+
+torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
+                           c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
+                           c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin, int64_t nh,
+                           int64_t nkv, int64_t hd, bool gated, torch::Tensor kc, torch::Tensor vc, int64_t pos,
+                           double scale, torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w,
+                           torch::Tensor w_gu, c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
+                           c10::optional<torch::Tensor> b_dn) {
+  auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+  auto a = attn::decode_step(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
+  c10::optional<torch::Tensor> gate;
+  if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).view({nh, 2 * hd}).narrow(1, hd, hd).reshape({1, nh * hd});
+  return out_mlp(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+}
+
 // ---- Weights in transparent huge pages ----
 // A decode step streams every weight matrix once; on 4 KB pages the TLB misses cap the 2-core stream at ~60-70%
 // of what the memory delivers (docs/speed.md: the chain of all products of the benchmark model ran 1.2-1.4x faster
@@ -468,6 +489,7 @@ torch::Tensor hugepage_zeros(std::vector<int64_t> sizes, at::ScalarType dtype) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layer_decode", &layer_decode, "a decoder layer for one token over a plain KV cache");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -56,5 +57,7 @@ def _drop_stale_lock(lock: Path) -> None:
 
 
 def load_kernel():
-    """The skinny-GEMM / RMSNorm module, or None."""
-    return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM")
+    """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp: its hash goes into the
+    build flags, so that torch rebuilds the module when either file changes."""
+    deps = hashlib.sha1(Path(__file__).with_name("attention.cpp").read_bytes()).hexdigest()[:16]
+    return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

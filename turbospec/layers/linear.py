@@ -28,7 +28,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.kernel = load_kernel()
         self.weight = weight.contiguous()
-        if self.kernel is not None and HUGEPAGES and not self.weight.requires_grad:
+        if self.kernel is not None and HUGEPAGES and self.weight.device.type == "cpu" and not self.weight.requires_grad:
             self.weight = self.kernel.hugepage_copy(self.weight)
         self.bias = bias
         self.out_features, self.in_features = self.weight.shape
