@@ -522,38 +522,47 @@ void put_row_any(const T* src, torch::Tensor& cache, int64_t h, int64_t pos, int
 template <typename T>
 torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
                             int64_t nkv, int64_t hd, bool gated, double scale) {
-  const T* row = qkv.data_ptr<T>();
+  const int64_t n = qkv.size(0), width = qkv.size(1);
   const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride, g = nh / nkv;
-  for (int64_t h = 0; h < nkv; ++h) {
-    put_row_any(row + q_width + h * hd, kc, h, pos, hd);
-    put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos, hd);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = qkv.data_ptr<T>() + i * width;
+    for (int64_t h = 0; h < nkv; ++h) {
+      put_row_any(row + q_width + h * hd, kc, h, pos + i, hd);
+      put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos + i, hd);
+    }
   }
-  auto q = torch::empty({nkv, g, hd}, torch::kFloat);
-  float* qp = q.data_ptr<float>();
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t j = 0; j < hd; ++j) qp[h * hd + j] = static_cast<float>(row[h * q_stride + j]) * static_cast<float>(scale);
   const int64_t kind_k = plain_kind(kc.scalar_type()), kind_v = plain_kind(vc.scalar_type());
   auto none = torch::empty({0});
-  auto r = attend_partial(q, kind_k, 0, {kc}, none, kind_v, 0, hd, {vc}, none, 0, pos + 1, 256);
-  const float* l = r[1].data_ptr<float>();
-  const float* acc = r[2].data_ptr<float>();
-  auto out = torch::empty({1, nh * hd}, qkv.options());
-  T* op = out.data_ptr<T>();
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t j = 0; j < hd; ++j) op[h * hd + j] = static_cast<T>(acc[h * hd + j] / l[h]);
+  auto out = torch::empty({n, nh * hd}, qkv.options());
+  auto q = torch::empty({nkv, g, hd}, torch::kFloat);
+  float* qp = q.data_ptr<float>();
+  // token i attends to [0, pos + i]: the same call, tiles and order as a single decode step at that position
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = qkv.data_ptr<T>() + i * width;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t j = 0; j < hd; ++j)
+        qp[h * hd + j] = static_cast<float>(row[h * q_stride + j]) * static_cast<float>(scale);
+    auto r = attend_partial(q, kind_k, 0, {kc}, none, kind_v, 0, hd, {vc}, none, 0, pos + i + 1, 256);
+    const float* l = r[1].data_ptr<float>();
+    const float* acc = r[2].data_ptr<float>();
+    T* op = out.data_ptr<T>() + i * nh * hd;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t j = 0; j < hd; ++j) op[h * hd + j] = static_cast<T>(acc[h * hd + j] / l[h]);
+  }
   return out;
 }
 
 }  // namespace
 
-// One decode token's attention over a plain cache (used by gemv.cpp's layer_decode): k/v are read from the fused qkv row [1, W] (per head
-// [q | gate] when gated), written at `pos` of the layer's caches [KVH, L, D], and q attends to positions
-// [0, pos]. Returns [1, H*D] in qkv's dtype (the same values as `dense_decode`).
+// Causal attention of N new tokens over a plain cache (used by gemv.cpp's layer_decode): k/v are read from the
+// fused qkv rows [N, W] (per head [q | gate] when gated), written at [pos, pos + N) of the layer's caches
+// [KVH, L, D], and token i attends to positions [0, pos + i]. Returns [N, H*D] in qkv's dtype; each row equals a
+// single-token step at its position, so verifying a chain gives the logits of decoding it token by token.
 torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc, int64_t pos, int64_t nh, int64_t nkv,
                           int64_t hd, bool gated, double scale) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == 1 && qkv.is_contiguous(), "qkv must be one contiguous row");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous [N, W]");
   TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd && nh % nkv == 0, "qkv width mismatch");
-  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 && pos < kc.size(1),
+  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 && pos + qkv.size(0) <= kc.size(1),
               "bad K cache");
   TORCH_CHECK(vc.sizes() == kc.sizes() && vc.stride(2) == 1, "bad V cache");
   switch (qkv.scalar_type()) {

@@ -369,7 +369,7 @@ torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Ten
   }
 }
 
-// ---- The whole decoder layer for one token over a plain cache: attn_in, attention, out_mlp in one call ----
+// ---- The whole decoder layer for a few causal tokens over a plain cache: attn_in, attention, out_mlp ----
 // The attention kernel is compiled into this extension too (a unity build: attention.cpp in its own namespace).
 #define TURBOSPEC_EMBED_ATTENTION
 namespace attn {
@@ -386,7 +386,8 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
   auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
   auto a = attn::decode_step(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
   c10::optional<torch::Tensor> gate;
-  if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).view({nh, 2 * hd}).narrow(1, hd, hd).reshape({1, nh * hd});
+  const int64_t n = qkv.size(0);
+  if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
   return out_mlp(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
 }
 
