@@ -316,6 +316,33 @@ torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, boo
   }
 }
 
+// The MTP block's input: fc([norm_e(e) | norm_h(h)]) for e (embedded next tokens) and h (hidden rows), [N, H] in T.
+template <typename T>
+torch::Tensor mtp_in_t(const torch::Tensor& e, const torch::Tensor& ne, const torch::Tensor& h, const torch::Tensor& nh,
+                       double eps, bool zc, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  const int64_t d = e.size(-1), m = e.numel() / d, out = w.size(0);
+  std::vector<float> ef = to_floats<T>(e), hf = to_floats<T>(h), xn(m * 2 * d), y(m * out);
+  for (int64_t r = 0; r < m; ++r) {
+    rms_row<T>(&ef[r * d], ne.data_ptr<T>(), &xn[r * 2 * d], d, static_cast<float>(eps), zc);
+    rms_row<T>(&hf[r * d], nh.data_ptr<T>(), &xn[r * 2 * d + d], d, static_cast<float>(eps), zc);
+  }
+  product(w, b, xn.data(), y.data(), m);
+  return from_floats<T>(y, m, out, e);
+}
+
+torch::Tensor mtp_in(torch::Tensor e, torch::Tensor ne, torch::Tensor h, torch::Tensor nh, double eps, bool zc,
+                     torch::Tensor w, c10::optional<torch::Tensor> b) {
+  TORCH_CHECK(h.scalar_type() == e.scalar_type() && ne.scalar_type() == e.scalar_type() &&
+              nh.scalar_type() == e.scalar_type() && h.sizes() == e.sizes() && e.dim() == 2, "bad MTP input");
+  TORCH_CHECK(w.is_contiguous() && w.size(1) == 2 * e.size(1), "bad fc weight");
+  switch (e.scalar_type()) {
+    case torch::kFloat: return mtp_in_t<float>(e, ne, h, nh, eps, zc, w, b);
+    case torch::kBFloat16: return mtp_in_t<at::BFloat16>(e, ne, h, nh, eps, zc, w, b);
+    case torch::kHalf: return mtp_in_t<at::Half>(e, ne, h, nh, eps, zc, w, b);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
 // The rest of a decoder layer after the mixer: x1 = x + o(a * sigmoid(gate)); x2 = x1 + down(silu(g) * u) with
 // [g | u] = gate_up(norm(x1)). `a` [N, A] is the attention (or Gated DeltaNet) output, `gate` an optional
 // [N, A] view (any row stride, unit column stride).
@@ -495,6 +522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");
   m.def("norm_linear", &norm_linear, "RMSNorm then product");
+  m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");

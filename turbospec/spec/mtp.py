@@ -14,6 +14,7 @@ from turbospec.config import HYBRID_ARCHS, ModelConfig
 from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
+from turbospec.layers import block
 from turbospec.layers.linear import Linear, exact_bf16
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
@@ -69,8 +70,13 @@ class MTPModule:
         """tokens x_{j+1} [N], hidden h_j [N, H], plan positions j -> normed MTP hidden [N, H]."""
         eps = self.cfg.rms_norm_eps
         cache.begin(tokens.numel())
-        e = rms_norm(F.embedding(tokens, self.embed), self.norm_e, eps, self.zc)
-        u = self.fc(torch.cat([e, rms_norm(hidden.to(self.dtype), self.norm_h, eps, self.zc)], -1))
+        e = F.embedding(tokens, self.embed)
+        h = hidden.to(self.dtype)
+        k = block.fusable(e, self.layers[0].mlp, self.norm_e)
+        if k is not None:  # drafting / catching up: one C++ call
+            u = k.mtp_in(e, self.norm_e, h, self.norm_h, eps, self.zc, self.fc.weight, self.fc.bias)
+        else:
+            u = self.fc(torch.cat([rms_norm(e, self.norm_e, eps, self.zc), rms_norm(h, self.norm_h, eps, self.zc)], -1))
         li = step % len(self.layers)
         x = self.layers[li](u, self.rope.tables(plan.positions), plan, cache, li)
         return rms_norm(x, self.norm, eps, self.zc)
