@@ -56,8 +56,10 @@ def _drop_stale_lock(lock: Path) -> None:
         pass
 
 
+@cache
 def load_kernel():
     """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp: its hash goes into the
-    build flags, so that torch rebuilds the module when either file changes."""
+    build flags, so that torch rebuilds the module when either file changes. Cached: callers (RMSNorm, every
+    `Linear`) ask per call."""
     deps = hashlib.sha1(Path(__file__).with_name("attention.cpp").read_bytes()).hexdigest()[:16]
     return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
 
 import torch
 
@@ -27,19 +26,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENABLED = not os.environ.get("TURBOSPEC_NO_FUSED")  # read once: this is checked per layer per token
 
 
-@cache
-def _module():
-    """The skinny-GEMM / fused-layer module (kernels/gemv.cpp), or None."""
+def kernel_for(x: torch.Tensor, norm: torch.Tensor):
+    """The kernel module when rows x [N, hidden] can go through the fused calls (few rows, matching dtypes),
+    else None."""
+    if not ENABLED or x.dim() != 2 or x.shape[0] > SKINNY_MAX_ROWS or x.dtype not in _DTYPES or norm.dtype != x.dtype:
+        return None
     return load_kernel()
 
 
 def fusable(x: torch.Tensor, mlp, norm: torch.Tensor):
-    """The kernel module when this step can run fused (few rows, a SwiGLU MLP, matching dtypes), else None."""
-    if not ENABLED or not isinstance(mlp, MLP):
-        return None
-    if x.dim() != 2 or x.shape[0] > SKINNY_MAX_ROWS or x.dtype not in _DTYPES or norm.dtype != x.dtype:
-        return None
-    return _module()
+    """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE), else None."""
+    return kernel_for(x, norm) if isinstance(mlp, MLP) else None
 
 
 def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor,
