@@ -127,64 +127,19 @@ void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t ou
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous 2-D tensor");
-  auto out_dtype = x.scalar_type();
-  auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
-  const int64_t m = xs.size(0), in = xs.size(1), out = w.size(0);
-  TORCH_CHECK(w.size(1) == in, "shape mismatch");
-  auto y = torch::empty({m, out}, xs.options());
-  const float* xp = xs.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  switch (w.scalar_type()) {
-    case torch::kFloat: run(w.data_ptr<float>(), xp, yp, m, in, out); break;
-    case torch::kBFloat16: run(w.data_ptr<at::BFloat16>(), xp, yp, m, in, out); break;
-    case torch::kHalf: run(w.data_ptr<at::Half>(), xp, yp, m, in, out); break;
-    default: TORCH_CHECK(false, "unsupported weight dtype");
-  }
-  if (bias.has_value()) y.add_(bias->to(torch::kFloat));
-  auto shape = x.sizes().vec();
-  shape.back() = out;
-  return y.to(out_dtype).reshape(shape);
-}
+// ---- Shared pieces: dtype dispatch, rounding, products, norms ----
 
-// RMSNorm over the last dim in one pass per row (torch's CPU rms_norm decomposes into ~6 ops, ~70 us per call):
-// y = x / sqrt(mean(x^2) + eps) * w, or * (1 + w) for zero-centred weights; float32 math, output in x's dtype.
-template <typename T>
-void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, double eps, bool zc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * d;
-    T* yr = y + r * d;
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) { float v = static_cast<float>(xr[i]); ss += v * v; }
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t i = 0; i < d; ++i) {
-      const float wi = static_cast<float>(w[i]);
-      const float n = static_cast<float>(xr[i]) * inv;
-      // non-zero-centred follows transformers: round the normalised value to T, then multiply by w in T
-      yr[i] = zc ? static_cast<T>(n * (1.0f + wi)) : static_cast<T>(static_cast<float>(static_cast<T>(n)) * wi);
-    }
+// f(T{}) for T the C++ type of a float32 / bfloat16 / float16 tensor dtype.
+template <typename F>
+decltype(auto) by_dtype(at::ScalarType t, F&& f) {
+  switch (t) {
+    case torch::kFloat: return f(float{});
+    case torch::kBFloat16: return f(at::BFloat16{});
+    case torch::kHalf: return f(at::Half{});
+    default: TORCH_CHECK(false, "unsupported dtype ", t);
   }
+  return f(float{});  // not reached
 }
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool zero_centred) {
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1), "bad weight");
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  auto y = torch::empty_like(xc);
-  const int64_t d = x.size(-1), rows = xc.numel() / d;
-  switch (x.scalar_type()) {
-    case torch::kFloat: rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, d, eps, zero_centred); break;
-    case torch::kBFloat16: rms_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, d, eps, zero_centred); break;
-    case torch::kHalf: rms_rows(xc.data_ptr<at::Half>(), wc.data_ptr<at::Half>(), y.data_ptr<at::Half>(), rows, d, eps, zero_centred); break;
-    default: TORCH_CHECK(false, "unsupported dtype");
-  }
-  return y;
-}
-
-// ---- Fused decode blocks: a decoder layer in two calls (see turbospec/layers/block.py) ----
-// Every intermediate is rounded to the model dtype T where the Python path rounds (after a norm, a product, an
-// activation, a residual add), so 16-bit models see the same values up to the ordering of float32 math.
 
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
@@ -192,12 +147,7 @@ inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 // y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype.
 void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m) {
   const int64_t in = w.size(1), out = w.size(0);
-  switch (w.scalar_type()) {
-    case torch::kFloat: run(w.data_ptr<float>(), x, y, m, in, out); break;
-    case torch::kBFloat16: run(w.data_ptr<at::BFloat16>(), x, y, m, in, out); break;
-    case torch::kHalf: run(w.data_ptr<at::Half>(), x, y, m, in, out); break;
-    default: TORCH_CHECK(false, "unsupported weight dtype");
-  }
+  by_dtype(w.scalar_type(), [&](auto tag) { run(w.data_ptr<decltype(tag)>(), x, y, m, in, out); });
   if (b.has_value()) {
     auto bf = b->to(torch::kFloat).contiguous();
     const float* bp = bf.data_ptr<float>();
@@ -206,7 +156,9 @@ void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, cons
   }
 }
 
-// RMSNorm of one row of T-valued floats, as rms_rows computes it.
+// RMSNorm of one row of T-valued floats: y = x / sqrt(mean(x^2) + eps) * w, or * (1 + w) for zero-centred
+// weights; float32 math, results rounded to T (non-zero-centred follows transformers: round the normalised value
+// to T, then multiply by w in T).
 template <typename T>
 void rms_row(const float* x, const T* w, float* y, int64_t d, float eps, bool zc) {
   float ss = 0.f;
@@ -236,6 +188,47 @@ torch::Tensor from_floats(const std::vector<float>& v, int64_t rows, int64_t col
   return y;
 }
 
+// RMSNorm of every row of x [.., d] (rounded to T), then the product with W (float32, not rounded).
+template <typename T>
+std::vector<float> norm_product(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc,
+                                const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  const int64_t d = x.size(-1), m = x.numel() / d;
+  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * w.size(0));
+  for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  product(w, b, xn.data(), y.data(), m);
+  return y;
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous 2-D tensor");
+  auto out_dtype = x.scalar_type();
+  auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
+  const int64_t m = xs.size(0), in = xs.size(1), out = w.size(0);
+  TORCH_CHECK(w.size(1) == in, "shape mismatch");
+  auto y = torch::empty({m, out}, xs.options());
+  product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m);
+  auto shape = x.sizes().vec();
+  shape.back() = out;
+  return y.to(out_dtype).reshape(shape);
+}
+
+// RMSNorm over the last dim in one pass per row (torch's CPU rms_norm decomposes into ~6 ops, ~70 us per call).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool zero_centred) {
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1), "bad weight");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  return by_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<float> xf = to_floats<T>(x), y(rows * d);
+    auto wc = w.contiguous();
+    for (int64_t r = 0; r < rows; ++r) rms_row<T>(&xf[r * d], wc.data_ptr<T>(), &y[r * d], d, static_cast<float>(eps), zero_centred);
+    return from_floats<T>(y, rows, d, x).view(x.sizes());
+  });
+}
+
+// ---- Fused decode blocks: a decoder layer in one to three calls (see turbospec/layers/block.py) ----
+// Every intermediate is rounded to the model dtype T where the Python path rounds (after a norm, a product, an
+// activation, a residual add), so 16-bit models see the same values up to the ordering of float32 math.
+
 // Rotate-half RoPE on the first `rot` values of a head: x*cos + roll(x, rot/2)*sin_signed (sin carries the sign).
 template <typename T>
 void rope_head(float* x, const T* cos, const T* sin, int64_t rot, float* tmp) {
@@ -252,11 +245,8 @@ torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, dou
                         const c10::optional<torch::Tensor>& b, const c10::optional<torch::Tensor>& q_norm,
                         const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
                         int64_t nh, int64_t nkv, int64_t hd, bool gated) {
-  const int64_t d = x.size(-1), m = x.numel() / d, out = w.size(0), rot = cos.size(-1);
-  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * out), tmp(rot);
-  const T* nw = norm_w.data_ptr<T>();
-  for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], nw, &xn[r * d], d, static_cast<float>(eps), zc);
-  product(w, b, xn.data(), y.data(), m);
+  const int64_t m = x.numel() / x.size(-1), out = w.size(0), rot = cos.size(-1);
+  std::vector<float> y = norm_product<T>(x, norm_w, eps, zc, w, b), tmp(rot);
   for (auto& v : y) v = rnd<T>(v);
   auto cc = cos.contiguous(), sc = sin.contiguous();
   const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
@@ -286,34 +276,19 @@ torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc
   TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && cos.scalar_type() == x.scalar_type(), "dtype mismatch");
   TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(-1), "bad weight");
   TORCH_CHECK(w.size(0) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
-  switch (x.scalar_type()) {
-    case torch::kFloat: return attn_in_t<float>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
-    case torch::kBFloat16: return attn_in_t<at::BFloat16>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
-    case torch::kHalf: return attn_in_t<at::Half>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
-    default: TORCH_CHECK(false, "unsupported dtype");
-  }
+  return by_dtype(x.scalar_type(), [&](auto tag) {
+    return attn_in_t<decltype(tag)>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+  });
 }
 
 // RMSNorm then product: y = norm(x) W^T (+ b), rounded to T (the Gated DeltaNet's input projection).
-template <typename T>
-torch::Tensor norm_linear_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc,
-                            const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  const int64_t d = x.size(-1), m = x.numel() / d, out = w.size(0);
-  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * out);
-  for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
-  product(w, b, xn.data(), y.data(), m);
-  return from_floats<T>(y, m, out, x);
-}
-
 torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, torch::Tensor w,
                           c10::optional<torch::Tensor> b) {
   TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == x.size(-1), "bad input");
-  switch (x.scalar_type()) {
-    case torch::kFloat: return norm_linear_t<float>(x, norm_w, eps, zc, w, b);
-    case torch::kBFloat16: return norm_linear_t<at::BFloat16>(x, norm_w, eps, zc, w, b);
-    case torch::kHalf: return norm_linear_t<at::Half>(x, norm_w, eps, zc, w, b);
-    default: TORCH_CHECK(false, "unsupported dtype");
-  }
+  return by_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    return from_floats<T>(norm_product<T>(x, norm_w, eps, zc, w, b), x.numel() / x.size(-1), w.size(0), x);
+  });
 }
 
 // The MTP block's input: fc([norm_e(e) | norm_h(h)]) for e (embedded next tokens) and h (hidden rows), [N, H] in T.
@@ -335,12 +310,7 @@ torch::Tensor mtp_in(torch::Tensor e, torch::Tensor ne, torch::Tensor h, torch::
   TORCH_CHECK(h.scalar_type() == e.scalar_type() && ne.scalar_type() == e.scalar_type() &&
               nh.scalar_type() == e.scalar_type() && h.sizes() == e.sizes() && e.dim() == 2, "bad MTP input");
   TORCH_CHECK(w.is_contiguous() && w.size(1) == 2 * e.size(1), "bad fc weight");
-  switch (e.scalar_type()) {
-    case torch::kFloat: return mtp_in_t<float>(e, ne, h, nh, eps, zc, w, b);
-    case torch::kBFloat16: return mtp_in_t<at::BFloat16>(e, ne, h, nh, eps, zc, w, b);
-    case torch::kHalf: return mtp_in_t<at::Half>(e, ne, h, nh, eps, zc, w, b);
-    default: TORCH_CHECK(false, "unsupported dtype");
-  }
+  return by_dtype(e.scalar_type(), [&](auto tag) { return mtp_in_t<decltype(tag)>(e, ne, h, nh, eps, zc, w, b); });
 }
 
 // The rest of a decoder layer after the mixer: x1 = x + o(a * sigmoid(gate)); x2 = x1 + down(silu(g) * u) with
@@ -388,12 +358,9 @@ torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Ten
   if (gate.has_value())
     TORCH_CHECK(gate->scalar_type() == x.scalar_type() && gate->stride(1) == 1 && gate->size(1) == w_o.size(1),
                 "bad gate");
-  switch (x.scalar_type()) {
-    case torch::kFloat: return out_mlp_t<float>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
-    case torch::kBFloat16: return out_mlp_t<at::BFloat16>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
-    case torch::kHalf: return out_mlp_t<at::Half>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
-    default: TORCH_CHECK(false, "unsupported dtype");
-  }
+  return by_dtype(x.scalar_type(), [&](auto tag) {
+    return out_mlp_t<decltype(tag)>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+  });
 }
 
 // ---- The whole decoder layer for a few causal tokens over a plain cache: attn_in, attention, out_mlp ----
