@@ -4,6 +4,10 @@
     python benchmarks/step_profile.py spec                      # bundled model, MTP n_max 3: verify / draft split
     python benchmarks/step_profile.py cold                      # a 8192x256 matrix-vector product, hot vs cold
     python benchmarks/step_profile.py store                     # QuantKVCache.store: C++ encoder vs torch encoders
+    python benchmarks/step_profile.py chain --dtype float16     # all products back to back (TURBOSPEC_NO_HUGEPAGES=1: 4 KB pages)
+    python benchmarks/step_profile.py dtypes                    # bf16 / f16 / fp32 decoding interleaved
+    python benchmarks/step_profile.py kvpages                   # KV cache in 2 MB vs 4 KB pages at 32K, interleaved
+    python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
 
 `dense`: median step time of single-token decoding (512-token context) and, in a second pass with every `Linear`
 call timed, the share spent in the matrix products (with the fused decode layer only the lm_head is a `Linear`
@@ -152,14 +156,121 @@ def store() -> None:
         print(f"{kind:7s} store: {times[0]:6.0f} us with the C++ encoder, {times[1]:6.0f} us with the torch encoders")
 
 
+def _bench_model(dtype: str):
+    from turbospec.demo import make_demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_model(make_demo_model(Path(tmp) / "b"), dtype)
+
+
+def chain(dtype: str) -> None:
+    """All 33 products of the benchmark model back to back (weights cold, as in a decode step), median of 30."""
+    m = _bench_model(dtype)
+    lins = [lin for layer in m.layers for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
+    lins.append(m.lm_head)
+    xs = {lin.in_features: torch.randn(1, lin.in_features, dtype=m.dtype) for lin in lins}
+
+    def run():
+        for lin in lins:
+            lin(xs[lin.in_features])
+
+    for _ in range(5):
+        run()
+    ms = _median_ms(run, 30)
+    nbytes = sum(lin.nbytes for lin in lins)
+    print(f"{dtype}: chain of {len(lins)} products {ms:.2f} ms, {nbytes / ms / 1e6:.1f} GB/s ({nbytes / 1e6:.0f} MB)")
+
+
+def _generations(engines: dict, prompt, n: int = 6) -> dict:
+    """Median decode t/s per engine, generations interleaved round-robin (first round discarded)."""
+    from turbospec.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    res: dict = {k: [] for k in engines}
+    for i in range(n):
+        for k, e in engines.items():
+            list(e.stream(prompt, params))
+            if i:
+                res[k].append(e.last_stats.decode_tps)
+    return {k: round(statistics.median(v), 1) for k, v in res.items()}
+
+
+def dtypes() -> None:
+    """Benchmark model, 512-token prompt, 128 greedy tokens: bf16 / f16 / fp32 decoding interleaved in one process."""
+    from turbospec.demo import make_demo_model
+    from turbospec.engine import Engine
+    from turbospec.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_demo_model(Path(tmp) / "b")
+        tok = Tokenizer(path)
+        engines = {dt: Engine(load_model(path, dt), tok, ctx=1024) for dt in ("bfloat16", "float16", "float32")}
+    ids = torch.randint(3, 32000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    print("decode t/s:", _generations(engines, ids))
+
+
+def kvpages() -> None:
+    """Benchmark model (float32), decode steps at 32K depth with the KV cache in huge pages vs torch.zeros,
+    interleaved; weights in huge pages in both."""
+    import kv_speed
+
+    from turbospec.kv import cache as kv_cache
+
+    m = _bench_model("float32")
+    caches, orig = {}, kv_cache.zeros
+    for kind in ("dense", "f16", "q4_0"):
+        caches[(kind, "2 MB pages")] = kv_speed.make_cache(m, kind, 32768, 12, 1024)
+        kv_cache.zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype)
+        caches[(kind, "4 KB pages")] = kv_speed.make_cache(m, kind, 32768, 12, 1024)
+        kv_cache.zeros = orig
+    times: dict = {k: [] for k in caches}
+    for i in range(10):
+        for key, c in caches.items():
+            t = time.perf_counter()
+            m.logits(m.forward(torch.tensor([5]), AttentionPlan.causal(c.length, 1), c))
+            c.commit()
+            if i:
+                times[key].append(time.perf_counter() - t)
+    for key, ts in times.items():
+        print(f"{key[0]:6s} cache in {key[1]}: {1 / statistics.median(ts):.1f} t/s")
+
+
+def bf16held() -> None:
+    """Bundled model in float32, plain greedy decoding of the code prompt: matrices as loaded vs held in bf16 where
+    that is exact (`exact_bf16`), interleaved; also checks the tokens are identical."""
+    from turbospec.engine import Engine
+    from turbospec.layers.linear import Linear, exact_bf16
+    from turbospec.tokenizer import Tokenizer
+
+    path = "models/turbospec-tiny"
+    tok = Tokenizer(path)
+    a, b = load_model(path, "float32"), load_model(path, "float32")
+    for layer in b.layers:
+        for obj in (layer.mixer, layer.mlp):
+            for k, v in list(vars(obj).items()):
+                if isinstance(v, Linear):
+                    setattr(obj, k, exact_bf16(v))
+    b.lm_head = exact_bf16(b.lm_head)
+    prompt = json.loads(Path("turbospec/data/prompts.json").read_text())["prompts"]["code"]
+    engines = {"as loaded (float32)": Engine(a, tok, ctx=2048), "held in bf16": Engine(b, tok, ctx=2048)}
+    print("decode t/s:", _generations(engines, prompt))
+    from turbospec.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    same = [c.tokens for c in engines["as loaded (float32)"].stream(prompt, params)] == \
+        [c.tokens for c in engines["held in bf16"].stream(prompt, params)]
+    print("identical tokens:", same)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["dense", "spec", "cold", "store"])
+    ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "bf16held"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store}[a.what]()
+    {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype),
+     "dtypes": dtypes, "kvpages": kvpages, "bf16held": bf16held}[a.what]()
 
 
 if __name__ == "__main__":

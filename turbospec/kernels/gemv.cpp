@@ -386,9 +386,9 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
 }
 
 // ---- Weights in transparent huge pages ----
-// A decode step streams every weight matrix once; on 4 KB pages the TLB misses cap the 2-core stream at ~60-70%
-// of what the memory delivers (docs/speed.md: the chain of all products of the benchmark model ran 1.2-1.4x faster
-// from 2 MB pages). Matrices are copied into large anonymous mappings advised MADV_HUGEPAGE (bump-allocated, 4 KB
+// A decode step streams every weight matrix once; on 4 KB pages TLB misses can cap the 2-core stream (docs/speed.md:
+// the chain of all products of the benchmark model ran up to 1.2-1.4x faster from 2 MB pages, depending on the
+// machine's state). Matrices are copied into large anonymous mappings advised MADV_HUGEPAGE (bump-allocated, 4 KB
 // aligned); a mapping is unmapped when the last tensor in it is freed.
 namespace {
 
