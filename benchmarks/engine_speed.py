@@ -2,8 +2,10 @@
 
 Model: the random-weight Qwen3 benchmark shape (hidden 512, 8 layers, 8 heads, 2 KV heads, head_dim 64,
 vocab 32000, tied; 40.5M parameters), built locally by turbospec.demo. Greedy, 512-token prompt, 128 generated
-tokens, one warm-up discarded, median of 5. Also measures the machine's copy bandwidth (numpy, 256 MB) and the
-weight bandwidth each engine achieves (weight bytes read per token x decode t/s).
+tokens, one warm-up round discarded, median of 5. Interleaved: every round runs each engine at each dtype once
+(this machine's speed drifts by 30% within minutes, so engines measured minutes apart are not comparable), after
+measuring the machine's copy bandwidth (numpy, 256 MB); the weight bandwidth each engine achieves (weight bytes
+read per token x decode t/s) is divided by the copy bandwidth of its own round, median over rounds.
 With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights are written as GGUF
 (benchmarks/to_gguf.py; f32 for float32, f16 for float16) and llama.cpp's pp512 / tg128 are measured in the same run
 (`-t` threads, `-r` reps; llama.cpp has no bf16 row here).
@@ -43,61 +45,63 @@ def copy_bandwidth_gbs(reps: int = 5) -> float:
     return 2 * a.nbytes / min(ts) / 1e9
 
 
-def bench_turbospec(path: Path, dtype: str, ids: list[int], reps: int) -> dict:
-    eng = Engine(load_model(path, dtype), None, ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False)
-    p = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-    pre, dec = [], []
-    for r in range(reps + 1):
-        eng.generate([ids], p)
-        if r:
-            pre.append(eng.last_stats.prefill_tps)
-            dec.append(eng.last_stats.decode_tps)
-    return {"prefill_tps": statistics.median(pre), "decode_tps": statistics.median(dec),
-            "decode_all": dec, "prefill_all": pre, "weight_bytes_per_token": eng.model.weight_bytes}
+class TurbospecRunner:
+    def __init__(self, path: Path, dtype: str, ids: list[int]):
+        self.eng = Engine(load_model(path, dtype), None, ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False)
+        self.ids = ids
+        self.params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+
+    def once(self) -> tuple[float, float]:
+        self.eng.generate([self.ids], self.params)
+        return self.eng.last_stats.prefill_tps, self.eng.last_stats.decode_tps
 
 
-def bench_transformers(path: Path, dtype: str, ids: list[int], reps: int) -> dict:
-    from transformers import AutoModelForCausalLM
+class TransformersRunner:
+    def __init__(self, path: Path, dtype: str, ids: list[int]):
+        from transformers import AutoModelForCausalLM
 
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
-    x = torch.tensor([ids])
-    pre, dec = [], []
-    for r in range(reps + 1):
+        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        self.m = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
+        self.x = torch.tensor([ids])
+
+    def once(self) -> tuple[float, float]:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            m.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            self.m.generate(self.x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
             t1 = time.perf_counter()
-            m.generate(x, max_new_tokens=GEN, min_new_tokens=GEN, do_sample=False)
+            self.m.generate(self.x, max_new_tokens=GEN, min_new_tokens=GEN, do_sample=False)
             t2 = time.perf_counter()
-        if r:
-            prefill = t1 - t0
-            pre.append(PROMPT / prefill)
-            dec.append((GEN - 1) / ((t2 - t1) - prefill))
-    return {"prefill_tps": statistics.median(pre), "decode_tps": statistics.median(dec),
-            "decode_all": dec, "prefill_all": pre}
+        prefill = t1 - t0
+        return PROMPT / prefill, (GEN - 1) / ((t2 - t1) - prefill)
 
 
-def bench_llama_cpp(binary: str, path: Path, dtype: str, reps: int, threads: int) -> dict | None:
-    """llama-bench pp512 / tg128 on a GGUF of the same weights (f32 or f16), or None for other dtypes."""
-    import subprocess
-    import sys
+class LlamaCppRunner:
+    """llama-bench pp512 / tg128 (one repetition per call) on a GGUF of the same weights (f32 or f16)."""
 
-    wtype = {"float32": "f32", "float16": "f16"}.get(dtype)
-    if wtype is None:
-        return None
-    gguf_path = path / f"bench-{wtype}.gguf"
-    if not gguf_path.exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("to_gguf.py")), "--model", str(path), "--type",
-                        wtype, "--out", str(gguf_path)], check=True)
-    out = subprocess.run([binary, "-m", str(gguf_path), "-p", str(PROMPT), "-n", str(GEN), "-t", str(threads),
-                          "-r", str(reps), "-o", "json"], check=True, capture_output=True, text=True).stdout
-    res = {"gguf": str(gguf_path)}
-    for r in json.loads(out):
-        key = "prefill_tps" if r.get("n_prompt") else "decode_tps"
-        res[key] = r["avg_ts"]
-        res[key.replace("tps", "all")] = r.get("samples_ts")
-    return res
+    def __init__(self, binary: str, path: Path, dtype: str, threads: int):
+        import subprocess
+        import sys
+
+        wtype = {"float32": "f32", "float16": "f16"}[dtype]
+        self.gguf = path / f"bench-{wtype}.gguf"
+        if not self.gguf.exists():
+            subprocess.run([sys.executable, str(Path(__file__).with_name("to_gguf.py")), "--model", str(path),
+                            "--type", wtype, "--out", str(self.gguf)], check=True)
+        self.cmd = [binary, "-m", str(self.gguf), "-p", str(PROMPT), "-n", str(GEN), "-t", str(threads), "-r", "1",
+                    "-o", "json"]
+
+    def once(self) -> tuple[float, float]:
+        import subprocess
+
+        out = subprocess.run(self.cmd, check=True, capture_output=True, text=True).stdout
+        res = {("prefill" if r.get("n_prompt") else "decode"): r["avg_ts"] for r in json.loads(out)}
+        return res["prefill"], res["decode"]
+
+
+def _summary(samples: list[tuple[float, float]]) -> dict:
+    pre, dec = [s[0] for s in samples], [s[1] for s in samples]
+    return {"prefill_tps": statistics.median(pre), "decode_tps": statistics.median(dec), "decode_all": dec,
+            "prefill_all": pre}
 
 
 def main() -> None:
@@ -115,31 +119,56 @@ def main() -> None:
     if not (path / "config.json").exists():
         make_demo_model(path)
     ids = torch.randint(3, 32000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
-    bw = copy_bandwidth_gbs()
+    runners: dict[tuple[str, str], object] = {}
+    for dtype in a.dtypes:
+        runners[("turbospec", dtype)] = TurbospecRunner(path, dtype, ids)
+        if not a.no_transformers:
+            runners[("transformers", dtype)] = TransformersRunner(path, dtype, ids)
+        if a.llama_bench and dtype in ("float32", "float16"):
+            runners[("llama_cpp", dtype)] = LlamaCppRunner(a.llama_bench, path, dtype, a.threads)
+    samples: dict[tuple[str, str], list] = {k: [] for k in runners}
+    bws: list[float] = []
+    for r in range(a.reps + 1):  # round 0 is the warm-up; every round runs every engine and dtype once
+        bw = copy_bandwidth_gbs()
+        for key, runner in runners.items():
+            res = runner.once()
+            if r:
+                samples[key].append(res)
+        if r:
+            bws.append(bw)
+        print(f"round {r}/{a.reps} done (copy bandwidth {bw:.1f} GB/s)", flush=True)
+    bw = statistics.median(bws)
     rows = []
     for dtype in a.dtypes:
-        ts = bench_turbospec(path, dtype, ids, a.reps)
-        hf = None if a.no_transformers else bench_transformers(path, dtype, ids, a.reps)
-        lc = bench_llama_cpp(a.llama_bench, path, dtype, a.reps, a.threads) if a.llama_bench else None
-        wb = ts["weight_bytes_per_token"]
+        ts = _summary(samples[("turbospec", dtype)])
+        ts["weight_bytes_per_token"] = wb = runners[("turbospec", dtype)].eng.model.weight_bytes
+        hf = _summary(samples[("transformers", dtype)]) if ("transformers", dtype) in samples else None
+        lc = _summary(samples[("llama_cpp", dtype)]) if ("llama_cpp", dtype) in samples else None
+        # share of the copy bandwidth measured in the same round, median over rounds
+        share = statistics.median(wb * d / 1e9 / b for d, b in zip(ts["decode_all"], bws))
         row = {"dtype": dtype, "turbospec": ts, "transformers": hf, "llama_cpp": lc,
-               "weight_GBps": wb * ts["decode_tps"] / 1e9, "bound_tps_at_copy_bw": bw * 1e9 / wb}
+               "weight_GBps": wb * ts["decode_tps"] / 1e9, "bound_tps_at_copy_bw": bw * 1e9 / wb,
+               "share_of_copy_bw": share}
+        if lc:
+            lc["share_of_copy_bw"] = statistics.median(wb * d / 1e9 / b for d, b in zip(lc["decode_all"], bws))
         rows.append(row)
         line = (f"{dtype:9s} turbospec decode {ts['decode_tps']:6.1f} t/s  prefill {ts['prefill_tps']:7.1f} t/s"
-                f"  weights {row['weight_GBps']:5.1f} GB/s ({row['weight_GBps'] / bw:4.0%} of copy bw)")
+                f"  weights {row['weight_GBps']:5.1f} GB/s ({share:4.0%} of copy bw)")
         if hf:
             line += (f" | transformers decode {hf['decode_tps']:6.1f}  prefill {hf['prefill_tps']:7.1f}"
                      f" | ratio decode {ts['decode_tps'] / hf['decode_tps']:4.2f}x"
                      f" prefill {ts['prefill_tps'] / hf['prefill_tps']:4.2f}x")
         if lc:
-            line += (f" | llama.cpp decode {lc['decode_tps']:6.1f}  prefill {lc['prefill_tps']:7.1f}"
+            line += (f" | llama.cpp decode {lc['decode_tps']:6.1f} ({lc['share_of_copy_bw']:4.0%})"
+                     f"  prefill {lc['prefill_tps']:7.1f}"
                      f" | turbospec/llama.cpp decode {ts['decode_tps'] / lc['decode_tps']:4.2f}x")
         print(line, flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpu_count": torch.get_num_threads(),
-            "torch": torch.__version__, "copy_bandwidth_GBps": bw, "prompt": PROMPT, "gen": GEN, "reps": a.reps}
+            "torch": torch.__version__, "copy_bandwidth_GBps": bw, "copy_bandwidth_all": bws, "prompt": PROMPT,
+            "gen": GEN, "reps": a.reps, "interleaved": True}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"copy bandwidth {bw:.1f} GB/s; wrote {a.out}")
+    print(f"copy bandwidth {bw:.1f} GB/s (median of the rounds); wrote {a.out}")
 
 
 if __name__ == "__main__":

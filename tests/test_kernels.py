@@ -89,3 +89,26 @@ def test_hugepage_zeros_for_cache_buffers():
         assert bool((t == 1).all())
     c = KVCache(2, 2, 64, 8192, torch.float16)
     assert c.k.shape == (2, 2, 8192, 64) and not c.k.any() and c.nbytes == 2 * 2 * 2 * 8192 * 64 * 2
+
+
+@pytest.mark.parametrize("v", [1, 7, 8, 9, 100, 32000])
+def test_argmax_rows_follows_torch_rules(v):
+    """Lowest index on ties, the first NaN when there is one, -inf rows -> 0; any row length."""
+    g = torch.Generator().manual_seed(v)
+    x = torch.randint(-3, 3, (6, v), generator=g).float()  # many ties
+    x[1] = float("-inf")
+    if v > 3:
+        x[2, v // 2] = float("nan")
+        x[2, v - 1] = float("nan")
+        x[3, v - 1] = float("inf")
+        x[4, 0] = float("inf")
+        x[4, v - 2] = float("inf")
+    assert kernel.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+def test_greedy_sample_uses_same_argmax():
+    from turbospec.sampling import SamplingParams, sample
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    x[4000] = x[17] = x.max() + 1
+    assert sample(x, SamplingParams(temperature=0)) == 17 == int(torch.argmax(x))

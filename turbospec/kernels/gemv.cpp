@@ -10,7 +10,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,6 +37,34 @@ inline float hsum(__m256 v) {
   sh = _mm_movehl_ps(sh, s);
   s = _mm_add_ss(s, sh);
   return _mm_cvtss_f32(s);
+}
+
+// v rounded to T's precision and back (round to nearest even, as static_cast<T> rounds; bfloat16 NaN -> 0x7FC0
+// as c10 does), 8 values at a time: the fused blocks round every intermediate like the op-by-op path.
+template <typename T>
+inline __m256 round8(__m256 v);
+template <>
+inline __m256 round8<float>(__m256 v) { return v; }
+template <>
+inline __m256 round8<at::Half>(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+template <>
+inline __m256 round8<at::BFloat16>(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round8<at::BFloat16>(v)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
 // 4 weight rows x 2 input rows per inner block: 8 independent accumulators.
@@ -144,6 +174,25 @@ decltype(auto) by_dtype(at::ScalarType t, F&& f) {
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// p[i] = rnd<T>(p[i]) for n values.
+template <typename T>
+void round_all(float* p, int64_t n) {
+  int64_t i = 0;
+  if constexpr (!std::is_same_v<T, float>) {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, round8<T>(_mm256_loadu_ps(p + i)));
+    for (; i < n; ++i) p[i] = rnd<T>(p[i]);
+  }
+}
+
+// Residual add as the op-by-op path rounds it: x[i] = rnd(x[i] + rnd(d[i])).
+template <typename T>
+void add_residual(float* x, const float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, round8<T>(_mm256_add_ps(_mm256_loadu_ps(x + i), round8<T>(_mm256_loadu_ps(d + i)))));
+  for (; i < n; ++i) x[i] = rnd<T>(x[i] + rnd<T>(d[i]));
+}
+
 // y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype.
 void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m) {
   const int64_t in = w.size(1), out = w.size(0);
@@ -164,7 +213,14 @@ void rms_row(const float* x, const T* w, float* y, int64_t d, float eps, bool zc
   float ss = 0.f;
   for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) {
+  const __m256 inv8 = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv8), wi = load8(w + i);
+    _mm256_storeu_ps(y + i, zc ? round8<T>(_mm256_mul_ps(n, _mm256_add_ps(one, wi)))
+                               : round8<T>(_mm256_mul_ps(round8<T>(n), wi)));
+  }
+  for (; i < d; ++i) {
     const float wi = static_cast<float>(w[i]);
     const float n = x[i] * inv;
     y[i] = zc ? rnd<T>(n * (1.0f + wi)) : rnd<T>(rnd<T>(n) * wi);
@@ -175,8 +231,11 @@ template <typename T>
 std::vector<float> to_floats(const torch::Tensor& t) {
   auto c = t.contiguous();
   const T* p = c.data_ptr<T>();
-  std::vector<float> v(c.numel());
-  for (int64_t i = 0; i < c.numel(); ++i) v[i] = static_cast<float>(p[i]);
+  const int64_t n = c.numel();
+  std::vector<float> v(n);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(&v[i], load8(p + i));
+  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
 
@@ -184,7 +243,9 @@ template <typename T>
 torch::Tensor from_floats(const std::vector<float>& v, int64_t rows, int64_t cols, const torch::Tensor& like) {
   auto y = torch::empty({rows, cols}, like.options());
   T* p = y.data_ptr<T>();
-  for (int64_t i = 0; i < rows * cols; ++i) p[i] = static_cast<T>(v[i]);
+  int64_t i = 0;
+  for (; i + 8 <= rows * cols; i += 8) store8(p + i, _mm256_loadu_ps(&v[i]));
+  for (; i < rows * cols; ++i) p[i] = static_cast<T>(v[i]);
   return y;
 }
 
@@ -247,7 +308,7 @@ torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, dou
                         int64_t nh, int64_t nkv, int64_t hd, bool gated) {
   const int64_t m = x.numel() / x.size(-1), out = w.size(0), rot = cos.size(-1);
   std::vector<float> y = norm_product<T>(x, norm_w, eps, zc, w, b), tmp(rot);
-  for (auto& v : y) v = rnd<T>(v);
+  round_all<T>(y.data(), static_cast<int64_t>(y.size()));
   auto cc = cos.contiguous(), sc = sin.contiguous();
   const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
   const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
@@ -334,16 +395,22 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
   }
   std::vector<float> x1 = to_floats<T>(x), o(m * d), xn(m * d), gu(m * 2 * inter), hbuf(m * inter), dn(m * d);
   product(w_o, b_o, af.data(), o.data(), m);
-  for (int64_t i = 0; i < m * d; ++i) x1[i] = rnd<T>(x1[i] + rnd<T>(o[i]));
+  add_residual<T>(x1.data(), o.data(), m * d);
   for (int64_t r = 0; r < m; ++r) rms_row<T>(&x1[r * d], post_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
   product(w_gu, b_gu, xn.data(), gu.data(), m);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < inter; ++j) {
-      const float g = rnd<T>(gu[r * 2 * inter + j]), u = rnd<T>(gu[r * 2 * inter + inter + j]);
-      hbuf[r * inter + j] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * u);
-    }
+  round_all<T>(gu.data(), m * 2 * inter);
+  for (int64_t r = 0; r < m; ++r) {  // h = rnd(rnd(silu(g)) * u)
+    const float* g = &gu[r * 2 * inter];
+    float* h = &hbuf[r * inter];
+    for (int64_t j = 0; j < inter; ++j) h[j] = g[j] / (1.0f + std::exp(-g[j]));
+    round_all<T>(h, inter);
+    int64_t j = 0;
+    for (; j + 8 <= inter; j += 8)
+      _mm256_storeu_ps(h + j, round8<T>(_mm256_mul_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(g + inter + j))));
+    for (; j < inter; ++j) h[j] = rnd<T>(h[j] * g[inter + j]);
+  }
   product(w_dn, b_dn, hbuf.data(), dn.data(), m);
-  for (int64_t i = 0; i < m * d; ++i) x1[i] = rnd<T>(x1[i] + rnd<T>(dn[i]));
+  add_residual<T>(x1.data(), dn.data(), m * d);
   return from_floats<T>(x1, m, d, x);
 }
 
@@ -383,6 +450,51 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
   const int64_t n = qkv.size(0);
   if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
   return out_mlp(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+}
+
+// ---- Greedy token choice ----
+// Index of the largest value of each row of float32 x [R, V], the lowest index on ties and the first NaN if any
+// (torch.argmax's rules), without torch.argmax's ~30 us per 32K-value row on this machine.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) > 0, "argmax_rows: float32 [R, V]");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), v = x.size(1);
+  auto out = torch::empty({rows}, torch::kLong);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = x.data_ptr<float>() + r * v;
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 bad = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= v; i += 8) {
+      const __m256 a = _mm256_loadu_ps(p + i);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      mx = _mm256_max_ps(mx, a);
+    }
+    float best = -std::numeric_limits<float>::infinity();
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float l : lanes) best = std::max(best, l);
+    bool nan = _mm256_movemask_ps(bad) != 0;
+    for (int64_t j = i; j < v; ++j) {
+      nan = nan || std::isnan(p[j]);
+      best = std::max(best, p[j]);
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (!std::isnan(p[at])) ++at;
+    } else {
+      const __m256 b8 = _mm256_set1_ps(best);
+      int64_t j = 0;
+      for (; j + 8 <= v; j += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), b8, _CMP_EQ_OQ));
+        if (mask) break;
+      }
+      while (p[j] != best) ++j;
+      at = j;
+    }
+    out.data_ptr<int64_t>()[r] = at;
+  }
+  return out;
 }
 
 // ---- Weights in transparent huge pages ----
@@ -493,4 +605,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
+  m.def("argmax_rows", &argmax_rows, "first index of the maximum of each row (NaN wins)");
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from turbospec.kv.plan import AttentionPlan
+from turbospec.sampling import argmax
 from turbospec.spec.tree import DraftTree
 
 
@@ -48,7 +49,7 @@ class DraftModelDrafter:
         out: list[int] = []
         for i in range(n_max):
             logits = self.model.logits(h[-1:])[0]
-            tok = int(logits.argmax())
+            tok = argmax(logits)
             if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
                 break
             out.append(tok)

@@ -19,6 +19,7 @@ from turbospec.layers.linear import Linear, exact_bf16
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
+from turbospec.sampling import argmax
 from turbospec.spec.tree import DraftTree
 
 
@@ -193,7 +194,7 @@ class MTPDrafter:
         spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
         for i in range(n_max):
             logits = self.head(h).float()[0]
-            top = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [int(logits.argmax())]
+            top = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
             tok = top[0]
             if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
                 break
