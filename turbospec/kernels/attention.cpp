@@ -389,30 +389,25 @@ struct AccPick { static constexpr AccFn fn = accumulate4<K, B>; };
 
 }  // namespace
 
-// q: float32 [KVH, R, Dk] (already scaled, rotated where K is rotated). Attends to positions [start, end) of
-// the K/V sources (fields [KVH, T, ...]). Returns (m [KVH, R], l [KVH, R], acc [KVH, R, Dv]): per row the
-// max score, sum of exp(score - m) and sum of exp(score - m) * v.
-std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64_t k_bits,
-                                          std::vector<torch::Tensor> k_fields, torch::Tensor k_cent,
-                                          int64_t v_kind, int64_t v_bits, int64_t v_width,
-                                          std::vector<torch::Tensor> v_fields, torch::Tensor v_cent,
-                                          int64_t start, int64_t end, int64_t tile) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3, "q must be float32 [KVH, R, D]");
-  const int64_t kvh = q.size(0), rows = q.size(1), dk = q.size(2);
+// The attention of `rows` query rows per KV head over positions [start, end) of two sources, on raw buffers:
+// q [KVH, rows, Dk] float32 (already scaled, rotated where K is rotated); writes m_out / l_out [KVH, rows] and
+// acc_out [KVH, rows, Dv]: per row the max score, sum of exp(score - m) and sum of exp(score - m) * v.
+void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const Source& ks, int64_t k_kind,
+                 int64_t k_bits, const Source& vs, int64_t v_kind, int64_t v_bits, int64_t start, int64_t end,
+                 int64_t tile, float* mo, float* lo, float* ao) {
   const int64_t rows4 = (rows + 3) / 4 * 4;  // rows padded to groups of 4 (zero query rows, ignored)
-  auto qp4 = torch::zeros({kvh, rows4, dk}, torch::kFloat);
-  qp4.narrow(1, 0, rows).copy_(q);
-  const Source ks = make_source(k_kind, k_bits, dk, k_fields, k_cent);
-  const Source vs = make_source(v_kind, v_bits, v_width, v_fields, v_cent);
+  std::vector<float> qp4(kvh * rows4 * dk, 0.0f);
+  for (int64_t h = 0; h < kvh; ++h)
+    std::copy(q + h * rows * dk, q + (h + 1) * rows * dk, qp4.begin() + h * rows4 * dk);
   const ScoreFn score = pick<ScorePick>(k_kind, k_bits);
   const AccFn accumulate = pick<AccPick>(v_kind, v_bits);
-  const int64_t dv = v_width;
+  const int64_t dv = vs.width;
   const int64_t n = std::max<int64_t>(0, end - start);
   tile = std::max<int64_t>(tile, 1);
   const int64_t tiles = (n + tile - 1) / tile;
   const int64_t tasks = kvh * tiles;
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
-  const float* qp = qp4.data_ptr<float>();
+  const float* qp = qp4.data();
   // per (head, group of 4 rows, K block): the 4 rows' sums of q over the block, for the raw-value offset of
   // q4_0 / tbq4_0 keys (score4 reads them only for those kinds)
   const bool k_offset = k_kind == Q4_0 || k_kind == TBQ4_0;
@@ -466,19 +461,16 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
     _mm_setcsr(csr);
   });
 
-  auto m_out = torch::full({kvh, rows}, -std::numeric_limits<float>::infinity(), torch::kFloat);
-  auto l_out = torch::zeros({kvh, rows}, torch::kFloat);
-  auto acc_out = torch::zeros({kvh, rows, dv}, torch::kFloat);
-  float* mo = m_out.data_ptr<float>();
-  float* lo = l_out.data_ptr<float>();
-  float* ao = acc_out.data_ptr<float>();
   for (int64_t h = 0; h < kvh; ++h) {
     for (int64_t r = 0; r < rows; ++r) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < tiles; ++j) mx = std::max(mx, pm[(h * tiles + j) * rows4 + r]);
+      lo[h * rows + r] = 0.0f;
+      float* a = ao + (h * rows + r) * dv;
+      std::fill(a, a + dv, 0.0f);
+      mo[h * rows + r] = std::isfinite(mx) ? mx : -std::numeric_limits<float>::infinity();
       if (!std::isfinite(mx)) continue;
       float sum = 0.0f;
-      float* a = ao + (h * rows + r) * dv;
       for (int64_t j = 0; j < tiles; ++j) {
         const int64_t task = h * tiles + j;
         const float w = std::exp(pm[task * rows4 + r] - mx);
@@ -486,10 +478,29 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
         const float* pa = pacc.data() + (task * rows4 + r) * dv;
         for (int64_t c = 0; c < dv; ++c) a[c] += w * pa[c];
       }
-      mo[h * rows + r] = mx;
       lo[h * rows + r] = sum;
     }
   }
+}
+
+// q: float32 [KVH, R, Dk] (already scaled, rotated where K is rotated). Attends to positions [start, end) of
+// the K/V sources (fields [KVH, T, ...]). Returns (m [KVH, R], l [KVH, R], acc [KVH, R, Dv]): per row the
+// max score, sum of exp(score - m) and sum of exp(score - m) * v.
+std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64_t k_bits,
+                                          std::vector<torch::Tensor> k_fields, torch::Tensor k_cent,
+                                          int64_t v_kind, int64_t v_bits, int64_t v_width,
+                                          std::vector<torch::Tensor> v_fields, torch::Tensor v_cent,
+                                          int64_t start, int64_t end, int64_t tile) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3, "q must be float32 [KVH, R, D]");
+  q = q.contiguous();
+  const int64_t kvh = q.size(0), rows = q.size(1), dk = q.size(2);
+  const Source ks = make_source(k_kind, k_bits, dk, k_fields, k_cent);
+  const Source vs = make_source(v_kind, v_bits, v_width, v_fields, v_cent);
+  auto m_out = torch::empty({kvh, rows}, torch::kFloat);
+  auto l_out = torch::empty({kvh, rows}, torch::kFloat);
+  auto acc_out = torch::empty({kvh, rows, v_width}, torch::kFloat);
+  attend_core(q.data_ptr<float>(), kvh, rows, dk, ks, k_kind, k_bits, vs, v_kind, v_bits, start, end, tile,
+              m_out.data_ptr<float>(), l_out.data_ptr<float>(), acc_out.data_ptr<float>());
   return {m_out, l_out, acc_out};
 }
 
@@ -533,18 +544,17 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
   }
   const int64_t kind_k = plain_kind(kc.scalar_type()), kind_v = plain_kind(vc.scalar_type());
   auto none = torch::empty({0});
+  const Source ks = make_source(kind_k, 0, hd, {kc}, none), vs = make_source(kind_v, 0, hd, {vc}, none);
   auto out = torch::empty({n, nh * hd}, qkv.options());
-  auto q = torch::empty({nkv, g, hd}, torch::kFloat);
-  float* qp = q.data_ptr<float>();
+  std::vector<float> qp(nh * hd), m(nh), l(nh), acc(nh * hd);
   // token i attends to [0, pos + i]: the same call, tiles and order as a single decode step at that position
   for (int64_t i = 0; i < n; ++i) {
     const T* row = qkv.data_ptr<T>() + i * width;
     for (int64_t h = 0; h < nh; ++h)
       for (int64_t j = 0; j < hd; ++j)
         qp[h * hd + j] = static_cast<float>(row[h * q_stride + j]) * static_cast<float>(scale);
-    auto r = attend_partial(q, kind_k, 0, {kc}, none, kind_v, 0, hd, {vc}, none, 0, pos + i + 1, 256);
-    const float* l = r[1].data_ptr<float>();
-    const float* acc = r[2].data_ptr<float>();
+    attend_core(qp.data(), nkv, g, hd, ks, kind_k, 0, vs, kind_v, 0, 0, pos + i + 1, 256, m.data(), l.data(),
+                acc.data());
     T* op = out.data_ptr<T>() + i * nh * hd;
     for (int64_t h = 0; h < nh; ++h)
       for (int64_t j = 0; j < hd; ++j) op[h * hd + j] = static_cast<T>(acc[h * hd + j] / l[h]);
