@@ -70,6 +70,25 @@ def test_fused_path_is_taken(hf_models, monkeypatch):
     assert len(calls) == len(model.layers)
 
 
+def test_hybrid_gdn_layer_is_one_call(tmp_path, monkeypatch):
+    """Gated DeltaNet layers of a decode / verification step (chain or tree) run as one `gdn_layer` call."""
+    from turbospec.layers.gated_deltanet import load_gdn_kernel
+
+    if load_gdn_kernel() is None:
+        pytest.skip("Gated DeltaNet kernel unavailable")
+    model = load_model(build_hybrid("qwen3_5", tmp_path), "float32")
+    k = load_kernel()
+    calls = []
+    orig = k.gdn_layer
+    monkeypatch.setattr(k, "gdn_layer", lambda *a: calls.append(1) or orig(*a))
+    cache = model.new_cache(16)
+    model.forward(torch.tensor([1, 2, 3]), AttentionPlan.causal(0, 3), cache)
+    cache.commit()
+    model.forward(torch.tensor([4, 5, 6]), AttentionPlan.tree(3, [-1, 0, 0]), cache)
+    cache.commit([0, 2])
+    assert len(calls) == 2 * model.num_gdn_layers and cache.length == 5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mtp_input_fused_matches_op_by_op(tmp_path, dtype, monkeypatch):
     """The MTP block's input (norms, concatenation, fc) as one C++ call equals the op-by-op path."""

@@ -12,6 +12,8 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 // Format kinds; the Python side (turbospec/kernels/attention.py) uses the same numbers. TURBO: 128-value
@@ -151,26 +153,6 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
-}
-
-// e^x for x <= 0 (scores minus their max): range reduction to 2^n * e^r, |r| <= ln2/2, degree-7 Taylor
-// polynomial (relative error ~5e-9, below float rounding). Inputs below -87 flush to ~1e-38.
-inline __m256 exp_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606820309417e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 Source make_source(int64_t kind, int64_t bits, int64_t width, const std::vector<torch::Tensor>& fields,

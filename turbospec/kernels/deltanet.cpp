@@ -8,15 +8,17 @@
 // normalised output and the norm weight product; this kernel rounds at the same points so both paths agree.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <cmath>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
 template <typename T>
 inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
@@ -30,6 +32,42 @@ void conv_rows(const int64_t* parents, int64_t t, int64_t kernel, int64_t* rows)
   int64_t len = 0, u = t, r = kernel - 2;
   while (u >= 0 && len < kernel) { rows[kernel - 1 - len++] = kernel - 1 + u; u = parents[u]; }
   while (len < kernel) rows[kernel - 1 - len++] = r--;
+}
+
+// One token of the delta rule on a state S [dk, dv] (in place), dv a multiple of 32, 32 columns at a time (a
+// column block's delta depends on that block only, so both passes run while its 8 KB stay in L1):
+// S *= decay; delta = (v - S^T k) * beta; S += k delta^T; o = S^T q. Multiplies and adds are kept apart and in
+// the order of the scalar loop, so the result is the same to the bit.
+inline void delta_rule_32(float* s, const float* q, const float* k, const float* v, float decay, float beta,
+                          int64_t dk, int64_t dv, float* o) {
+  const __m256 dec = _mm256_set1_ps(decay), bet = _mm256_set1_ps(beta);
+  for (int64_t c = 0; c < dv; c += 32) {
+    __m256 m[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = s + i * dv + c;
+      const __m256 ki = _mm256_set1_ps(k[i]);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * u), dec);
+        _mm256_storeu_ps(row + 8 * u, r);
+        m[u] = _mm256_add_ps(m[u], _mm256_mul_ps(ki, r));
+      }
+    }
+    __m256 d[4], acc[4];
+    for (int u = 0; u < 4; ++u) {
+      d[u] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + c + 8 * u), m[u]), bet);
+      acc[u] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = s + i * dv + c;
+      const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 r = _mm256_add_ps(_mm256_loadu_ps(row + 8 * u), _mm256_mul_ps(ki, d[u]));
+        _mm256_storeu_ps(row + 8 * u, r);
+        acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(qi, r));
+      }
+    }
+    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(o + c + 8 * u, acc[u]);
+  }
 }
 
 template <typename T>
@@ -47,9 +85,11 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
       float acc = rnd<T>(static_cast<float>(window[rows[0] * c + ch]) * static_cast<float>(conv_t[ch]));
       for (int64_t i = 1; i < kernel; ++i)
         acc = rnd<T>(acc + rnd<T>(static_cast<float>(window[rows[i] * c + ch]) * static_cast<float>(conv_t[i * c + ch])));
-      mixed[t * c + ch] = rnd<T>(silu(acc));
+      mixed[t * c + ch] = acc;
     }
   }
+  silu_all(mixed.data(), mixed.data(), n * c);
+  round_all<T>(mixed.data(), n * c);
   // l2-normalised q (scaled) and k per key head
   const float qscale = 1.0f / std::sqrt(static_cast<float>(dk));
   for (int64_t t = 0; t < n; ++t) {
@@ -64,8 +104,8 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
     }
   }
   const int64_t state_sz = dk * dv;
-  at::parallel_for(0, nv, 4, [&](int64_t h0, int64_t h1) {
-    std::vector<float> s(state_sz), mem(dv), o(dv);
+  at::parallel_for(0, nv, 1, [&](int64_t h0, int64_t h1) {  // heads in parallel (2 cores: 2 threads)
+    std::vector<float> s(state_sz), mem(dv), o(dv), gz(dv);
     for (int64_t h = h0; h < h1; ++h) {
       std::copy(state0 + h * state_sz, state0 + (h + 1) * state_sz, s.begin());
       const int64_t kh = h / rep;
@@ -79,23 +119,27 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
         const float* v = mixed.data() + t * c + 2 * key_dim + h * dv;
         const float beta = sigmoid(static_cast<float>(b[t * nv + h]));
         const float decay = std::exp(neg_a[h] * softplus(static_cast<float>(a[t * nv + h]) + dt_bias[h]));
-        std::fill(mem.begin(), mem.end(), 0.0f);
-        for (int64_t i = 0; i < dk; ++i) {
-          float* row = s.data() + i * dv;
-          const float ki = k[i];
-          for (int64_t j = 0; j < dv; ++j) {
-            row[j] *= decay;
-            mem[j] += ki * row[j];
+        if (dv % 32 == 0) {
+          delta_rule_32(s.data(), q, k, v, decay, beta, dk, dv, o.data());
+        } else {
+          std::fill(mem.begin(), mem.end(), 0.0f);
+          for (int64_t i = 0; i < dk; ++i) {
+            float* row = s.data() + i * dv;
+            const float ki = k[i];
+            for (int64_t j = 0; j < dv; ++j) {
+              row[j] *= decay;
+              mem[j] += ki * row[j];
+            }
           }
-        }
-        for (int64_t j = 0; j < dv; ++j) mem[j] = (v[j] - mem[j]) * beta;  // delta
-        std::fill(o.begin(), o.end(), 0.0f);
-        for (int64_t i = 0; i < dk; ++i) {
-          float* row = s.data() + i * dv;
-          const float ki = k[i], qi = q[i];
-          for (int64_t j = 0; j < dv; ++j) {
-            row[j] += ki * mem[j];
-            o[j] += qi * row[j];
+          for (int64_t j = 0; j < dv; ++j) mem[j] = (v[j] - mem[j]) * beta;  // delta
+          std::fill(o.begin(), o.end(), 0.0f);
+          for (int64_t i = 0; i < dk; ++i) {
+            float* row = s.data() + i * dv;
+            const float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < dv; ++j) {
+              row[j] += ki * mem[j];
+              o[j] += qi * row[j];
+            }
           }
         }
         if (all_states || t == n - 1) {
@@ -106,10 +150,13 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
         float ss = 0.0f;
         for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
         const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(eps));
+        const T* zr = z + t * value_dim + h * dv;
+        for (int64_t j = 0; j < dv; ++j) gz[j] = static_cast<float>(zr[j]);
+        silu_all(gz.data(), gz.data(), dv);
         for (int64_t j = 0; j < dv; ++j) {
           const float on = rnd<T>(o[j] * inv);
           const float wn = rnd<T>(static_cast<float>(norm_w[j]) * on);
-          y[t * value_dim + h * dv + j] = static_cast<T>(wn * silu(static_cast<float>(z[t * value_dim + h * dv + j])));
+          y[t * value_dim + h * dv + j] = static_cast<T>(wn * gz[j]);
         }
       }
     }
@@ -158,6 +205,8 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
   return {y, states};
 }
 
+#ifndef TURBOSPEC_EMBED_DELTANET  // gemv.cpp includes this file for its one-call GDN layer
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_step", &gdn_step, "Gated DeltaNet mixer for few tokens (decode / verification)");
 }
+#endif

@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -37,24 +39,6 @@ inline float hsum(__m256 v) {
   sh = _mm_movehl_ps(sh, s);
   s = _mm_add_ss(s, sh);
   return _mm_cvtss_f32(s);
-}
-
-// v rounded to T's precision and back (round to nearest even, as static_cast<T> rounds; bfloat16 NaN -> 0x7FC0
-// as c10 does), 8 values at a time: the fused blocks round every intermediate like the op-by-op path.
-template <typename T>
-inline __m256 round8(__m256 v);
-template <>
-inline __m256 round8<float>(__m256 v) { return v; }
-template <>
-inline __m256 round8<at::Half>(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
-template <>
-inline __m256 round8<at::BFloat16>(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
@@ -173,16 +157,6 @@ decltype(auto) by_dtype(at::ScalarType t, F&& f) {
 
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
-
-// p[i] = rnd<T>(p[i]) for n values.
-template <typename T>
-void round_all(float* p, int64_t n) {
-  int64_t i = 0;
-  if constexpr (!std::is_same_v<T, float>) {
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, round8<T>(_mm256_loadu_ps(p + i)));
-    for (; i < n; ++i) p[i] = rnd<T>(p[i]);
-  }
-}
 
 // Residual add as the op-by-op path rounds it: x[i] = rnd(x[i] + rnd(d[i])).
 template <typename T>
@@ -387,11 +361,18 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
   if (gate.has_value()) {
     const T* g = gate->data_ptr<T>();
     const int64_t gs = gate->stride(0);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < aw; ++j) {
-        const float s = rnd<T>(1.0f / (1.0f + std::exp(-static_cast<float>(g[r * gs + j]))));
-        af[r * aw + j] = rnd<T>(af[r * aw + j] * s);
-      }
+    std::vector<float> s(aw);
+    for (int64_t r = 0; r < m; ++r) {  // a = rnd(a * rnd(sigmoid(gate)))
+      const T* gr = g + r * gs;
+      float* ar = &af[r * aw];
+      int64_t j = 0;
+      for (; j + 8 <= aw; j += 8) _mm256_storeu_ps(&s[j], sigmoid8(load8(gr + j)));
+      for (; j < aw; ++j) s[j] = 1.0f / (1.0f + std::exp(-static_cast<float>(gr[j])));
+      round_all<T>(s.data(), aw);
+      for (j = 0; j + 8 <= aw; j += 8)
+        _mm256_storeu_ps(ar + j, round8<T>(_mm256_mul_ps(_mm256_loadu_ps(ar + j), _mm256_loadu_ps(&s[j]))));
+      for (; j < aw; ++j) ar[j] = rnd<T>(ar[j] * s[j]);
+    }
   }
   std::vector<float> x1 = to_floats<T>(x), o(m * d), xn(m * d), gu(m * 2 * inter), hbuf(m * inter), dn(m * d);
   product(w_o, b_o, af.data(), o.data(), m);
@@ -402,7 +383,7 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
   for (int64_t r = 0; r < m; ++r) {  // h = rnd(rnd(silu(g)) * u)
     const float* g = &gu[r * 2 * inter];
     float* h = &hbuf[r * inter];
-    for (int64_t j = 0; j < inter; ++j) h[j] = g[j] / (1.0f + std::exp(-g[j]));
+    silu_all(g, h, inter);
     round_all<T>(h, inter);
     int64_t j = 0;
     for (; j + 8 <= inter; j += 8)
@@ -450,6 +431,33 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
   const int64_t n = qkv.size(0);
   if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
   return out_mlp(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+}
+
+// ---- A Gated DeltaNet decoder layer for a few tokens: norm + input projection, the mixer, out_mlp ----
+#define TURBOSPEC_EMBED_DELTANET
+namespace gdn {
+#include "deltanet.cpp"
+}  // namespace gdn
+
+// x [N, H] -> (x + mixer + MLP [N, H], conv window [K-1+N, C], recurrent states [N, Hv, Dk, Dv]) for the cache's
+// stash. The same three calls as the Python path (norm_linear, gdn_step, out_mlp) without the torch glue.
+std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_proj,
+                                     c10::optional<torch::Tensor> b_proj, torch::Tensor conv_state,
+                                     torch::Tensor conv_t, torch::Tensor neg_a, torch::Tensor dt_bias,
+                                     torch::Tensor norm_w, torch::Tensor ssm_state, torch::Tensor parents, int64_t nk,
+                                     int64_t nv, int64_t dk, int64_t dv, double gdn_eps, torch::Tensor w_out,
+                                     c10::optional<torch::Tensor> b_out, torch::Tensor post_w, torch::Tensor w_gu,
+                                     c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
+                                     c10::optional<torch::Tensor> b_dn) {
+  const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv;
+  TORCH_CHECK(w_proj.size(0) == c + vd + 2 * nv, "gdn_layer: input projection width mismatch");
+  auto proj = norm_linear(x, in_w, eps, zc, w_proj, b_proj);
+  auto window = torch::cat({conv_state.to(x.scalar_type()), proj.narrow(1, 0, c)}, 0);
+  auto r = gdn::gdn_step(window, conv_t, proj.narrow(1, c, vd), proj.narrow(1, c + vd, nv),
+                         proj.narrow(1, c + vd + nv, nv), neg_a, dt_bias, norm_w, ssm_state, parents, nk, nv, dk, dv,
+                         gdn_eps, true);
+  auto out = out_mlp(x, r[0], c10::nullopt, w_out, b_out, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+  return {out, window, r[1]};
 }
 
 // ---- Greedy token choice ----
@@ -597,6 +605,7 @@ torch::Tensor hugepage_zeros(std::vector<int64_t> sizes, at::ScalarType dtype) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_decode", &layer_decode, "a decoder layer for one token over a plain KV cache");
+  m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");

@@ -32,9 +32,12 @@ def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = 
         _drop_stale_lock(build / "lock")
         if sys.stderr.isatty() and not any(build.glob("*.so")):
             print(f"turbospec: building the AVX2 {what} kernel (first run only, about a minute)...", file=sys.stderr)
+        # torch rebuilds when the source or the flags change, not when a header does: hash the shared header in
+        simd = hashlib.sha1(src.with_name("simd.h").read_bytes()).hexdigest()[:16]
         return load(
             name=name, sources=[str(src)], verbose=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DTURBOSPEC_SIMD={simd}", *cflags],
+            extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # noqa: BLE001 -- no compiler or headers: fall back to torch's kernels
         print(f"turbospec: {what} kernel unavailable ({' '.join(str(e).split())[:120]}); "
@@ -58,8 +61,9 @@ def _drop_stale_lock(lock: Path) -> None:
 
 @cache
 def load_kernel():
-    """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp: its hash goes into the
-    build flags, so that torch rebuilds the module when either file changes. Cached: callers (RMSNorm, every
+    """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp and deltanet.cpp: their hash
+    goes into the build flags, so that torch rebuilds the module when any of the files changes. Cached: callers (RMSNorm, every
     `Linear`) ask per call."""
-    deps = hashlib.sha1(Path(__file__).with_name("attention.cpp").read_bytes()).hexdigest()[:16]
+    here = Path(__file__).parent
+    deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp"))).hexdigest()[:16]
     return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

@@ -24,7 +24,7 @@ from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers import block
 from turbospec.layers.attention import MLP
-from turbospec.layers.gated_deltanet import GatedDeltaNet
+from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
 from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
@@ -190,6 +190,15 @@ class HybridLayer:
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
         conv, ssm = cache.gdn_state(self.slot)
         gdn = self.mixer
+        if k is not None and cache.track_all_states and load_gdn_kernel() is not None:  # the layer in one call
+            par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
+            x, window, states = k.gdn_layer(
+                x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,
+                gdn.dt_bias, gdn.norm_weight, ssm, par, gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps, gdn.out.weight,
+                gdn.out.bias, self.post_norm, self.mlp.gate_up.weight, self.mlp.gate_up.bias, self.mlp.down.weight,
+                self.mlp.down.bias)
+            cache.gdn_stash(self.slot, window, states)
+            return x
         if k is not None:
             proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
             o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
