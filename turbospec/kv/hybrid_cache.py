@@ -12,6 +12,8 @@ only the final state and can only be committed whole.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from turbospec.errors import TurboSpecError
@@ -45,13 +47,31 @@ class HybridCache:
         self.max_len = max_len
         self.dtype = dtype
         self.rollback_limit = rollback_limit
-        self.conv = torch.zeros((num_gdn_layers,) + tuple(conv_shape), dtype=dtype)
-        self.ssm = torch.zeros((num_gdn_layers,) + tuple(ssm_shape), dtype=torch.float32)
+        self._conv_shape, self._ssm_shape = tuple(conv_shape), tuple(ssm_shape)
+        self.num_gdn_layers = num_gdn_layers
+        # committed states per GDN layer; after a step, views into that step's outputs (no copies)
+        self._conv: list[torch.Tensor] = []
+        self._ssm: list[torch.Tensor] = []
+        self._zero_states()
         self.pending = 0
         self._windows: list[torch.Tensor | None] = [None] * num_gdn_layers
         self._states: list[torch.Tensor | None] = [None] * num_gdn_layers
         self._all_states = False
         self._parents: list[int] | None = None
+
+    def _zero_states(self) -> None:
+        self._conv = [torch.zeros(self._conv_shape, dtype=self.dtype) for _ in range(self.num_gdn_layers)]
+        self._ssm = [torch.zeros(self._ssm_shape, dtype=torch.float32) for _ in range(self.num_gdn_layers)]
+
+    @property
+    def conv(self) -> torch.Tensor:
+        """Committed conv states of all GDN layers, [layers, K-1, C] (a copy)."""
+        return torch.stack(self._conv) if self._conv else torch.zeros((0,) + self._conv_shape, dtype=self.dtype)
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        """Committed recurrent states of all GDN layers, [layers, Hv, Dk, Dv] float32 (a copy)."""
+        return torch.stack(self._ssm) if self._ssm else torch.zeros((0,) + self._ssm_shape)
 
     # ---- the step protocol -----------------------------------------------------------------------------
     @property
@@ -89,7 +109,7 @@ class HybridCache:
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed (conv state [K-1, C], recurrent state [Hv, Dk, Dv]) of GDN layer `layer` (index among GDN
         layers). Read-only during a step."""
-        return self.conv[layer], self.ssm[layer]
+        return self._conv[layer], self._ssm[layer]
 
     def gdn_stash(self, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
         """Scratch for the current step: the conv window [K-1+N, C] and the recurrent states ([N, ...] when
@@ -119,13 +139,14 @@ class HybridCache:
                 )
         prefix = keep == list(range(len(keep)))  # a chain prefix: the conv rows are contiguous
         if keep:
-            k = self.conv.shape[1]
+            k = self._conv_shape[0]
             rows = None if prefix else torch.tensor(keep, dtype=torch.int64) + k
-            for i, (w, s) in enumerate(zip(self._windows, self._states)):
-                if w is None or s is None:
-                    raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
-                self.conv[i] = w[len(keep):len(keep) + k] if prefix else torch.cat([w[:k], w[rows]])[-k:]
-                self.ssm[i] = s[keep[-1]] if s.shape[0] == n else s[-1]
+            if any(w is None for w in self._windows) or any(s is None for s in self._states):
+                raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+            j = len(keep)
+            # views, not copies: the step's windows and states are fresh tensors no one writes to again
+            self._conv = [w[j:j + k] if prefix else torch.cat([w[:k], w[rows]])[-k:] for w in self._windows]
+            self._ssm = [s[keep[-1]] if s.shape[0] == n else s[-1] for s in self._states]
         self.kv.commit(None if prefix and len(keep) == n else keep)
         self.pending = 0
         self._parents = None
@@ -134,8 +155,7 @@ class HybridCache:
 
     def reset(self) -> None:
         self.kv.reset()
-        self.conv.zero_()
-        self.ssm.zero_()
+        self._zero_states()
         self.pending = 0
         self._parents = None
         self._windows = [None] * len(self._windows)
@@ -148,11 +168,11 @@ class HybridCache:
 
     @property
     def conv_state_bytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size()
+        return self.num_gdn_layers * math.prod(self._conv_shape) * self.dtype.itemsize
 
     @property
     def ssm_state_bytes(self) -> int:
-        return self.ssm.numel() * self.ssm.element_size()
+        return self.num_gdn_layers * math.prod(self._ssm_shape) * 4
 
     @property
     def recurrent_state_bytes(self) -> int:
@@ -160,10 +180,11 @@ class HybridCache:
         return self.conv_state_bytes + self.ssm_state_bytes
 
     def scratch_bytes(self, n: int) -> int:
-        """Transient bytes a step of n tokens allocates for rollback (per-position recurrent states)."""
+        """Transient bytes a step of n tokens allocates for rollback (per-position recurrent states). The committed
+        state is a view into the last step's outputs, so up to two steps' worth are alive at once."""
         per_state = self.ssm_state_bytes
         kept = n if n <= self.rollback_limit else 1
-        return per_state * kept + self.conv[0:1].element_size() * self.conv.shape[0] * n * self.conv.shape[2]
+        return per_state * kept + self.dtype.itemsize * self.num_gdn_layers * n * self._conv_shape[1]
 
     @property
     def nbytes(self) -> int:
