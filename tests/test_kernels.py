@@ -34,9 +34,10 @@ def test_leading_dims_preserved():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_centred", [False, True])
-def test_rms_norm_kernel_matches_reference(dtype, zero_centred):
+@pytest.mark.parametrize("rows", [21, 700])  # 700 x 96 values: rows split over threads
+def test_rms_norm_kernel_matches_reference(dtype, zero_centred, rows):
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(3, 7, 96, generator=g) * 3).to(dtype)
+    x = (torch.randn(rows // 7, 7, 96, generator=g) * 3).to(dtype)
     w = torch.randn(96, generator=g).to(dtype)
     xf = F.rms_norm(x.float(), (96,), None, 1e-6)
     ref = (xf * (1 + w.float())).to(dtype) if zero_centred else w * xf.to(dtype)
@@ -112,3 +113,17 @@ def test_greedy_sample_uses_same_argmax():
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
     x[4000] = x[17] = x.max() + 1
     assert sample(x, SamplingParams(temperature=0)) == 17 == int(torch.argmax(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 2 * 13), (4, 2 * 64), (300, 2 * 200)])
+def test_silu_mul_matches_op_by_op(dtype, shape):
+    """silu(g) * u rounded like F.silu then the product in the dtype: float32 within float rounding, 16-bit at
+    at most two rounding steps apart on the odd value (the exp differs from torch's in the last float bit)."""
+    gu = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    i = shape[1] // 2
+    ref = F.silu(gu[:, :i]) * gu[:, i:]
+    got = kernel.silu_mul(gu)
+    assert got.dtype == dtype and got.shape == (shape[0], i)
+    tol = 1e-6 if dtype == torch.float32 else 2 * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+    assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs() + 1e-30).all()

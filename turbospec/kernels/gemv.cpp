@@ -248,15 +248,70 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 }
 
 // RMSNorm over the last dim in one pass per row (torch's CPU rms_norm decomposes into ~6 ops, ~70 us per call).
+// Rows in parallel above this many values (prefill); decode-sized inputs stay on the calling thread.
+constexpr int64_t PARALLEL_MIN = 1 << 15;
+
+// T row of n values -> float32, and back (rounded to nearest even).
+template <typename T>
+inline void row_to_floats(const T* p, float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, load8(p + i));
+  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
+}
+template <typename T>
+inline void row_from_floats(const float* v, T* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(p + i, _mm256_loadu_ps(v + i));
+  for (; i < n; ++i) p[i] = static_cast<T>(v[i]);
+}
+
+// Row-parallel map of x [rows, d_in] to y [rows, d_out] (T): fn(const float* in_row, float* out_row).
+template <typename T, typename F>
+torch::Tensor map_rows(const torch::Tensor& x, int64_t d_out, F&& fn) {
+  auto xc = x.contiguous();
+  const int64_t d = xc.size(-1), rows = xc.numel() / d;
+  auto y = torch::empty({rows, d_out}, xc.options());
+  const T* xp = xc.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t grain = rows * d >= PARALLEL_MIN ? 1 : rows;
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> in(d), out(d_out);
+    for (int64_t r = r0; r < r1; ++r) {
+      row_to_floats(xp + r * d, in.data(), d);
+      fn(in.data(), out.data());
+      row_from_floats(out.data(), yp + r * d_out, d_out);
+    }
+  });
+  return y;
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool zero_centred) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1), "bad weight");
-  const int64_t d = x.size(-1), rows = x.numel() / d;
+  const int64_t d = x.size(-1);
   return by_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    std::vector<float> xf = to_floats<T>(x), y(rows * d);
     auto wc = w.contiguous();
-    for (int64_t r = 0; r < rows; ++r) rms_row<T>(&xf[r * d], wc.data_ptr<T>(), &y[r * d], d, static_cast<float>(eps), zero_centred);
-    return from_floats<T>(y, rows, d, x).view(x.sizes());
+    const T* wp = wc.data_ptr<T>();
+    return map_rows<T>(x, d, [&](const float* in, float* out) {
+      rms_row<T>(in, wp, out, d, static_cast<float>(eps), zero_centred);
+    }).view(x.sizes());
+  });
+}
+
+// SwiGLU's middle: [g | u] rows [N, 2I] (T) -> rnd(rnd(silu(g)) * u) [N, I], as the op-by-op path rounds.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: [N, 2I] expected");
+  const int64_t inter = gu.size(1) / 2;
+  return by_dtype(gu.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    return map_rows<T>(gu, inter, [&](const float* g, float* h) {
+      silu_all(g, h, inter);
+      round_all<T>(h, inter);
+      int64_t j = 0;
+      for (; j + 8 <= inter; j += 8)
+        _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(g + inter + j)));
+      for (; j < inter; ++j) h[j] = h[j] * g[inter + j];
+    });
   });
 }
 
@@ -614,5 +669,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
+  m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");
   m.def("argmax_rows", &argmax_rows, "first index of the maximum of each row (NaN wins)");
 }

@@ -31,9 +31,8 @@ inline __m256 sigmoid8(__m256 x) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 neg_abs = _mm256_or_ps(x, _mm256_set1_ps(-0.0f));
   const __m256 e = exp_nonpos(neg_abs);
-  const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
-  const __m256 neg = _mm256_div_ps(e, _mm256_add_ps(one, e));
-  return _mm256_blendv_ps(neg, pos, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));  // x >= 0: 1 / (1 + e^-x); x < 0: e^x / (1 + e^x)
+  return _mm256_blendv_ps(_mm256_mul_ps(e, r), r, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 
 inline __m256 silu8(__m256 x) { return _mm256_mul_ps(x, sigmoid8(x)); }
