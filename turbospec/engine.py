@@ -118,7 +118,8 @@ class Engine:
         rows = []
         for s in range(reuse, len(tokens), self.ubatch):
             chunk = ids[s:s + self.ubatch]
-            hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache)
+            hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache,
+                                        last_only=not all_rows)
             self.cache.commit()
             rows.append(hidden if all_rows else hidden[-1:])
         return torch.cat(rows) if all_rows else rows[-1]

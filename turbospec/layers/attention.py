@@ -36,7 +36,9 @@ class Attention:
         self.kv_width = num_kv_heads * head_dim
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
-                 cache, layer: int) -> torch.Tensor:
+                 cache, layer: int, last_only: bool = False) -> torch.Tensor:
+        """[N, hidden] -> [N, hidden]; with `last_only` (causal plan over a plain cache) every row's K/V is stored
+        but only the last row is attended and projected: [1, hidden]."""
         from turbospec.layers.rope import apply_rope
 
         n = x.shape[0]
@@ -45,7 +47,14 @@ class Attention:
             q = rms_norm(q, self.q_norm, self.eps, self.zc)
             k = rms_norm(k, self.k_norm, self.eps, self.zc)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [N, 1, rot]: broadcast over heads
-        out = self.mix(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, plan, cache, layer)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if last_only:
+            keys, values = cache.write(layer, k.transpose(0, 1), v.transpose(0, 1))
+            # the last position sees every cached key: no mask
+            out = _decode_attention(q[-1:].transpose(0, 1), keys, values).transpose(0, 1).reshape(1, -1)
+            gate = gate[-1:] if gate is not None else None
+        else:
+            out = self.mix(q, k, v, plan, cache, layer)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)

@@ -11,7 +11,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP, Attention
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import SKINNY_MAX_ROWS, Linear
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
@@ -23,7 +23,11 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.in_norm, self.post_norm, self.eps, self.zc = in_norm, post_norm, eps, zero_centred
 
-    def __call__(self, x, rope, plan, cache, layer):
+    def __call__(self, x, rope, plan, cache, layer, last_only: bool = False):
+        if last_only and x.shape[0] > SKINNY_MAX_ROWS and plan.mask is None and isinstance(cache, KVCache):
+            # prefill's last layer: only the last row goes on to the logits (K/V of every row are still stored)
+            x = x[-1:] + self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer, True)
+            return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
         k = block.fusable(x, self.mlp, self.in_norm)
         if k is not None:  # decode / verification: two C++ calls around the attention
             return block.attention_layer(k, x, self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc,
@@ -97,13 +101,17 @@ class DenseModel:
                              kv_dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: KVCache, last_only: bool = False
+                ) -> torch.Tensor:
+        """Final-normed hidden rows [N, H]; `last_only`: only the last row's [1, H] is wanted (prefill), so the
+        last layer attends and projects that row alone (llama.cpp skips the unused output rows the same way)."""
         cache.begin(tokens.numel())
         x = F.embedding(tokens, self.embed)
         rope = self.rope.tables(plan.positions)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, plan, cache, i)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x = layer(x, rope, plan, cache, i, last_only and i == last)
+        return rms_norm(x[-1:] if last_only else x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 from turbospec.config import ModelConfig
 from turbospec.errors import TurboSpecError
+from turbospec.kv.cache import KVCache
 from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers import block
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import SKINNY_MAX_ROWS, Linear
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
@@ -180,7 +181,12 @@ class HybridLayer:
         self.mixer, self.mlp = mixer, mlp
         self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
 
-    def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache, last_only: bool = False
+                 ) -> torch.Tensor:
+        if (last_only and self.kind == "full_attention" and x.shape[0] > SKINNY_MAX_ROWS and plan.mask is None
+                and isinstance(cache.kv, KVCache)):  # prefill's last layer: only the last row is wanted
+            x = x[-1:] + self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, True)
+            return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
         k = block.fusable(x, self.mlp, self.in_norm)
         if k is not None and self.kind == "full_attention":  # decode / verification: fused C++ calls
             return block.attention_layer(k, x, self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True,
@@ -303,7 +309,9 @@ class HybridModel:
         )
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: HybridCache, last_only: bool = False
+                ) -> torch.Tensor:
+        """Final-normed hidden rows [N, H] ([1, H] with `last_only`, as DenseModel.forward)."""
         if not isinstance(cache, HybridCache):
             raise TurboSpecError("hybrid models need the cache from HybridModel.new_cache()")
         if plan.mask is not None and plan.parents is None:
@@ -312,8 +320,11 @@ class HybridModel:
         cache.set_tree(plan.parents)
         x = F.embedding(tokens, self.embed)
         rope = self.rope.tables(plan.positions)
-        for layer in self.layers:
-            x = layer(x, rope, plan, cache)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, plan, cache, last_only and i == last)
+        if last_only:
+            x = x[-1:]  # a last Gated DeltaNet layer computes every row
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, True)
 
     @torch.inference_mode()
