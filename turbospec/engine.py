@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import resource
 import time
 from collections.abc import Iterator
@@ -95,6 +96,9 @@ class Engine:
         self.cached_tokens: list[int] = []
         self.reused_tokens = 0
         self.last_stats = GenStats()
+        # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
+        # a decode step allocates enough small objects to trigger collections that would traverse them all.
+        gc.freeze()
 
     # ---- building blocks -------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], all_rows: bool = False) -> torch.Tensor:
