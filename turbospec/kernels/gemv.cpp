@@ -560,6 +560,9 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// argmax_rows of one float32 row, as a Python int (no tensor round trip per greedy token).
+int64_t argmax1(torch::Tensor x) { return argmax_rows(x.reshape({1, -1})).data_ptr<int64_t>()[0]; }
+
 // ---- Weights in transparent huge pages ----
 // A decode step streams every weight matrix once; on 4 KB pages TLB misses can cap the 2-core stream (docs/speed.md:
 // the chain of all products of the benchmark model ran up to 1.2-1.4x faster from 2 MB pages, depending on the
@@ -671,4 +674,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");
   m.def("argmax_rows", &argmax_rows, "first index of the maximum of each row (NaN wins)");
+  m.def("argmax1", &argmax1, "argmax_rows of one row, as an int");
 }

@@ -19,14 +19,18 @@ class AttentionPlan:
     start: int
     mask: torch.Tensor | None = None
     parents: list[int] | None = None  # tree steps: parent index of each node (-1: the committed context)
+    first: int | None = None  # positions are first, first + 1, ... (RoPE tables are then slices, not gathers)
 
     @property
     def n(self) -> int:
         return int(self.positions.numel())
 
     @classmethod
-    def causal(cls, start: int, n: int) -> AttentionPlan:
-        return cls(torch.arange(start, start + n, dtype=torch.int64), start)
+    def causal(cls, start: int, n: int, first: int | None = None) -> AttentionPlan:
+        """N tokens after `start` cached ones, each seeing the cache and the tokens before it; RoPE positions
+        first .. first + N - 1 (default: start .., i.e. the cache index is the position)."""
+        first = start if first is None else first
+        return cls(torch.arange(first, first + n, dtype=torch.int64), start, first=first)
 
     @classmethod
     def tree(cls, start: int, parents: list[int]) -> AttentionPlan:

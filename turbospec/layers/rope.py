@@ -90,7 +90,13 @@ class Rope:
         # sign folded in so that rotate_half(x) * sin == roll(x, half) * sin_signed
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) rows for `positions`; slices when they are consecutive from `first`."""
+        if first is not None:
+            end = first + positions.numel()
+            if end > self.cos.shape[0]:
+                self._build(max(end, 2 * self.cos.shape[0]))
+            return self.cos[first:end], self.sin[first:end]
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             self._build(max(need, 2 * self.cos.shape[0]))

@@ -107,7 +107,7 @@ class DenseModel:
         last layer attends and projects that row alone (llama.cpp skips the unused output rows the same way)."""
         cache.begin(tokens.numel())
         x = F.embedding(tokens, self.embed)
-        rope = self.rope.tables(plan.positions)
+        rope = self.rope.tables(plan.positions, plan.first)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, plan, cache, i, last_only and i == last)

@@ -319,7 +319,7 @@ class HybridModel:
         cache.begin(tokens.numel())
         cache.set_tree(plan.parents)
         x = F.embedding(tokens, self.embed)
-        rope = self.rope.tables(plan.positions)
+        rope = self.rope.tables(plan.positions, plan.first)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, plan, cache, last_only and i == last)

@@ -79,7 +79,7 @@ class MTPModule:
         else:
             u = self.fc(torch.cat([rms_norm(e, self.norm_e, eps, self.zc), rms_norm(h, self.norm_h, eps, self.zc)], -1))
         li = step % len(self.layers)
-        x = self.layers[li](u, self.rope.tables(plan.positions), plan, cache, li)
+        x = self.layers[li](u, self.rope.tables(plan.positions, plan.first), plan, cache, li)
         return rms_norm(x, self.norm, eps, self.zc)
 
     def compact_weights(self) -> None:
@@ -222,6 +222,4 @@ class MTPDrafter:
 
 def _plan(cache: KVCache, pos: int, n: int) -> AttentionPlan:
     """Causal step over the MTP cache's entries, with RoPE at the true target positions [pos, pos + n)."""
-    plan = AttentionPlan.causal(cache.length, n)
-    plan.positions = torch.arange(pos, pos + n, dtype=torch.int64)
-    return plan
+    return AttentionPlan.causal(cache.length, n, first=pos)
