@@ -11,8 +11,9 @@ from turbospec.models import load_model
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="C++ kernels unavailable")
 # float32: the same math in another order (measured ~4e-7 relative); 16-bit: both paths round at the same points
-# (measured bit-identical here), so at most the odd value one rounding step apart
-TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+# (measured bit-identical here), so at most the odd value a rounding step or two apart (bf16: 2^-7 relative per
+# step; the prefill both paths share runs torch's GEMM, whose last bit can vary from run to run)
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 
 
 def steps(model, ids, monkeypatch, fused: bool):

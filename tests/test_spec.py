@@ -1,4 +1,6 @@
+import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,11 +190,48 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
     plain = Engine(target, None, ctx=256, ubatch=8)
     sc = SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=32)
     drafter = make_drafter(sc, target, 260)
-    assert drafter.head.weight.shape[0] == 32
     eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for prompt in PROMPTS[:6]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
+        # the head scores the 32 lowest ids (no ranking beside this model) plus the request's tokens so far
+        assert set(range(32)) | set(prompt) <= set(drafter.head_ids) < set(range(target.cfg.vocab_size))
+        assert drafter.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(drafter.head_ids))
+
+
+def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):
+    """draft_vocab.json ranks ids by their count in the given texts; a drafter built with it drafts token ids
+    (not head rows) and stays lossless."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from turbospec.spec.draft_vocab import FILE, load, rank_tokens
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(paths["target"], model_dir)
+    tok = HFTokenizer.from_file(str(Path("models/turbospec-tiny") / "tokenizer.json"))
+    ranked, n = rank_tokens(tok, ["def f(x):\n    return x\n", "x = x + 1\n"], 64)
+    counts = {t: 0 for t in range(64)}
+    for text in ["def f(x):\n    return x\n", "x = x + 1\n"]:
+        for t in tok.encode(text).ids:
+            if t < 64:
+                counts[t] += 1
+    assert sorted(ranked) == list(range(64)) and n == sum(len(tok.encode(t).ids) for t in
+                                                          ["def f(x):\n    return x\n", "x = x + 1\n"])
+    assert all(counts[a] >= counts[b] for a, b in itertools.pairwise(ranked))
+    target = load_model(model_dir, "float32")
+    order = list(range(target.cfg.vocab_size))[::-1]  # a ranking that puts the highest ids first
+    (model_dir / FILE).write_text(json.dumps({"ranked_ids": order}))
+    assert load(model_dir) == order
+    drafter = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=16), target, 260, str(model_dir))
+    plain = Engine(target, None, ctx=256, ubatch=8)
+    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = PROMPTS[0]
+    assert run(eng, prompt, p) == run(plain, prompt, p)
+    assert set(order[:16]) <= set(drafter.head_ids)
 
 
 @pytest.mark.parametrize("hybrid", [False, True])

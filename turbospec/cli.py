@@ -56,7 +56,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="feed only the last N prompt positions to the MTP, so drafting costs prefill little "
                         "(default 256; 0 = all)")
     p.add_argument("--spec-draft-vocab", type=int, default=0,
-                   help="MTP drafts over the N most frequent (lowest-id) tokens only (0 = full vocab)")
+                   help="MTP drafts over the N most frequent tokens only (ranked by the model's draft_vocab.json, "
+                        "else the lowest ids; 0 = full vocab)")
     p.add_argument("--spec-mtp-topk", type=int, default=1,
                    help="MTP draft tree: top-k candidates at every depth, the best continued (1 = a chain)")
     p.add_argument("-ctkd", "--cache-type-k-draft", default=None,

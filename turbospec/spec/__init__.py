@@ -22,7 +22,7 @@ class SpecConfig:
     # the MTP reads only the last N prompt positions: prefill with MTP on stays >= 0.9x of MTP off
     # (benchmarks/spec_prefill.py: 0.86x at a 2K prompt with the whole prompt, 0.93x with 256); 0 = all
     mtp_prompt_window: int = 256
-    draft_vocab: int = 0  # MTP drafts over the first N token ids only (0 = full vocabulary)
+    draft_vocab: int = 0  # MTP drafts over N tokens only: the most frequent (draft_vocab.json) or lowest ids
     mtp_topk: int = 1  # MTP tree: top-k candidates per depth (the best one continued); 1 = a chain
     draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches
     draft_k_type: str | None = None  # KV format names for the draft/MTP caches (-ctkd / -ctvd)
@@ -49,7 +49,8 @@ class SpecConfig:
 def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None = None):
     """Build the drafter (or chain) for a target model; None when speculation is off.
 
-    model_path: the target's checkpoint directory, where Medusa heads are looked for by default."""
+    model_path: the target's checkpoint directory, where Medusa heads and the draft-vocabulary ranking
+    (draft_vocab.json) are looked for."""
     if not cfg.types:
         return None
     from turbospec.spec.chain import ChainDrafter
@@ -79,8 +80,12 @@ def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None =
 
             if getattr(target, "mtp", None) is None:
                 raise TurboSpecError("--spec-type draft-mtp: this model has no mtp.* weights")
+            from turbospec.spec.draft_vocab import load as load_ranked_vocab
+
+            ranked = load_ranked_vocab(model_path) if cfg.draft_vocab else None
             drafters.append(MTPDrafter(target.mtp, max_len, cfg.p_min, cfg.mtp_prompt_window, kv_dtype,
-                                       k_type, v_type, draft_vocab=cfg.draft_vocab, topk=cfg.mtp_topk))
+                                       k_type, v_type, draft_vocab=cfg.draft_vocab, topk=cfg.mtp_topk,
+                                       ranked_vocab=ranked))
         elif t == "medusa":
             from turbospec.spec.medusa import make_medusa_drafter
 

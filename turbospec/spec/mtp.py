@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 from turbospec.config import HYBRID_ARCHS, ModelConfig
 from turbospec.errors import TurboSpecError
+from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers import block
-from turbospec.layers.linear import Linear, exact_bf16
+from turbospec.layers.linear import SKINNY_MAX_ROWS, Linear, exact_bf16
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
@@ -54,7 +55,7 @@ class MTPModule:
             )
             self.layers.append(layer)
         self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
-        self._draft_heads: dict[int, Linear] = {}
+        self._draft_head: Linear | None = None
         self._compacted = False
 
     def new_cache(self, max_len: int, kv_dtype: torch.dtype | None = None, k_type: str | None = None,
@@ -92,13 +93,12 @@ class MTPModule:
             layer.attn.qkv, layer.attn.o = exact_bf16(layer.attn.qkv), exact_bf16(layer.attn.o)
             layer.mlp.gate_up, layer.mlp.down = exact_bf16(layer.mlp.gate_up), exact_bf16(layer.mlp.down)
 
-    def draft_head(self, vocab: int = 0) -> Linear:
-        """The lm_head's first `vocab` rows (all of them for 0) for drafting, in bf16 where that is exact; built
-        once per size and shared by every drafter of this module (the target's lm_head itself is untouched)."""
-        key = vocab if 0 < vocab < self.lm_head.out_features else 0
-        if key not in self._draft_heads:
-            self._draft_heads[key] = exact_bf16(Linear(self.lm_head.weight[:key]) if key else self.lm_head)
-        return self._draft_heads[key]
+    def draft_head(self) -> Linear:
+        """The lm_head for drafting, in bf16 where that is exact; built once and shared by every drafter of this
+        module (the target's lm_head itself is untouched)."""
+        if self._draft_head is None:
+            self._draft_head = exact_bf16(self.lm_head)
+        return self._draft_head
 
     @property
     def num_layers(self) -> int:
@@ -128,16 +128,25 @@ class MTPDrafter:
 
     def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
                  kv_dtype: torch.dtype | None = None, k_type: str | None = None, v_type: str | None = None,
-                 draft_vocab: int = 0, topk: int = 1):
+                 draft_vocab: int = 0, topk: int = 1, ranked_vocab: list[int] | None = None):
         self.mtp = mtp
         # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
         # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
         self.topk = max(1, topk)
-        # Reduced-vocabulary drafting (as FR-Spec): score only the first `draft_vocab` token ids. Byte-level BPE
-        # assigns ids in merge order, so low ids are the frequent tokens; verification stays exact.
+        # Reduced-vocabulary drafting (as FR-Spec): score only `draft_vocab` tokens -- the most frequent ones of the
+        # training text when the model ships a ranking (draft_vocab.json, `ranked_vocab`), else the lowest ids
+        # (byte-level BPE assigns ids in merge order, a rough frequency order); verification stays exact.
         # The draft head and the MTP's own matrices are read in bf16 where that is exact (a bf16 checkpoint run in
         # float32): bit-identical drafts from half the bytes.
-        self.head = mtp.draft_head(draft_vocab)
+        self.full_head = mtp.draft_head()
+        vocab = self.full_head.out_features
+        # reduced vocabulary: the base set, plus every token of the request's context as it arrives (a document's
+        # own identifiers are rare in the training text but copied often); rows gathered from the bf16 head
+        self.reduced = 0 < draft_vocab < vocab
+        self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
+        self._ids: set[int] = set()
+        self.head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
+        self._head_w: torch.Tensor | None = None
         mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
             mtp.new_cache(max_len, kv_dtype)
@@ -147,9 +156,32 @@ class MTPDrafter:
         self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
         self.offset = 0  # target position of MTP cache entry 0
 
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
+        if self._head_w is None:
+            return self.full_head(h)
+        k = load_kernel()
+        if k is not None and h.shape[0] <= SKINNY_MAX_ROWS:
+            return k.skinny_linear(h, self._head_w, None)
+        return F.linear(h, self._head_w.to(h.dtype))
+
+    def _add_vocab(self, tokens: list[int]) -> None:
+        """Grow the reduced vocabulary by the tokens not yet in it (rebuilds the gathered head rows)."""
+        if not self.reduced:
+            return
+        new = set(tokens) - self._ids
+        if not new and self._head_w is not None:
+            return
+        self._ids |= new | self._base
+        self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
+        self._head_w = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
         assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
+        self._ids = set()
+        self._head_w = None
+        self._add_vocab(tokens)
         self.cache.reset()
         n = len(tokens)
         # hidden may cover only the last rows (the engine reused a cached prompt prefix)
@@ -194,9 +226,10 @@ class MTPDrafter:
         spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
         for i in range(n_max):
             logits = self.head(h).float()[0]
-            top = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
+            rows = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
+            top = rows if self.head_ids is None else [self.head_ids[r] for r in rows]  # head rows -> token ids
             tok = top[0]
-            if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
+            if self.p_min > 0 and float(torch.softmax(logits, -1)[rows[0]]) < self.p_min:
                 break
             nodes += top
             parents += [spine] * len(top)
@@ -216,6 +249,7 @@ class MTPDrafter:
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}
         assert hidden is not None and hidden.shape[0] == len(committed)
+        self._add_vocab(committed + [next_token])
         self.pending_tokens = list(committed[1:])
         self.pending_hidden = [hidden]
 
