@@ -51,20 +51,21 @@ def test_half_precision_close(hf_models, dtype):
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
-def test_prefill_last_only(hf_models, tmp_path, kind):
-    """`last_only` (prefill that wants only the next-token logits) returns the last row of a full forward, stores
-    every row's K/V (decoding on gives the same logits) and skips the last layer's other rows."""
+@pytest.mark.parametrize("rows", [1, 7])
+def test_prefill_out_rows(hf_models, tmp_path, kind, rows):
+    """`out_rows` (prefill that wants only the next-token logits, or a drafter's prompt window) returns the last
+    rows of a full forward and stores every row's K/V (decoding on gives the same logits)."""
     from tests.hf_hybrid import build as build_hybrid
 
     model = load_model(hf_models["qwen3"] if kind == "qwen3" else build_hybrid("qwen3_5", tmp_path), "float32")
     ids = torch.randint(0, 128, (41,), generator=torch.Generator().manual_seed(3))
     outs = []
-    for last_only in (True, False):
+    for out_rows in (rows, None):
         cache = model.new_cache(64)
-        h = model.forward(ids[:40], AttentionPlan.causal(0, 40), cache, last_only=last_only)
+        h = model.forward(ids[:40], AttentionPlan.causal(0, 40), cache, out_rows=out_rows)
         cache.commit()
         nxt = model.forward(ids[40:], AttentionPlan.causal(40, 1), cache)
-        outs.append((h, model.logits(h[-1:]), model.logits(nxt)))
+        outs.append((h, model.logits(h[-rows:]), model.logits(nxt)))
     (h1, l1, n1), (h2, l2, n2) = outs
-    assert h1.shape[0] == 1 and h2.shape[0] == 40
+    assert h1.shape[0] == rows and h2.shape[0] == 40
     assert torch.allclose(l1, l2, atol=1e-4) and torch.allclose(n1, n2, atol=1e-4)

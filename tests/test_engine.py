@@ -89,3 +89,15 @@ def test_chat_template(demo):
 def test_safe_prefix():
     assert _safe_prefix_len("hello wo", ["world"]) == 6
     assert _safe_prefix_len("abc", ["x"]) == 3
+
+
+@pytest.mark.parametrize("rows", [1, 5, 30])
+def test_prefill_rows_across_chunks(hf_qwen3, rows):
+    """Engine.prefill(tokens, rows) returns the hidden rows of the last `rows` prompt positions even when they span
+    ubatch chunks (each chunk's last layer computes only the rows kept), equal to the full computation's."""
+    model = load_model(hf_qwen3, "float32")
+    ids = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = Engine(model, None, ctx=64, ubatch=20, prefix_cache=False).prefill(ids, None)
+    got = Engine(model, None, ctx=64, ubatch=20, prefix_cache=False).prefill(ids, rows)
+    assert full.shape[0] == 45 and got.shape[0] == rows
+    assert torch.allclose(got, full[-rows:], atol=1e-5)

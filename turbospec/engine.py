@@ -101,9 +101,10 @@ class Engine:
         gc.freeze()
 
     # ---- building blocks -------------------------------------------------------------------------------
-    def prefill(self, tokens: list[int], all_rows: bool = False) -> torch.Tensor:
-        """Run the prompt through the model in ubatch chunks; return the final hidden row [1, H]
-        (or the rows of every computed position when a drafter needs the target's hidden states).
+    def prefill(self, tokens: list[int], rows: int | None = 1) -> torch.Tensor:
+        """Run the prompt through the model in ubatch chunks; return the hidden rows of the last `rows` prompt
+        positions ([rows, H]; None: every computed position, for drafters that read the target's hidden states).
+        Positions reused from the cache have no rows. Each chunk's last layer computes only the rows kept.
 
         Prefix reuse: positions whose tokens equal those already in the cache are kept (at least one token is
         always recomputed), as llama-server's prompt cache does; caches without `truncate` start over."""
@@ -119,14 +120,17 @@ class Engine:
         self.reused_tokens = reuse
         self.cached_tokens = list(tokens)
         ids = torch.tensor(tokens, dtype=torch.int64)
-        rows = []
-        for s in range(reuse, len(tokens), self.ubatch):
+        n, out = len(tokens), []
+        for s in range(reuse, n, self.ubatch):
             chunk = ids[s:s + self.ubatch]
+            e = s + chunk.numel()
+            want = None if rows is None else min(e - s, max(1, e - (n - rows)))  # rows of this chunk kept
             hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache,
-                                        last_only=not all_rows)
+                                        out_rows=want)
             self.cache.commit()
-            rows.append(hidden if all_rows else hidden[-1:])
-        return torch.cat(rows) if all_rows else rows[-1]
+            out.append(hidden)
+        hidden = torch.cat(out) if len(out) > 1 else out[0]
+        return hidden if rows is None else hidden[-min(rows, n - reuse):]
 
     def step(self, token: int) -> torch.Tensor:
         plan = AttentionPlan.causal(self.cache.length, 1)
@@ -184,7 +188,10 @@ class Engine:
         held = ""  # text withheld because it may be the start of a stop string
         drafter = self.drafter
         t0 = time.perf_counter()
-        hidden = self.prefill(tokens, all_rows=drafter is not None and drafter.needs_hidden)
+        rows = 1
+        if drafter is not None and drafter.needs_hidden:
+            rows = drafter.prompt_rows(len(tokens)) if hasattr(drafter, "prompt_rows") else None
+        hidden = self.prefill(tokens, rows)
         if drafter is not None:
             drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0

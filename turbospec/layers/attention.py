@@ -36,9 +36,9 @@ class Attention:
         self.kv_width = num_kv_heads * head_dim
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
-                 cache, layer: int, last_only: bool = False) -> torch.Tensor:
-        """[N, hidden] -> [N, hidden]; with `last_only` (causal plan over a plain cache) every row's K/V is stored
-        but only the last row is attended and projected: [1, hidden]."""
+                 cache, layer: int, out_rows: int | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, hidden]; with `out_rows` = r < N (causal plan over a plain cache) every row's K/V is
+        stored but only the last r rows are attended and projected: [r, hidden]."""
         from turbospec.layers.rope import apply_rope
 
         n = x.shape[0]
@@ -48,16 +48,28 @@ class Attention:
             k = rms_norm(k, self.k_norm, self.eps, self.zc)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [N, 1, rot]: broadcast over heads
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if last_only:
-            keys, values = cache.write(layer, k.transpose(0, 1), v.transpose(0, 1))
-            # the last position sees every cached key: no mask
-            out = _decode_attention(q[-1:].transpose(0, 1), keys, values).transpose(0, 1).reshape(1, -1)
-            gate = gate[-1:] if gate is not None else None
+        if out_rows is not None and out_rows < n:
+            out = self.attend_last(q, k, v, plan, cache, layer, out_rows)
+            gate = gate[-out_rows:] if gate is not None else None
         else:
             out = self.mix(q, k, v, plan, cache, layer)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)
+
+    def attend_last(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cache, layer: int,
+                    r: int) -> torch.Tensor:
+        """Store every row's k/v in a plain cache; attend the last r query rows only (causally) -> [r, H*D]."""
+        n = q.shape[0]
+        keys, values = cache.write(layer, k.transpose(0, 1), v.transpose(0, 1))
+        qs = q[-r:].transpose(0, 1)
+        if r == 1:  # the last position sees every cached key: no mask
+            out = _decode_attention(qs, keys, values)
+        else:
+            mask, causal = AttentionPlan.causal(plan.start + n - r, r).sdpa_mask()
+            out = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                                 attn_mask=mask, is_causal=causal, enable_gqa=self.nh != self.nkv)[0]
+        return out.transpose(0, 1).reshape(r, self.nh * self.hd)
 
     def split(self, qkv: torch.Tensor, n: int):
         """q [N, H, D], k and v [N, KVH, D] and the output gate ([N, H*D] or None) from the qkv product."""

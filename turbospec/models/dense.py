@@ -23,10 +23,12 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.in_norm, self.post_norm, self.eps, self.zc = in_norm, post_norm, eps, zero_centred
 
-    def __call__(self, x, rope, plan, cache, layer, last_only: bool = False):
-        if last_only and x.shape[0] > SKINNY_MAX_ROWS and plan.mask is None and isinstance(cache, KVCache):
-            # prefill's last layer: only the last row goes on to the logits (K/V of every row are still stored)
-            x = x[-1:] + self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer, True)
+    def __call__(self, x, rope, plan, cache, layer, out_rows: int | None = None):
+        if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > SKINNY_MAX_ROWS and plan.mask is None
+                and isinstance(cache, KVCache)):
+            # prefill's last layer: only the last rows go on (K/V of every row are still stored)
+            h = self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer, out_rows)
+            x = x[-out_rows:] + h
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
         k = block.fusable(x, self.mlp, self.in_norm)
         if k is not None:  # decode / verification: two C++ calls around the attention
@@ -101,17 +103,18 @@ class DenseModel:
                              kv_dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: KVCache, last_only: bool = False
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: KVCache, out_rows: int | None = None
                 ) -> torch.Tensor:
-        """Final-normed hidden rows [N, H]; `last_only`: only the last row's [1, H] is wanted (prefill), so the
-        last layer attends and projects that row alone (llama.cpp skips the unused output rows the same way)."""
+        """Final-normed hidden rows [N, H]; `out_rows` = r: only the last r rows are wanted ([r, H]; prefill wants
+        one for the next token's logits, an MTP drafter its prompt window), so the last layer attends and projects
+        those alone (llama.cpp skips the unused output rows the same way)."""
         cache.begin(tokens.numel())
         x = F.embedding(tokens, self.embed)
         rope = self.rope.tables(plan.positions, plan.first)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, plan, cache, i, last_only and i == last)
-        return rms_norm(x[-1:] if last_only else x, self.norm, self.cfg.rms_norm_eps)
+            x = layer(x, rope, plan, cache, i, out_rows if i == last else None)
+        return rms_norm(x[-out_rows:] if out_rows else x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

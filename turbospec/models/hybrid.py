@@ -181,11 +181,13 @@ class HybridLayer:
         self.mixer, self.mlp = mixer, mlp
         self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
 
-    def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache, last_only: bool = False
+    def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache, out_rows: int | None = None
                  ) -> torch.Tensor:
-        if (last_only and self.kind == "full_attention" and x.shape[0] > SKINNY_MAX_ROWS and plan.mask is None
-                and isinstance(cache.kv, KVCache)):  # prefill's last layer: only the last row is wanted
-            x = x[-1:] + self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, True)
+        if (out_rows is not None and out_rows < x.shape[0] and self.kind == "full_attention"
+                and x.shape[0] > SKINNY_MAX_ROWS and plan.mask is None and isinstance(cache.kv, KVCache)):
+            # prefill's last layer: only the last rows are wanted
+            h = self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, out_rows)
+            x = x[-out_rows:] + h
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
         k = block.fusable(x, self.mlp, self.in_norm)
         if k is not None and self.kind == "full_attention":  # decode / verification: fused C++ calls
@@ -309,9 +311,9 @@ class HybridModel:
         )
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: HybridCache, last_only: bool = False
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: HybridCache, out_rows: int | None = None
                 ) -> torch.Tensor:
-        """Final-normed hidden rows [N, H] ([1, H] with `last_only`, as DenseModel.forward)."""
+        """Final-normed hidden rows [N, H] (the last `out_rows` of them, as DenseModel.forward)."""
         if not isinstance(cache, HybridCache):
             raise TurboSpecError("hybrid models need the cache from HybridModel.new_cache()")
         if plan.mask is not None and plan.parents is None:
@@ -322,9 +324,9 @@ class HybridModel:
         rope = self.rope.tables(plan.positions, plan.first)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, plan, cache, last_only and i == last)
-        if last_only:
-            x = x[-1:]  # a last Gated DeltaNet layer computes every row
+            x = layer(x, rope, plan, cache, out_rows if i == last else None)
+        if out_rows:
+            x = x[-out_rows:]  # a last Gated DeltaNet layer computes every row
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, True)
 
     @torch.inference_mode()

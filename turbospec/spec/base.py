@@ -13,7 +13,9 @@ from turbospec.spec.tree import DraftTree
 class Drafter(Protocol):
     """Proposes candidate tokens; told what the target accepted.
 
-    begin(): after prefill, with the prompt tokens and the target's final hidden rows for them (or None).
+    begin(): after prefill, with the prompt tokens and the target's final hidden rows for them (or None); with
+      `needs_hidden`, `prompt_rows(n)` says how many trailing prompt rows it reads (None: all of them), so the
+      target computes no others in its last layer.
     propose(): given every token so far (the last one is emitted but not yet in the target's cache).
     accept(): after verification, with the tokens committed this step (the root token plus accepted drafts)
       and the target's hidden rows for them; the next token (the bonus) is not yet committed.

@@ -14,6 +14,11 @@ class ChainDrafter:
         self.drafters = drafters
         self.needs_hidden = any(d.needs_hidden for d in drafters)
 
+    def prompt_rows(self, n: int) -> int | None:
+        """The most trailing prompt rows any member reads (None: all)."""
+        rows = [d.prompt_rows(n) if hasattr(d, "prompt_rows") else None for d in self.drafters if d.needs_hidden]
+        return None if any(r is None for r in rows) else max(rows, default=1)
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         for d in self.drafters:
             d.begin(tokens, hidden)

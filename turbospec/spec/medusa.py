@@ -256,6 +256,9 @@ class MedusaDrafter:
             rows = [self.heads[i](x).float()[0] for i, x in enumerate(xs)]
         return [r.topk(k).indices.tolist() for r, k in zip(rows, topk)]
 
+    def prompt_rows(self, n: int) -> int:
+        return 1  # the heads read the last prompt row only
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         assert hidden is not None
         self.h = hidden[-1:]

@@ -176,6 +176,10 @@ class MTPDrafter:
         self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
         self._head_w = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
 
+    def prompt_rows(self, n: int) -> int | None:
+        """Trailing prompt rows `begin` reads: the prompt window's pairs plus the last row (None: all)."""
+        return self.prompt_window + 1 if self.prompt_window > 0 else None
+
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
         assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
