@@ -6,7 +6,7 @@ prefill (time to the first token, which includes the MTP's prompt pass) for each
 (off, on, on-window, off, ...), median of `--reps` after a warm-up, and the decode speed and acceptance of a
 short greedy generation so the window's cost, if any, is visible too.
 
-    python benchmarks/spec_prefill.py [--lengths 512 2048] [--windows 0 256] [--reps 5] [--gen 64] \\
+    python benchmarks/spec_prefill.py [--lengths 512 2048] [--windows 0 -1 256] [--reps 5] [--gen 64] \\
         [--out docs/results/spec_prefill.json]
 """
 
@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint with mtp.* weights (default: the bundled model)")
     ap.add_argument("--text", default="turbospec/data/eval/code.jsonl")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--windows", type=int, nargs="+", default=[0, 256], help="MTP prompt windows (0 = all)")
+    ap.add_argument("--windows", type=int, nargs="+", default=[0, -1],
+                    help="MTP prompt windows (0 = all, -1 = auto: a quarter of the prompt, 64..256)")
     ap.add_argument("--n-max", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gen", type=int, default=64)
@@ -51,7 +52,7 @@ def main() -> None:
     engines = {"off": Engine(model, tok, ctx=ctx, prefix_cache=False)}
     for w in a.windows:
         cfg = SpecConfig.parse("draft-mtp", n_max=a.n_max, mtp_prompt_window=w)
-        engines[f"mtp window {w or 'all'}"] = Engine(model, tok, ctx=ctx, prefix_cache=False,
+        engines[f"mtp window {w or 'all' if w >= 0 else 'auto'}"] = Engine(model, tok, ctx=ctx, prefix_cache=False,
                                                      drafter=make_drafter(cfg, model, ctx), n_max=a.n_max)
     params = SamplingParams(temperature=0, max_tokens=a.gen, ignore_eos=True)
     rows = []

@@ -52,9 +52,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tree", default=None,
                    help="Medusa tree: JSON list of per-head top-k rank paths, e.g. '[[0],[1],[0,0]]', or "
                         "topk:k1,k2,... (default [[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]); depth capped by n-max")
-    p.add_argument("--spec-mtp-prompt-window", type=int, default=256,
+    p.add_argument("--spec-mtp-prompt-window", type=int, default=-1,
                    help="feed only the last N prompt positions to the MTP, so drafting costs prefill little "
-                        "(default 256; 0 = all)")
+                        "(default -1: a quarter of the prompt, 64..256; 0 = all)")
     p.add_argument("--spec-draft-vocab", type=int, default=0,
                    help="MTP drafts over the N most frequent tokens only (ranked by the model's draft_vocab.json, "
                         "else the lowest ids; 0 = full vocab)")

@@ -21,7 +21,7 @@ class SpecConfig:
     ngram_mod_n_max: int = 16
     # the MTP reads only the last N prompt positions: prefill with MTP on stays >= 0.9x of MTP off
     # (benchmarks/spec_prefill.py: 0.86x at a 2K prompt with the whole prompt, 0.93x with 256); 0 = all
-    mtp_prompt_window: int = 256
+    mtp_prompt_window: int = -1  # prompt positions fed to the MTP: -1 auto (a quarter, 64..256), 0 all
     draft_vocab: int = 0  # MTP drafts over N tokens only: the most frequent (draft_vocab.json) or lowest ids
     mtp_topk: int = 1  # MTP tree: top-k candidates per depth (the best one continued); 1 = a chain
     draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches

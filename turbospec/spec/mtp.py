@@ -176,9 +176,18 @@ class MTPDrafter:
         self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
         self._head_w = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
 
+    def window(self, n: int) -> int:
+        """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a
+        quarter of the prompt between 64 and 256 -- the MTP pass and the target rows it reads then cost <= ~6% of
+        prefill (at 512 tokens a 256-position window cost 13%, docs/speculative.md)."""
+        if self.prompt_window >= 0:
+            return self.prompt_window
+        return min(256, max(64, n // 4))
+
     def prompt_rows(self, n: int) -> int | None:
         """Trailing prompt rows `begin` reads: the prompt window's pairs plus the last row (None: all)."""
-        return self.prompt_window + 1 if self.prompt_window > 0 else None
+        w = self.window(n)
+        return w + 1 if w > 0 else None
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
@@ -190,8 +199,9 @@ class MTPDrafter:
         n = len(tokens)
         # hidden may cover only the last rows (the engine reused a cached prompt prefix)
         start = n - hidden.shape[0]
-        if self.prompt_window > 0:
-            start = max(start, n - 1 - self.prompt_window)
+        w = self.window(n)
+        if w > 0:
+            start = max(start, n - 1 - w)
         hidden = torch.cat([hidden.new_zeros(n - hidden.shape[0], hidden.shape[1]), hidden])
         # MTP cache entry i holds target position i + offset: skipped prompt positions take no cache room and
         # need no mask (RoPE gets the true positions from the plan)
