@@ -55,9 +55,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-mtp-prompt-window", type=int, default=-1,
                    help="feed only the last N prompt positions to the MTP, so drafting costs prefill little "
                         "(default -1: a quarter of the prompt, 64..256; 0 = all)")
-    p.add_argument("--spec-draft-vocab", type=int, default=0,
-                   help="MTP drafts over the N most frequent tokens only (ranked by the model's draft_vocab.json, "
-                        "else the lowest ids; 0 = full vocab)")
+    p.add_argument("--spec-draft-vocab", type=int, default=-1,
+                   help="MTP drafts over the N most frequent tokens (ranked by the model's draft_vocab.json, else "
+                        "the lowest ids) plus the request's own; 0 = full vocab; default -1: 1024 when the model "
+                        "ships draft_vocab.json, else full")
     p.add_argument("--spec-mtp-topk", type=int, default=1,
                    help="MTP draft tree: top-k candidates at every depth, the best continued (1 = a chain)")
     p.add_argument("-ctkd", "--cache-type-k-draft", default=None,
@@ -73,7 +74,7 @@ def spec_config(a: argparse.Namespace):
         a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
         ngram_mod_n_max=a.spec_ngram_mod_n_max, mtp_prompt_window=a.spec_mtp_prompt_window,
-        draft_vocab=getattr(a, "spec_draft_vocab", 0), mtp_topk=getattr(a, "spec_mtp_topk", 1),
+        draft_vocab=getattr(a, "spec_draft_vocab", -1), mtp_topk=getattr(a, "spec_mtp_topk", 1),
         draft_k_type=a.cache_type_k_draft, draft_v_type=getattr(a, "cache_type_v_draft", None),
         medusa=getattr(a, "spec_medusa", None), tree=getattr(a, "spec_tree", None),
     )

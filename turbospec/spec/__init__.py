@@ -22,7 +22,9 @@ class SpecConfig:
     # the MTP reads only the last N prompt positions: prefill with MTP on stays >= 0.9x of MTP off
     # (benchmarks/spec_prefill.py: 0.86x at a 2K prompt with the whole prompt, 0.93x with 256); 0 = all
     mtp_prompt_window: int = -1  # prompt positions fed to the MTP: -1 auto (a quarter, 64..256), 0 all
-    draft_vocab: int = 0  # MTP drafts over N tokens only: the most frequent (draft_vocab.json) or lowest ids
+    # MTP drafts over N tokens only (plus the request's own): the most frequent (draft_vocab.json) or lowest ids;
+    # 0 = full vocabulary, -1 = auto (AUTO_DRAFT_VOCAB when the model ships a ranking, else full)
+    draft_vocab: int = -1
     mtp_topk: int = 1  # MTP tree: top-k candidates per depth (the best one continued); 1 = a chain
     draft_kv_dtype: str | None = None  # legacy: a dense dtype for the draft caches
     draft_k_type: str | None = None  # KV format names for the draft/MTP caches (-ctkd / -ctvd)
@@ -44,6 +46,11 @@ class SpecConfig:
 
             parse_tree(cfg.tree)  # fail early on a malformed tree
         return cfg
+
+
+# Draft-head rows when the model ships a frequency ranking: on the bundled model 512-2048 rows keep the full
+# vocabulary's acceptance (the request's own tokens are added) at a quarter of the head's cost (docs/speculative.md).
+AUTO_DRAFT_VOCAB = 1024
 
 
 def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None = None):
@@ -83,9 +90,9 @@ def make_drafter(cfg: SpecConfig, target, max_len: int, model_path: str | None =
             from turbospec.spec.draft_vocab import load as load_ranked_vocab
 
             ranked = load_ranked_vocab(model_path) if cfg.draft_vocab else None
+            vocab = cfg.draft_vocab if cfg.draft_vocab >= 0 else (AUTO_DRAFT_VOCAB if ranked else 0)
             drafters.append(MTPDrafter(target.mtp, max_len, cfg.p_min, cfg.mtp_prompt_window, kv_dtype,
-                                       k_type, v_type, draft_vocab=cfg.draft_vocab, topk=cfg.mtp_topk,
-                                       ranked_vocab=ranked))
+                                       k_type, v_type, draft_vocab=vocab, topk=cfg.mtp_topk, ranked_vocab=ranked))
         elif t == "medusa":
             from turbospec.spec.medusa import make_medusa_drafter
 
