@@ -54,14 +54,14 @@ inline void store8(at::BFloat16* p, __m256 v) {
 // 4 weight rows x 2 input rows per inner block: 8 independent accumulators.
 template <typename W>
 void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_t in, float* out0, float* out1,
-               int64_t ldo, bool two, const char* pf) {
+               int64_t ldo, bool two, const char* pf, int64_t pf_step) {
   __m256 a[4][2];
   for (int r = 0; r < 4; ++r) { a[r][0] = _mm256_setzero_ps(); a[r][1] = _mm256_setzero_ps(); }
   int64_t i = 0;
   for (; i + 8 <= in; i += 8) {
-    // prefetch the same share of a later row block (4 rows x 8 values = 32 weights per iteration)
-    const char* pp = pf + i * 4 * sizeof(W);
-    for (size_t b = 0; b < 32 * sizeof(W); b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
+    // prefetch this pass's share of a later row block, spread over the iterations (pf_step bytes each)
+    const char* pp = pf + (i / 8) * pf_step;
+    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
     __m256 v0 = _mm256_loadu_ps(x0 + i);
     __m256 v1 = two ? _mm256_loadu_ps(x1 + i) : v0;
     for (int r = 0; r < 4; ++r) {
@@ -120,8 +120,12 @@ void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t ou
           float t0[4], t1[4];
           const int64_t blk_bytes = 4 * in * static_cast<int64_t>(sizeof(W));
           const int64_t ahead = std::max<int64_t>(1, (PREFETCH_BYTES + blk_bytes - 1) / blk_bytes);
-          const char* pf = reinterpret_cast<const char*>(w + std::min(o + 4 * ahead, out - 4) * in);
-          block_4x2(w + o * in, in, x0, x1, in, t0, t1, 1, two, r == 0 ? pf : reinterpret_cast<const char*>(w + o * in));
+          // with several passes over the block (m > 2 rows), each pass prefetches its share of the block ahead,
+          // so the memory stream keeps going during every pass
+          const int64_t passes = (m + 1) / 2, share = blk_bytes / passes;
+          const char* pf = reinterpret_cast<const char*>(w + std::min(o + 4 * ahead, out - 4) * in) + (r / 2) * share;
+          const int64_t step = std::max<int64_t>(1, share / std::max<int64_t>(1, in / 8));
+          block_4x2(w + o * in, in, x0, x1, in, t0, t1, 1, two, pf, step);
           for (int q = 0; q < 4; ++q) {
             y[r * out + o + q] = t0[q];
             if (two) y[(r + 1) * out + o + q] = t1[q];
