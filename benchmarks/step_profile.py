@@ -5,6 +5,7 @@
     python benchmarks/step_profile.py cold                      # a 8192x256 matrix-vector product, hot vs cold
     python benchmarks/step_profile.py store                     # QuantKVCache.store: C++ encoder vs torch encoders
     python benchmarks/step_profile.py chain --dtype float16     # all products back to back (TURBOSPEC_NO_HUGEPAGES=1: 4 KB pages)
+    python benchmarks/step_profile.py chain --model models/turbospec-tiny --rows 4   # a verification step's products
     python benchmarks/step_profile.py dtypes                    # bf16 / f16 / fp32 decoding interleaved
     python benchmarks/step_profile.py kvpages                   # KV cache in 2 MB vs 4 KB pages at 32K, interleaved
     python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
@@ -163,12 +164,17 @@ def _bench_model(dtype: str):
         return load_model(make_demo_model(Path(tmp) / "b"), dtype)
 
 
-def chain(dtype: str) -> None:
-    """All 33 products of the benchmark model back to back (weights cold, as in a decode step), median of 30."""
-    m = _bench_model(dtype)
-    lins = [lin for layer in m.layers for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
+def chain(dtype: str, rows: int = 1, model: str | None = None) -> None:
+    """All products of a model back to back (weights cold, as in a decode step), median of 30: the benchmark
+    model's 33, or with --model a checkpoint's (e.g. the bundled hybrid). --rows 4: a verification step's shape."""
+    m = _bench_model(dtype) if model is None else load_model(model, dtype)
+    lins = []
+    for layer in m.layers:
+        mix = getattr(layer, "attn", None) or layer.mixer
+        lins += [mix.qkv, mix.o] if hasattr(mix, "qkv") else [mix.proj, mix.out]
+        lins += [layer.mlp.gate_up, layer.mlp.down]
     lins.append(m.lm_head)
-    xs = {lin.in_features: torch.randn(1, lin.in_features, dtype=m.dtype) for lin in lins}
+    xs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=m.dtype) for lin in lins}
 
     def run():
         for lin in lins:
@@ -178,7 +184,8 @@ def chain(dtype: str) -> None:
         run()
     ms = _median_ms(run, 30)
     nbytes = sum(lin.nbytes for lin in lins)
-    print(f"{dtype}: chain of {len(lins)} products {ms:.2f} ms, {nbytes / ms / 1e6:.1f} GB/s ({nbytes / 1e6:.0f} MB)")
+    print(f"{dtype}, {rows} row(s): chain of {len(lins)} products {ms:.2f} ms, {nbytes / ms / 1e6:.1f} GB/s "
+          f"({nbytes / 1e6:.0f} MB)")
 
 
 def _generations(engines: dict, prompt, n: int = 6) -> dict:
@@ -267,9 +274,11 @@ def main() -> None:
     ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "bf16held"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=1, help="chain: input rows per product")
+    ap.add_argument("--model", default=None, help="chain: a checkpoint instead of the benchmark model")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype),
+    {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
      "dtypes": dtypes, "kvpages": kvpages, "bf16held": bf16held}[a.what]()
 
 
