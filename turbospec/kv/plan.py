@@ -2,35 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
-@dataclass
 class AttentionPlan:
     """For N new tokens appended after `start` committed positions.
 
     mask is None for a plain causal step (prefill chunk, decode, chain verification); otherwise a bool
-    [N, start + N] matrix, True where attention is allowed (tree verification).
+    [N, start + N] matrix, True where attention is allowed (tree verification). `positions` (int64 [N], the
+    tokens' RoPE positions) is built on first use for consecutive positions (`first`, first + 1, ...): a decode
+    step's fused path only needs `first` (RoPE tables are then slices), and creating tensors costs ~5-10 us each.
     """
 
-    positions: torch.Tensor  # int64 [N]: rope positions of the new tokens
-    start: int
-    mask: torch.Tensor | None = None
-    parents: list[int] | None = None  # tree steps: parent index of each node (-1: the committed context)
-    first: int | None = None  # positions are first, first + 1, ... (RoPE tables are then slices, not gathers)
+    __slots__ = ("_positions", "first", "mask", "n", "parents", "start")
+
+    def __init__(self, positions: torch.Tensor | None, start: int, mask: torch.Tensor | None = None,
+                 parents: list[int] | None = None, first: int | None = None, n: int | None = None):
+        if positions is None and (first is None or n is None):
+            raise ValueError("an AttentionPlan needs positions, or first and n")
+        self._positions = positions
+        self.start = start
+        self.mask = mask
+        self.parents = parents  # tree steps: parent index of each node (-1: the committed context)
+        self.first = first  # positions are first, first + 1, ... when set
+        self.n = int(positions.numel()) if positions is not None else int(n)
 
     @property
-    def n(self) -> int:
-        return int(self.positions.numel())
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            self._positions = torch.arange(self.first, self.first + self.n, dtype=torch.int64)
+        return self._positions
 
     @classmethod
     def causal(cls, start: int, n: int, first: int | None = None) -> AttentionPlan:
         """N tokens after `start` cached ones, each seeing the cache and the tokens before it; RoPE positions
         first .. first + N - 1 (default: start .., i.e. the cache index is the position)."""
-        first = start if first is None else first
-        return cls(torch.arange(first, first + n, dtype=torch.int64), start, first=first)
+        return cls(None, start, first=start if first is None else first, n=n)
 
     @classmethod
     def tree(cls, start: int, parents: list[int]) -> AttentionPlan:

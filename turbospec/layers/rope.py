@@ -90,6 +90,15 @@ class Rope:
         # sign folded in so that rotate_half(x) * sin == roll(x, half) * sin_signed
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
 
+    def tables_for(self, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) rows for an AttentionPlan's positions (slices when they are consecutive)."""
+        if plan.first is not None:
+            end = plan.first + plan.n
+            if end > self.cos.shape[0]:
+                self._build(max(end, 2 * self.cos.shape[0]))
+            return self.cos[plan.first:end], self.sin[plan.first:end]
+        return self.tables(plan.positions)
+
     def tables(self, positions: torch.Tensor, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) rows for `positions`; slices when they are consecutive from `first`."""
         if first is not None:

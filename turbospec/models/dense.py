@@ -110,7 +110,7 @@ class DenseModel:
         those alone (llama.cpp skips the unused output rows the same way)."""
         cache.begin(tokens.numel())
         x = F.embedding(tokens, self.embed)
-        rope = self.rope.tables(plan.positions, plan.first)
+        rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, plan, cache, i, out_rows if i == last else None)

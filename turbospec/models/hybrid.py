@@ -321,7 +321,7 @@ class HybridModel:
         cache.begin(tokens.numel())
         cache.set_tree(plan.parents)
         x = F.embedding(tokens, self.embed)
-        rope = self.rope.tables(plan.positions, plan.first)
+        rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, plan, cache, out_rows if i == last else None)

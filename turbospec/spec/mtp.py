@@ -67,12 +67,16 @@ class MTPModule:
                              kv_dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, plan: AttentionPlan, cache: KVCache,
+    def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, plan: AttentionPlan, cache: KVCache,
                 step: int = 0) -> torch.Tensor:
-        """tokens x_{j+1} [N], hidden h_j [N, H], plan positions j -> normed MTP hidden [N, H]."""
+        """tokens x_{j+1} [N] (a tensor or a list of ids), hidden h_j [N, H], plan positions j -> normed MTP
+        hidden [N, H]."""
         eps = self.cfg.rms_norm_eps
-        cache.begin(tokens.numel())
-        e = F.embedding(tokens, self.embed)
+        if isinstance(tokens, list):  # drafting: a row view for one token (tensor creation + gather cost ~20 us)
+            e = self.embed[tokens[0]:tokens[0] + 1] if len(tokens) == 1 else self.embed[torch.tensor(tokens)]
+        else:
+            e = F.embedding(tokens, self.embed)
+        cache.begin(e.shape[0])
         h = hidden.to(self.dtype)
         k = block.kernel_for(e, self.norm_e)
         if k is not None:  # drafting / catching up: one C++ call
@@ -80,7 +84,7 @@ class MTPModule:
         else:
             u = self.fc(torch.cat([rms_norm(e, self.norm_e, eps, self.zc), rms_norm(h, self.norm_h, eps, self.zc)], -1))
         li = step % len(self.layers)
-        x = self.layers[li](u, self.rope.tables(plan.positions, plan.first), plan, cache, li)
+        x = self.layers[li](u, self.rope.tables_for(plan), plan, cache, li)
         return rms_norm(x, self.norm, eps, self.zc)
 
     def compact_weights(self) -> None:
@@ -221,7 +225,7 @@ class MTPDrafter:
         hid = torch.cat(self.pending_hidden, 0)
         assert hid.shape[0] == len(toks)
         plan = _plan(self.cache, self.next_pos, len(toks))
-        out = self.mtp.forward(torch.tensor(toks, dtype=torch.int64), hid, plan, self.cache)
+        out = self.mtp.forward(toks, hid, plan, self.cache)
         # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
         self.cache.commit()
         self.pending_tokens, self.pending_hidden = [], []
@@ -251,7 +255,7 @@ class MTPDrafter:
             if i + 1 == n_max:
                 break
             plan = _plan(self.cache, self.next_pos, 1)
-            h = self.mtp.forward(torch.tensor([tok]), h, plan, self.cache, step=i + 1)
+            h = self.mtp.forward([tok], h, plan, self.cache, step=i + 1)
             self.cache.commit()
         self.cache.length = committed  # drop speculative MTP entries
         return DraftTree(nodes, parents, [None] * len(nodes), self.name)
