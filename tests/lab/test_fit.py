@@ -189,3 +189,15 @@ def test_hybrid_counts_match_hybrid_cache():
     assert s.spec_state_copies == cache.scratch_bytes(4) + window_head
     c = estimate(arch, Setup(n_max=3, spec_state="checkpoint"), 300, "f32", "f32", "draft")
     assert c.spec_state_copies < s.spec_state_copies
+
+
+def test_cpu_mtp_counts_prompt_window_rows_and_draft_head():
+    """CPU MTP mode: the trunk hands the drafter only its prompt window's hidden rows (auto: 64..256 positions + 1),
+    and a float32 run of a 16-bit checkpoint holds a bf16 copy of the lm_head as the draft head."""
+    arch = load_arch(preset="qwen3.6-27b")
+    for ctx, rows in ((100, 65), (1000, 251), (100000, 257)):
+        b = estimate(arch, Setup(dtype="float32"), ctx, "f16", "f16", "mtp")
+        assert b.spec_hidden_rows == rows * arch.hidden * 4
+        assert b.draft_head == arch.vocab * arch.hidden * 2
+    assert estimate(arch, Setup(dtype="bfloat16"), 1000, "f16", "f16", "mtp").draft_head == 0
+    assert estimate(arch, Setup(dtype="float32"), 1000, "f16", "f16").draft_head == 0

@@ -441,6 +441,7 @@ class Breakdown:
     upcast_scratch: int = 0
     rope_tables: int = 0
     spec_hidden_rows: int = 0
+    draft_head: int = 0
     mtp_compute: int = 0
     runtime: int = 0
     load_peak: int = 0
@@ -449,7 +450,7 @@ class Breakdown:
     def steady(self) -> int:
         return (self.weights + self.mtp_weights + self.draft_weights + self.attention_kv + self.recurrent_state
                 + self.spec_state_copies + self.mtp_kv + self.draft_kv + self.activations + self.upcast_scratch
-                + self.rope_tables + self.spec_hidden_rows + self.mtp_compute + self.runtime)
+                + self.rope_tables + self.spec_hidden_rows + self.draft_head + self.mtp_compute + self.runtime)
 
     @property
     def total(self) -> int:
@@ -496,8 +497,14 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         b.upcast_scratch = biggest * 4 if rows > 16 else 0
     if mode == "mtp":
         if cpu:
-            # turbospec's MTP drafter takes the trunk's hidden row of every prompt position (prompt <= ctx)
-            b.spec_hidden_rows = ctx * arch.hidden * _dtype_bytes(setup.dtype)
+            # turbospec's MTP drafter reads the trunk's hidden rows of its prompt window (auto: a quarter of the
+            # prompt, 64..256 positions; prompt <= ctx) plus the last one
+            window = min(256, max(64, ctx // 4))
+            b.spec_hidden_rows = min(ctx, window + 1) * arch.hidden * _dtype_bytes(setup.dtype)
+            if _dtype_bytes(setup.dtype) == 4 and arch.src_dtype_bytes <= 2 and setup.weights_bpw is None:
+                # float32 run of a 16-bit checkpoint: the draft head is a bf16 copy of the lm_head (exact), from
+                # which the reduced vocabulary's rows are gathered (those ~1-2K rows are not counted)
+                b.draft_head = arch.vocab * arch.hidden * 2
         else:
             # llama.cpp: the MTP context inherits n_ubatch and reserves its own graph (one layer + logits)
             one = Setup(backend="cuda", ubatch=setup.ubatch, logits_rows=setup.ubatch)
@@ -575,7 +582,7 @@ def fmt_ctx(n: int) -> str:
 COLUMNS = [("weights", "weights"), ("mtp_weights", "MTP w"), ("draft_weights", "draft w"),
            ("attention_kv", "attn KV"), ("recurrent_state", "GDN state"), ("spec_state_copies", "spec copies"),
            ("mtp_kv", "MTP KV"), ("draft_kv", "draft KV"), ("activations", "activ."),
-           ("upcast_scratch", "upcast"), ("rope_tables", "rope"), ("spec_hidden_rows", "MTP rows"),
+           ("upcast_scratch", "upcast"), ("rope_tables", "rope"), ("spec_hidden_rows", "MTP rows"), ("draft_head", "draft head"),
            ("mtp_compute", "MTP compute"), ("runtime", "runtime"), ("load_peak", "load peak")]
 
 
