@@ -205,25 +205,44 @@ void rms_row(const float* x, const T* w, float* y, int64_t d, float eps, bool zc
   }
 }
 
+// T row of n values -> float32, and back (rounded to nearest even).
+template <typename T>
+inline void row_to_floats(const T* p, float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, load8(p + i));
+  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
+}
+template <typename T>
+inline void row_from_floats(const float* v, T* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(p + i, _mm256_loadu_ps(v + i));
+  for (; i < n; ++i) p[i] = static_cast<T>(v[i]);
+}
+
+// SwiGLU's middle for one row: h = rnd(rnd(silu(g)) * u) from gu = [g | u] (T-valued floats), as the op-by-op
+// path rounds.
+template <typename T>
+void swiglu_row(const float* gu, float* h, int64_t inter) {
+  silu_all(gu, h, inter);
+  round_all<T>(h, inter);
+  int64_t j = 0;
+  for (; j + 8 <= inter; j += 8)
+    _mm256_storeu_ps(h + j, round8<T>(_mm256_mul_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(gu + inter + j))));
+  for (; j < inter; ++j) h[j] = rnd<T>(h[j] * gu[inter + j]);
+}
+
 template <typename T>
 std::vector<float> to_floats(const torch::Tensor& t) {
   auto c = t.contiguous();
-  const T* p = c.data_ptr<T>();
-  const int64_t n = c.numel();
-  std::vector<float> v(n);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(&v[i], load8(p + i));
-  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
+  std::vector<float> v(c.numel());
+  row_to_floats(c.data_ptr<T>(), v.data(), c.numel());
   return v;
 }
 
 template <typename T>
 torch::Tensor from_floats(const std::vector<float>& v, int64_t rows, int64_t cols, const torch::Tensor& like) {
   auto y = torch::empty({rows, cols}, like.options());
-  T* p = y.data_ptr<T>();
-  int64_t i = 0;
-  for (; i + 8 <= rows * cols; i += 8) store8(p + i, _mm256_loadu_ps(&v[i]));
-  for (; i < rows * cols; ++i) p[i] = static_cast<T>(v[i]);
+  row_from_floats(v.data(), y.data_ptr<T>(), rows * cols);
   return y;
 }
 
@@ -254,20 +273,6 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 // RMSNorm over the last dim in one pass per row (torch's CPU rms_norm decomposes into ~6 ops, ~70 us per call).
 // Rows in parallel above this many values (prefill); decode-sized inputs stay on the calling thread.
 constexpr int64_t PARALLEL_MIN = 1 << 15;
-
-// T row of n values -> float32, and back (rounded to nearest even).
-template <typename T>
-inline void row_to_floats(const T* p, float* v, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, load8(p + i));
-  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
-}
-template <typename T>
-inline void row_from_floats(const float* v, T* p, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(p + i, _mm256_loadu_ps(v + i));
-  for (; i < n; ++i) p[i] = static_cast<T>(v[i]);
-}
 
 // Row-parallel map of x [rows, d_in] to y [rows, d_out] (T): fn(const float* in_row, float* out_row).
 template <typename T, typename F>
@@ -308,14 +313,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const int64_t inter = gu.size(1) / 2;
   return by_dtype(gu.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    return map_rows<T>(gu, inter, [&](const float* g, float* h) {
-      silu_all(g, h, inter);
-      round_all<T>(h, inter);
-      int64_t j = 0;
-      for (; j + 8 <= inter; j += 8)
-        _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(g + inter + j)));
-      for (; j < inter; ++j) h[j] = h[j] * g[inter + j];
-    });
+    return map_rows<T>(gu, inter, [&](const float* g, float* h) { swiglu_row<T>(g, h, inter); });
   });
 }
 
@@ -439,16 +437,7 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
   for (int64_t r = 0; r < m; ++r) rms_row<T>(&x1[r * d], post_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
   product(w_gu, b_gu, xn.data(), gu.data(), m);
   round_all<T>(gu.data(), m * 2 * inter);
-  for (int64_t r = 0; r < m; ++r) {  // h = rnd(rnd(silu(g)) * u)
-    const float* g = &gu[r * 2 * inter];
-    float* h = &hbuf[r * inter];
-    silu_all(g, h, inter);
-    round_all<T>(h, inter);
-    int64_t j = 0;
-    for (; j + 8 <= inter; j += 8)
-      _mm256_storeu_ps(h + j, round8<T>(_mm256_mul_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(g + inter + j))));
-    for (; j < inter; ++j) h[j] = rnd<T>(h[j] * g[inter + j]);
-  }
+  for (int64_t r = 0; r < m; ++r) swiglu_row<T>(&gu[r * 2 * inter], &hbuf[r * inter], inter);
   product(w_dn, b_dn, hbuf.data(), dn.data(), m);
   add_residual<T>(x1.data(), dn.data(), m * d);
   return from_floats<T>(x1, m, d, x);

@@ -25,10 +25,13 @@ PREFILL_MODE = os.environ.get("TURBOSPEC_PREFILL", "upcast")
 class Linear:
     """y = x W^T + b. Several HF projections can be fused into one (rows concatenated)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, hugepages: bool = True):
+        """`hugepages=False` for short-lived matrices: huge-page copies come from a bump allocator whose mappings
+        live as long as any tensor in them (the model's weights)."""
         self.kernel = load_kernel()
         self.weight = weight.contiguous()
-        if self.kernel is not None and HUGEPAGES and self.weight.device.type == "cpu" and not self.weight.requires_grad:
+        if (hugepages and self.kernel is not None and HUGEPAGES and self.weight.device.type == "cpu"
+                and not self.weight.requires_grad):
             self.weight = self.kernel.hugepage_copy(self.weight)
         self.bias = bias
         self.out_features, self.in_features = self.weight.shape

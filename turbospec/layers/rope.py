@@ -99,13 +99,7 @@ class Rope:
             return self.cos[plan.first:end], self.sin[plan.first:end]
         return self.tables(plan.positions)
 
-    def tables(self, positions: torch.Tensor, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin_signed) rows for `positions`; slices when they are consecutive from `first`."""
-        if first is not None:
-            end = first + positions.numel()
-            if end > self.cos.shape[0]:
-                self._build(max(end, 2 * self.cos.shape[0]))
-            return self.cos[first:end], self.sin[first:end]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             self._build(max(need, 2 * self.cos.shape[0]))

@@ -12,11 +12,10 @@ import torch.nn.functional as F
 
 from turbospec.config import HYBRID_ARCHS, ModelConfig
 from turbospec.errors import TurboSpecError
-from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers import block
-from turbospec.layers.linear import SKINNY_MAX_ROWS, Linear, exact_bf16
+from turbospec.layers.linear import Linear, exact_bf16
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.loader import WeightSource
@@ -150,7 +149,7 @@ class MTPDrafter:
         self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
         self._ids: set[int] = set()
         self.head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
-        self._head_w: torch.Tensor | None = None
+        self._reduced_head: Linear | None = None
         mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, kv_dtype, k_type, v_type) if k_type or v_type else \
             mtp.new_cache(max_len, kv_dtype)
@@ -162,23 +161,19 @@ class MTPDrafter:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
-        if self._head_w is None:
-            return self.full_head(h)
-        k = load_kernel()
-        if k is not None and h.shape[0] <= SKINNY_MAX_ROWS:
-            return k.skinny_linear(h, self._head_w, None)
-        return F.linear(h, self._head_w.to(h.dtype))
+        return (self._reduced_head or self.full_head)(h)
 
     def _add_vocab(self, tokens: list[int]) -> None:
         """Grow the reduced vocabulary by the tokens not yet in it (rebuilds the gathered head rows)."""
         if not self.reduced:
             return
         new = set(tokens) - self._ids
-        if not new and self._head_w is not None:
+        if not new and self._reduced_head is not None:
             return
         self._ids |= new | self._base
         self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
-        self._head_w = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
+        rows = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
+        self._reduced_head = Linear(rows, hugepages=False)  # rebuilt as tokens arrive: ordinary memory
 
     def window(self, n: int) -> int:
         """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a
@@ -197,7 +192,7 @@ class MTPDrafter:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
         assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
         self._ids = set()
-        self._head_w = None
+        self._reduced_head = None
         self._add_vocab(tokens)
         self.cache.reset()
         n = len(tokens)
