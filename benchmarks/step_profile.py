@@ -9,6 +9,9 @@
     python benchmarks/step_profile.py dtypes                    # bf16 / f16 / fp32 decoding interleaved
     python benchmarks/step_profile.py kvpages                   # KV cache in 2 MB vs 4 KB pages at 32K, interleaved
     python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
+    python benchmarks/step_profile.py attention --dtype bfloat16 # the one-call layer's attention (fixed cost at 16)
+    python benchmarks/step_profile.py prefill_rows              # prefill: every row vs the last row in the last layer
+    perf record -F 1000 -- python benchmarks/step_profile.py loop --dtype bfloat16   # decode steps only, for perf
 
 `dense`: median step time of single-token decoding (512-token context) and, in a second pass with every `Linear`
 call timed, the share spent in the matrix products (with the fused decode layer only the lm_head is a `Linear`
@@ -269,17 +272,92 @@ def bf16held() -> None:
     print("identical tokens:", same)
 
 
+def attention(dtype: str) -> None:
+    """A decode step's attention inside the one-call layer (benchmark model, layer 0, hot loop): layer_decode minus
+    attn_in and out_mlp, at 16 / 512 / 2048 cached positions; at 16 it is the call's fixed cost."""
+    import math
+
+    from turbospec.kernels.gemv import load_kernel
+
+    k = load_kernel()
+    m = _bench_model(dtype)
+    layer, x = m.layers[0], torch.randn(1, m.cfg.hidden_size).to(m.dtype)
+    at, mlp = layer.attn, layer.mlp
+    a_row = torch.randn(1, at.nh * at.hd).to(m.dtype)
+    w = (at.o.weight, at.o.bias, layer.post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight,
+         mlp.down.bias)
+
+    def measure(ctx: int) -> tuple[float, float, float]:
+        cache = m.new_cache(ctx + 8)
+        m.forward(torch.randint(0, m.cfg.vocab_size, (ctx,)), AttentionPlan.causal(0, ctx), cache)
+        cache.commit()
+        cos, sin = m.rope.tables(torch.tensor([ctx]))
+        cache.begin(1)
+        full = _median_ms(lambda: k.layer_decode(
+            x, layer.in_norm, layer.eps, layer.zc, at.qkv.weight, at.qkv.bias, at.q_norm, at.k_norm, cos, sin, at.nh,
+            at.nkv, at.hd, at.gated, cache.k[0], cache.v[0], ctx, 1 / math.sqrt(at.hd), *w), 400)
+        pre = _median_ms(lambda: k.attn_in(x, layer.in_norm, layer.eps, layer.zc, at.qkv.weight, at.qkv.bias,
+                                           at.q_norm, at.k_norm, cos, sin, at.nh, at.nkv, at.hd, at.gated), 400)
+        post = _median_ms(lambda: k.out_mlp(x, a_row, None, w[0], w[1], w[2], layer.eps, layer.zc, *w[3:]), 400)
+        return full, pre, post
+
+    for ctx in (16, 512, 2048):
+        full, pre, post = measure(ctx)
+        print(f"{dtype} ctx {ctx:5d}: layer {full * 1e3:6.1f} us = attn_in {pre * 1e3:5.1f} + out_mlp "
+              f"{post * 1e3:5.1f} + attention {(full - pre - post) * 1e3:5.1f} us")
+
+
+def loop(dtype: str, steps: int) -> None:
+    """`steps` greedy decode steps of the benchmark model at 512-640 cached positions, nothing else: a workload for
+    `perf record -F 1000 -- python benchmarks/step_profile.py loop --dtype bfloat16` (setup is a few % of it)."""
+    from turbospec.sampling import argmax
+
+    m = _bench_model(dtype)
+    cache = m.new_cache(1024)
+    m.forward(torch.randint(0, m.cfg.vocab_size, (512,)), AttentionPlan.causal(0, 512), cache)
+    cache.commit()
+    t = time.perf_counter()
+    for _ in range(steps):
+        h = m.forward(torch.tensor([5]), AttentionPlan.causal(cache.length, 1), cache)
+        argmax(m.logits(h)[0])
+        cache.commit()
+        if cache.length > 640:
+            cache.length = 512
+    print(f"{dtype}: {steps / (time.perf_counter() - t):.1f} steps/s")
+
+
+def prefill_rows(dtype: str) -> None:
+    """512-token prefill of the benchmark model with every row through the last layer vs only the row that feeds
+    the logits (`forward(..., out_rows=1)`), interleaved, median of 10."""
+    m = _bench_model(dtype)
+    ids = torch.randint(3, m.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0))
+    cache = m.new_cache(520)
+    times: dict = {None: [], 1: []}
+    for i in range(12):
+        for rows in (None, 1):
+            cache.reset()
+            t = time.perf_counter()
+            m.logits(m.forward(ids, AttentionPlan.causal(0, 512), cache, out_rows=rows)[-1:])
+            if i >= 2:
+                times[rows].append(time.perf_counter() - t)
+    full, last = (512 / statistics.median(times[r]) for r in (None, 1))
+    print(f"{dtype} prefill 512: every row {full:.0f} t/s, last row only {last:.0f} t/s ({last / full:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "bf16held"])
+    ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "bf16held",
+                                     "attention", "prefill_rows", "loop"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="chain: input rows per product")
     ap.add_argument("--model", default=None, help="chain: a checkpoint instead of the benchmark model")
+    ap.add_argument("--steps", type=int, default=6000, help="loop: decode steps")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
-     "dtypes": dtypes, "kvpages": kvpages, "bf16held": bf16held}[a.what]()
+     "dtypes": dtypes, "kvpages": kvpages, "bf16held": bf16held, "attention": lambda: attention(a.dtype),
+     "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps)}[a.what]()
 
 
 if __name__ == "__main__":
