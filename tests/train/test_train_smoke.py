@@ -126,3 +126,34 @@ def test_shipped_eval_data_is_small_and_complete():
         assert c["value"] in c["answer"] and c["value"] in c["prompt"]
         assert c["n_prompt_tokens"] <= c["target_tokens"]
     assert load_jsonl(os.path.join(d, "code.jsonl")) and load_jsonl(os.path.join(d, "prose.jsonl"))
+
+
+def test_multi_fact_documents(toy_dirs, tmp_path):
+    """Every question of a multi-fact training document is answerable from its body, questions are distinct,
+    and only the tokens that spell the values carry the answer weight."""
+    import numpy as np
+
+    from turbospec.train.data import BatchSampler
+    from turbospec.train.tokenizer import train_tokenizer
+
+    code, docs = toy_dirs
+    corpus = load_corpus(code_dir=code, docs_dir=docs, percent=20)
+    tok = train_tokenizer(corpus.texts(), 600)
+    streams = {"code": np.arange(5000, dtype=np.int32) % 500, "prose": np.arange(5000, dtype=np.int32) % 400}
+    s = BatchSampler(tok, corpus, streams, seed=3, p_retrieval=1.0, answer_weight=3.0, max_facts=8)
+    for length in (300, 700, 1000):
+        ids, w = s._multi_doc(length)
+        assert len(ids) == len(w) and ids[-1] == tok.token_to_id("<|endoftext|>")
+        text = tok.decode(ids.tolist())
+        body, *qas = text.split("\nQuestion: ")
+        assert 1 <= len(qas) <= 8
+        questions = [qa.split("\nAnswer: ")[0] for qa in qas]
+        assert len(set(questions)) == len(questions)
+        weighted = tok.decode([int(t) for t, x in zip(ids, w) if x > 1])
+        for qa in qas:
+            answer = qa.split("\nAnswer: ")[1].split("<|endoftext|>")[0].strip()
+            assert answer in body  # the needle sentence (or its number line) states the value
+            value = answer.split()[-1].rstrip(".").lstrip("$")
+            assert value in weighted
+        assert set(np.unique(w).tolist()) <= {1.0, 3.0}
+    assert s.questions >= 3

@@ -288,3 +288,47 @@ def make_retrieval_example(tokenizer, texts: list[str], rng: random.Random, n_to
         prompt = build(lines)
         n = len(tokenizer.encode(prompt).ids)
     return {"prompt": prompt, "answer": answer, "value": value, "family": fam, "n_prompt_tokens": n}
+
+
+# ---------------------------------------------------------------------------
+# Training documents with several facts and several questions
+# ---------------------------------------------------------------------------
+
+def _fact_key(nd: dict) -> tuple:
+    return (nd["family"], nd.get("key"), nd["question"])
+
+
+def distinct_needles(rng: random.Random, n: int) -> list[dict]:
+    """Up to ``n`` facts whose questions all differ (one passkey, one ACCESS_CODE, distinct names/keys)."""
+    out, seen = [], set()
+    for _ in range(n * 4):
+        if len(out) >= n:
+            break
+        nd = _needle(rng)
+        k = _fact_key(nd)
+        if k in seen:
+            continue
+        seen.add(k)
+        out.append(nd)
+    return out
+
+
+def multi_fact_parts(rng: random.Random, filler_lines: list[str], needles: list[dict]):
+    """(head, lines): several facts (``distinct_needles``) at random depths in real filler, number-dense or not.
+
+    Distractor lines never reuse a fact's account number or project; the caller appends one
+    ``Question/Answer`` pair per fact (in random order), so one document trains copying many times.
+    """
+    lines = list(filler_lines)
+    fams = {nd["family"] for nd in needles}
+    if fams & {"account", "budget"} or rng.random() < 0.3:
+        keys = {nd.get("key") for nd in needles}
+        for _ in range(max(3, len(lines) // 12)):
+            d = _distractor(rng, {"family": "budget" if "budget" in fams else needles[0]["family"], "key": None})
+            if any(f"Account {k} balance" in d or f" of {k}:" in d for k in keys if k is not None):
+                continue
+            lines.insert(rng.randrange(len(lines) + 1), d)
+    for nd in needles:
+        lines.insert(rng.randrange(len(lines) + 1), nd["needle"])
+    head = rng.choice(["Report.\n", "Read the following document carefully.\n", "Document:\n", ""])
+    return head, lines

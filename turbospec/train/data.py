@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from .corpus import Corpus, make_retrieval_example
+from .corpus import Corpus, distinct_needles, filler_lines_from, make_retrieval_example, multi_fact_parts
 from .tokenizer import EOT
 
 
@@ -40,6 +40,7 @@ def build_streams(tokenizer, corpus: Corpus, cache_path: str | None = None) -> d
 class BatchSampler:
     """Samples training sequences of ``seq_len + 1`` tokens with per-target loss weights.
 
+    * with probability ``p_repeat`` a window of real text followed by the same window again;
     * with probability ``p_retrieval`` a synthetic retrieval document (filler from the *training*
       files only) of 1/4..1 of the sequence, the rest filled with a random window of real text;
       the answer tokens get loss weight ``answer_weight``;
@@ -47,7 +48,7 @@ class BatchSampler:
     """
 
     def __init__(self, tokenizer, corpus: Corpus, streams: dict, seed: int = 0, p_retrieval: float = 0.1,
-                 p_code: float = 0.55, answer_weight: float = 3.0):
+                 p_code: float = 0.55, answer_weight: float = 3.0, max_facts: int = 1):
         self.tok = tokenizer
         self.streams = streams
         self.filler = corpus.texts("code") + corpus.texts("prose")
@@ -55,15 +56,21 @@ class BatchSampler:
         self.p_retrieval = p_retrieval
         self.p_code = p_code
         self.answer_weight = answer_weight
+        self.max_facts = max_facts
+        self.p_repeat = 0.0
+        self.p_symbols = 0.0
+        self.n_symbols = 64
+        self.questions = 0
         self.eot = tokenizer.token_to_id(EOT)
         self.retrieval_docs = 0
 
     def state(self):
-        return {"rng": self.rng.getstate(), "retrieval_docs": self.retrieval_docs}
+        return {"rng": self.rng.getstate(), "retrieval_docs": self.retrieval_docs, "questions": self.questions}
 
     def load_state(self, st):
         self.rng.setstate(st["rng"])
         self.retrieval_docs = st.get("retrieval_docs", 0)
+        self.questions = st.get("questions", 0)
 
     def _window(self, n: int) -> np.ndarray:
         s = self.streams["code"] if self.rng.random() < self.p_code else self.streams["prose"]
@@ -73,15 +80,33 @@ class BatchSampler:
     def sample(self, seq_len: int):
         n = seq_len + 1
         w = np.ones(n, dtype=np.float32)
-        if self.rng.random() >= self.p_retrieval:
+        r = self.rng.random()
+        if r < self.p_symbols:
+            # random symbols (number tokens of the training stream), repeated: the pure copying task that forms
+            # induction heads within a few hundred steps in a dense model (scripts/train/copy_formation.py)
+            syms = self._symbol_ids()
+            half = [syms[self.rng.randrange(len(syms))] for _ in range(max(8, (n + 1) // 2))]
+            return np.asarray((half * 2)[:n], dtype=np.int32), w
+        r -= self.p_symbols
+        if r < self.p_repeat:
+            # a window of real text repeated until the sequence is full: every copy after the first is
+            # predictable only by copying (window lengths from 16 tokens to half the sequence)
+            win = self._window(self.rng.randint(16, max(16, (n + 1) // 2)))
+            return np.tile(win, -(-n // len(win)))[:n], w
+        if r >= self.p_repeat + self.p_retrieval:
             return self._window(n), w
         length = self.rng.randint(min(max(64, seq_len // 4), seq_len - 1), seq_len - 1)
-        ex = make_retrieval_example(self.tok, self.filler, self.rng, length)
-        p_ids = self.tok.encode(ex["prompt"]).ids
-        a_ids = self.tok.encode(ex["answer"]).ids
-        doc = np.asarray(p_ids + a_ids + [self.eot], dtype=np.int32)[:n]
-        dw = np.ones(len(doc), dtype=np.float32)
-        dw[len(p_ids):len(p_ids) + len(a_ids)] = self.answer_weight
+        if self.max_facts > 1:
+            doc, dw = self._multi_doc(length)
+            doc, dw = doc[:n], dw[:n]
+        else:
+            ex = make_retrieval_example(self.tok, self.filler, self.rng, length)
+            p_ids = self.tok.encode(ex["prompt"]).ids
+            a_ids = self.tok.encode(ex["answer"]).ids
+            doc = np.asarray(p_ids + a_ids + [self.eot], dtype=np.int32)[:n]
+            dw = np.ones(len(doc), dtype=np.float32)
+            dw[len(p_ids):len(p_ids) + len(a_ids)] = self.answer_weight
+            self.questions += 1
         rest = n - len(doc)
         self.retrieval_docs += 1
         if rest <= 0:
@@ -93,6 +118,58 @@ class BatchSampler:
         filler = filler.copy()
         filler[-1] = self.eot
         return np.concatenate([filler, doc]), np.concatenate([np.ones(rest, np.float32), dw])
+
+    def _symbol_ids(self) -> list[int]:
+        """The ``n_symbols`` most frequent all-digit tokens of the training streams (what values are spelt with)."""
+        if getattr(self, "_syms", None) is None:
+            vocab = self.tok.get_vocab()
+            digit = np.zeros(max(vocab.values()) + 1, dtype=bool)
+            for t, i in vocab.items():
+                digit[i] = t.lstrip("\u0120").isdigit()
+            counts = np.bincount(np.concatenate(list(self.streams.values())), minlength=len(digit))[:len(digit)]
+            ranked = [int(i) for i in np.argsort(-counts) if digit[i] and counts[i] > 0]
+            self._syms = ranked[:self.n_symbols] or list(range(self.n_symbols))
+        return self._syms
+
+    def _qa_ids(self, nd: dict) -> tuple[list[int], list[int], int]:
+        """Question ids, answer ids and the index of the first answer token that spells the value."""
+        q_ids = self.tok.encode(f"\nQuestion: {nd['question']}\nAnswer:").ids
+        answer = " " + nd["answer"]
+        enc = self.tok.encode(answer)
+        start = answer.index(nd["value"])
+        first = next((k for k, (_, b) in enumerate(enc.offsets) if b > start), 0)
+        return q_ids, enc.ids, first
+
+    def _multi_doc(self, length: int, chars_per_token: float = 3.2):
+        """A document of about ``length`` tokens: 1..max_facts facts in real filler, then one question per
+        fact.  Only the tokens from the value on get ``answer_weight`` (the sentence before it is copied
+        from the question)."""
+        k = self.rng.randint(1, max(1, min(self.max_facts, length // 64)))
+        needles = distinct_needles(self.rng, k)
+        qas = [self._qa_ids(nd) for nd in needles]
+        qa_len = sum(len(q) + len(a) for q, a, _ in qas) + 1
+        body_budget = max(16, length - qa_len)
+        filler = filler_lines_from(self.filler, self.rng, int(body_budget * chars_per_token))
+        head, lines = multi_fact_parts(self.rng, filler, needles)
+        keep = {nd["needle"] for nd in needles}
+        body = self.tok.encode(head + "\n".join(lines)).ids
+        while len(body) > body_budget and len(lines) > len(keep):
+            over = len(body) - body_budget
+            for _ in range(max(1, int(over * chars_per_token / 60))):
+                drop = [i for i, ln in enumerate(lines) if ln not in keep]
+                if not drop:
+                    break
+                lines.pop(drop[0] if self.rng.random() < 0.5 else drop[-1])
+            body = self.tok.encode(head + "\n".join(lines)).ids
+        self.rng.shuffle(qas)
+        ids, w = list(body), [1.0] * len(body)
+        for q, a, first in qas:
+            ids += q + a
+            w += [1.0] * (len(q) + first) + [self.answer_weight] * (len(a) - first)
+        ids.append(self.eot)
+        w.append(1.0)
+        self.questions += len(qas)
+        return np.asarray(ids, dtype=np.int32), np.asarray(w, dtype=np.float32)
 
     def batch(self, batch_size: int, seq_len: int):
         xs, ws = zip(*(self.sample(seq_len) for _ in range(batch_size)))

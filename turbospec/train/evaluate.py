@@ -9,6 +9,9 @@ Metrics
 * MTP acceptance, self-generated: the base model greedily continues held-out prompts; over the generated
   tokens the MTP draft (from h_t and the accepted greedy x_{t+1}) is compared with the base's next greedy
   token -- exactly the per-draft acceptance of greedy MTP speculative decoding with one draft token;
+* in-context copying: a held-out code window followed by the same window again; top-1 accuracy on the second
+  copy vs the first (a model with a copying mechanism -- induction heads -- is near 1.0 on the second copy;
+  retrieval needs that mechanism);
 * retrieval accuracy per context length: greedy decoding of retrieval.jsonl prompts reproduces the answer
   sentence (which contains the value), checked in one teacher-forced forward pass.
 """
@@ -116,6 +119,24 @@ def self_acceptance(model, tok, texts: list[str], n_prompts: int, prompt_tokens:
     return {"acceptance": acc / max(n, 1), "drafts": n, "samples": samples}
 
 
+@torch.no_grad()
+def copy_probe(model, tok, texts: list[str], n_texts: int = 8, window: int = 100) -> dict:
+    """Top-1 accuracy on a window of held-out text and on its exact repetition right after it."""
+    first, second, n = 0.0, 0.0, 0
+    for t in texts[:n_texts]:
+        ids = tok.encode(t).ids[:window]
+        if len(ids) < window:
+            continue
+        x = torch.tensor([ids + ids])
+        _, logits = forward_hidden(model, x)
+        hit = logits[0, :-1].argmax(-1) == x[0, 1:]
+        first += hit[:window - 1].float().mean().item()
+        second += hit[window:].float().mean().item()
+        n += 1
+    return {"first_copy_top1": first / max(n, 1), "second_copy_top1": second / max(n, 1), "windows": n,
+            "window_tokens": window}
+
+
 def _value_span(tok, answer: str, value: str, a_ids: list[int]) -> tuple[int, int]:
     """Token index range [i, j) of the answer tokens that cover ``value``."""
     start = answer.index(value)
@@ -174,7 +195,7 @@ def main(argv=None):
     ap.add_argument("--accept-prompts", type=int, default=8)
     ap.add_argument("--accept-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma list of: ppl,accept,retrieval")
+    ap.add_argument("--skip", default="", help="comma list of: ppl,accept,copy,retrieval")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -194,6 +215,9 @@ def main(argv=None):
         res["accept_prose"] = self_acceptance(model, tok, prose, a.accept_prompts, 192, a.accept_tokens)
         print("acceptance code", res["accept_code"]["acceptance"], "prose", res["accept_prose"]["acceptance"],
               flush=True)
+    if "copy" not in skip:
+        res["copy"] = copy_probe(model, tok, code)
+        print("copy", json.dumps(res["copy"]), flush=True)
     if "retrieval" not in skip:
         cases = load_jsonl(os.path.join(a.eval_dir, "retrieval.jsonl"))
         lengths = [int(x) for x in a.lengths.split(",")]

@@ -122,6 +122,7 @@ class TrunkWithMTP(nn.Module):
         h = out.last_hidden_state  # final-normed
         logits = self.lm.lm_head(h[:, :-1])
         lm_loss = _wce(logits, input_ids[:, 1:], None if weights is None else weights[:, 1:])
+        self.answer_acc = _weighted_acc(logits, input_ids[:, 1:], weights)
         if mtp_weight <= 0:
             return lm_loss, lm_loss, torch.zeros((), device=lm_loss.device)
         T = input_ids.shape[1]
@@ -151,6 +152,18 @@ class TrunkWithMTP(nn.Module):
         for k, v in self.mtp.state_dict().items():
             sd["mtp." + k] = v
         return sd
+
+
+@torch.no_grad()
+def _weighted_acc(logits, targets, weights) -> tuple[int, int]:
+    """(correct, total) argmax hits on the up-weighted targets (the retrieval answers' values)."""
+    if weights is None:
+        return 0, 0
+    mask = weights[:, 1:] > 1
+    n = int(mask.sum())
+    if n == 0:
+        return 0, 0
+    return int((logits.argmax(-1) == targets)[mask].sum()), n
 
 
 def _wce(logits, targets, w):

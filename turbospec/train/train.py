@@ -26,9 +26,10 @@ from .export import export_model
 from .model import TrunkWithMTP, build_config, count_params
 from .tokenizer import EOT, load_tokenizer, save_tokenizer, train_tokenizer
 
-# (progress threshold, seq_len, batch[, share of sequences with a retrieval document]) -- from short to long
-# context; the retrieval share rises for the long phases (copying a value across 1K-4K tokens is the skill
-# that forms last)
+# (progress threshold, seq_len, batch[, share of sequences with a retrieval document[, share of sequences that
+# repeat a window of real text]]) -- from short to long context; the retrieval share rises for the long phases
+# (copying a value across 1K-4K tokens is the skill that forms last).  This is the shipped model's schedule;
+# docs/bundled-model.md lists the copy-heavy variants tried since (multi-fact documents, repeated windows).
 DEFAULT_CURRICULUM = [(0.0, 256, 4, 0.3), (0.20, 512, 2, 0.3), (0.45, 1024, 2, 0.6), (0.70, 2048, 1, 0.6),
                       (0.90, 4096, 1, 0.6)]
 
@@ -54,10 +55,13 @@ def parse_args(argv=None):
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--p-retrieval", type=float, default=0.3,
                     help="share of sequences with a retrieval document (curriculum phases may override it)")
-    ap.add_argument("--answer-weight", type=float, default=4.0)
+    ap.add_argument("--answer-weight", type=float, default=4.0,
+                    help="loss weight of the answer tokens (with --max-facts > 1: of the tokens from the value on)")
+    ap.add_argument("--max-facts", type=int, default=1,
+                    help="facts (and questions) per retrieval document (1 = one fact: the shipped model's recipe)")
     ap.add_argument("--time-budget-min", type=float, default=105.0, help="wall-clock training budget (0 = use --max-steps)")
     ap.add_argument("--max-steps", type=int, default=0)
-    ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch(, p_retrieval)]')
+    ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch(, p_retrieval(, p_repeat(, p_symbols)))]')
     ap.add_argument("--ckpt-every-min", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
@@ -77,12 +81,13 @@ def lr_at(step: int, progress: float, args) -> float:
 
 
 def phase_at(progress: float, curriculum, p_retrieval: float = 0.3):
-    """(seq_len, batch, retrieval share) of the curriculum phase at `progress`."""
+    """(seq_len, batch, retrieval share, repeat share, symbol-copy share) of the curriculum phase at `progress`."""
     cur = curriculum[0]
     for c in curriculum:
         if progress >= c[0]:
             cur = c
-    return int(cur[1]), int(cur[2]), float(cur[3]) if len(cur) > 3 else p_retrieval
+    return (int(cur[1]), int(cur[2]), float(cur[3]) if len(cur) > 3 else p_retrieval,
+            float(cur[4]) if len(cur) > 4 else 0.0, float(cur[5]) if len(cur) > 5 else 0.0)
 
 
 def prepare(args):
@@ -133,7 +138,7 @@ def main(argv=None):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     sampler = BatchSampler(tok, corpus, streams, seed=args.seed, p_retrieval=args.p_retrieval,
-                           answer_weight=args.answer_weight)
+                           answer_weight=args.answer_weight, max_facts=args.max_facts)
     ckpt_path = os.path.join(args.run, "ckpt.pt")
     meta = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "done": False, "history": [], "args": vars(args)}
     if os.path.exists(ckpt_path):
@@ -169,10 +174,11 @@ def main(argv=None):
                    unit="s" if use_time else "step", disable=args.no_progress, dynamic_ncols=True)
         last_ckpt = time.time()
         ema = None
+        hits, seen = 0, 0
         model.train()
         while progress() < 1.0:
             t0 = time.time()
-            seq_len, bsz, sampler.p_retrieval = phase_at(progress(), curriculum, args.p_retrieval)
+            seq_len, bsz, sampler.p_retrieval, sampler.p_repeat, sampler.p_symbols = phase_at(progress(), curriculum, args.p_retrieval)
             lr = lr_at(meta["step"], progress(), args)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -189,24 +195,30 @@ def main(argv=None):
             meta["elapsed_s"] += dt
             meta["tokens"] += bsz * seq_len
             ema = lm_loss.item() if ema is None else 0.95 * ema + 0.05 * lm_loss.item()
+            hits, seen = hits + model.answer_acc[0], seen + model.answer_acc[1]
             if meta["step"] % 10 == 0:
                 meta["history"].append({"step": meta["step"], "elapsed_s": round(meta["elapsed_s"], 1),
                                         "tokens": meta["tokens"], "seq_len": seq_len, "lr": lr,
                                         "lm_loss": round(lm_loss.item(), 4), "mtp_loss": round(mtp_loss.item(), 4),
-                                        "grad_norm": round(float(gn), 3)})
+                                        "grad_norm": round(float(gn), 3),
+                                        "answer_acc": round(hits / seen, 3) if seen else None})
+                hits, seen = 0, 0
             bar.set_postfix(step=meta["step"], seq=seq_len, lm=f"{ema:.3f}", mtp=f"{mtp_loss.item():.3f}",
                             lr=f"{lr:.2e}", tok=meta["tokens"], refresh=False)
             bar.update(int(meta["elapsed_s"]) - bar.n if use_time else 1)
             if args.no_progress and meta["step"] % 20 == 0:
                 print(f"step {meta['step']} t={meta['elapsed_s']:.0f}s seq={seq_len} lm={ema:.3f} "
-                      f"mtp={mtp_loss.item():.3f} lr={lr:.2e} tokens={meta['tokens']}", flush=True)
+                      f"mtp={mtp_loss.item():.3f} lr={lr:.2e} tokens={meta['tokens']} "
+                      f"answers={meta['history'][-1].get('answer_acc')}", flush=True)
             if time.time() - last_ckpt > args.ckpt_every_min * 60:
                 meta["retrieval_docs"] = sampler.retrieval_docs
+                meta["questions"] = sampler.questions
                 save_ckpt(ckpt_path, model, opt, sampler, meta)
                 last_ckpt = time.time()
         bar.close()
         meta["done"] = True
         meta["retrieval_docs"] = sampler.retrieval_docs
+        meta["questions"] = sampler.questions
         save_ckpt(ckpt_path, model, opt, sampler, meta)
         print(f"training done: {meta['step']} steps, {meta['tokens']} tokens, {meta['elapsed_s']/60:.1f} min")
 
