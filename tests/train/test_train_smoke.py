@@ -157,3 +157,41 @@ def test_multi_fact_documents(toy_dirs, tmp_path):
             assert value in weighted
         assert set(np.unique(w).tolist()) <= {1.0, 3.0}
     assert s.questions >= 3
+
+
+def test_repeat_and_symbol_sequences(toy_dirs):
+    """p_repeat tiles a real-text window; p_symbols repeats random digit tokens (both copy-only targets)."""
+    import numpy as np
+
+    from turbospec.train.data import BatchSampler
+    from turbospec.train.tokenizer import train_tokenizer
+
+    code, docs = toy_dirs
+    corpus = load_corpus(code_dir=code, docs_dir=docs, percent=20)
+    tok = train_tokenizer(corpus.texts() + ["12 345 6789 2024 17 99"] * 20, 600)
+    ids = np.asarray(tok.encode(" ".join(corpus.texts()) + " 12 345 6789 17 99").ids, dtype=np.int32)
+    s = BatchSampler(tok, corpus, {"code": ids, "prose": ids}, seed=5, p_retrieval=0.0)
+    s.p_repeat = 1.0
+    x, w = s.sample(64)
+    assert len(x) == 65 and (w == 1).all()
+    period = next(p for p in range(16, 34) if (x[p:] == x[:-p]).all())
+    assert period <= 33
+    s.p_repeat, s.p_symbols = 0.0, 1.0
+    x, _ = s.sample(64)
+    assert (x[33:] == x[:32]).all()
+    assert all(tok.id_to_token(int(i)).lstrip("\u0120").isdigit() for i in x)
+
+
+def test_copy_probe_reports_both_copies():
+    from turbospec.train.evaluate import copy_probe
+    from turbospec.train.model import TrunkWithMTP, build_config
+
+    class Tok:
+        def encode(self, t):
+            return type("E", (), {"ids": [ord(c) % 90 for c in t]})()
+
+    cfg = build_config("qwen3", 96, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    cfg._attn_implementation = "sdpa"
+    model = TrunkWithMTP(cfg, "qwen3").eval()
+    r = copy_probe(model, Tok(), ["abcdefghij" * 20, "short"], window=50)
+    assert r["windows"] == 1 and 0.0 <= r["first_copy_top1"] <= 1.0 and 0.0 <= r["second_copy_top1"] <= 1.0
