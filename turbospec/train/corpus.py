@@ -201,18 +201,21 @@ def _needle(rng: random.Random) -> dict:
                 "answer": f"ACCESS_CODE = {v}", "value": v}
 
 
-def _distractor(rng: random.Random, needle: dict) -> str:
-    """A number-dense line (financial-report style) that does not collide with the needle."""
-    fam = needle["family"]
-    if fam == "account" or rng.random() < 0.5:
+def _distractor(rng: random.Random, family: str, avoid: set) -> str:
+    """A number-dense line (financial-report style) whose account number / project is not in ``avoid`` (the
+    facts' keys), so it never answers a question."""
+    if family == "account" or rng.random() < 0.5:
         k = rng.randint(1, 99)
-        while k == needle.get("key"):
+        while k in avoid:
             k = rng.randint(1, 99)
         return f"Account {k} balance: {_money(rng)}"
-    if fam == "budget" or rng.random() < 0.5:
-        p = rng.choice([q for q in _PROJECTS if q != needle.get("key")])
+    if family == "budget" or rng.random() < 0.5:
+        p = rng.choice([q for q in _PROJECTS if q not in avoid])
         return f"Quarterly revenue of {p}: ${_money(rng)} ({rng.randint(-30, 60)}% year over year)"
     return f"Line item {rng.randint(100, 999)}: {rng.randint(1, 500)} units at ${rng.randint(1, 9999)}.{rng.randint(0, 99):02d}"
+
+
+_HEADS = ["Report.\n", "Read the following document carefully.\n", "Document:\n", ""]
 
 
 def retrieval_parts(rng: random.Random, filler_lines: list[str], dense: bool | None = None):
@@ -229,10 +232,10 @@ def retrieval_parts(rng: random.Random, filler_lines: list[str], dense: bool | N
     if dense:
         n_distr = max(3, len(lines) // 12)
         for _ in range(n_distr):
-            lines.insert(rng.randrange(len(lines) + 1), _distractor(rng, nd))
+            lines.insert(rng.randrange(len(lines) + 1), _distractor(rng, nd["family"], {nd.get("key")}))
     pos = rng.randrange(len(lines) + 1)
     lines.insert(pos, nd["needle"])
-    head = rng.choice(["Report.\n", "Read the following document carefully.\n", "Document:\n", ""])
+    head = rng.choice(_HEADS)
     tail = f"\nQuestion: {nd['question']}\nAnswer:"
     return head, lines, tail, " " + nd["answer"], nd["value"], nd["family"], nd["needle"]
 
@@ -322,13 +325,11 @@ def multi_fact_parts(rng: random.Random, filler_lines: list[str], needles: list[
     lines = list(filler_lines)
     fams = {nd["family"] for nd in needles}
     if fams & {"account", "budget"} or rng.random() < 0.3:
+        family = "budget" if "budget" in fams else needles[0]["family"]
         keys = {nd.get("key") for nd in needles}
         for _ in range(max(3, len(lines) // 12)):
-            d = _distractor(rng, {"family": "budget" if "budget" in fams else needles[0]["family"], "key": None})
-            if any(f"Account {k} balance" in d or f" of {k}:" in d for k in keys if k is not None):
-                continue
-            lines.insert(rng.randrange(len(lines) + 1), d)
+            lines.insert(rng.randrange(len(lines) + 1), _distractor(rng, family, keys))
     for nd in needles:
         lines.insert(rng.randrange(len(lines) + 1), nd["needle"])
-    head = rng.choice(["Report.\n", "Read the following document carefully.\n", "Document:\n", ""])
+    head = rng.choice(_HEADS)
     return head, lines

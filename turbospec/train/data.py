@@ -40,7 +40,8 @@ def build_streams(tokenizer, corpus: Corpus, cache_path: str | None = None) -> d
 class BatchSampler:
     """Samples training sequences of ``seq_len + 1`` tokens with per-target loss weights.
 
-    * with probability ``p_repeat`` a window of real text followed by the same window again;
+    * with probability ``p_symbols`` random digit tokens, repeated (the pure copying task);
+    * with probability ``p_repeat`` a window of real text repeated until the sequence is full;
     * with probability ``p_retrieval`` a synthetic retrieval document (filler from the *training*
       files only) of 1/4..1 of the sequence, the rest filled with a random window of real text;
       the answer tokens get loss weight ``answer_weight``;
@@ -60,6 +61,7 @@ class BatchSampler:
         self.p_repeat = 0.0
         self.p_symbols = 0.0
         self.n_symbols = 64
+        self._syms: list[int] | None = None  # built on first use (_symbol_ids)
         self.questions = 0
         self.eot = tokenizer.token_to_id(EOT)
         self.retrieval_docs = 0
@@ -121,7 +123,7 @@ class BatchSampler:
 
     def _symbol_ids(self) -> list[int]:
         """The ``n_symbols`` most frequent all-digit tokens of the training streams (what values are spelt with)."""
-        if getattr(self, "_syms", None) is None:
+        if self._syms is None:
             vocab = self.tok.get_vocab()
             digit = np.zeros(max(vocab.values()) + 1, dtype=bool)
             for t, i in vocab.items():
