@@ -182,6 +182,36 @@ def test_repeat_and_symbol_sequences(toy_dirs):
     assert all(tok.id_to_token(int(i)).lstrip("\u0120").isdigit() for i in x)
 
 
+def test_symbol_episodes_and_frequent_pool(toy_dirs):
+    """Short copy episodes back to back over the most frequent tokens; the pool widens on set_symbols."""
+    import numpy as np
+
+    from turbospec.train.data import BatchSampler
+    from turbospec.train.tokenizer import train_tokenizer
+
+    code, docs = toy_dirs
+    corpus = load_corpus(code_dir=code, docs_dir=docs, percent=20)
+    tok = train_tokenizer(corpus.texts(), 600)
+    ids = np.asarray(tok.encode(" ".join(corpus.texts())).ids, dtype=np.int32)
+    s = BatchSampler(tok, corpus, {"code": ids, "prose": ids}, seed=3, p_retrieval=0.0)
+    s.p_symbols, s.symbol_pool, s.symbol_episodes = 1.0, "frequent", (4, 6)
+    s.set_symbols(8)
+    x, w = s.sample(127)
+    assert len(x) == 128 and (w == 1).all()
+    counts = np.bincount(ids, minlength=tok.get_vocab_size())
+    top8 = set(np.argsort(-counts)[:8].tolist())
+    assert set(x.tolist()) <= top8
+    i, episodes = 0, 0
+    while i + 12 <= len(x):  # walk the episodes: each is a half of 4..6 symbols and the same half again
+        half = next(h for h in (4, 5, 6) if (x[i:i + h] == x[i + h:i + 2 * h]).all())
+        i, episodes = i + 2 * half, episodes + 1
+    assert episodes >= 10
+    s.set_symbols(64)
+    x, _ = s.sample(511)
+    assert len(set(x.tolist())) > 8
+    assert not any(tok.id_to_token(int(t)).startswith("<|") for t in x)
+
+
 def test_copy_probe_reports_both_copies():
     from turbospec.train.evaluate import copy_probe
     from turbospec.train.model import TrunkWithMTP, build_config

@@ -61,6 +61,8 @@ class BatchSampler:
         self.p_repeat = 0.0
         self.p_symbols = 0.0
         self.n_symbols = 64
+        self.symbol_pool = "digits"  # or "frequent": the n_symbols most frequent tokens of any kind
+        self.symbol_episodes: tuple[int, int] | None = None  # (min, max) half-length of short copy episodes
         self._syms: list[int] | None = None  # built on first use (_symbol_ids)
         self.questions = 0
         self.eot = tokenizer.token_to_id(EOT)
@@ -84,11 +86,13 @@ class BatchSampler:
         w = np.ones(n, dtype=np.float32)
         r = self.rng.random()
         if r < self.p_symbols:
-            # random symbols (number tokens of the training stream), repeated: the pure copying task that forms
-            # induction heads within a few hundred steps in a dense model (scripts/train/copy_formation.py)
+            # random symbols, repeated: the pure copying task that forms induction heads within a few hundred
+            # steps in a dense model (scripts/train/copy_formation.py)
             syms = self._symbol_ids()
-            half = [syms[self.rng.randrange(len(syms))] for _ in range(max(8, (n + 1) // 2))]
-            return np.asarray((half * 2)[:n], dtype=np.int32), w
+            if self.symbol_episodes is None:
+                half = [syms[self.rng.randrange(len(syms))] for _ in range(max(8, (n + 1) // 2))]
+                return np.asarray((half * 2)[:n], dtype=np.int32), w
+            return self._symbol_episodes(syms, n), w
         r -= self.p_symbols
         if r < self.p_repeat:
             # a window of real text repeated until the sequence is full: every copy after the first is
@@ -121,15 +125,34 @@ class BatchSampler:
         filler[-1] = self.eot
         return np.concatenate([filler, doc]), np.concatenate([np.ones(rest, np.float32), dw])
 
+    def set_symbols(self, n: int, pool: str | None = None) -> None:
+        """Change the symbol pool of the copy task (a curriculum can widen it as training goes)."""
+        pool = pool or self.symbol_pool
+        if (n, pool) != (self.n_symbols, self.symbol_pool):
+            self.n_symbols, self.symbol_pool, self._syms = n, pool, None
+
+    def _symbol_episodes(self, syms: list[int], n: int) -> np.ndarray:
+        """Short copy episodes back to back: random symbols of a random half-length, then the same again."""
+        lo, hi = self.symbol_episodes
+        out: list[int] = []
+        while len(out) < n:
+            half = [syms[self.rng.randrange(len(syms))] for _ in range(self.rng.randint(lo, hi))]
+            out += half + half
+        return np.asarray(out[:n], dtype=np.int32)
+
     def _symbol_ids(self) -> list[int]:
-        """The ``n_symbols`` most frequent all-digit tokens of the training streams (what values are spelt with)."""
+        """The ``n_symbols`` most frequent all-digit tokens of the training streams (what values are spelt with),
+        or with ``symbol_pool == "frequent"`` the most frequent tokens of any kind (special tokens excluded)."""
         if self._syms is None:
             vocab = self.tok.get_vocab()
-            digit = np.zeros(max(vocab.values()) + 1, dtype=bool)
+            ok = np.zeros(max(vocab.values()) + 1, dtype=bool)
             for t, i in vocab.items():
-                digit[i] = t.lstrip("\u0120").isdigit()
-            counts = np.bincount(np.concatenate(list(self.streams.values())), minlength=len(digit))[:len(digit)]
-            ranked = [int(i) for i in np.argsort(-counts) if digit[i] and counts[i] > 0]
+                if self.symbol_pool == "frequent":
+                    ok[i] = not (t.startswith("<|") and t.endswith("|>"))
+                else:
+                    ok[i] = t.lstrip("\u0120").isdigit()
+            counts = np.bincount(np.concatenate(list(self.streams.values())), minlength=len(ok))[:len(ok)]
+            ranked = [int(i) for i in np.argsort(-counts) if ok[i] and counts[i] > 0]
             self._syms = ranked[:self.n_symbols] or list(range(self.n_symbols))
         return self._syms
 

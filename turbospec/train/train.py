@@ -61,7 +61,12 @@ def parse_args(argv=None):
                     help="facts (and questions) per retrieval document (1 = one fact: the shipped model's recipe)")
     ap.add_argument("--time-budget-min", type=float, default=105.0, help="wall-clock training budget (0 = use --max-steps)")
     ap.add_argument("--max-steps", type=int, default=0)
-    ap.add_argument("--curriculum", default=None, help='JSON list of [progress, seq_len, batch(, p_retrieval(, p_repeat(, p_symbols)))]')
+    ap.add_argument("--curriculum", default=None,
+                    help='JSON list of [progress, seq_len, batch(, p_retrieval(, p_repeat(, p_symbols(, n_symbols))))]')
+    ap.add_argument("--symbol-pool", default="digits", choices=["digits", "frequent"],
+                    help="symbols of the copy task: the most frequent digit tokens, or the most frequent tokens")
+    ap.add_argument("--symbol-episodes", default=None, metavar="MIN,MAX",
+                    help="copy task as short episodes back to back, half-length MIN..MAX (default: one repeat)")
     ap.add_argument("--ckpt-every-min", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
@@ -88,6 +93,15 @@ def phase_at(progress: float, curriculum, p_retrieval: float = 0.3):
             cur = c
     return (int(cur[1]), int(cur[2]), float(cur[3]) if len(cur) > 3 else p_retrieval,
             float(cur[4]) if len(cur) > 4 else 0.0, float(cur[5]) if len(cur) > 5 else 0.0)
+
+
+def symbols_at(progress: float, curriculum) -> int | None:
+    """Symbol-pool size of the curriculum phase at `progress` (element 6), None when the phase does not set it."""
+    cur = curriculum[0]
+    for c in curriculum:
+        if progress >= c[0]:
+            cur = c
+    return int(cur[6]) if len(cur) > 6 else None
 
 
 def prepare(args):
@@ -139,6 +153,10 @@ def main(argv=None):
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     sampler = BatchSampler(tok, corpus, streams, seed=args.seed, p_retrieval=args.p_retrieval,
                            answer_weight=args.answer_weight, max_facts=args.max_facts)
+    sampler.symbol_pool = args.symbol_pool
+    if args.symbol_episodes:
+        lo, hi = (int(v) for v in args.symbol_episodes.split(","))
+        sampler.symbol_episodes = (lo, hi)
     ckpt_path = os.path.join(args.run, "ckpt.pt")
     meta = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "done": False, "history": [], "args": vars(args)}
     if os.path.exists(ckpt_path):
@@ -179,6 +197,9 @@ def main(argv=None):
         while progress() < 1.0:
             t0 = time.time()
             seq_len, bsz, sampler.p_retrieval, sampler.p_repeat, sampler.p_symbols = phase_at(progress(), curriculum, args.p_retrieval)
+            n_sym = symbols_at(progress(), curriculum)
+            if n_sym is not None:
+                sampler.set_symbols(n_sym)
             lr = lr_at(meta["step"], progress(), args)
             for g in opt.param_groups:
                 g["lr"] = lr
