@@ -23,6 +23,25 @@ from turbospec.train.tokenizer import load_tokenizer
 from turbospec.train.train import make_model
 
 
+@torch.no_grad()
+def symbol_copy(model, run: str, tok, pools=(256, 8192), half: int = 16, n: int = 16) -> dict:
+    """Top-1 on the second half of random-symbol episodes (the training copy task), per pool size."""
+    import numpy as np
+
+    z = np.load(os.path.join(run, "tokens.npz"))
+    counts = np.bincount(np.concatenate([z[k] for k in z.files]), minlength=tok.get_vocab_size())
+    ranked = [int(i) for i in np.argsort(-counts) if counts[i] > 0 and not tok.id_to_token(int(i)).startswith("<|")]
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for p in pools:
+        pool = torch.tensor(ranked[:p])
+        h = pool[torch.randint(0, len(pool), (n, half), generator=g)]
+        x = torch.cat([h, h], 1)
+        pred = model.lm(input_ids=x).logits.argmax(-1)
+        out[str(p)] = round((pred[:, half:-1] == x[:, half + 1:]).float().mean().item(), 3)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run")
@@ -41,9 +60,11 @@ def main(argv=None):
     code = [r["text"] for r in load_jsonl(os.path.join(default_eval_dir(), "code.jsonl"))]
     cases = load_jsonl(os.path.join(default_eval_dir(), "retrieval.jsonl"))
     cp = copy_probe(model, tok, code)
+    sym = symbol_copy(model, ck["meta"]["args"]["run"], tok)
     ret = retrieval(model, tok, cases, [int(x) for x in a.lengths.split(",")], a.limit)
     out = {"step": meta["step"], "minutes": round(meta["elapsed_s"] / 60, 1), "tokens": meta["tokens"],
            "copy_first": round(cp["first_copy_top1"], 3), "copy_second": round(cp["second_copy_top1"], 3),
+           "symbols_second": sym,
            "retrieval": {k: (v["accuracy"], v["value_accuracy"], v["n"]) for k, v in ret.items()},
            "probe_s": round(time.time() - t0, 1)}
     print(json.dumps(out), flush=True)

@@ -23,6 +23,7 @@ import torch
 from .corpus import CorpusError, load_corpus
 from .data import BatchSampler, build_streams
 from .export import export_model
+from .induction_init import CircuitGuard, plant_induction_circuit
 from .model import TrunkWithMTP, build_config, count_params
 from .tokenizer import EOT, load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -48,6 +49,14 @@ def parse_args(argv=None):
     ap.add_argument("--linear-heads", type=int, default=4)
     ap.add_argument("--linear-head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--freeze-circuit", action="store_true",
+                    help="with --induction-init: hold layers 0-1 (the planted circuit) fixed for the whole run")
+    ap.add_argument("--keep-random-outputs", action="store_true",
+                    help="with --induction-init: leave the other output projections at their random init")
+    ap.add_argument("--rope-theta", type=float, default=100000.0)
+    ap.add_argument("--induction-init", action="store_true",
+                    help="dense qwen3 only: plant a previous-token + induction head circuit at initialisation "
+                         "(turbospec/train/induction_init.py; use with --rope-theta 1e8)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup-steps", type=int, default=30)
@@ -122,9 +131,13 @@ def make_model(args, tok):
     cfg = build_config(args.arch, tok.get_vocab_size(), hidden=args.hidden, layers=args.layers, heads=args.heads,
                        kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
                        eos_token_id=tok.token_to_id(EOT), linear_heads=args.linear_heads,
-                       linear_head_dim=args.linear_head_dim)
+                       linear_head_dim=args.linear_head_dim, rope_theta=getattr(args, "rope_theta", 100000.0))
     cfg._attn_implementation = "sdpa"
-    return TrunkWithMTP(cfg, args.arch)
+    model = TrunkWithMTP(cfg, args.arch)
+    if getattr(args, "induction_init", False):
+        model.planted = plant_induction_circuit(model, seed=args.seed,
+                                                zero_outputs=not getattr(args, "keep_random_outputs", False))
+    return model
 
 
 def save_ckpt(path, model, opt, sampler, meta):
@@ -151,6 +164,7 @@ def main(argv=None):
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    guard = CircuitGuard(model) if args.induction_init and args.freeze_circuit else None
     sampler = BatchSampler(tok, corpus, streams, seed=args.seed, p_retrieval=args.p_retrieval,
                            answer_weight=args.answer_weight, max_facts=args.max_facts)
     sampler.symbol_pool = args.symbol_pool
@@ -167,6 +181,8 @@ def main(argv=None):
         torch.set_rng_state(ck["torch_rng"])
         meta = ck["meta"]
         print(f"resumed from {ckpt_path}: step {meta['step']}, {meta['elapsed_s']/60:.1f} min, {meta['tokens']} tokens")
+    if getattr(model, "planted", None):
+        meta["induction_init"] = model.planted
     n_params = count_params(model)
     meta["params"] = n_params
     meta["trunk_params"] = count_params(model.lm)
@@ -210,6 +226,8 @@ def main(argv=None):
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            if guard is not None:
+                guard.restore()
             opt.zero_grad(set_to_none=True)
             dt = time.time() - t0
             meta["step"] += 1

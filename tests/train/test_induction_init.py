@@ -1,0 +1,65 @@
+"""The planted induction circuit copies at initialisation, at short and long distance, and only where asked."""
+
+import pytest
+import torch
+
+from turbospec.train.induction_init import plant_induction_circuit
+from turbospec.train.model import TrunkWithMTP, build_config
+
+
+def _model(plant: bool, theta: float = 1e8):
+    cfg = build_config("qwen3", 2048, hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, intermediate=256,
+                       rope_theta=theta)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = TrunkWithMTP(cfg, "qwen3")
+    if plant:
+        plant_induction_circuit(m)
+    return m.eval()
+
+
+@torch.no_grad()
+def _copy_top1(m, gap: int, half: int = 24) -> float:
+    g = torch.Generator().manual_seed(1)
+    h = torch.randint(10, 2048, (2, half), generator=g)
+    x = torch.cat([h, torch.randint(10, 2048, (2, gap), generator=g), h], 1)
+    pred = m.lm(input_ids=x).logits.argmax(-1)
+    return (pred[:, -half:-1] == x[:, -half + 1:]).float().mean().item()
+
+
+@pytest.mark.parametrize("gap,floor", [(0, 0.8), (900, 0.6)])  # hidden 128: noisier than the real 256
+def test_planted_circuit_copies(gap, floor):
+    assert _copy_top1(_model(True), gap) > floor
+    assert _copy_top1(_model(False), gap) < 0.1
+
+
+def test_planted_circuit_keeps_predictions_shift_invariant_and_rejects_hybrid():
+    m = _model(True)
+    assert m.lm.model.layers[1].mlp.down_proj.weight.abs().sum() == 0  # other outputs start at zero
+    cfg = build_config("qwen3_5_text", 256, hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, intermediate=64,
+                       linear_heads=2, linear_head_dim=32)
+    with pytest.raises(ValueError, match="dense qwen3"):
+        plant_induction_circuit(TrunkWithMTP(cfg, "qwen3_5_text"))
+
+
+def test_circuit_guard_holds_the_first_two_layers_only():
+    from turbospec.train.induction_init import CircuitGuard
+
+    cfg = build_config("qwen3", 512, hidden=128, layers=3, heads=2, kv_heads=1, head_dim=64, intermediate=128,
+                       rope_theta=1e8)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = TrunkWithMTP(cfg, "qwen3")
+    plant_induction_circuit(m)
+    guard = CircuitGuard(m)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    loss, _, _ = m(torch.randint(0, 512, (2, 32)))
+    loss.backward()
+    opt.step()
+    guard.restore()
+    after = dict(m.named_parameters())
+    held = [n for n in before if n.startswith(("lm.model.layers.0.", "lm.model.layers.1."))]
+    assert held and all(torch.equal(before[n], after[n]) for n in held)
+    assert not torch.equal(before["lm.model.layers.2.mlp.up_proj.weight"], after["lm.model.layers.2.mlp.up_proj.weight"])
+    assert not torch.equal(before["lm.model.embed_tokens.weight"], after["lm.model.embed_tokens.weight"])
