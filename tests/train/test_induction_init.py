@@ -63,3 +63,31 @@ def test_circuit_guard_holds_the_first_two_layers_only():
     assert held and all(torch.equal(before[n], after[n]) for n in held)
     assert not torch.equal(before["lm.model.layers.2.mlp.up_proj.weight"], after["lm.model.layers.2.mlp.up_proj.weight"])
     assert not torch.equal(before["lm.model.embed_tokens.weight"], after["lm.model.embed_tokens.weight"])
+
+
+@torch.no_grad()
+def test_two_token_context_resolves_a_shared_predecessor():
+    """Many earlier `<a_i> B <x_i>` triples share B: matching B alone cannot tell which x follows `A B`;
+    the 2-token circuit can."""
+
+    def model(context):
+        cfg = build_config("qwen3", 2048, hidden=256, layers=2, heads=2, kv_heads=2, head_dim=64, intermediate=256,
+                           rope_theta=1e8)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        m = TrunkWithMTP(cfg, "qwen3")
+        plant_induction_circuit(m, context=context, k=32 // context)
+        return m.eval()
+
+    g = torch.Generator().manual_seed(2)
+    docs = []
+    for _ in range(12):
+        triples = torch.randint(10, 2048, (20, 3), generator=g)
+        triples[:, 1] = 5  # the shared middle token
+        a, x = triples[7, 0], triples[7, 2]
+        docs.append((torch.cat([triples.flatten(), torch.tensor([a, 5])]), x))
+    hits = {}
+    for context in (1, 2):
+        m = model(context)
+        hits[context] = sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in docs)
+    assert hits[2] >= 7 and hits[1] <= 2, hits  # measured: 9 and 0 of 12

@@ -46,21 +46,33 @@ def _orthonormal_rows(n: int, d: int, g: torch.Generator, avoid: torch.Tensor | 
 @torch.no_grad()
 def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 0.3, alpha: float = 0.05,
                             gamma: float = 0.3, norm_scale: float = 2.5, zero_outputs: bool = True,
-                            seed: int = 0) -> dict:
-    """Initialise ``model.lm`` (a transformers Qwen3ForCausalLM) in place; returns the planted settings."""
+                            seed: int = 0, context: int = 1) -> dict:
+    """Initialise ``model.lm`` (a transformers Qwen3ForCausalLM) in place; returns the planted settings.
+
+    ``context`` = how many tokens the induction head matches: 1 (the current token against each position's
+    predecessor) or 2 (also the token before: a second layer-0 head, in the other key-value group, looks back
+    two positions and writes into its own subspace T2; query and key get one block of ``k`` slow dims per
+    token).  Two tokens tell ``is $`` from ``Juniper: $`` and ``653,`` from ``76,`` in number-dense text.
+    """
     lm = model.lm
     cfg = lm.config
     if cfg.model_type != "qwen3":
         raise ValueError(f"induction init supports the dense qwen3 trunk, not {cfg.model_type!r}")
     d, hd = cfg.hidden_size, cfg.head_dim
     half = hd // 2
-    if cfg.num_hidden_layers < 2 or k % 2 or not 0 < k // 2 <= half or not 0 < fast_pairs <= half - k // 2:
-        raise ValueError("need >= 2 layers, an even k with k/2 <= head_dim/2 - fast_pairs")
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    slow_pairs = k // 2 * context
+    if (cfg.num_hidden_layers < 2 or k % 2 or context not in (1, 2) or not 0 < fast_pairs <= half - slow_pairs
+            or (context == 2 and cfg.num_key_value_heads < 2)):
+        raise ValueError("need >= 2 layers, an even k, context 1 or 2 (2 needs 2 KV heads), "
+                         "k/2 * context <= head_dim/2 - fast_pairs")
     g = torch.Generator().manual_seed(seed)
     u = _orthonormal_rows(1, d, g)                      # [1, d] shared direction
-    s_rows = _orthonormal_rows(k, d, g, avoid=u)        # S: what the previous-token head reads
-    t_rows = _orthonormal_rows(k, d, g, avoid=torch.cat([u, s_rows]))  # T: where it writes
-    v_rows = _orthonormal_rows(hd, d, g, avoid=torch.cat([u, t_rows]))  # what the induction head copies
+    s_rows = _orthonormal_rows(k, d, g, avoid=u)        # S: what the look-back heads read
+    t_rows = [_orthonormal_rows(k, d, g, avoid=torch.cat([u, s_rows]))]  # T: where the previous-token head writes
+    if context == 2:                                     # T2: where the look-back-2 head writes
+        t_rows.append(_orthonormal_rows(k, d, g, avoid=torch.cat([u, s_rows, t_rows[0]])))
+    v_rows = _orthonormal_rows(hd, d, g, avoid=torch.cat([u, *t_rows]))  # what the induction head copies
     layers = lm.model.layers
     if zero_outputs:
         for layer in layers:
@@ -69,30 +81,39 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     emb = lm.model.embed_tokens.weight
     emb += c * u[0].to(emb.dtype)
     theta = cfg.rope_parameters["rope_theta"] ** (-torch.arange(0, hd, 2).float() / hd)
-    slow = list(range(half - k // 2, half)) + list(range(hd - k // 2, hd))  # slowest k/2 pairs, both halves
+
+    def block(j: int) -> list[int]:
+        """Dims of the j-th block of k/2 slow pairs (both halves of each pair); block 0 is the slowest."""
+        lo = half - k // 2 * (j + 1)
+        return list(range(lo, lo + k // 2)) + list(range(half + lo, half + lo + k // 2))
 
     def put(lin, rows_at: slice, w: torch.Tensor):
         lin.weight[rows_at] = w.to(lin.weight.dtype)
 
-    # layer 0, head 0: previous-token head
+    # layer 0: look-back heads (distance 1 in head 0; distance 2 in the first head of the second KV group)
     a0 = layers[0].self_attn
-    q0, k0 = torch.zeros(hd), torch.zeros(hd)
-    q0[:fast_pairs] = 1.0
-    k0[:fast_pairs] = torch.cos(theta[:fast_pairs])
-    k0[half:half + fast_pairs] = torch.sin(theta[:fast_pairs])
-    put(a0.q_proj, slice(0, hd), torch.outer(q0, u[0]))
-    put(a0.k_proj, slice(0, hd), torch.outer(k0, u[0]))
-    v0 = torch.zeros(hd, d)
-    v0[:k] = s_rows
-    put(a0.v_proj, slice(0, hd), v0)
-    o0 = torch.zeros(d, hd)
-    o0[:, :k] = alpha * t_rows.T
-    a0.o_proj.weight[:, :hd] = o0.to(a0.o_proj.weight.dtype)
-    # layer 1, head 0: induction head
+    for j in range(context):
+        head, kv = j * group, j
+        q0, k0 = torch.zeros(hd), torch.zeros(hd)
+        q0[:fast_pairs] = 1.0
+        k0[:fast_pairs] = torch.cos((j + 1) * theta[:fast_pairs])
+        k0[half:half + fast_pairs] = torch.sin((j + 1) * theta[:fast_pairs])
+        put(a0.q_proj, slice(head * hd, (head + 1) * hd), torch.outer(q0, u[0]))
+        put(a0.k_proj, slice(kv * hd, (kv + 1) * hd), torch.outer(k0, u[0]))
+        v0 = torch.zeros(hd, d)
+        v0[:k] = s_rows
+        put(a0.v_proj, slice(kv * hd, (kv + 1) * hd), v0)
+        o0 = torch.zeros(d, hd)
+        o0[:, :k] = alpha * t_rows[j].T
+        a0.o_proj.weight[:, head * hd:(head + 1) * hd] = o0.to(a0.o_proj.weight.dtype)
+    # layer 1, head 0: induction head.  Query block j = the token at t - j (S at t, then T at t); key block j =
+    # the token at s - 1 - j (T at s, then T2 at s).
     a1 = layers[1].self_attn
     q1, k1 = torch.zeros(hd, d), torch.zeros(hd, d)
-    q1[slow] = s_rows
-    k1[slow] = t_rows
+    q_src = [s_rows, t_rows[0]]
+    for j in range(context):
+        q1[block(j)] = q_src[j]
+        k1[block(j)] = t_rows[j]
     put(a1.q_proj, slice(0, hd), q1)
     put(a1.k_proj, slice(0, hd), k1)
     put(a1.v_proj, slice(0, hd), v_rows)
@@ -101,7 +122,8 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
         a.q_norm.weight.fill_(norm_scale)
         a.k_norm.weight.fill_(norm_scale)
     return {"k": k, "fast_pairs": fast_pairs, "embed_shift": c, "alpha": alpha, "gamma": gamma,
-            "qk_norm_scale": norm_scale, "zero_outputs": zero_outputs, "rope_theta": cfg.rope_parameters["rope_theta"]}
+            "qk_norm_scale": norm_scale, "zero_outputs": zero_outputs, "rope_theta": cfg.rope_parameters["rope_theta"],
+            "context": context}
 
 
 class CircuitGuard:

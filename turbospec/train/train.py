@@ -49,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--linear-heads", type=int, default=4)
     ap.add_argument("--linear-head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--induction-context", type=int, default=1, choices=[1, 2],
+                    help="with --induction-init: tokens the planted induction head matches (2 = current + previous)")
     ap.add_argument("--freeze-circuit", action="store_true",
                     help="with --induction-init: hold layers 0-1 (the planted circuit) fixed for the whole run")
     ap.add_argument("--keep-random-outputs", action="store_true",
@@ -135,7 +137,8 @@ def make_model(args, tok):
     cfg._attn_implementation = "sdpa"
     model = TrunkWithMTP(cfg, args.arch)
     if getattr(args, "induction_init", False):
-        model.planted = plant_induction_circuit(model, seed=args.seed,
+        ctx = getattr(args, "induction_context", 1)
+        model.planted = plant_induction_circuit(model, seed=args.seed, context=ctx, k=32 // ctx,
                                                 zero_outputs=not getattr(args, "keep_random_outputs", False))
     return model
 
