@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from turbospec.train.train import DEFAULT_CURRICULUM
+from turbospec.train.train import DEFAULT_CURRICULUM, parse_args
 
 
 def _load(path):
@@ -21,6 +21,50 @@ def pct(x):
 
 def f3(x):
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def _shares(c) -> str:
+    names = ["retrieval", "repeat", "symbols"]
+    parts = [f"{n} {v:.0%}" for n, v in zip(names, c[3:6]) if v or n == "retrieval"]
+    if len(c) > 6:
+        parts.append(f"N={c[6]}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _command(args: dict, run: str) -> str:
+    """The training command: every option that differs from its default."""
+    defaults = vars(parse_args([]))
+    out = ["python -m turbospec.train", f"--run {run}"]
+    for k, v in args.items():
+        if k in ("run", "export", "no_progress", "threads") or defaults.get(k) == v or v in (None, False):
+            continue
+        flag = "--" + k.replace("_", "-")
+        out.append(flag if v is True else f"{flag} '{v}'" if k == "curriculum" else f"{flag} {v}")
+    return " ".join(out + [f"--export {run}/export"])
+
+
+def _copy_line(cp: dict | None) -> str:
+    if not cp:
+        return ""
+    return (f"In-context copying (a held-out code window of {cp['window_tokens']} tokens, then the same window again; "
+            f"{cp['windows']} windows): top-1 {cp['first_copy_top1']:.3f} on the first copy, "
+            f"**{cp['second_copy_top1']:.3f} on the second** (a model that copies is near 1.0 there).\n\n")
+
+
+def _gdn_row(cfg) -> str:
+    return (f"| Gated DeltaNet | {cfg.get('linear_num_key_heads', '-')} K heads / {cfg.get('linear_num_value_heads', '-')} "
+            f"V heads x {cfg.get('linear_key_head_dim', '-')} dims, conv kernel {cfg.get('linear_conv_kernel_dim', '-')} |\n")
+
+
+def _planted_row(p: dict) -> str:
+    ctx = p.get("context", 1)
+    heads = "a previous-token head" if ctx == 1 else "look-back heads at distance 1 and 2"
+    return (f"| initialisation | planted induction circuit in layers 0-1 (`turbospec/train/induction_init.py`: "
+            f"{heads} and an induction head matching {ctx} token(s) on the {p['k'] // 2 * ctx} slowest rotary "
+            f"pairs, k={p['k']}, "
+            f"alpha={p['alpha']}, gamma={p['gamma']}, q/k norm x{p['qk_norm_scale']}, embedding shift {p['embed_shift']}, "
+            f"other output projections zero), layers 0-1 held fixed for the whole run (`--freeze-circuit`); "
+            f"everything else normal init (std 0.02) |\n")
 
 
 def main():
@@ -68,7 +112,9 @@ def main():
     bar.append(("greedy continuations of held-out code look like Python (judged by eye)",
                 a.python_verdict.lower().startswith("yes"), a.python_verdict))
     cur = json.loads(args["curriculum"]) if args.get("curriculum") else DEFAULT_CURRICULUM
-    cur_text = ", ".join(f"{c[0]:g}: {c[1]}x{c[2]}" + (f" (retrieval {c[3]:.0%})" if len(c) > 3 else "") for c in cur)
+    cur_text = ", ".join(f"{c[0]:g}: {c[1]}x{c[2]}" + _shares(c) for c in cur)
+    command = _command(args, a.run)
+    planted = meta.get("induction_init")
     samples = acc_c.get("samples", [])[:3]
     fam = {}
     for L, v in r.items():
@@ -89,7 +135,7 @@ def main():
 license: other
 library_name: transformers
 pipeline_tag: text-generation
-tags: [turbospec, mtp, qwen3_5_text, tiny, cpu]
+tags: [turbospec, mtp, {cfg['model_type']}, tiny, cpu]
 ---
 
 # turbospec-tiny
@@ -105,12 +151,11 @@ quantization and long-context retrieval can be measured on a *trained* model. It
 | | |
 |---|---|
 | model_type / class | `{cfg['model_type']}` / `{cfg['architectures'][0]}` |
-| layers | {cfg['num_hidden_layers']} (`{pattern}`; D = Gated DeltaNet, A = gated full attention) |
+| layers | {cfg['num_hidden_layers']} (`{pattern}`; {'D = Gated DeltaNet, A = gated full attention' if hybrid else 'A = attention'}) |
 | hidden / intermediate | {cfg['hidden_size']} / {cfg['intermediate_size']} |
 | attention | {cfg['num_attention_heads']} query heads, {cfg['num_key_value_heads']} KV heads, head_dim {cfg['head_dim']}{', output gate (q_proj is 2x wide)' if hybrid else ''} |
 | RoPE | theta {cfg.get('rope_parameters', {}).get('rope_theta')}, partial_rotary_factor {cfg.get('rope_parameters', {}).get('partial_rotary_factor', 1.0)} |
-| Gated DeltaNet | {cfg.get('linear_num_key_heads', '-')} K heads / {cfg.get('linear_num_value_heads', '-')} V heads x {cfg.get('linear_key_head_dim', '-')} dims, conv kernel {cfg.get('linear_conv_kernel_dim', '-')} |
-| vocab | {cfg['vocab_size']} (byte-level BPE), tied input/output embeddings |
+{_gdn_row(cfg) if hybrid else ''}| vocab | {cfg['vocab_size']} (byte-level BPE), tied input/output embeddings |
 | MTP | `mtp_num_hidden_layers: {cfg.get('mtp_num_hidden_layers')}` |
 | parameters | {meta.get('params', 0)/1e6:.2f}M total incl. embeddings and MTP; trunk {meta.get('trunk_params', 0)/1e6:.2f}M; MTP {(meta.get('params', 0) - meta.get('trunk_params', 0))/1e6:.2f}M |
 | context | trained up to 4096 tokens (max_position_embeddings {cfg['max_position_embeddings']}) |
@@ -163,11 +208,12 @@ Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['voca
 
 | | |
 |---|---|
-| command | `python -m turbospec.train --run {a.run} --time-budget-min {args.get('time_budget_min')} --export {a.run}/export` (then copied to `models/turbospec-tiny`) |
+| command | `{command}` (then copied to `models/turbospec-tiny`) |
+{_planted_row(planted) if planted else ''}
 | objective | next-token LM loss + {args.get('mtp_weight')} x MTP loss (token t+2), MTP trained jointly from the start |
 | optimizer | AdamW (beta 0.9/0.95, eps 1e-8, weight decay {args.get('weight_decay')} on matrices except embeddings), grad clip 1.0 |
 | schedule | peak LR {args.get('lr')}, {args.get('warmup_steps')} warmup steps, cosine to {args.get('min_lr_frac')} x peak over the wall-clock budget |
-| curriculum (progress: seq_len x batch, share of sequences with a retrieval document) | {cur_text} |
+| curriculum (progress: seq_len x batch, shares of sequences: retrieval document / repeated real-text window / random-symbol copy episodes over the N most frequent tokens) | {cur_text} |
 | precision | float32 (bf16 autocast was far slower on this CPU: no AVX-512 BF16), exported in bfloat16 |
 | seed | {args.get('seed')} |
 | steps / tokens seen | {meta.get('step')} / {meta.get('tokens'):,} |
@@ -189,7 +235,7 @@ per kind for acceptance, {a.retrieval_limit} retrieval cases per length; raw res
 | MTP acceptance on the base's own greedy continuations (K=1) | {f3(acc_c.get('acceptance'))} ({acc_c.get('drafts')} drafts) | {f3(acc_p.get('acceptance'))} ({acc_p.get('drafts')} drafts) |
 | MTP top-1 accuracy vs the text token two ahead | {pct(code.get('mtp_top1_vs_text'))} | {pct(prose.get('mtp_top1_vs_text'))} |
 
-Retrieval accuracy (greedy decoding reproduces the answer sentence, which contains the value; checked teacher-forced in one pass per case; value-token accuracy in `eval.json`): 1K {racc(1024)}, 2K {racc(2048)}, 4K {racc(4096)}, 8K {racc(8192)}.
+{_copy_line(ev.get("copy"))}Retrieval accuracy (greedy decoding reproduces the answer sentence, which contains the value; checked teacher-forced in one pass per case; value-token accuracy in `eval.json`): 1K {racc(1024)}, 2K {racc(2048)}, 4K {racc(4096)}, 8K {racc(8192)}.
 
 | family | """ + " | ".join(f"{int(L)//1024}K" for L in sorted(r, key=int)) + """ |
 |---|""" + "---|" * len(r) + f"""
