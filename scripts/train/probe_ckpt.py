@@ -15,8 +15,10 @@ import os
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
+from turbospec.train.data import symbol_ids
 from turbospec.train.evaldata import default_eval_dir, load_jsonl
 from turbospec.train.evaluate import copy_probe, retrieval
 from turbospec.train.tokenizer import load_tokenizer
@@ -26,11 +28,8 @@ from turbospec.train.train import make_model
 @torch.no_grad()
 def symbol_copy(model, run: str, tok, pools=(256, 8192), half: int = 16, n: int = 16) -> dict:
     """Top-1 on the second half of random-symbol episodes (the training copy task), per pool size."""
-    import numpy as np
-
     z = np.load(os.path.join(run, "tokens.npz"))
-    counts = np.bincount(np.concatenate([z[k] for k in z.files]), minlength=tok.get_vocab_size())
-    ranked = [int(i) for i in np.argsort(-counts) if counts[i] > 0 and not tok.id_to_token(int(i)).startswith("<|")]
+    ranked = symbol_ids(tok, {k: z[k] for k in z.files}, "frequent", max(pools))
     g = torch.Generator().manual_seed(0)
     out = {}
     for p in pools:
@@ -60,7 +59,7 @@ def main(argv=None):
     code = [r["text"] for r in load_jsonl(os.path.join(default_eval_dir(), "code.jsonl"))]
     cases = load_jsonl(os.path.join(default_eval_dir(), "retrieval.jsonl"))
     cp = copy_probe(model, tok, code)
-    sym = symbol_copy(model, ck["meta"]["args"]["run"], tok)
+    sym = symbol_copy(model, a.run, tok)
     ret = retrieval(model, tok, cases, [int(x) for x in a.lengths.split(",")], a.limit)
     out = {"step": meta["step"], "minutes": round(meta["elapsed_s"] / 60, 1), "tokens": meta["tokens"],
            "copy_first": round(cp["first_copy_top1"], 3), "copy_second": round(cp["second_copy_top1"], 3),

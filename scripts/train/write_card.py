@@ -56,14 +56,15 @@ def _gdn_row(cfg) -> str:
             f"V heads x {cfg.get('linear_key_head_dim', '-')} dims, conv kernel {cfg.get('linear_conv_kernel_dim', '-')} |\n")
 
 
-def _planted_row(p: dict) -> str:
+def _planted_row(p: dict, frozen: bool) -> str:
     ctx = p.get("context", 1)
     heads = "a previous-token head" if ctx == 1 else "look-back heads at distance 1 and 2"
     return (f"| initialisation | planted induction circuit in layers 0-1 (`turbospec/train/induction_init.py`: "
             f"{heads} and an induction head matching {ctx} token(s) on the {p['k'] // 2 * ctx} slowest rotary "
             f"pairs, k={p['k']}, "
             f"alpha={p['alpha']}, gamma={p['gamma']}, q/k norm x{p['qk_norm_scale']}, embedding shift {p['embed_shift']}, "
-            f"other output projections zero), layers 0-1 held fixed for the whole run (`--freeze-circuit`); "
+            f"other output projections zero)"
+            f"{', layers 0-1 held fixed for the whole run (`--freeze-circuit`)' if frozen else ''}; "
             f"everything else normal init (std 0.02) |\n")
 
 
@@ -209,7 +210,7 @@ Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['voca
 | | |
 |---|---|
 | command | `{command}` (then copied to `models/turbospec-tiny`) |
-{_planted_row(planted) if planted else ''}
+{_planted_row(planted, bool(args.get('freeze_circuit'))) if planted else ''}
 | objective | next-token LM loss + {args.get('mtp_weight')} x MTP loss (token t+2), MTP trained jointly from the start |
 | optimizer | AdamW (beta 0.9/0.95, eps 1e-8, weight decay {args.get('weight_decay')} on matrices except embeddings), grad clip 1.0 |
 | schedule | peak LR {args.get('lr')}, {args.get('warmup_steps')} warmup steps, cosine to {args.get('min_lr_frac')} x peak over the wall-clock budget |

@@ -37,6 +37,21 @@ def build_streams(tokenizer, corpus: Corpus, cache_path: str | None = None) -> d
     return streams
 
 
+def symbol_ids(tok, streams: dict, pool: str, n: int) -> list[int]:
+    """The ``n`` most frequent all-digit tokens of the token streams (what values are spelt with), or with
+    ``pool == "frequent"`` the most frequent tokens of any kind (special tokens excluded)."""
+    vocab = tok.get_vocab()
+    ok = np.zeros(max(vocab.values()) + 1, dtype=bool)
+    for t, i in vocab.items():
+        if pool == "frequent":
+            ok[i] = not (t.startswith("<|") and t.endswith("|>"))
+        else:
+            ok[i] = t.lstrip("\u0120").isdigit()
+    counts = np.bincount(np.concatenate(list(streams.values())), minlength=len(ok))[:len(ok)]
+    ranked = [int(i) for i in np.argsort(-counts) if ok[i] and counts[i] > 0]
+    return ranked[:n] or list(range(n))
+
+
 class BatchSampler:
     """Samples training sequences of ``seq_len + 1`` tokens with per-target loss weights.
 
@@ -125,11 +140,10 @@ class BatchSampler:
         filler[-1] = self.eot
         return np.concatenate([filler, doc]), np.concatenate([np.ones(rest, np.float32), dw])
 
-    def set_symbols(self, n: int, pool: str | None = None) -> None:
-        """Change the symbol pool of the copy task (a curriculum can widen it as training goes)."""
-        pool = pool or self.symbol_pool
-        if (n, pool) != (self.n_symbols, self.symbol_pool):
-            self.n_symbols, self.symbol_pool, self._syms = n, pool, None
+    def set_symbols(self, n: int) -> None:
+        """Change the size of the copy task's symbol pool (a curriculum can widen it as training goes)."""
+        if n != self.n_symbols:
+            self.n_symbols, self._syms = n, None
 
     def _symbol_episodes(self, syms: list[int], n: int) -> np.ndarray:
         """Short copy episodes back to back: random symbols of a random half-length, then the same again."""
@@ -141,19 +155,8 @@ class BatchSampler:
         return np.asarray(out[:n], dtype=np.int32)
 
     def _symbol_ids(self) -> list[int]:
-        """The ``n_symbols`` most frequent all-digit tokens of the training streams (what values are spelt with),
-        or with ``symbol_pool == "frequent"`` the most frequent tokens of any kind (special tokens excluded)."""
         if self._syms is None:
-            vocab = self.tok.get_vocab()
-            ok = np.zeros(max(vocab.values()) + 1, dtype=bool)
-            for t, i in vocab.items():
-                if self.symbol_pool == "frequent":
-                    ok[i] = not (t.startswith("<|") and t.endswith("|>"))
-                else:
-                    ok[i] = t.lstrip("\u0120").isdigit()
-            counts = np.bincount(np.concatenate(list(self.streams.values())), minlength=len(ok))[:len(ok)]
-            ranked = [int(i) for i in np.argsort(-counts) if ok[i] and counts[i] > 0]
-            self._syms = ranked[:self.n_symbols] or list(range(self.n_symbols))
+            self._syms = symbol_ids(self.tok, self.streams, self.symbol_pool, self.n_symbols)
         return self._syms
 
     def _qa_ids(self, nd: dict) -> tuple[list[int], list[int], int]:

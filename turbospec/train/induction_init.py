@@ -5,7 +5,8 @@ heads composed: a *previous-token head* that writes each position's predecessor 
 an *induction head* that matches the current token against it and copies the token found.  Trained from
 random weights on 2 CPU cores, a small model stays on the loss plateau before that circuit forms for longer
 than the whole training budget (docs/bundled-model.md, "Why retrieval fails").  This module plants the
-circuit at initialisation; every weight stays trainable, only the starting point changes.
+circuit at initialisation (``context=2`` adds a look-back-2 head so that two tokens are matched; see
+:func:`plant_induction_circuit`); :class:`CircuitGuard` lets the trainer hold layers 0-1 fixed afterwards.
 
 Dense ``qwen3`` attention: per-head RMSNorm on q and k (weights shared by the layer's heads), then RoPE with
 rotate-half pairs (i, i + D/2), pair i turning by ``theta_i = base ** (-2i/D)`` per position.

@@ -96,22 +96,25 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def phase_at(progress: float, curriculum, p_retrieval: float = 0.3):
-    """(seq_len, batch, retrieval share, repeat share, symbol-copy share) of the curriculum phase at `progress`."""
+def _phase(progress: float, curriculum):
+    """The curriculum entry in force at `progress` (the last one whose threshold has been reached)."""
     cur = curriculum[0]
     for c in curriculum:
         if progress >= c[0]:
             cur = c
+    return cur
+
+
+def phase_at(progress: float, curriculum, p_retrieval: float = 0.3):
+    """(seq_len, batch, retrieval share, repeat share, symbol-copy share) of the curriculum phase at `progress`."""
+    cur = _phase(progress, curriculum)
     return (int(cur[1]), int(cur[2]), float(cur[3]) if len(cur) > 3 else p_retrieval,
             float(cur[4]) if len(cur) > 4 else 0.0, float(cur[5]) if len(cur) > 5 else 0.0)
 
 
 def symbols_at(progress: float, curriculum) -> int | None:
     """Symbol-pool size of the curriculum phase at `progress` (element 6), None when the phase does not set it."""
-    cur = curriculum[0]
-    for c in curriculum:
-        if progress >= c[0]:
-            cur = c
+    cur = _phase(progress, curriculum)
     return int(cur[6]) if len(cur) > 6 else None
 
 
