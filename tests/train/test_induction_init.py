@@ -91,3 +91,45 @@ def test_two_token_context_resolves_a_shared_predecessor():
         m = model(context)
         hits[context] = sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in docs)
     assert hits[2] >= 7 and hits[1] <= 2, hits  # measured: 9 and 0 of 12
+
+
+@torch.no_grad()
+def test_offset_four_tells_rows_apart_that_share_the_last_three_tokens():
+    """Rows `R n1 n2 B1 B2 B3 C v...` (like `Account 70 balance: 93,...`, which this tokenizer ends
+    `0 | b | al | ance | :`): matching the current token and its predecessor cannot tell which row is asked;
+    offsets (0, 1, 4) reach the account number."""
+
+    def model(offsets, theta, k):
+        cfg = build_config("qwen3", 8192, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                           rope_theta=theta)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        m = TrunkWithMTP(cfg, "qwen3")
+        planted = plant_induction_circuit(m, offsets=offsets, k=k)
+        assert planted["offsets"] == list(offsets)
+        return m.eval()
+
+    g = torch.Generator().manual_seed(2)
+    docs = []
+    for _ in range(16):
+        nums = (torch.randperm(90, generator=g)[:6] + 10).tolist()
+        vals = torch.randint(100, 8192, (6, 3), generator=g)
+        ids = []
+        for n, v in zip(nums, vals):
+            ids += [11, 20 + n // 10, 20 + n % 10, 12, 13, 14, 15, *v.tolist()]
+            ids += torch.randint(100, 8192, (10,), generator=g).tolist()
+        n = nums[3]
+        docs.append((torch.tensor(ids + [11, 20 + n // 10, 20 + n % 10, 12, 13, 14, 15]), vals[3, 0]))
+    hits = {}
+    for offsets, theta, k in (((0, 1), 1e8, 16), ((0, 1, 4), 1e12, 14)):
+        m = model(offsets, theta, k)
+        hits[offsets] = sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in docs)
+    assert hits[(0, 1, 4)] >= 10 and hits[(0, 1)] <= 5, hits  # measured: 12 and 1 of 16
+
+
+def test_offsets_need_one_layer0_head_per_lookback_distance():
+    cfg = build_config("qwen3", 512, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=128,
+                       rope_theta=1e12)
+    m = TrunkWithMTP(cfg, "qwen3")
+    with pytest.raises(ValueError, match=r"look-back distance \[1, 2, 4, 5, 6\]"):
+        plant_induction_circuit(m, offsets=(0, 1, 4, 5), k=10)  # needs 5 look-back heads, layer 0 has 4

@@ -47,13 +47,18 @@ def _orthonormal_rows(n: int, d: int, g: torch.Generator, avoid: torch.Tensor | 
 @torch.no_grad()
 def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 0.3, alpha: float = 0.05,
                             gamma: float = 0.3, norm_scale: float = 2.5, zero_outputs: bool = True,
-                            seed: int = 0, context: int = 1) -> dict:
+                            seed: int = 0, context: int = 1,
+                            offsets: tuple[int, ...] | None = None) -> dict:
     """Initialise ``model.lm`` (a transformers Qwen3ForCausalLM) in place; returns the planted settings.
 
     ``context`` = how many tokens the induction head matches: 1 (the current token against each position's
-    predecessor) or 2 (also the token before: a second layer-0 head, in the other key-value group, looks back
+    predecessor), 2 (also the token before: a second layer-0 head, in the other key-value group, looks back
     two positions and writes into its own subspace T2; query and key get one block of ``k`` slow dims per
     token).  Two tokens tell ``is $`` from ``Juniper: $`` and ``653,`` from ``76,`` in number-dense text.
+    ``offsets`` (default ``range(context)``) names which earlier tokens are matched, e.g. ``(0, 1, 4)``: the
+    current token, its predecessor and the token four back -- with this tokenizer ``Account 70 balance:``
+    ends ``0 | b | al | ance | :``, so only a match that reaches four back tells the rows apart.  Each look-back
+    distance needed (every offset >= 1 and every offset + 1) takes one layer-0 head.
     """
     lm = model.lm
     cfg = lm.config
@@ -62,18 +67,20 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     d, hd = cfg.hidden_size, cfg.head_dim
     half = hd // 2
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    slow_pairs = k // 2 * context
-    if (cfg.num_hidden_layers < 2 or k % 2 or context not in (1, 2) or not 0 < fast_pairs <= half - slow_pairs
-            or (context == 2 and cfg.num_key_value_heads < 2)):
-        raise ValueError("need >= 2 layers, an even k, context 1 or 2 (2 needs 2 KV heads), "
-                         "k/2 * context <= head_dim/2 - fast_pairs")
+    offsets = tuple(offsets) if offsets is not None else tuple(range(context))
+    dists = sorted({o for o in offsets if o >= 1} | {o + 1 for o in offsets})  # look-back heads needed
+    n_kv = cfg.num_key_value_heads
+    if (cfg.num_hidden_layers < 2 or k % 2 or not offsets or min(offsets) < 0 or len(set(offsets)) < len(offsets)
+            or not 0 < fast_pairs <= half - k // 2 * len(offsets) or len(dists) > cfg.num_attention_heads):
+        raise ValueError("need >= 2 layers, an even k, distinct offsets >= 0, k/2 * len(offsets) <= head_dim/2 - "
+                         f"fast_pairs, and a layer-0 head per look-back distance {dists}")
     g = torch.Generator().manual_seed(seed)
     u = _orthonormal_rows(1, d, g)                      # [1, d] shared direction
     s_rows = _orthonormal_rows(k, d, g, avoid=u)        # S: what the look-back heads read
-    t_rows = [_orthonormal_rows(k, d, g, avoid=torch.cat([u, s_rows]))]  # T: where the previous-token head writes
-    if context == 2:                                     # T2: where the look-back-2 head writes
-        t_rows.append(_orthonormal_rows(k, d, g, avoid=torch.cat([u, s_rows, t_rows[0]])))
-    v_rows = _orthonormal_rows(hd, d, g, avoid=torch.cat([u, *t_rows]))  # what the induction head copies
+    t_rows: dict[int, torch.Tensor] = {}                # T_d: where the look-back-d head writes
+    for dist in dists:
+        t_rows[dist] = _orthonormal_rows(k, d, g, avoid=torch.cat([u, s_rows, *t_rows.values()]))
+    v_rows = _orthonormal_rows(hd, d, g, avoid=torch.cat([u, *t_rows.values()]))  # what the induction head copies
     layers = lm.model.layers
     if zero_outputs:
         for layer in layers:
@@ -91,30 +98,35 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     def put(lin, rows_at: slice, w: torch.Tensor):
         lin.weight[rows_at] = w.to(lin.weight.dtype)
 
-    # layer 0: look-back heads (distance 1 in head 0; distance 2 in the first head of the second KV group)
+    # layer 0: one look-back head per distance, spread over the key-value groups (head 0, the first head of
+    # group 1, ..., then the second head of group 0, ...).  Group g's key reads u turned forward by g + 1
+    # positions; a head's query is turned back by the rest of its distance: the score peaks where
+    # (t - s) * theta = key angle - query angle.
     a0 = layers[0].self_attn
-    for j in range(context):
-        head, kv = j * group, j
+    for i, dist in enumerate(dists):
+        kv = i % n_kv
+        head = kv * group + i // n_kv
+        q_angle = -(dist - kv - 1) * theta[:fast_pairs]
         q0, k0 = torch.zeros(hd), torch.zeros(hd)
-        q0[:fast_pairs] = 1.0
-        k0[:fast_pairs] = torch.cos((j + 1) * theta[:fast_pairs])
-        k0[half:half + fast_pairs] = torch.sin((j + 1) * theta[:fast_pairs])
+        q0[:fast_pairs] = torch.cos(q_angle)
+        q0[half:half + fast_pairs] = torch.sin(q_angle)
+        k0[:fast_pairs] = torch.cos((kv + 1) * theta[:fast_pairs])
+        k0[half:half + fast_pairs] = torch.sin((kv + 1) * theta[:fast_pairs])
         put(a0.q_proj, slice(head * hd, (head + 1) * hd), torch.outer(q0, u[0]))
         put(a0.k_proj, slice(kv * hd, (kv + 1) * hd), torch.outer(k0, u[0]))
         v0 = torch.zeros(hd, d)
         v0[:k] = s_rows
         put(a0.v_proj, slice(kv * hd, (kv + 1) * hd), v0)
         o0 = torch.zeros(d, hd)
-        o0[:, :k] = alpha * t_rows[j].T
+        o0[:, :k] = alpha * t_rows[dist].T
         a0.o_proj.weight[:, head * hd:(head + 1) * hd] = o0.to(a0.o_proj.weight.dtype)
-    # layer 1, head 0: induction head.  Query block j = the token at t - j (S at t, then T at t); key block j =
-    # the token at s - 1 - j (T at s, then T2 at s).
+    # layer 1, head 0: induction head.  Query block j = the token at t - o_j (S at t for offset 0, else T_o
+    # at t); key block j = the token at s - 1 - o_j (T_{o+1} at s).
     a1 = layers[1].self_attn
     q1, k1 = torch.zeros(hd, d), torch.zeros(hd, d)
-    q_src = [s_rows, t_rows[0]]
-    for j in range(context):
-        q1[block(j)] = q_src[j]
-        k1[block(j)] = t_rows[j]
+    for j, o in enumerate(offsets):
+        q1[block(j)] = s_rows if o == 0 else t_rows[o]
+        k1[block(j)] = t_rows[o + 1]
     put(a1.q_proj, slice(0, hd), q1)
     put(a1.k_proj, slice(0, hd), k1)
     put(a1.v_proj, slice(0, hd), v_rows)
@@ -124,7 +136,7 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
         a.k_norm.weight.fill_(norm_scale)
     return {"k": k, "fast_pairs": fast_pairs, "embed_shift": c, "alpha": alpha, "gamma": gamma,
             "qk_norm_scale": norm_scale, "zero_outputs": zero_outputs, "rope_theta": cfg.rope_parameters["rope_theta"],
-            "context": context}
+            "context": len(offsets), "offsets": list(offsets)}
 
 
 class CircuitGuard:

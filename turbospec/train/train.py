@@ -49,8 +49,13 @@ def parse_args(argv=None):
     ap.add_argument("--linear-heads", type=int, default=4)
     ap.add_argument("--linear-head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--induction-context", type=int, default=1, choices=[1, 2],
+    ap.add_argument("--induction-context", type=int, default=1, choices=[1, 2, 3],
                     help="with --induction-init: tokens the planted induction head matches (2 = current + previous)")
+    ap.add_argument("--induction-offsets", default=None, metavar="O1,O2,...",
+                    help="with --induction-init: which earlier tokens the induction head matches, e.g. 0,1,4 "
+                         "(overrides --induction-context; 0 = the current token)")
+    ap.add_argument("--induction-k", type=int, default=None,
+                    help="with --induction-init: slow dims per matched token (default 32 // number matched)")
     ap.add_argument("--freeze-circuit", action="store_true",
                     help="with --induction-init: hold layers 0-1 (the planted circuit) fixed for the whole run")
     ap.add_argument("--keep-random-outputs", action="store_true",
@@ -140,8 +145,10 @@ def make_model(args, tok):
     cfg._attn_implementation = "sdpa"
     model = TrunkWithMTP(cfg, args.arch)
     if getattr(args, "induction_init", False):
-        ctx = getattr(args, "induction_context", 1)
-        model.planted = plant_induction_circuit(model, seed=args.seed, context=ctx, k=32 // ctx,
+        offs = getattr(args, "induction_offsets", None)
+        offsets = tuple(int(o) for o in offs.split(",")) if offs else tuple(range(getattr(args, "induction_context", 1)))
+        k = getattr(args, "induction_k", None) or 32 // len(offsets)
+        model.planted = plant_induction_circuit(model, seed=args.seed, offsets=offsets, k=k,
                                                 zero_outputs=not getattr(args, "keep_random_outputs", False))
     return model
 
