@@ -57,10 +57,12 @@ def _gdn_row(cfg) -> str:
 
 
 def _planted_row(p: dict, frozen: bool) -> str:
-    ctx = p.get("context", 1)
-    heads = "a previous-token head" if ctx == 1 else "look-back heads at distance 1 and 2"
+    offsets = p.get("offsets") or list(range(p.get("context", 1)))
+    dists = sorted({o for o in offsets if o >= 1} | {o + 1 for o in offsets})
+    heads = "a previous-token head" if dists == [1] else f"look-back heads at distance {', '.join(map(str, dists))}"
+    matched = ", ".join(["the current token" if o == 0 else f"the token {o} back" for o in offsets])
     return (f"| initialisation | planted induction circuit in layers 0-1 (`turbospec/train/induction_init.py`: "
-            f"{heads} and an induction head matching {ctx} token(s) on the {p['k'] // 2 * ctx} slowest rotary "
+            f"{heads} and an induction head matching {matched} on the {p['k'] // 2 * len(offsets)} slowest rotary "
             f"pairs, k={p['k']}, "
             f"alpha={p['alpha']}, gamma={p['gamma']}, q/k norm x{p['qk_norm_scale']}, embedding shift {p['embed_shift']}, "
             f"other output projections zero)"
