@@ -5,7 +5,7 @@
     python benchmarks/step_profile.py cold                      # a 8192x256 matrix-vector product, hot vs cold
     python benchmarks/step_profile.py store                     # QuantKVCache.store: C++ encoder vs torch encoders
     python benchmarks/step_profile.py chain --dtype float16     # all products back to back (TURBOSPEC_NO_HUGEPAGES=1: 4 KB pages)
-    python benchmarks/step_profile.py chain --model models/turbospec-tiny --rows 4   # a verification step's products
+    python benchmarks/step_profile.py chain --model models/turbospec-tiny-hybrid --rows 4   # a verification step's products
     python benchmarks/step_profile.py dtypes                    # bf16 / f16 / fp32 decoding interleaved
     python benchmarks/step_profile.py kvpages                   # KV cache in 2 MB vs 4 KB pages at 32K, interleaved
     python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
@@ -96,7 +96,7 @@ def spec() -> None:
     from turbospec.spec import SpecConfig, make_drafter
     from turbospec.tokenizer import Tokenizer
 
-    path = "models/turbospec-tiny"
+    path = "models/turbospec-tiny-hybrid"
     model, tok = load_model(path, "float32"), Tokenizer(path)
     prompt = json.loads(Path("turbospec/data/prompts.json").read_text())["prompts"]["code"]
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
@@ -252,7 +252,7 @@ def bf16held() -> None:
     from turbospec.layers.linear import Linear, exact_bf16
     from turbospec.tokenizer import Tokenizer
 
-    path = "models/turbospec-tiny"
+    path = "models/turbospec-tiny-hybrid"
     tok = Tokenizer(path)
     a, b = load_model(path, "float32"), load_model(path, "float32")
     for layer in b.layers:

@@ -6,8 +6,8 @@ position t learns the base's greedy token at t+1+i (the token the base would emi
 token t+2+i -- or, with --loss kl, the base's whole distribution there. AdamW, cosine schedule with warmup,
 a tqdm progress bar, and checkpoints every --save-every steps (heads + optimizer state) so --resume continues.
 
-    turbospec train-heads -m models/turbospec-tiny --text corpus.txt --steps 400 --seq-len 256
-    turbospec run -m models/turbospec-tiny --spec-type medusa --temp 0 -p "def f(x):"
+    turbospec train-heads -m models/turbospec-tiny-hybrid --text corpus.txt --steps 400 --seq-len 256
+    turbospec run -m models/turbospec-tiny-hybrid --spec-type medusa --temp 0 -p "def f(x):"
 
 Output: medusa_config.json + medusa_heads.safetensors in --out (default: the model directory, where
 `turbospec run --spec-type medusa` looks), plus medusa_train_state.pt (optimizer state, for --resume).
