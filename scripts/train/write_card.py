@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 
+from turbospec.train.induction_init import lookback_distances
 from turbospec.train.train import DEFAULT_CURRICULUM, parse_args
 
 
@@ -58,7 +59,7 @@ def _gdn_row(cfg) -> str:
 
 def _planted_row(p: dict, frozen: bool) -> str:
     offsets = p.get("offsets") or list(range(p.get("context", 1)))
-    dists = sorted({o for o in offsets if o >= 1} | {o + 1 for o in offsets})
+    dists = lookback_distances(offsets)
     heads = "a previous-token head" if dists == [1] else f"look-back heads at distance {', '.join(map(str, dists))}"
     matched = ", ".join(["the current token" if o == 0 else f"the token {o} back" for o in offsets])
     return (f"| initialisation | planted induction circuit in layers 0-1 (`turbospec/train/induction_init.py`: "

@@ -5,8 +5,8 @@ heads composed: a *previous-token head* that writes each position's predecessor 
 an *induction head* that matches the current token against it and copies the token found.  Trained from
 random weights on 2 CPU cores, a small model stays on the loss plateau before that circuit forms for longer
 than the whole training budget (docs/bundled-model.md, "Why retrieval fails").  This module plants the
-circuit at initialisation (``context=2`` adds a look-back-2 head so that two tokens are matched; see
-:func:`plant_induction_circuit`); :class:`CircuitGuard` lets the trainer hold layers 0-1 fixed afterwards.
+circuit at initialisation (``context=2`` or ``offsets=(0, 1, 4)`` add look-back heads so that more earlier
+tokens are matched; see :func:`plant_induction_circuit`); :class:`CircuitGuard` lets the trainer hold layers 0-1 fixed afterwards.
 
 Dense ``qwen3`` attention: per-head RMSNorm on q and k (weights shared by the layer's heads), then RoPE with
 rotate-half pairs (i, i + D/2), pair i turning by ``theta_i = base ** (-2i/D)`` per position.
@@ -44,6 +44,12 @@ def _orthonormal_rows(n: int, d: int, g: torch.Generator, avoid: torch.Tensor | 
     return q[:, (0 if avoid is None else avoid.shape[0]):].T.contiguous()
 
 
+def lookback_distances(offsets) -> list[int]:
+    """Layer-0 look-back heads a circuit matching ``offsets`` needs: the query reads the token ``o`` back
+    (offset >= 1) and the key the token ``o + 1`` back, so every offset >= 1 and every offset + 1."""
+    return sorted({o for o in offsets if o >= 1} | {o + 1 for o in offsets})
+
+
 @torch.no_grad()
 def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 0.3, alpha: float = 0.05,
                             gamma: float = 0.3, norm_scale: float = 2.5, zero_outputs: bool = True,
@@ -68,7 +74,7 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     half = hd // 2
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     offsets = tuple(offsets) if offsets is not None else tuple(range(context))
-    dists = sorted({o for o in offsets if o >= 1} | {o + 1 for o in offsets})  # look-back heads needed
+    dists = lookback_distances(offsets)
     n_kv = cfg.num_key_value_heads
     if (cfg.num_hidden_layers < 2 or k % 2 or not offsets or min(offsets) < 0 or len(set(offsets)) < len(offsets)
             or not 0 < fast_pairs <= half - k // 2 * len(offsets) or len(dists) > cfg.num_attention_heads):
