@@ -1,14 +1,14 @@
 """Compare planted induction circuits at initialisation (nothing trained): the table in docs/bundled-model.md,
-"Session 8".
+"Session 8" and "Session 9".
 
-    python scripts/train/circuit_at_init.py            # ~3 min on 2 cores
+    python scripts/train/circuit_at_init.py            # ~4 min on 2 cores
 
 For each (offsets, rope theta, k): account-like rows (6 rows `R n1 n2 B1 B2 B3 C v1 v2 v3` sharing everything but
 the account number and value, 16 documents, with ~10 or ~250 filler tokens per row) -- does the next token after
 the asked row's prefix equal its first value token; random-token copy top-1 (from the 2nd / 6th token of the
 repeat) at distance 0 and 3500; and the shipped 2K / 4K retrieval cases teacher-forced up to the value: first
-value token / whole value right.  A 2-layer qwen3 (hidden 256, 4 / 2 heads x 64, vocab 8192) with the circuit
-planted and every other output zero.
+value token / whole value right.  A 2-layer qwen3 (hidden 256, 4 / 2 heads x 64, vocab 8192; 6 / 2 heads where a
+second induction head is planted) with the circuit planted and every other output zero.
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ from turbospec.train.induction_init import plant_induction_circuit
 from turbospec.train.model import TrunkWithMTP, build_config
 from turbospec.train.tokenizer import load_tokenizer
 
-CIRCUITS = [((0, 1), 1e8, 16), ((0, 1, 2), 1e12, 14), ((0, 1, 4), 1e12, 14), ((0, 3, 4), 1e12, 14),
-            ((0, 4, 5), 1e12, 14)]
+# (offsets, rope theta, k, query heads, further induction heads' offsets)
+CIRCUITS = [((0, 1), 1e8, 16, 4, ()), ((0, 1, 2), 1e12, 14, 4, ()), ((0, 1, 4), 1e12, 14, 4, ()),
+            ((0, 3, 4), 1e12, 14, 4, ()), ((0, 4, 5), 1e12, 14, 4, ()),
+            ((0, 1, 4), 1e12, 14, 6, ((0, 1, 2),)), ((0, 1, 4), 1e12, 14, 6, ((0, 1, 5),))]
 FAMILIES = ("passkey", "code", "secret", "budget", "account")
 
 
-def model(offsets, theta, k):
-    cfg = build_config("qwen3", 8192, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+def model(offsets, theta, k, heads=4, more=()):
+    cfg = build_config("qwen3", 8192, hidden=256, layers=2, heads=heads, kv_heads=2, head_dim=64, intermediate=256,
                        rope_theta=theta)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     m = TrunkWithMTP(cfg, "qwen3")
-    plant_induction_circuit(m, offsets=offsets, k=k)
+    plant_induction_circuit(m, offsets=offsets, k=k, more_offsets=more)
     return m.eval()
 
 
@@ -78,8 +80,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(2)
     docs = {gap: account_docs(gap, g) for gap in (60, 1500)}
     cases = shipped_cases()
-    for offsets, theta, k in CIRCUITS:
-        m = model(offsets, theta, k)
+    for offsets, theta, k, heads, more in CIRCUITS:
+        m = model(offsets, theta, k, heads, more)
         acct = {gap: sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in ds)
                 for gap, ds in docs.items()}
         first, whole = defaultdict(list), defaultdict(list)
@@ -88,7 +90,7 @@ def main() -> None:
             ok = (m.lm(input_ids=x).logits[0].argmax(-1)[p - 1:len(full) - 1] == x[0, p:]).tolist()
             first[(L, fam)].append(ok[0])
             whole[(L, fam)].append(all(ok))
-        print(f"offsets {offsets} theta {theta:g} k {k}: account rows {acct} of 16; "
+        print(f"offsets {offsets}{f' + {more}, {heads} heads' if more else ''} theta {theta:g} k {k}: account rows {acct} of 16; "
               f"copy {({gap: copy_top1(m, gap) for gap in (0, 3500)})}", flush=True)
         for L in (2048, 4096):
             fams = " ".join(f"{f} {sum(first[(L, f)])}/{sum(whole[(L, f)])}/{len(first[(L, f)])}" for f in FAMILIES)

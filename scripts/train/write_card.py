@@ -58,13 +58,17 @@ def _gdn_row(cfg) -> str:
 
 
 def _planted_row(p: dict, frozen: bool) -> str:
-    offsets = p.get("offsets") or list(range(p.get("context", 1)))
-    dists = lookback_distances(offsets)
+    sets = [p.get("offsets") or list(range(p.get("context", 1))), *p.get("more_offsets", [])]
+    dists = sorted({dist for o in sets for dist in lookback_distances(o)})
     heads = "a previous-token head" if dists == [1] else f"look-back heads at distance {', '.join(map(str, dists))}"
-    matched = ", ".join(["the current token" if o == 0 else f"the token {o} back" for o in offsets])
+
+    def matched(offsets):
+        return ", ".join(["the current token" if o == 0 else f"the token {o} back" for o in offsets])
+
+    inductions = " and ".join(f"an induction head matching {matched(o)} on the {p['k'] // 2 * len(o)} slowest rotary "
+                              "pairs" for o in sets)
     return (f"| initialisation | planted induction circuit in layers 0-1 (`turbospec/train/induction_init.py`: "
-            f"{heads} and an induction head matching {matched} on the {p['k'] // 2 * len(offsets)} slowest rotary "
-            f"pairs, k={p['k']}, "
+            f"{heads}, {inductions}, k={p['k']}, "
             f"alpha={p['alpha']}, gamma={p['gamma']}, q/k norm x{p['qk_norm_scale']}, embedding shift {p['embed_shift']}, "
             f"other output projections zero)"
             f"{', layers 0-1 held fixed for the whole run (`--freeze-circuit`)' if frozen else ''}; "

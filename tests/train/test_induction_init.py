@@ -133,3 +133,46 @@ def test_offsets_need_one_layer0_head_per_lookback_distance():
     m = TrunkWithMTP(cfg, "qwen3")
     with pytest.raises(ValueError, match=r"look-back distance \[1, 2, 4, 5, 6\]"):
         plant_induction_circuit(m, offsets=(0, 1, 4, 5), k=10)  # needs 5 look-back heads, layer 0 has 4
+    with pytest.raises(ValueError, match=r"look-back distance \[1, 2, 3, 4, 5\]"):
+        plant_induction_circuit(m, offsets=(0, 1, 4), k=14, more_offsets=((0, 1, 2),))
+    with pytest.raises(ValueError, match="an induction head per key-value group"):
+        plant_induction_circuit(m, offsets=(0, 1), more_offsets=((0, 2), (0, 3)))
+
+
+@torch.no_grad()
+def test_a_second_local_induction_head_copies_digits_inside_a_number():
+    """Rows `R n1 n2 B1 B2 B3 C d , d d , d d` (like `Account 42 balance: 20,724,930`): inside the value the
+    token four back is the row's shared prefix or a digit many rows share, so (0, 1, 4) alone mixes rows up;
+    a second induction head matching (0, 1, 2), in the other key-value group, copies the digits."""
+
+    def model(more):
+        cfg = build_config("qwen3", 8192, hidden=256, layers=2, heads=6, kv_heads=2, head_dim=64, intermediate=256,
+                           rope_theta=1e12)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        m = TrunkWithMTP(cfg, "qwen3")
+        planted = plant_induction_circuit(m, offsets=(0, 1, 4), k=14, more_offsets=more)
+        assert planted.get("more_offsets", []) == [list(o) for o in more]
+        return m.eval()
+
+    g = torch.Generator().manual_seed(3)
+    docs = []
+    for _ in range(16):
+        nums = (torch.randperm(90, generator=g)[:6] + 10).tolist()
+        ids = []
+        for n in nums:
+            d = torch.randint(20, 30, (5,), generator=g).tolist()
+            value = [d[0], 16, d[1], d[2], 16, d[3], d[4]]
+            ids += [11, 20 + n // 10, 20 + n % 10, 12, 13, 14, 15, *value]
+            ids += torch.randint(100, 8192, (10,), generator=g).tolist()
+        asked = 3 * (7 + 7 + 10)  # the 4th row starts here
+        docs.append((torch.tensor(ids + ids[asked:asked + 14]), 7))
+    whole = {}
+    for more in ((), ((0, 1, 2),)):
+        m = model(more)
+        hits = 0
+        for x, n_value in docs:
+            pred = m.lm(input_ids=x[None]).logits[0].argmax(-1)
+            hits += int(torch.equal(pred[-n_value - 1:-1], x[-n_value:]))
+        whole[more] = hits
+    assert whole[((0, 1, 2),)] >= 7 and whole[()] <= 5, whole  # measured: 9 and 3 of 16

@@ -54,7 +54,8 @@ def lookback_distances(offsets) -> list[int]:
 def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 0.3, alpha: float = 0.05,
                             gamma: float = 0.3, norm_scale: float = 2.5, zero_outputs: bool = True,
                             seed: int = 0, context: int = 1,
-                            offsets: tuple[int, ...] | None = None) -> dict:
+                            offsets: tuple[int, ...] | None = None,
+                            more_offsets: tuple[tuple[int, ...], ...] = ()) -> dict:
     """Initialise ``model.lm`` (a transformers Qwen3ForCausalLM) in place; returns the planted settings.
 
     ``context`` = how many tokens the induction head matches: 1 (the current token against each position's
@@ -65,6 +66,10 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     current token, its predecessor and the token four back -- with this tokenizer ``Account 70 balance:``
     ends ``0 | b | al | ance | :``, so only a match that reaches four back tells the rows apart.  Each look-back
     distance needed (every offset >= 1 and every offset + 1) takes one layer-0 head.
+    ``more_offsets`` adds further induction heads in layer 1, one per key-value group (the first head of group
+    1, 2, ...), each matching its own offsets, e.g. ``((0, 1, 2),)`` beside ``(0, 1, 4)``: a purely local match
+    for the digits inside a number, where four back lands on the row's shared prefix.  Their outputs add up, so
+    a token both heads find wins over one only the ambiguous head finds.
     """
     lm = model.lm
     cfg = lm.config
@@ -74,12 +79,15 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     half = hd // 2
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     offsets = tuple(offsets) if offsets is not None else tuple(range(context))
-    dists = lookback_distances(offsets)
+    sets = [offsets, *(tuple(o) for o in more_offsets)]
+    dists = sorted({dist for o in sets for dist in lookback_distances(o)})
     n_kv = cfg.num_key_value_heads
-    if (cfg.num_hidden_layers < 2 or k % 2 or not offsets or min(offsets) < 0 or len(set(offsets)) < len(offsets)
-            or not 0 < fast_pairs <= half - k // 2 * len(offsets) or len(dists) > cfg.num_attention_heads):
+    if (cfg.num_hidden_layers < 2 or k % 2 or len(sets) > n_kv
+            or any(not o or min(o) < 0 or len(set(o)) < len(o) or not 0 < fast_pairs <= half - k // 2 * len(o)
+                   for o in sets) or len(dists) > cfg.num_attention_heads):
         raise ValueError("need >= 2 layers, an even k, distinct offsets >= 0, k/2 * len(offsets) <= head_dim/2 - "
-                         f"fast_pairs, and a layer-0 head per look-back distance {dists}")
+                         f"fast_pairs, an induction head per key-value group ({n_kv}), and a layer-0 head per "
+                         f"look-back distance {dists}")
     g = torch.Generator().manual_seed(seed)
     u = _orthonormal_rows(1, d, g)                      # [1, d] shared direction
     s_rows = _orthonormal_rows(k, d, g, avoid=u)        # S: what the look-back heads read
@@ -126,23 +134,26 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
         o0 = torch.zeros(d, hd)
         o0[:, :k] = alpha * t_rows[dist].T
         a0.o_proj.weight[:, head * hd:(head + 1) * hd] = o0.to(a0.o_proj.weight.dtype)
-    # layer 1, head 0: induction head.  Query block j = the token at t - o_j (S at t for offset 0, else T_o
-    # at t); key block j = the token at s - 1 - o_j (T_{o+1} at s).
+    # layer 1: induction heads, the first head of each key-value group.  Query block j = the token at t - o_j
+    # (S at t for offset 0, else T_o at t); key block j = the token at s - 1 - o_j (T_{o+1} at s).
     a1 = layers[1].self_attn
-    q1, k1 = torch.zeros(hd, d), torch.zeros(hd, d)
-    for j, o in enumerate(offsets):
-        q1[block(j)] = s_rows if o == 0 else t_rows[o]
-        k1[block(j)] = t_rows[o + 1]
-    put(a1.q_proj, slice(0, hd), q1)
-    put(a1.k_proj, slice(0, hd), k1)
-    put(a1.v_proj, slice(0, hd), v_rows)
-    a1.o_proj.weight[:, :hd] = (gamma * v_rows.T).to(a1.o_proj.weight.dtype)
+    for kv, offs in enumerate(sets):
+        head = kv * group
+        q1, k1 = torch.zeros(hd, d), torch.zeros(hd, d)
+        for j, o in enumerate(offs):
+            q1[block(j)] = s_rows if o == 0 else t_rows[o]
+            k1[block(j)] = t_rows[o + 1]
+        put(a1.q_proj, slice(head * hd, (head + 1) * hd), q1)
+        put(a1.k_proj, slice(kv * hd, (kv + 1) * hd), k1)
+        put(a1.v_proj, slice(kv * hd, (kv + 1) * hd), v_rows)
+        a1.o_proj.weight[:, head * hd:(head + 1) * hd] = (gamma * v_rows.T).to(a1.o_proj.weight.dtype)
     for a in (a0, a1):
         a.q_norm.weight.fill_(norm_scale)
         a.k_norm.weight.fill_(norm_scale)
     return {"k": k, "fast_pairs": fast_pairs, "embed_shift": c, "alpha": alpha, "gamma": gamma,
             "qk_norm_scale": norm_scale, "zero_outputs": zero_outputs, "rope_theta": cfg.rope_parameters["rope_theta"],
-            "context": len(offsets), "offsets": list(offsets)}
+            "context": len(offsets), "offsets": list(offsets),
+            **({"more_offsets": [list(o) for o in sets[1:]]} if len(sets) > 1 else {})}
 
 
 class CircuitGuard:

@@ -54,6 +54,9 @@ def parse_args(argv=None):
     ap.add_argument("--induction-offsets", default=None, metavar="O1,O2,...",
                     help="with --induction-init: which earlier tokens the induction head matches, e.g. 0,1,4 "
                          "(overrides --induction-context; 0 = the current token)")
+    ap.add_argument("--induction-more-offsets", default=None, metavar="O1,O2,.../...",
+                    help="with --induction-init: further induction heads (one per key-value group after the first), "
+                         "each with its own offsets, sets separated by '/', e.g. 0,1,2")
     ap.add_argument("--induction-k", type=int, default=None,
                     help="with --induction-init: slow dims per matched token (default 32 // number matched)")
     ap.add_argument("--freeze-circuit", action="store_true",
@@ -147,8 +150,10 @@ def make_model(args, tok):
     if getattr(args, "induction_init", False):
         offs = getattr(args, "induction_offsets", None)
         offsets = tuple(int(o) for o in offs.split(",")) if offs else tuple(range(getattr(args, "induction_context", 1)))
+        more = getattr(args, "induction_more_offsets", None)
+        more_offsets = tuple(tuple(int(o) for o in m.split(",")) for m in more.split("/")) if more else ()
         k = getattr(args, "induction_k", None) or 32 // len(offsets)
-        model.planted = plant_induction_circuit(model, seed=args.seed, offsets=offsets, k=k,
+        model.planted = plant_induction_circuit(model, seed=args.seed, offsets=offsets, k=k, more_offsets=more_offsets,
                                                 zero_outputs=not getattr(args, "keep_random_outputs", False))
     return model
 
