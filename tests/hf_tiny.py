@@ -13,6 +13,8 @@ VARIANTS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
     "qwen3_tied_bias": ("Qwen3Config", "Qwen3ForCausalLM",
                         {"head_dim": 24, "tie_word_embeddings": True, "attention_bias": True}),
+    "qwen3_gqa3": ("Qwen3Config", "Qwen3ForCausalLM",  # 3 query heads per KV head, like the bundled model
+                   {"head_dim": 16, "num_attention_heads": 6, "tie_word_embeddings": True}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 1}),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {

@@ -55,26 +55,28 @@ def test_turbo_prod_has_no_kernel_path():
     assert fused.spec_of(get_format("turbo4p"), 64) is None
 
 
+@pytest.mark.parametrize("heads", [8, 6])  # 6: three query heads per KV head
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_dense_decode_matches_softmax_reference(dtype):
+def test_dense_decode_matches_softmax_reference(dtype, heads):
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(8, 1, 64, generator=g).to(dtype)
+    q = torch.randn(heads, 1, 64, generator=g).to(dtype)
     keys = torch.randn(2, 300, 64, generator=g).to(dtype)
     values = torch.randn(2, 300, 64, generator=g).to(dtype)
     got = _decode_attention(q, keys, values)
-    qg = q.float().reshape(2, 4, 64)
+    qg = q.float().reshape(2, heads // 2, 64)
     ref = torch.softmax(qg @ keys.float().transpose(1, 2) / math.sqrt(64), -1) @ values.float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype
-    assert torch.allclose(got.float(), ref.reshape(8, 1, 64), atol=tol)
+    assert torch.allclose(got.float(), ref.reshape(heads, 1, 64), atol=tol)
 
 
+@pytest.mark.parametrize("h", [4, 6])  # 6: three query heads per KV head (the bundled model)
 @pytest.mark.parametrize("kv", [("q4_0", "turbo3"), ("tbq4_0", "q8_0"), ("f16", "turbo4")])
-def test_cache_attend_same_with_and_without_kernel(kv, monkeypatch):
+def test_cache_attend_same_with_and_without_kernel(kv, h, monkeypatch):
     """QuantKVCache.attend: kernel (committed part) + torch (scratch part, causal / tree masks) equals the
     all-torch block loop, for a chunked prefill, a decode step and a tree step."""
     g = torch.Generator().manual_seed(2)
-    d, kvh, h = 64, 2, 4
+    d, kvh = 64, 2
 
     def run():
         cache = QuantKVCache(1, kvh, d, 128, kv[0], kv[1], block=16)
