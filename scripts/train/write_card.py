@@ -117,13 +117,19 @@ def main():
         ("(extra, not part of the bar) MTP acceptance on self-generated code continuations >= 0.6",
          acc_c.get("acceptance") is not None and acc_c["acceptance"] >= 0.6, f3(acc_c.get("acceptance"))),
     ]
+    py = ev.get("python")
+    measured = "" if not py else (
+        f" (measured on {py['prompts']} greedy continuations of {py['gen_tokens']} tokens from the middle of held-out "
+        f"files, `turbospec/train/pylike.py`: {pct(py['model']['parse_rate'])} of {py['model']['lines']} lines parse as "
+        f"Python -- the files' real continuations {pct(py['real']['parse_rate'])}; "
+        f"{pct(py['model']['repeat_rate'])} repeat an earlier line -- real {pct(py['real']['repeat_rate'])})")
     bar.append(("greedy continuations of held-out code look like Python (judged by eye)",
-                a.python_verdict.lower().startswith("yes"), a.python_verdict))
+                a.python_verdict.lower().startswith("yes"), a.python_verdict + measured))
     cur = json.loads(args["curriculum"]) if args.get("curriculum") else DEFAULT_CURRICULUM
     cur_text = ", ".join(f"{c[0]:g}: {c[1]}x{c[2]}" + _shares(c) for c in cur)
     command = _command(args, a.run)
     planted = meta.get("induction_init")
-    samples = acc_c.get("samples", [])[:3]
+    samples = (py or {}).get("samples", [])[:4] or acc_c.get("samples", [])[:3]
     fam = {}
     for L, v in r.items():
         for k, x in v.get("by_family", {}).items():

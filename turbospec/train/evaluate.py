@@ -9,6 +9,9 @@ Metrics
 * MTP acceptance, self-generated: the base model greedily continues held-out prompts; over the generated
   tokens the MTP draft (from h_t and the accepted greedy x_{t+1}) is compared with the base's next greedy
   token -- exactly the per-draft acceptance of greedy MTP speculative decoding with one draft token;
+* Python-likeness: greedy continuations from the middle of held-out code files -- share of their lines that
+  parse as Python (alone or as a fragment of a larger statement) and that repeat an earlier line, beside the same
+  for the files' real continuations (:mod:`turbospec.train.pylike`);
 * in-context copying: a held-out code window followed by the same window again; top-1 accuracy on the second
   copy vs the first (a model with a copying mechanism -- induction heads -- is near 1.0 on the second copy;
   retrieval needs that mechanism);
@@ -28,6 +31,7 @@ from safetensors.torch import load_file
 
 from .evaldata import default_eval_dir, load_jsonl
 from .model import TrunkWithMTP
+from .pylike import python_likeness
 from .tokenizer import load_tokenizer
 
 
@@ -120,6 +124,27 @@ def self_acceptance(model, tok, texts: list[str], n_prompts: int, prompt_tokens:
 
 
 @torch.no_grad()
+def code_likeness(model, tok, texts: list[str], n_prompts: int = 24, prompt_tokens: int = 192,
+                  gen_tokens: int = 64) -> dict:
+    """Greedy continuations from the middle of held-out files vs the files' real continuations: share of lines
+    that parse as Python and share that repeat an earlier line (:mod:`turbospec.train.pylike`)."""
+    model_out, real_out, samples = [], [], []
+    for t in texts[:n_prompts]:
+        ids = tok.encode(t).ids
+        mid = max(prompt_tokens, len(ids) // 2)
+        prompt, real = ids[mid - prompt_tokens:mid], ids[mid:mid + gen_tokens]
+        gen = greedy_generate(model, prompt, gen_tokens)
+        head = tok.decode(prompt)
+        cut = head.rfind("\n") + 1  # the prompt's unfinished last line belongs to the continuation
+        for out, cont in ((model_out, gen), (real_out, real)):
+            full = tok.decode(prompt + cont)
+            out.append(full[cut:] if full.startswith(head) else tok.decode(cont))
+        samples.append({"prompt_tail": head[-300:], "continuation": tok.decode(gen)})
+    return {"model": python_likeness(model_out), "real": python_likeness(real_out), "prompts": len(samples),
+            "gen_tokens": gen_tokens, "samples": samples}
+
+
+@torch.no_grad()
 def copy_probe(model, tok, texts: list[str], n_texts: int = 8, window: int = 100) -> dict:
     """Top-1 accuracy on a window of held-out text and on its exact repetition right after it."""
     first, second, n = 0.0, 0.0, 0
@@ -195,7 +220,7 @@ def main(argv=None):
     ap.add_argument("--accept-prompts", type=int, default=8)
     ap.add_argument("--accept-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma list of: ppl,accept,copy,retrieval")
+    ap.add_argument("--skip", default="", help="comma list of: ppl,accept,python,copy,retrieval")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -215,6 +240,9 @@ def main(argv=None):
         res["accept_prose"] = self_acceptance(model, tok, prose, a.accept_prompts, 192, a.accept_tokens)
         print("acceptance code", res["accept_code"]["acceptance"], "prose", res["accept_prose"]["acceptance"],
               flush=True)
+    if "python" not in skip:
+        res["python"] = code_likeness(model, tok, code)
+        print("python-likeness", json.dumps({k: res["python"][k] for k in ("model", "real")}), flush=True)
     if "copy" not in skip:
         res["copy"] = copy_probe(model, tok, code)
         print("copy", json.dumps(res["copy"]), flush=True)
