@@ -59,7 +59,7 @@ def _gdn_row(cfg) -> str:
 
 def _planted_row(p: dict, frozen: bool) -> str:
     sets = [p.get("offsets") or list(range(p.get("context", 1))), *p.get("more_offsets", [])]
-    dists = sorted({dist for o in sets for dist in lookback_distances(o)})
+    dists = lookback_distances(*sets)
     heads = "a previous-token head" if dists == [1] else f"look-back heads at distance {', '.join(map(str, dists))}"
 
     def matched(offsets):

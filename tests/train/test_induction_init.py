@@ -18,6 +18,18 @@ def _model(plant: bool, theta: float = 1e8):
     return m.eval()
 
 
+def _planted(vocab: int = 8192, heads: int = 4, theta: float = 1e12, **plant):
+    """A 2-layer qwen3 (hidden 256, ``heads`` query heads over 2 key-value heads of 64) with the circuit planted
+    as ``plant`` asks; returns the model in eval mode and the planted settings."""
+    cfg = build_config("qwen3", vocab, hidden=256, layers=2, heads=heads, kv_heads=2, head_dim=64, intermediate=256,
+                       rope_theta=theta)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = TrunkWithMTP(cfg, "qwen3")
+    planted = plant_induction_circuit(m, **plant)
+    return m.eval(), planted
+
+
 @torch.no_grad()
 def _copy_top1(m, gap: int, half: int = 24) -> float:
     g = torch.Generator().manual_seed(1)
@@ -70,15 +82,6 @@ def test_two_token_context_resolves_a_shared_predecessor():
     """Many earlier `<a_i> B <x_i>` triples share B: matching B alone cannot tell which x follows `A B`;
     the 2-token circuit can."""
 
-    def model(context):
-        cfg = build_config("qwen3", 2048, hidden=256, layers=2, heads=2, kv_heads=2, head_dim=64, intermediate=256,
-                           rope_theta=1e8)
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        m = TrunkWithMTP(cfg, "qwen3")
-        plant_induction_circuit(m, context=context, k=32 // context)
-        return m.eval()
-
     g = torch.Generator().manual_seed(2)
     docs = []
     for _ in range(12):
@@ -88,7 +91,7 @@ def test_two_token_context_resolves_a_shared_predecessor():
         docs.append((torch.cat([triples.flatten(), torch.tensor([a, 5])]), x))
     hits = {}
     for context in (1, 2):
-        m = model(context)
+        m, _ = _planted(2048, heads=2, theta=1e8, context=context, k=32 // context)
         hits[context] = sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in docs)
     assert hits[2] >= 7 and hits[1] <= 2, hits  # measured: 9 and 0 of 12
 
@@ -98,16 +101,6 @@ def test_offset_four_tells_rows_apart_that_share_the_last_three_tokens():
     """Rows `R n1 n2 B1 B2 B3 C v...` (like `Account 70 balance: 93,...`, which this tokenizer ends
     `0 | b | al | ance | :`): matching the current token and its predecessor cannot tell which row is asked;
     offsets (0, 1, 4) reach the account number."""
-
-    def model(offsets, theta, k):
-        cfg = build_config("qwen3", 8192, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                           rope_theta=theta)
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        m = TrunkWithMTP(cfg, "qwen3")
-        planted = plant_induction_circuit(m, offsets=offsets, k=k)
-        assert planted["offsets"] == list(offsets)
-        return m.eval()
 
     g = torch.Generator().manual_seed(2)
     docs = []
@@ -122,7 +115,8 @@ def test_offset_four_tells_rows_apart_that_share_the_last_three_tokens():
         docs.append((torch.tensor(ids + [11, 20 + n // 10, 20 + n % 10, 12, 13, 14, 15]), vals[3, 0]))
     hits = {}
     for offsets, theta, k in (((0, 1), 1e8, 16), ((0, 1, 4), 1e12, 14)):
-        m = model(offsets, theta, k)
+        m, planted = _planted(theta=theta, offsets=offsets, k=k)
+        assert planted["offsets"] == list(offsets)
         hits[offsets] = sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in docs)
     assert hits[(0, 1, 4)] >= 10 and hits[(0, 1)] <= 5, hits  # measured: 12 and 1 of 16
 
@@ -145,16 +139,6 @@ def test_a_second_local_induction_head_copies_digits_inside_a_number():
     token four back is the row's shared prefix or a digit many rows share, so (0, 1, 4) alone mixes rows up;
     a second induction head matching (0, 1, 2), in the other key-value group, copies the digits."""
 
-    def model(more):
-        cfg = build_config("qwen3", 8192, hidden=256, layers=2, heads=6, kv_heads=2, head_dim=64, intermediate=256,
-                           rope_theta=1e12)
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        m = TrunkWithMTP(cfg, "qwen3")
-        planted = plant_induction_circuit(m, offsets=(0, 1, 4), k=14, more_offsets=more)
-        assert planted.get("more_offsets", []) == [list(o) for o in more]
-        return m.eval()
-
     g = torch.Generator().manual_seed(3)
     docs = []
     for _ in range(16):
@@ -169,7 +153,8 @@ def test_a_second_local_induction_head_copies_digits_inside_a_number():
         docs.append((torch.tensor(ids + ids[asked:asked + 14]), 7))
     whole = {}
     for more in ((), ((0, 1, 2),)):
-        m = model(more)
+        m, planted = _planted(heads=6, offsets=(0, 1, 4), k=14, more_offsets=more)
+        assert planted.get("more_offsets", []) == [list(o) for o in more]
         hits = 0
         for x, n_value in docs:
             pred = m.lm(input_ids=x[None]).logits[0].argmax(-1)

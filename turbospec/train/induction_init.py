@@ -44,10 +44,10 @@ def _orthonormal_rows(n: int, d: int, g: torch.Generator, avoid: torch.Tensor | 
     return q[:, (0 if avoid is None else avoid.shape[0]):].T.contiguous()
 
 
-def lookback_distances(offsets) -> list[int]:
-    """Layer-0 look-back heads a circuit matching ``offsets`` needs: the query reads the token ``o`` back
-    (offset >= 1) and the key the token ``o + 1`` back, so every offset >= 1 and every offset + 1."""
-    return sorted({o for o in offsets if o >= 1} | {o + 1 for o in offsets})
+def lookback_distances(*offset_sets) -> list[int]:
+    """Layer-0 look-back heads a circuit needs for induction heads matching ``offset_sets``: a query reads the token
+    ``o`` back (offset >= 1) and a key the token ``o + 1`` back, so every offset >= 1 and every offset + 1."""
+    return sorted({d for offsets in offset_sets for o in offsets for d in (o, o + 1) if d >= 1})
 
 
 @torch.no_grad()
@@ -80,7 +80,7 @@ def plant_induction_circuit(model, k: int = 32, fast_pairs: int = 4, c: float = 
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     offsets = tuple(offsets) if offsets is not None else tuple(range(context))
     sets = [offsets, *(tuple(o) for o in more_offsets)]
-    dists = sorted({dist for o in sets for dist in lookback_distances(o)})
+    dists = lookback_distances(*sets)
     n_kv = cfg.num_key_value_heads
     if (cfg.num_hidden_layers < 2 or k % 2 or len(sets) > n_kv
             or any(not o or min(o) < 0 or len(set(o)) < len(o) or not 0 < fast_pairs <= half - k // 2 * len(o)

@@ -140,6 +140,11 @@ def prepare(args):
     return corpus, tok, tok_dir, streams
 
 
+def _offsets(text: str) -> tuple[int, ...]:
+    """``"0,1,4"`` -> ``(0, 1, 4)`` (--induction-offsets, one set of --induction-more-offsets)."""
+    return tuple(int(o) for o in text.split(","))
+
+
 def make_model(args, tok):
     cfg = build_config(args.arch, tok.get_vocab_size(), hidden=args.hidden, layers=args.layers, heads=args.heads,
                        kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
@@ -149,9 +154,9 @@ def make_model(args, tok):
     model = TrunkWithMTP(cfg, args.arch)
     if getattr(args, "induction_init", False):
         offs = getattr(args, "induction_offsets", None)
-        offsets = tuple(int(o) for o in offs.split(",")) if offs else tuple(range(getattr(args, "induction_context", 1)))
         more = getattr(args, "induction_more_offsets", None)
-        more_offsets = tuple(tuple(int(o) for o in m.split(",")) for m in more.split("/")) if more else ()
+        offsets = _offsets(offs) if offs else tuple(range(getattr(args, "induction_context", 1)))
+        more_offsets = tuple(_offsets(m) for m in more.split("/")) if more else ()
         k = getattr(args, "induction_k", None) or 32 // len(offsets)
         model.planted = plant_induction_circuit(model, seed=args.seed, offsets=offsets, k=k, more_offsets=more_offsets,
                                                 zero_outputs=not getattr(args, "keep_random_outputs", False))
