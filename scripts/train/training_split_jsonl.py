@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 
 from turbospec.train.corpus import load_corpus
@@ -27,6 +28,7 @@ def main() -> None:
             break
         lines.append(json.dumps({"kind": d.kind, "text": d.text}))
         n += len(d.text)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     print(f"{len(lines)} training files, {n} chars -> {a.out}")

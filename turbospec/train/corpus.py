@@ -170,9 +170,13 @@ def _money(rng: random.Random) -> str:
     return f"{rng.randint(100_000, 99_999_999):,}"
 
 
-def _needle(rng: random.Random) -> dict:
-    """Pick a fact family. Returns needle line, question, answer line and the bare value."""
-    fam = rng.randrange(5)
+FAMILIES = ("passkey", "secret", "account", "budget", "code")
+
+
+def _needle(rng: random.Random, weights: tuple[float, ...] | None = None) -> dict:
+    """Pick a fact family (uniformly, or by ``weights`` in ``FAMILIES`` order). Returns needle line, question,
+    answer line and the bare value."""
+    fam = rng.randrange(5) if weights is None else rng.choices(range(5), weights=weights)[0]
     if fam == 0:
         v = str(rng.randint(10_000, 99_999))
         return {"family": "passkey", "needle": f"The passkey is {v}. Remember it. {v} is the passkey.",
@@ -301,13 +305,14 @@ def _fact_key(nd: dict) -> tuple:
     return (nd["family"], nd.get("key"), nd["question"])
 
 
-def distinct_needles(rng: random.Random, n: int) -> list[dict]:
-    """Up to ``n`` facts whose questions all differ (one passkey, one ACCESS_CODE, distinct names/keys)."""
+def distinct_needles(rng: random.Random, n: int, weights: tuple[float, ...] | None = None) -> list[dict]:
+    """Up to ``n`` facts whose questions all differ (one passkey, one ACCESS_CODE, distinct names/keys);
+    families drawn as in ``_needle``."""
     out, seen = [], set()
     for _ in range(n * 4):
         if len(out) >= n:
             break
-        nd = _needle(rng)
+        nd = _needle(rng, weights)
         k = _fact_key(nd)
         if k in seen:
             continue

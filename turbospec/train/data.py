@@ -73,6 +73,7 @@ class BatchSampler:
         self.p_code = p_code
         self.answer_weight = answer_weight
         self.max_facts = max_facts
+        self.family_weights: tuple[float, ...] | None = None  # fact families (corpus.FAMILIES order); None: uniform
         self.p_repeat = 0.0
         self.p_symbols = 0.0
         self.n_symbols = 64
@@ -173,7 +174,7 @@ class BatchSampler:
         fact.  Only the tokens from the value on get ``answer_weight`` (the sentence before it is copied
         from the question)."""
         k = self.rng.randint(1, max(1, min(self.max_facts, length // 64)))
-        needles = distinct_needles(self.rng, k)
+        needles = distinct_needles(self.rng, k, self.family_weights)
         qas = [self._qa_ids(nd) for nd in needles]
         qa_len = sum(len(q) + len(a) for q, a, _ in qas) + 1
         body_budget = max(16, length - qa_len)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from .corpus import CorpusError, load_corpus
+from .corpus import FAMILIES, CorpusError, load_corpus
 from .data import BatchSampler, build_streams
 from .export import export_model
 from .induction_init import CircuitGuard, plant_induction_circuit
@@ -78,6 +78,9 @@ def parse_args(argv=None):
                     help="loss weight of the answer tokens (with --max-facts > 1: of the tokens from the value on)")
     ap.add_argument("--max-facts", type=int, default=1,
                     help="facts (and questions) per retrieval document (1 = one fact: the shipped model's recipe)")
+    ap.add_argument("--fact-families", default=None, metavar="NAME=W,...",
+                    help="relative weights of the fact families in multi-fact documents (--max-facts > 1), e.g. "
+                         "'account=3,budget=1.5'; unnamed families weigh 1 (default: uniform)")
     ap.add_argument("--time-budget-min", type=float, default=105.0, help="wall-clock training budget (0 = use --max-steps)")
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--curriculum", default=None,
@@ -145,6 +148,17 @@ def _offsets(text: str) -> tuple[int, ...]:
     return tuple(int(o) for o in text.split(","))
 
 
+def _family_weights(text: str) -> tuple[float, ...]:
+    """``"account=3,budget=1.5"`` -> weights in ``FAMILIES`` order, unnamed families 1."""
+    given = {}
+    for part in text.split(","):
+        name, _, w = part.partition("=")
+        if name.strip() not in FAMILIES or not w:
+            raise SystemExit(f"--fact-families: expected NAME=WEIGHT with NAME in {', '.join(FAMILIES)}, got {part!r}")
+        given[name.strip()] = float(w)
+    return tuple(given.get(f, 1.0) for f in FAMILIES)
+
+
 def make_model(args, tok):
     cfg = build_config(args.arch, tok.get_vocab_size(), hidden=args.hidden, layers=args.layers, heads=args.heads,
                        kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
@@ -191,6 +205,10 @@ def main(argv=None):
     sampler = BatchSampler(tok, corpus, streams, seed=args.seed, p_retrieval=args.p_retrieval,
                            answer_weight=args.answer_weight, max_facts=args.max_facts)
     sampler.symbol_pool = args.symbol_pool
+    if args.fact_families:
+        if args.max_facts < 2:
+            raise SystemExit("--fact-families weights multi-fact documents: use it with --max-facts 2 or more")
+        sampler.family_weights = _family_weights(args.fact_families)
     if args.symbol_episodes:
         lo, hi = (int(v) for v in args.symbol_episodes.split(","))
         sampler.symbol_episodes = (lo, hi)
