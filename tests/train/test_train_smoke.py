@@ -225,3 +225,25 @@ def test_copy_probe_reports_both_copies():
     model = TrunkWithMTP(cfg, "qwen3").eval()
     r = copy_probe(model, Tok(), ["abcdefghij" * 20, "short"], window=50)
     assert r["windows"] == 1 and 0.0 <= r["first_copy_top1"] <= 1.0 and 0.0 <= r["second_copy_top1"] <= 1.0
+
+
+def test_fact_family_weights():
+    """Uniform families by default (the shipped eval cases' generator is unchanged); weights shift the mix of
+    multi-fact documents; --fact-families names families and rejects unknown ones."""
+    from collections import Counter
+
+    from turbospec.train.corpus import FAMILIES, _needle, distinct_needles
+    from turbospec.train.train import _family_weights
+
+    a, b = random.Random(5), random.Random(5)
+    assert [_needle(a)["value"] for _ in range(50)] == [_needle(b, None)["value"] for _ in range(50)]
+    rng = random.Random(0)
+    uniform = Counter(n["family"] for _ in range(600) for n in distinct_needles(rng, 3))
+    rng = random.Random(0)
+    heavy = Counter(n["family"] for _ in range(600) for n in distinct_needles(rng, 3, (1, 1, 4, 1, 1)))
+    assert set(uniform) == set(heavy) == set(FAMILIES)
+    assert heavy["account"] > 1.5 * uniform["account"]
+    assert heavy["passkey"] < uniform["passkey"]
+    assert _family_weights("account=3,budget=1.5") == (1.0, 1.0, 3.0, 1.5, 1.0)
+    with pytest.raises(SystemExit, match="NAME=WEIGHT"):
+        _family_weights("acount=3")
