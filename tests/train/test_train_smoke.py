@@ -247,3 +247,35 @@ def test_fact_family_weights():
     assert _family_weights("account=3,budget=1.5") == (1.0, 1.0, 3.0, 1.5, 1.0)
     with pytest.raises(SystemExit, match="NAME=WEIGHT"):
         _family_weights("acount=3")
+
+
+def test_key_weight_marks_the_restated_key(toy_dirs):
+    """With --key-weight the answer tokens that restate an account number / project get that weight, and nothing
+    else does; the default (1.0) leaves the weights as before."""
+    import numpy as np
+
+    from turbospec.train.data import BatchSampler
+    from turbospec.train.tokenizer import train_tokenizer
+
+    code, docs = toy_dirs
+    corpus = load_corpus(code_dir=code, docs_dir=docs, percent=20)
+    tok = train_tokenizer(corpus.texts(), 600)
+    streams = {"code": np.arange(5000, dtype=np.int32) % 500, "prose": np.arange(5000, dtype=np.int32) % 400}
+    s = BatchSampler(tok, corpus, streams, seed=1, p_retrieval=1.0, answer_weight=3.0, max_facts=4)
+    s.family_weights = (0.0, 0.0, 1.0, 1.0, 0.0)  # accounts and budgets only: every fact has a key
+    s.key_weight = 7.0
+    keys = 0
+    for length in (400, 800):
+        ids, w = s._multi_doc(length)
+        text = tok.decode(ids.tolist())
+        restated = [qa.split("\nAnswer: ")[1].split()[1 if "Account" in qa.split("\nAnswer: ")[1] else 5]
+                    for qa in text.split("\nQuestion: ")[1:]]
+        keyed = tok.decode([int(t) for t, x in zip(ids, w) if x == 7.0])
+        for k in restated:
+            assert k.strip() in keyed
+        assert keyed.replace(" ", "") == "".join(k.strip() for k in restated).replace(" ", "")
+        keys += len(restated)
+    assert keys >= 2
+    s.key_weight = 1.0
+    _ids, w = s._multi_doc(400)
+    assert set(np.unique(w).tolist()) <= {1.0, 3.0}

@@ -73,6 +73,7 @@ class BatchSampler:
         self.p_code = p_code
         self.answer_weight = answer_weight
         self.max_facts = max_facts
+        self.key_weight = 1.0  # loss weight of the answer tokens that restate the key (multi-fact documents)
         self.family_weights: tuple[float, ...] | None = None  # fact families (corpus.FAMILIES order); None: uniform
         self.p_repeat = 0.0
         self.p_symbols = 0.0
@@ -160,23 +161,29 @@ class BatchSampler:
             self._syms = symbol_ids(self.tok, self.streams, self.symbol_pool, self.n_symbols)
         return self._syms
 
-    def _qa_ids(self, nd: dict) -> tuple[list[int], list[int], int]:
-        """Question ids, answer ids and the index of the first answer token that spells the value."""
+    def _qa_ids(self, nd: dict) -> tuple[list[int], list[int], int, list[int]]:
+        """Question ids, answer ids, the index of the first answer token that spells the value, and the indices
+        of the answer tokens that restate the fact's key (account number, project; empty for other families)."""
         q_ids = self.tok.encode(f"\nQuestion: {nd['question']}\nAnswer:").ids
         answer = " " + nd["answer"]
         enc = self.tok.encode(answer)
         start = answer.index(nd["value"])
         first = next((k for k, (_, b) in enumerate(enc.offsets) if b > start), 0)
-        return q_ids, enc.ids, first
+        key = []
+        if nd.get("key") is not None:
+            ks = answer.index(str(nd["key"]))
+            ke = ks + len(str(nd["key"]))
+            key = [k for k, (a, b) in enumerate(enc.offsets[:first]) if b > ks and a < ke]
+        return q_ids, enc.ids, first, key
 
     def _multi_doc(self, length: int, chars_per_token: float = 3.2):
         """A document of about ``length`` tokens: 1..max_facts facts in real filler, then one question per
         fact.  Only the tokens from the value on get ``answer_weight`` (the sentence before it is copied
-        from the question)."""
+        from the question); the tokens that restate the key from the question get ``key_weight``."""
         k = self.rng.randint(1, max(1, min(self.max_facts, length // 64)))
         needles = distinct_needles(self.rng, k, self.family_weights)
         qas = [self._qa_ids(nd) for nd in needles]
-        qa_len = sum(len(q) + len(a) for q, a, _ in qas) + 1
+        qa_len = sum(len(q) + len(a) for q, a, _, _ in qas) + 1
         body_budget = max(16, length - qa_len)
         filler = filler_lines_from(self.filler, self.rng, int(body_budget * chars_per_token))
         head, lines = multi_fact_parts(self.rng, filler, needles)
@@ -192,9 +199,10 @@ class BatchSampler:
             body = self.tok.encode(head + "\n".join(lines)).ids
         self.rng.shuffle(qas)
         ids, w = list(body), [1.0] * len(body)
-        for q, a, first in qas:
+        for q, a, first, key in qas:
             ids += q + a
-            w += [1.0] * (len(q) + first) + [self.answer_weight] * (len(a) - first)
+            aw = [self.key_weight if k in key else 1.0 for k in range(first)] + [self.answer_weight] * (len(a) - first)
+            w += [1.0] * len(q) + aw
         ids.append(self.eot)
         w.append(1.0)
         self.questions += len(qas)

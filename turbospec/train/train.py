@@ -78,6 +78,9 @@ def parse_args(argv=None):
                     help="loss weight of the answer tokens (with --max-facts > 1: of the tokens from the value on)")
     ap.add_argument("--max-facts", type=int, default=1,
                     help="facts (and questions) per retrieval document (1 = one fact: the shipped model's recipe)")
+    ap.add_argument("--key-weight", type=float, default=1.0,
+                    help="loss weight of the answer tokens that restate the fact's key from the question (account "
+                         "number, project name) in multi-fact documents (--max-facts > 1)")
     ap.add_argument("--fact-families", default=None, metavar="NAME=W,...",
                     help="relative weights of the fact families in multi-fact documents (--max-facts > 1), e.g. "
                          "'account=3,budget=1.5'; unnamed families weigh 1 (default: uniform)")
@@ -205,6 +208,7 @@ def main(argv=None):
     sampler = BatchSampler(tok, corpus, streams, seed=args.seed, p_retrieval=args.p_retrieval,
                            answer_weight=args.answer_weight, max_facts=args.max_facts)
     sampler.symbol_pool = args.symbol_pool
+    sampler.key_weight = args.key_weight
     if args.fact_families:
         if args.max_facts < 2:
             raise SystemExit("--fact-families weights multi-fact documents: use it with --max-facts 2 or more")
