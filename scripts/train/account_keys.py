@@ -1,0 +1,63 @@
+"""Split a model's misses on the shipped `Account N balance:` retrieval cases into the two steps of the answer:
+restating the account number from the question, and copying the balance from the document (each teacher-forced,
+one forward pass per case).  Session 10 used it to compare dense6 and dense8 (docs/bundled-model.md).
+
+    python scripts/train/account_keys.py models/turbospec-tiny runs/dense8/final
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from turbospec.train.evaldata import default_eval_dir, load_jsonl
+from turbospec.train.evaluate import forward_hidden, load_exported
+from turbospec.train.tokenizer import load_tokenizer
+
+
+def _span(offsets, start: int, end: int) -> list[int]:
+    return [k for k, (a, b) in enumerate(offsets) if b > start and a < end]
+
+
+@torch.no_grad()
+def account_steps(model_dir: str, limits: dict[int, int]) -> dict[int, tuple[int, int, int]]:
+    """{length: (account cases, key restated, balance right)} over the first ``limits[length]`` cases per length."""
+    model, tok = load_exported(model_dir).eval(), load_tokenizer(model_dir)
+    seen: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
+    for c in load_jsonl(f"{default_eval_dir()}/retrieval.jsonl"):
+        n = c["target_tokens"]
+        if n not in limits:
+            continue
+        seen[n] = seen.get(n, 0) + 1
+        if seen[n] > limits[n] or c["family"] != "account":
+            continue
+        p_ids, enc = tok.encode(c["prompt"]).ids, tok.encode(c["answer"])
+        _, logits = forward_hidden(model, torch.tensor([p_ids + enc.ids]))
+        pred = logits[0, len(p_ids) - 1:-1].argmax(-1).tolist()
+        key = c["answer"].split()[1]
+        ks = c["answer"].index(" " + key) + 1
+        vs = c["answer"].index(c["value"])
+        row = out.setdefault(n, [0, 0, 0])
+        row[0] += 1
+        row[1] += all(pred[k] == enc.ids[k] for k in _span(enc.offsets, ks, ks + len(key)))
+        row[2] += all(pred[k] == enc.ids[k] for k in _span(enc.offsets, vs, len(c["answer"])))
+    return {n: tuple(v) for n, v in sorted(out.items())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--limits", default="1024:40,2048:40,4096:24", help="cases per length, as the model card counts")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    limits = {int(n): int(k) for n, k in (p.split(":") for p in a.limits.split(","))}
+    for m in a.models:
+        for n, (cases, keys, values) in account_steps(m, limits).items():
+            print(f"{m} {n}: {cases} account cases, account number restated {keys}, balance right {values}")
+
+
+if __name__ == "__main__":
+    main()
