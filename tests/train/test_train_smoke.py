@@ -233,7 +233,7 @@ def test_fact_family_weights():
     from collections import Counter
 
     from turbospec.train.corpus import FAMILIES, _needle, distinct_needles
-    from turbospec.train.train import _family_weights
+    from turbospec.train.train import _family_weights, main
 
     a, b = random.Random(5), random.Random(5)
     assert [_needle(a)["value"] for _ in range(50)] == [_needle(b, None)["value"] for _ in range(50)]
@@ -245,8 +245,13 @@ def test_fact_family_weights():
     assert heavy["account"] > 1.5 * uniform["account"]
     assert heavy["passkey"] < uniform["passkey"]
     assert _family_weights("account=3,budget=1.5") == (1.0, 1.0, 3.0, 1.5, 1.0)
-    with pytest.raises(SystemExit, match="NAME=WEIGHT"):
-        _family_weights("acount=3")
+    for bad in ("acount=3", "account=x", "account=-1", "account"):
+        with pytest.raises(SystemExit, match="NAME=WEIGHT"):
+            _family_weights(bad)
+    with pytest.raises(SystemExit, match="above 0"):
+        _family_weights("passkey=0,secret=0,account=0,budget=0,code=0")
+    with pytest.raises(SystemExit, match="--max-facts 2"):
+        main(["--key-weight", "4", "--run", "/nonexistent/never-created"])
 
 
 def test_key_weight_marks_the_restated_key(toy_dirs):

@@ -156,10 +156,26 @@ def _family_weights(text: str) -> tuple[float, ...]:
     given = {}
     for part in text.split(","):
         name, _, w = part.partition("=")
-        if name.strip() not in FAMILIES or not w:
-            raise SystemExit(f"--fact-families: expected NAME=WEIGHT with NAME in {', '.join(FAMILIES)}, got {part!r}")
-        given[name.strip()] = float(w)
-    return tuple(given.get(f, 1.0) for f in FAMILIES)
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if name.strip() not in FAMILIES or weight < 0:
+            raise SystemExit(f"--fact-families: expected NAME=WEIGHT with NAME in {', '.join(FAMILIES)} and WEIGHT >= 0, "
+                             f"got {part!r}")
+        given[name.strip()] = weight
+    weights = tuple(given.get(f, 1.0) for f in FAMILIES)
+    if not sum(weights):
+        raise SystemExit("--fact-families: at least one family needs a weight above 0")
+    return weights
+
+
+def _fact_options(args) -> tuple[float, ...] | None:
+    """Check --fact-families / --key-weight (before any slow work) and return the family weights."""
+    if (args.fact_families or args.key_weight != 1.0) and args.max_facts < 2:
+        raise SystemExit("--fact-families and --key-weight shape multi-fact documents: use them with --max-facts 2 "
+                         "or more")
+    return _family_weights(args.fact_families) if args.fact_families else None
 
 
 def make_model(args, tok):
@@ -189,6 +205,7 @@ def save_ckpt(path, model, opt, sampler, meta):
 
 def main(argv=None):
     args = parse_args(argv)
+    family_weights = _fact_options(args)
     os.makedirs(args.run, exist_ok=True)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -209,10 +226,7 @@ def main(argv=None):
                            answer_weight=args.answer_weight, max_facts=args.max_facts)
     sampler.symbol_pool = args.symbol_pool
     sampler.key_weight = args.key_weight
-    if args.fact_families:
-        if args.max_facts < 2:
-            raise SystemExit("--fact-families weights multi-fact documents: use it with --max-facts 2 or more")
-        sampler.family_weights = _family_weights(args.fact_families)
+    sampler.family_weights = family_weights
     if args.symbol_episodes:
         lo, hi = (int(v) for v in args.symbol_episodes.split(","))
         sampler.symbol_episodes = (lo, hi)
