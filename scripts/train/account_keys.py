@@ -13,11 +13,7 @@ import torch
 
 from turbospec.train.evaldata import default_eval_dir, load_jsonl
 from turbospec.train.evaluate import forward_hidden, load_exported
-from turbospec.train.tokenizer import load_tokenizer
-
-
-def _span(offsets, start: int, end: int) -> list[int]:
-    return [k for k, (a, b) in enumerate(offsets) if b > start and a < end]
+from turbospec.train.tokenizer import load_tokenizer, token_span
 
 
 @torch.no_grad()
@@ -41,8 +37,8 @@ def account_steps(model_dir: str, limits: dict[int, int]) -> dict[int, tuple[int
         vs = c["answer"].index(c["value"])
         row = out.setdefault(n, [0, 0, 0])
         row[0] += 1
-        row[1] += all(pred[k] == enc.ids[k] for k in _span(enc.offsets, ks, ks + len(key)))
-        row[2] += all(pred[k] == enc.ids[k] for k in _span(enc.offsets, vs, len(c["answer"])))
+        row[1] += all(pred[k] == enc.ids[k] for k in token_span(enc.offsets, ks, ks + len(key)))
+        row[2] += all(pred[k] == enc.ids[k] for k in token_span(enc.offsets, vs, len(c["answer"])))
     return {n: tuple(v) for n, v in sorted(out.items())}
 
 

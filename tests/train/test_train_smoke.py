@@ -273,8 +273,9 @@ def test_key_weight_marks_the_restated_key(toy_dirs):
     for length in (400, 800):
         ids, w = s._multi_doc(length)
         text = tok.decode(ids.tolist())
-        restated = [qa.split("\nAnswer: ")[1].split()[1 if "Account" in qa.split("\nAnswer: ")[1] else 5]
-                    for qa in text.split("\nQuestion: ")[1:]]
+        answers = [qa.split("\nAnswer: ")[1] for qa in text.split("\nQuestion: ")[1:]]
+        # `Account N balance: ...` -> N; `The approved budget for project P is ...` -> P
+        restated = [a.split()[1 if a.startswith("Account") else 5] for a in answers]
         keyed = tok.decode([int(t) for t, x in zip(ids, w) if x == 7.0])
         for k in restated:
             assert k.strip() in keyed

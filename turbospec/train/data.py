@@ -8,7 +8,7 @@ import random
 import numpy as np
 
 from .corpus import Corpus, distinct_needles, filler_lines_from, make_retrieval_example, multi_fact_parts
-from .tokenizer import EOT
+from .tokenizer import EOT, token_span
 
 
 def encode_docs(tokenizer, texts: list[str], eot_id: int) -> np.ndarray:
@@ -172,8 +172,7 @@ class BatchSampler:
         key = []
         if nd.get("key") is not None:
             ks = answer.index(str(nd["key"]))
-            ke = ks + len(str(nd["key"]))
-            key = [k for k, (a, b) in enumerate(enc.offsets[:first]) if b > ks and a < ke]
+            key = token_span(enc.offsets[:first], ks, ks + len(str(nd["key"])))
         return q_ids, enc.ids, first, key
 
     def _multi_doc(self, length: int, chars_per_token: float = 3.2):

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from .evaldata import default_eval_dir, load_jsonl
 from .model import TrunkWithMTP
 from .pylike import python_likeness
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, token_span
 
 
 def load_exported(model_dir: str) -> TrunkWithMTP:
@@ -167,7 +167,7 @@ def _value_span(tok, answer: str, value: str, a_ids: list[int]) -> tuple[int, in
     start = answer.index(value)
     end = start + len(value)
     offs = tok.encode(answer).offsets
-    idx = [k for k, (a, b) in enumerate(offs[:len(a_ids)]) if b > start and a < end]
+    idx = token_span(offs[:len(a_ids)], start, end)
     return (idx[0], idx[-1] + 1) if idx else (0, len(a_ids))
 
 

@@ -67,6 +67,11 @@ def save_tokenizer(tok: Tokenizer, out_dir: str, model_max_length: int = 4096) -
         json.dump(cfg, f, indent=2)
 
 
+def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> list[int]:
+    """Indices of the tokens (by their character ``offsets``) that overlap the characters [start, end)."""
+    return [k for k, (a, b) in enumerate(offsets) if b > start and a < end]
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")

@@ -1,3 +1,5 @@
+#!/bin/bash
+# session 10: dense6's command with three times as many account facts (--fact-families account=3,budget=1.5)
 cd /work/main
 python -m turbospec.train --run runs/dense8 --arch qwen3 --rope-theta 1e12 --induction-init --induction-offsets 0,1,4 \
   --induction-k 14 --freeze-circuit --lr 1.5e-3 --time-budget-min 104 --no-progress --ckpt-every-min 5 --max-facts 3 \
