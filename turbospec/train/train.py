@@ -95,6 +95,9 @@ def parse_args(argv=None):
     ap.add_argument("--ckpt-every-min", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                    help="run forward/backward under CPU bfloat16 autocast (weights and optimizer stay fp32); "
+                         "~1.5x faster on CPUs with AMX / AVX-512 BF16, much slower without them")
     ap.add_argument("--docs-dir", default=None, help="Python docs _sources dir (default: python3.11-doc package)")
     ap.add_argument("--code-dir", default=None, help="code root (default: this interpreter's stdlib)")
     ap.add_argument("--export", default=None, help="export the final model to this directory")
@@ -281,7 +284,8 @@ def main(argv=None):
             x, w = sampler.batch(bsz, seq_len)
             x = torch.from_numpy(x).long()
             w = torch.from_numpy(w)
-            loss, lm_loss, mtp_loss = model(x, mtp_weight=args.mtp_weight, weights=w)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+                loss, lm_loss, mtp_loss = model(x, mtp_weight=args.mtp_weight, weights=w)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
