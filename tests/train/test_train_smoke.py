@@ -287,9 +287,9 @@ def test_key_weight_marks_the_restated_key(toy_dirs):
     assert set(np.unique(w).tolist()) <= {1.0, 3.0}
 
 
-def test_bf16_autocast_trains_fp32_weights(toy_dirs, tmp_path):
-    """--autocast bf16 runs forward/backward in bfloat16 and keeps fp32 weights and optimizer state: the same
-    seed gives close but not identical weights to the fp32 run; the choice is recorded in the run's meta."""
+def test_bf16_autocast_trains_fp32_weights(toy_dirs, tmp_path, monkeypatch, capsys):
+    """--autocast bf16 runs forward/backward in bfloat16 and keeps fp32 weights: the same seed gives close but not
+    identical weights to the fp32 run; the choice is recorded in the run's meta; without bf16 instructions it warns."""
     from turbospec.train.train import main
 
     code, docs = toy_dirs
@@ -298,10 +298,13 @@ def test_bf16_autocast_trains_fp32_weights(toy_dirs, tmp_path):
               "--intermediate", "64", "--time-budget-min", "0", "--max-steps", "2", "--warmup-steps", "1",
               "--curriculum", "[[0, 64, 2]]", "--no-progress", "--threads", "1"]
     models = {}
+    monkeypatch.setattr("turbospec.train.train._has_fast_bf16", lambda: False)
     for mode in ("none", "bf16"):
         torch.manual_seed(0)
         models[mode], meta = main(["--run", str(tmp_path / mode), "--autocast", mode, *common])
         assert meta["args"]["autocast"] == mode and meta["step"] == 2
+        warned = "without AMX / AVX-512 BF16" in capsys.readouterr().out
+        assert warned == (mode == "bf16")  # a CPU without bf16 instructions is told it will be slow
     fp32, bf16 = (dict(models[m].named_parameters()) for m in ("none", "bf16"))
     assert all(p.dtype == torch.float32 for p in bf16.values())
     diffs = [(fp32[n] - p).abs().max().item() for n, p in bf16.items()]

@@ -206,11 +206,19 @@ def save_ckpt(path, model, opt, sampler, meta):
     os.replace(tmp, path)
 
 
+def _has_fast_bf16() -> bool:
+    """True where the CPU has bfloat16 matrix instructions (AMX tiles or AVX-512 BF16)."""
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
 def main(argv=None):
     args = parse_args(argv)
     family_weights = _fact_options(args)
     os.makedirs(args.run, exist_ok=True)
     torch.set_num_threads(args.threads)
+    if args.autocast == "bf16" and not _has_fast_bf16():
+        print("warning: --autocast bf16 on a CPU without AMX / AVX-512 BF16 runs slower than fp32", flush=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
