@@ -3,11 +3,18 @@ restating the account number from the question, and copying the balance from the
 one forward pass per case).  Session 10 used it to compare dense6 and dense8 (docs/bundled-model.md).
 
     python scripts/train/account_keys.py models/turbospec-tiny runs/dense8/final
+    python scripts/train/account_keys.py --eval runs/dense9/final_eval.json   # its generated account misses
+
+With ``--eval`` it lists, from an evaluation's generated answers, each account miss whose restated number is
+wrong: the number asked for, the number written, and whether that number is in any row of the document.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+from pathlib import Path
 
 import torch
 
@@ -42,14 +49,36 @@ def account_steps(model_dir: str, limits: dict[int, int]) -> dict[int, tuple[int
     return {n: tuple(v) for n, v in sorted(out.items())}
 
 
+def wrong_keys(eval_path: str) -> list[tuple[str, str, str, bool]]:
+    """(case id, number asked, number written, written number is in a document row) for each generated account
+    answer of ``eval_path`` that restates the wrong number."""
+    cases = {c["id"]: c for c in load_jsonl(f"{default_eval_dir()}/retrieval.jsonl")}
+    out = []
+    for res in json.loads(Path(eval_path).read_text())["retrieval"].values():
+        for f in res["failures"]:
+            if f["family"] != "account":
+                continue
+            c = cases[f["id"]]
+            asked, got = c["answer"].split()[1], f["got"].split()[1]
+            if asked != got:
+                out.append((f["id"], asked, got, got in re.findall(r"Account (\d+)", c["prompt"])))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="+")
+    ap.add_argument("models", nargs="*")
+    ap.add_argument("--eval", help="an evaluation's JSON (python -m turbospec.train.evaluate --out)")
     ap.add_argument("--limits", default="1024:40,2048:40,4096:24", help="cases per length, as the model card counts")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
+    if not a.models and not a.eval:
+        ap.error("give model directories and/or --eval FILE")
     torch.set_num_threads(a.threads)
     limits = {int(n): int(k) for n, k in (p.split(":") for p in a.limits.split(","))}
+    if a.eval:
+        for case, asked, got, in_doc in wrong_keys(a.eval):
+            print(f"{case}: asked account {asked}, wrote {got} ({'in' if in_doc else 'in no row of'} the document)")
     for m in a.models:
         for n, (cases, keys, values) in account_steps(m, limits).items():
             print(f"{m} {n}: {cases} account cases, account number restated {keys}, balance right {values}")

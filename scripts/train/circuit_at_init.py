@@ -2,6 +2,7 @@
 "Session 8" and "Session 9".
 
     python scripts/train/circuit_at_init.py            # ~4 min on 2 cores
+    python scripts/train/circuit_at_init.py --bf16     # the same under CPU bfloat16 autocast (session 11)
 
 For each (offsets, rope theta, k): account-like rows (6 rows `R n1 n2 B1 B2 B3 C v1 v2 v3` sharing everything but
 the account number and value, 16 documents, with ~10 or ~250 filler tokens per row) -- does the next token after
@@ -13,6 +14,7 @@ second induction head is planted) with the circuit planted and every other outpu
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -76,6 +78,13 @@ def shipped_cases(path="turbospec/data/eval/retrieval.jsonl", tok_dir="models/tu
 
 @torch.no_grad()
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bf16", action="store_true", help="run the models under CPU bfloat16 autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ap.parse_args().bf16):
+        compare()
+
+
+def compare() -> None:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(2)
     docs = {gap: account_docs(gap, g) for gap in (60, 1500)}
