@@ -3,6 +3,7 @@
 
     python scripts/train/circuit_at_init.py            # ~4 min on 2 cores
     python scripts/train/circuit_at_init.py --bf16     # the same under CPU bfloat16 autocast (session 11)
+    python scripts/train/circuit_at_init.py --bf16 --tokenizer runs/tokd/tokenizer --circuits digits  # session 12
 
 For each (offsets, rope theta, k): account-like rows (6 rows `R n1 n2 B1 B2 B3 C v1 v2 v3` sharing everything but
 the account number and value, 16 documents, with ~10 or ~250 filler tokens per row) -- does the next token after
@@ -29,6 +30,11 @@ from turbospec.train.tokenizer import load_tokenizer
 CIRCUITS = [((0, 1), 1e8, 16, 4, ()), ((0, 1, 2), 1e12, 14, 4, ()), ((0, 1, 4), 1e12, 14, 4, ()),
             ((0, 3, 4), 1e12, 14, 4, ()), ((0, 4, 5), 1e12, 14, 4, ()),
             ((0, 1, 4), 1e12, 14, 6, ((0, 1, 2),)), ((0, 1, 4), 1e12, 14, 6, ((0, 1, 5),))]
+# with one token per digit `Account 70 balance: 2...` reads `7 0 Ġb al ance : Ġ 2`: the account number is 5 and 6
+# tokens before the first value digit
+DIGIT_CIRCUITS = [((0, 1, 4), 1e12, 14, 4, ()), ((0, 1, 2), 1e12, 14, 4, ()), ((0, 1, 5), 1e12, 14, 4, ()),
+                  ((0, 5, 6), 1e12, 14, 4, ()), ((0, 1, 2), 1e12, 14, 6, ((0, 5, 6),)),
+                  ((0, 1, 5), 1e12, 14, 6, ((0, 1, 2),)), ((0, 1, 4), 1e12, 14, 6, ((0, 1, 2),))]
 FAMILIES = ("passkey", "code", "secret", "budget", "account")
 
 
@@ -80,16 +86,21 @@ def shipped_cases(path="turbospec/data/eval/retrieval.jsonl", tok_dir="models/tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bf16", action="store_true", help="run the models under CPU bfloat16 autocast")
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ap.parse_args().bf16):
-        compare()
+    ap.add_argument("--tokenizer", default="models/turbospec-tiny",
+                    help="tokenizer of the shipped cases (session 12: a one-token-per-digit one, --split-digits)")
+    ap.add_argument("--circuits", choices=("all", "digits"), default="all",
+                    help="all: the table of sessions 8/9; digits: the circuits compared for the digit tokenizer")
+    args = ap.parse_args()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        compare(args.tokenizer, CIRCUITS if args.circuits == "all" else DIGIT_CIRCUITS)
 
 
-def compare() -> None:
+def compare(tok_dir: str, circuits) -> None:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(2)
     docs = {gap: account_docs(gap, g) for gap in (60, 1500)}
-    cases = shipped_cases()
-    for offsets, theta, k, heads, more in CIRCUITS:
+    cases = shipped_cases(tok_dir=tok_dir)
+    for offsets, theta, k, heads, more in circuits:
         m = model(offsets, theta, k, heads, more)
         acct = {gap: sum(int(m.lm(input_ids=d[None]).logits[0, -1].argmax() == x) for d, x in ds)
                 for gap, ds in docs.items()}

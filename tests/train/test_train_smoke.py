@@ -128,9 +128,10 @@ def test_shipped_eval_data_is_small_and_complete():
     assert load_jsonl(os.path.join(d, "code.jsonl")) and load_jsonl(os.path.join(d, "prose.jsonl"))
 
 
-def test_multi_fact_documents(toy_dirs, tmp_path):
+@pytest.mark.parametrize("split_digits", [False, True])
+def test_multi_fact_documents(toy_dirs, tmp_path, split_digits):
     """Every question of a multi-fact training document is answerable from its body, questions are distinct,
-    and only the tokens that spell the values carry the answer weight."""
+    and only the tokens that spell the values carry the answer weight (also with one token per digit)."""
     import numpy as np
 
     from turbospec.train.data import BatchSampler
@@ -138,7 +139,7 @@ def test_multi_fact_documents(toy_dirs, tmp_path):
 
     code, docs = toy_dirs
     corpus = load_corpus(code_dir=code, docs_dir=docs, percent=20)
-    tok = train_tokenizer(corpus.texts(), 600)
+    tok = train_tokenizer(corpus.texts(), 600, split_digits=split_digits)
     streams = {"code": np.arange(5000, dtype=np.int32) % 500, "prose": np.arange(5000, dtype=np.int32) % 400}
     s = BatchSampler(tok, corpus, streams, seed=3, p_retrieval=1.0, answer_weight=3.0, max_facts=8)
     for length in (300, 700, 1000):
@@ -157,6 +158,26 @@ def test_multi_fact_documents(toy_dirs, tmp_path):
             assert value in weighted
         assert set(np.unique(w).tolist()) <= {1.0, 3.0}
     assert s.questions >= 3
+
+
+def test_split_digits_tokenizer(toy_dirs, tmp_path):
+    """--split-digits: every digit is one token, so a number is spelled alike after `account` and `Account`; the
+    saved tokenizer round-trips text with numbers."""
+    from turbospec.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+    code, docs = toy_dirs
+    texts = load_corpus(code_dir=code, docs_dir=docs, percent=20).texts() + ["Account 70 balance: 20,724,930"] * 50
+    merged = train_tokenizer(texts, 600)
+    assert any(len(merged.id_to_token(i).lstrip("\u0120")) > 1 and merged.id_to_token(i).lstrip("\u0120").isdigit()
+               for i in merged.encode("Account 70 balance: 20,724,930").ids)  # without the flag digits merge
+    save_tokenizer(train_tokenizer(texts, 600, split_digits=True), str(tmp_path / "tok"))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    text = "Account 70 balance: 20,724,930\nWhat is the balance of account 70?"
+    pieces = [tok.id_to_token(i).lstrip("\u0120") for i in tok.encode(text).ids]
+    assert all(len(p) == 1 for p in pieces if any(c.isdigit() for c in p))
+    assert tok.decode(tok.encode(text).ids) == text
+    seventy = tok.encode(" 70").ids
+    assert tok.encode("Account 70").ids[-2:] == tok.encode("account 70").ids[-2:] == seventy[-2:]
 
 
 def test_repeat_and_symbol_sequences(toy_dirs):

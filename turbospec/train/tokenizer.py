@@ -20,9 +20,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts, vocab_size: int = 8192, seed_batch: int = 1000) -> Tokenizer:
+def train_tokenizer(texts, vocab_size: int = 8192, seed_batch: int = 1000, split_digits: bool = False) -> Tokenizer:
+    """Byte-level BPE.  ``split_digits``: every digit is its own token (as in Llama and Qwen2), so a number is
+    spelled the same way wherever it occurs -- ``70`` is ``7 0`` in ``account 70`` and in ``Account 70``."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -49,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--linear-heads", type=int, default=4)
     ap.add_argument("--linear-head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--split-digits", action="store_true",
+                    help="train the tokenizer with one token per digit (only when the run has no tokenizer yet)")
     ap.add_argument("--induction-context", type=int, default=1, choices=[1, 2, 3],
                     help="with --induction-init: tokens the planted induction head matches (2 = current + previous)")
     ap.add_argument("--induction-offsets", default=None, metavar="O1,O2,...",
@@ -142,7 +144,7 @@ def prepare(args):
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         tok = load_tokenizer(tok_dir)
     else:
-        tok = train_tokenizer(corpus.texts(), args.vocab)
+        tok = train_tokenizer(corpus.texts(), args.vocab, split_digits=args.split_digits)
         save_tokenizer(tok, tok_dir)
         tok = load_tokenizer(tok_dir)
     streams = build_streams(tok, corpus, os.path.join(args.run, "tokens.npz"))
