@@ -10,6 +10,9 @@ import os
 from turbospec.train.induction_init import lookback_distances
 from turbospec.train.train import DEFAULT_CURRICULUM, parse_args
 
+SPLIT_DIGITS = (" (`--split-digits`: every digit is its own token, as in Llama and Qwen2, so a number is spelled"
+                " the same way wherever it occurs; the held-out code / prose / retrieval texts are 2.5% / 0.9% / 2.5% more tokens than with merged digits)")
+
 
 def _load(path):
     with open(path) as fh:
@@ -169,7 +172,7 @@ quantization and long-context retrieval can be measured on a *trained* model. It
 | hidden / intermediate | {cfg['hidden_size']} / {cfg['intermediate_size']} |
 | attention | {cfg['num_attention_heads']} query heads, {cfg['num_key_value_heads']} KV heads, head_dim {cfg['head_dim']}{', output gate (q_proj is 2x wide)' if hybrid else ''} |
 | RoPE | theta {cfg.get('rope_parameters', {}).get('rope_theta')}, partial_rotary_factor {cfg.get('rope_parameters', {}).get('partial_rotary_factor', 1.0)} |
-{_gdn_row(cfg) if hybrid else ''}| vocab | {cfg['vocab_size']} (byte-level BPE), tied input/output embeddings |
+{_gdn_row(cfg) if hybrid else ''}| vocab | {cfg['vocab_size']} (byte-level BPE{', one token per digit' if args.get('split_digits') else ''}), tied input/output embeddings |
 | MTP | `mtp_num_hidden_layers: {cfg.get('mtp_num_hidden_layers')}` |
 | parameters | {meta.get('params', 0)/1e6:.2f}M total incl. embeddings and MTP; trunk {meta.get('trunk_params', 0)/1e6:.2f}M; MTP {(meta.get('params', 0) - meta.get('trunk_params', 0))/1e6:.2f}M |
 | context | trained up to 4096 tokens (max_position_embeddings {cfg['max_position_embeddings']}) |
@@ -214,7 +217,7 @@ when loading with `AutoModelForCausalLM` (a warning lists them as unused); turbo
 
 ## Tokenizer
 
-Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['vocab_size']}; special tokens
+Byte-level BPE trained with `tokenizers` on the training split, vocab {cfg['vocab_size']}{SPLIT_DIGITS if args.get('split_digits') else ''}; special tokens
 `<|endoftext|>` (eos, pad), `<|im_start|>`, `<|im_end|>`; ChatML chat template in `tokenizer_config.json`;
 `generation_config.json` stops on `<|endoftext|>` and `<|im_end|>`.
 

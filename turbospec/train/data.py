@@ -168,7 +168,7 @@ class BatchSampler:
         answer = " " + nd["answer"]
         enc = self.tok.encode(answer)
         start = answer.index(nd["value"])
-        first = next((k for k, (_, b) in enumerate(enc.offsets) if b > start), 0)
+        first = token_span(enc.offsets, start, start + len(nd["value"]))[0]
         key = []
         if nd.get("key") is not None:
             ks = answer.index(str(nd["key"]))
