@@ -3,7 +3,12 @@
 
     python scripts/train/circuit_at_init.py            # ~4 min on 2 cores
     python scripts/train/circuit_at_init.py --bf16     # the same under CPU bfloat16 autocast (session 11)
-    python scripts/train/circuit_at_init.py --bf16 --tokenizer runs/tokd/tokenizer --circuits digits  # session 12
+    python scripts/train/circuit_at_init.py --bf16 --circuits digits   # session 12: one token per digit
+
+The session-8/9 table (``--circuits all``) tokenizes the shipped cases with the merged-digit tokenizer that
+models/turbospec-tiny had until session 11 (the hybrid's, models/turbospec-tiny-hybrid); ``--circuits digits``
+with the one-token-per-digit tokenizer of today's models/turbospec-tiny (session 12 ran it from runs/tokd/tokenizer,
+the same file).
 
 For each (offsets, rope theta, k): account-like rows (6 rows `R n1 n2 B1 B2 B3 C v1 v2 v3` sharing everything but
 the account number and value, 16 documents, with ~10 or ~250 filler tokens per row) -- does the next token after
@@ -70,7 +75,7 @@ def copy_top1(m, gap: int, half: int = 48) -> list[float]:
     return [round((pred[:, -half + o:-1] == x[:, -half + o + 1:]).float().mean().item(), 3) for o in (1, 5)]
 
 
-def shipped_cases(path="turbospec/data/eval/retrieval.jsonl", tok_dir="models/turbospec-tiny"):
+def shipped_cases(tok_dir: str, path="turbospec/data/eval/retrieval.jsonl"):
     tok = load_tokenizer(tok_dir)
     out = []
     for line in Path(path).read_text().splitlines():
@@ -86,13 +91,17 @@ def shipped_cases(path="turbospec/data/eval/retrieval.jsonl", tok_dir="models/tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bf16", action="store_true", help="run the models under CPU bfloat16 autocast")
-    ap.add_argument("--tokenizer", default="models/turbospec-tiny",
-                    help="tokenizer of the shipped cases (session 12: a one-token-per-digit one, --split-digits)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer of the shipped cases (default: models/turbospec-tiny-hybrid's merged digits for "
+                         "--circuits all, models/turbospec-tiny's one token per digit for --circuits digits)")
     ap.add_argument("--circuits", choices=("all", "digits"), default="all",
                     help="all: the table of sessions 8/9; digits: the circuits compared for the digit tokenizer")
     args = ap.parse_args()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-        compare(args.tokenizer, CIRCUITS if args.circuits == "all" else DIGIT_CIRCUITS)
+        if args.circuits == "all":
+            compare(args.tokenizer or "models/turbospec-tiny-hybrid", CIRCUITS)
+        else:
+            compare(args.tokenizer or "models/turbospec-tiny", DIGIT_CIRCUITS)
 
 
 def compare(tok_dir: str, circuits) -> None:

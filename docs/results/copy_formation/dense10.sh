@@ -1,6 +1,6 @@
 #!/bin/bash
-# session 12: a tokenizer with one token per digit (--split-digits; runs/tokd/tokenizer, trained by
-# `python -m turbospec.train --split-digits` or scripts/train/circuit_at_init.py's doc) and two planted induction
+# session 12: a tokenizer with one token per digit (--split-digits; the run copied runs/tokd/tokenizer, the one
+# circuit_at_init.py was run with -- byte-identical to what --split-digits trains in a fresh run dir) and two planted induction
 # heads: (0,1,5) reaches the account number's last digit from the first value digit (`7 0 Ġb al ance : Ġ`), (0,1,2)
 # follows the digits inside a number; CPU bfloat16 autocast (AMX); otherwise dense6's command
 cd /work/main
