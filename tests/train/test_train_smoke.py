@@ -180,6 +180,19 @@ def test_split_digits_tokenizer(toy_dirs, tmp_path):
     assert tok.encode("Account 70").ids[-2:] == tok.encode("account 70").ids[-2:] == seventy[-2:]
 
 
+def test_split_digits_refuses_a_run_with_a_merged_tokenizer(toy_dirs, tmp_path):
+    """--split-digits on a run directory whose cached tokenizer merges digits stops with a one-line error."""
+    from turbospec.train.tokenizer import save_tokenizer, train_tokenizer
+    from turbospec.train.train import parse_args, prepare
+
+    code, docs = toy_dirs
+    texts = load_corpus(code_dir=code, docs_dir=docs, percent=20).texts() + ["70 70 70"] * 50
+    save_tokenizer(train_tokenizer(texts, 600), str(tmp_path / "run" / "tokenizer"))
+    args = parse_args(["--run", str(tmp_path / "run"), "--code-dir", code, "--docs-dir", docs, "--split-digits"])
+    with pytest.raises(SystemExit, match="merges digits"):
+        prepare(args)
+
+
 def test_repeat_and_symbol_sequences(toy_dirs):
     """p_repeat tiles a real-text window; p_symbols repeats random digit tokens (both copy-only targets)."""
     import numpy as np

@@ -143,6 +143,8 @@ def prepare(args):
     tok_dir = os.path.join(args.run, "tokenizer")
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         tok = load_tokenizer(tok_dir)
+        if args.split_digits and len(tok.encode("70").ids) != 2:
+            raise SystemExit(f"--split-digits: {tok_dir} holds a tokenizer that merges digits (use a new --run)")
     else:
         tok = train_tokenizer(corpus.texts(), args.vocab, split_digits=args.split_digits)
         save_tokenizer(tok, tok_dir)
