@@ -50,7 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--linear-head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--split-digits", action="store_true",
-                    help="train the tokenizer with one token per digit (only when the run has no tokenizer yet)")
+                    help="train the tokenizer with one token per digit (a run's cached tokenizer is reused; "
+                         "one that merges digits is refused)")
     ap.add_argument("--induction-context", type=int, default=1, choices=[1, 2, 3],
                     help="with --induction-init: tokens the planted induction head matches (2 = current + previous)")
     ap.add_argument("--induction-offsets", default=None, metavar="O1,O2,...",
