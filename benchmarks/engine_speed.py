@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from turbospec.config import EngineConfig
 from turbospec.demo import make_demo_model
 from turbospec.engine import Engine
-from turbospec.models import load_model
+from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
 
 PROMPT, GEN = 512, 128
@@ -47,7 +48,7 @@ def copy_bandwidth_gbs(reps: int = 5) -> float:
 
 class TurbospecRunner:
     def __init__(self, path: Path, dtype: str, ids: list[int]):
-        self.eng = Engine(load_model(path, dtype), None, ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False)
+        self.eng = Engine(load_model(path, dtype), None, EngineConfig(ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False))
         self.ids = ids
         self.params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
 

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from turbospec.demo import qwen3_config, random_qwen3_weights
 from turbospec.kv.plan import AttentionPlan
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 GDN = {"linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128,
        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from turbospec.lab.quality import chunk_logprobs, prefill_hidden, read_text
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
          "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--cases", default="turbospec/data/eval/retrieval.jsonl")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from turbospec.cli import model_path
+    from turbospec.engine import model_path
     from turbospec.tokenizer import Tokenizer
 
     if a.threads:

@@ -26,7 +26,7 @@ from turbospec.demo import make_demo_model
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 
 def fill(cache, depth: int, seed: int = 0) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -156,10 +157,8 @@ async def rss_sampler(proc: psutil.Process | None, samples: list[tuple[float, in
                 samples.append((time.perf_counter() - t0, proc.memory_info().rss))
             except psutil.Error:
                 return
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
-            pass
 
 
 async def run(args, pid: int | None) -> dict:

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
+from turbospec.config import EngineConfig, SpecConfig
 from turbospec.engine import Engine
 from turbospec.lab.quality import read_text
-from turbospec.models import load_model
+from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
-from turbospec.spec import SpecConfig, make_drafter
+from turbospec.speculative import make_drafter
 from turbospec.tokenizer import Tokenizer
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from turbospec.cli import model_path
+    from turbospec.engine import model_path
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -49,11 +50,11 @@ def main() -> None:
     tok = Tokenizer(path)
     ids = tok.encode(read_text(a.text)[: max(a.lengths) * 8], add_special=False)
     ctx = max(a.lengths) + a.gen + 16
-    engines = {"off": Engine(model, tok, ctx=ctx, prefix_cache=False)}
+    engines = {"off": Engine(model, tok, EngineConfig(ctx=ctx, prefix_cache=False))}
     for w in a.windows:
         cfg = SpecConfig.parse("draft-mtp", n_max=a.n_max, mtp_prompt_window=w)
-        engines[f"mtp window {w or 'all' if w >= 0 else 'auto'}"] = Engine(model, tok, ctx=ctx, prefix_cache=False,
-                                                     drafter=make_drafter(cfg, model, ctx), n_max=a.n_max)
+        engines[f"mtp window {w or 'all' if w >= 0 else 'auto'}"] = Engine(model, tok, EngineConfig(ctx=ctx, prefix_cache=False, spec=cfg),
+                                                                           drafter=make_drafter(cfg, model, ctx))
     params = SamplingParams(temperature=0, max_tokens=a.gen, ignore_eos=True)
     rows = []
     for n in a.lengths:

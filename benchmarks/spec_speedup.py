@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from turbospec.cli import model_path
-from turbospec.engine import Engine
-from turbospec.lab.bench import load_prompts
-from turbospec.models import load_model
+from turbospec.config import EngineConfig, SpecConfig
+from turbospec.engine import Engine, model_path
+from turbospec.lab.workload import load_prompts
+from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
-from turbospec.spec import SpecConfig, make_drafter
+from turbospec.speculative import make_drafter
 from turbospec.tokenizer import Tokenizer
 
 KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", float), "topk": ("mtp_topk", int),
@@ -44,7 +44,7 @@ def parse_config(text: str) -> SpecConfig:
 
 def run_once(model, tok, path: str, prompt: str, cfg: SpecConfig | None, gen: int) -> dict:
     drafter = make_drafter(cfg, model, 4096, path) if cfg is not None else None
-    eng = Engine(model, tok, ctx=4096, drafter=drafter, n_max=cfg.n_max if cfg else 3)
+    eng = Engine(model, tok, EngineConfig(ctx=4096, spec=cfg or SpecConfig()), drafter=drafter)
     t = time.perf_counter()
     list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
     st = eng.last_stats

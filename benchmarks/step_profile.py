@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
+from turbospec.config import EngineConfig
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers import linear
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 
 def _median_ms(fn, n: int, pause: float = 0.0) -> float:
@@ -91,19 +92,21 @@ def dense(dtype: str) -> None:
 
 
 def spec() -> None:
+    from turbospec.config import SpecConfig
     from turbospec.engine import Engine
     from turbospec.sampling import SamplingParams
-    from turbospec.spec import SpecConfig, make_drafter
+    from turbospec.speculative import make_drafter
     from turbospec.tokenizer import Tokenizer
 
     path = "models/turbospec-tiny-hybrid"
     model, tok = load_model(path, "float32"), Tokenizer(path)
     prompt = json.loads(Path("turbospec/data/prompts.json").read_text())["prompts"]["code"]
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    plain = Engine(model, tok, ctx=4096)
+    plain = Engine(model, tok, EngineConfig(ctx=4096))
     list(plain.stream(prompt, params))
-    d = make_drafter(SpecConfig(types=("draft-mtp",), n_max=3), model, 4096, path)
-    eng = Engine(model, tok, ctx=4096, drafter=d, n_max=3)
+    sc = SpecConfig(types=("draft-mtp",), n_max=3)
+    d = make_drafter(sc, model, 4096, path)
+    eng = Engine(model, tok, EngineConfig(ctx=4096, spec=sc), drafter=d)
     list(eng.stream(prompt, params))  # warm-up
     acc: dict[str, float] = defaultdict(float)
     cnt: dict[str, int] = defaultdict(int)
@@ -214,7 +217,7 @@ def dtypes() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_demo_model(Path(tmp) / "b")
         tok = Tokenizer(path)
-        engines = {dt: Engine(load_model(path, dt), tok, ctx=1024) for dt in ("bfloat16", "float16", "float32")}
+        engines = {dt: Engine(load_model(path, dt), tok, EngineConfig(ctx=1024)) for dt in ("bfloat16", "float16", "float32")}
     ids = torch.randint(3, 32000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     print("decode t/s:", _generations(engines, ids))
 
@@ -262,7 +265,7 @@ def bf16held() -> None:
                     setattr(obj, k, exact_bf16(v))
     b.lm_head = exact_bf16(b.lm_head)
     prompt = json.loads(Path("turbospec/data/prompts.json").read_text())["prompts"]["code"]
-    engines = {"as loaded (float32)": Engine(a, tok, ctx=2048), "held in bf16": Engine(b, tok, ctx=2048)}
+    engines = {"as loaded (float32)": Engine(a, tok, EngineConfig(ctx=2048)), "held in bf16": Engine(b, tok, EngineConfig(ctx=2048))}
     print("decode t/s:", _generations(engines, prompt))
     from turbospec.sampling import SamplingParams
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from turbospec.kernels import attention as fused
 from turbospec.kv.formats import get_format, rotate
+from turbospec.kv.kernel_args import attention_spec
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.attention import _decode_attention
@@ -28,7 +29,7 @@ def _decoded(fmt, packed):
 def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
     g = torch.Generator().manual_seed(d)
     fmt = get_format(name)
-    spec = fused.spec_of(fmt, d)
+    spec = attention_spec(fmt, d)
     assert spec is not None
     kvh, t, rows = 2, 600, 5  # 600 positions: three tiles, the last one partial
     kp = fmt.encode(torch.randn(kvh, t, d, generator=g))
@@ -52,7 +53,7 @@ def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
 
 
 def test_turbo_prod_has_no_kernel_path():
-    assert fused.spec_of(get_format("turbo4p"), 64) is None
+    assert attention_spec(get_format("turbo4p"), 64) is None
 
 
 @pytest.mark.parametrize("heads", [8, 6])  # 6: three query heads per KV head

@@ -7,7 +7,7 @@ from tests.hf_hybrid import build as build_hybrid
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers import block
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="C++ kernels unavailable")
 # float32: the same math in another order (measured ~4e-7 relative); 16-bit: both paths round at the same points

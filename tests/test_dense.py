@@ -3,7 +3,7 @@ import torch
 
 from tests.hf_tiny import VARIANTS, hf_logits
 from turbospec.kv.plan import AttentionPlan
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 
 def full_logits(model, ids):

@@ -2,10 +2,12 @@ import pytest
 import torch
 
 from tests.hf_tiny import build
+from turbospec.config import EngineConfig
 from turbospec.demo import make_demo_model
-from turbospec.engine import Engine, _safe_prefix_len
+from turbospec.engine import Engine
+from turbospec.engine.stops import safe_prefix_len
 from turbospec.errors import TurboSpecError
-from turbospec.models import load_model
+from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
 from turbospec.tokenizer import Tokenizer
 
@@ -20,7 +22,7 @@ def demo(tmp_path_factory):
     p = make_demo_model(tmp_path_factory.mktemp("d") / "m", hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         vocab_size=300)
-    return Engine(load_model(p), Tokenizer(p), ctx=256, ubatch=16)
+    return Engine(load_model(p), Tokenizer(p), EngineConfig(ctx=256, ubatch=16))
 
 
 @pytest.mark.parametrize("ubatch", [5, 64])
@@ -30,7 +32,7 @@ def test_greedy_matches_transformers_generate(hf_qwen3, ubatch):
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5))
     hf = AutoModelForCausalLM.from_pretrained(hf_qwen3, dtype=torch.float32).eval()
     ref = hf.generate(ids[None], max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 40:].tolist()
-    eng = Engine(load_model(hf_qwen3), None, ctx=128, ubatch=ubatch)
+    eng = Engine(load_model(hf_qwen3), None, EngineConfig(ctx=128, ubatch=ubatch))
     out = eng.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert out["tokens"] == ref
     assert out["stats"].gen_tokens == 24 and out["stats"].finish_reason == "length"
@@ -87,8 +89,8 @@ def test_chat_template(demo):
 
 
 def test_safe_prefix():
-    assert _safe_prefix_len("hello wo", ["world"]) == 6
-    assert _safe_prefix_len("abc", ["x"]) == 3
+    assert safe_prefix_len("hello wo", ["world"]) == 6
+    assert safe_prefix_len("abc", ["x"]) == 3
 
 
 @pytest.mark.parametrize("rows", [1, 5, 30])
@@ -97,7 +99,7 @@ def test_prefill_rows_across_chunks(hf_qwen3, rows):
     ubatch chunks (each chunk's last layer computes only the rows kept), equal to the full computation's."""
     model = load_model(hf_qwen3, "float32")
     ids = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(2)).tolist()
-    full = Engine(model, None, ctx=64, ubatch=20, prefix_cache=False).prefill(ids, None)
-    got = Engine(model, None, ctx=64, ubatch=20, prefix_cache=False).prefill(ids, rows)
+    full = Engine(model, None, EngineConfig(ctx=64, ubatch=20, prefix_cache=False)).prefill(ids, None)
+    got = Engine(model, None, EngineConfig(ctx=64, ubatch=20, prefix_cache=False)).prefill(ids, rows)
     assert full.shape[0] == 45 and got.shape[0] == rows
     assert torch.allclose(got, full[-rows:], atol=1e-5)

@@ -5,13 +5,14 @@ import torch
 
 from tests.hf_hybrid import VARIANTS, build, to_multimodal
 from tests.hf_tiny import hf_logits
+from turbospec.config import EngineConfig, SpecConfig
 from turbospec.engine import Engine
 from turbospec.errors import TurboSpecError
 from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.gated_deltanet import chunked_gated_delta, recurrent_gated_delta
-from turbospec.models import load_model
-from turbospec.models.hybrid import HybridModel
+from turbospec.model import load_model
+from turbospec.model.hybrid import HybridModel
 from turbospec.sampling import SamplingParams
 
 TOL = 1e-4
@@ -242,7 +243,7 @@ def test_engine_greedy_matches_transformers(ckpts):
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(8))
     hf = AutoModelForCausalLM.from_pretrained(ckpts["qwen3_next"], dtype=torch.float32).eval()
     ref = hf.generate(ids[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 20:].tolist()
-    eng = Engine(load_model(ckpts["qwen3_next"]), None, ctx=64, ubatch=8)
+    eng = Engine(load_model(ckpts["qwen3_next"]), None, EngineConfig(ctx=64, ubatch=8))
     out = eng.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert out["tokens"] == ref
 
@@ -263,12 +264,12 @@ def test_speculative_greedy_identical_on_hybrid(models, spec):
     """Chains verified on a hybrid roll the recurrent state back exactly: output equals plain greedy."""
     from turbospec.engine import Engine
     from turbospec.sampling import SamplingParams
-    from turbospec.spec import SpecConfig, make_drafter
+    from turbospec.speculative import make_drafter
 
     model = models("qwen3_5_mm")
-    plain = Engine(model, None, ctx=128, ubatch=8)
+    plain = Engine(model, None, EngineConfig(ctx=128, ubatch=8))
     sc = SpecConfig.parse(spec, n_max=3, ngram_mod_n_match=3)
-    eng = Engine(model, None, ctx=128, ubatch=8, drafter=make_drafter(sc, model, 132), n_max=3)
+    eng = Engine(model, None, EngineConfig(ctx=128, ubatch=8, spec=SpecConfig(n_max=3)), drafter=make_drafter(sc, model, 132))
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     drafts = 0
     for i in range(4):
@@ -298,5 +299,26 @@ def test_quantized_kv_applies_to_attention_layers_only(models):
     assert (outs[0] - outs[1]).abs().mean().item() < 0.01  # q8_0 noise, not a different computation
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean().item() >= 0.9
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    eng = Engine(model, None, ctx=64, ubatch=8, cache_type_k="q8_0", cache_type_v="q8_0")
+    eng = Engine(model, None, EngineConfig(ctx=64, ubatch=8, cache_type_k="q8_0", cache_type_v="q8_0"))
     assert len(eng.generate([ids.tolist()], p)[0]["tokens"]) == 12
+
+
+def test_hybrid_checkpoint_as_draft_model_with_draft_kv_types(ckpts, models):
+    """A hybrid checkpoint used as `-md` draft model with -ctkd/-ctvd: the KV formats reach its attention layers
+    and its rollback limit stays the default (they were once passed positionally into `rollback_limit`)."""
+    from turbospec.kv.quant_cache import QuantKVCache
+    from turbospec.speculative import make_drafter
+
+    model = models("qwen3_5_mm")
+    sc = SpecConfig.parse("draft-model", n_max=3, draft_model=str(ckpts["qwen3_5_mm"]), draft_k_type="q8_0",
+                          draft_v_type="q8_0")
+    drafter = make_drafter(sc, model, 132)
+    assert isinstance(drafter.cache, HybridCache)
+    assert drafter.cache.rollback_limit == 16
+    assert isinstance(drafter.cache.kv, QuantKVCache) and drafter.cache.kv.k_fmt.name == "q8_0"
+    plain = Engine(model, None, EngineConfig(ctx=128, ubatch=8))
+    eng = Engine(model, None, EngineConfig(ctx=128, ubatch=8, spec=sc), drafter=drafter)
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = [(3 * j) % 128 for j in range(10)]
+    assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+    assert eng.last_stats.extra["spec"].drafts > 0

@@ -71,7 +71,7 @@ def test_hugepage_copy_keeps_values_and_file_backed_source(tmp_path):
 
 
 def test_tied_embedding_is_one_matrix(hf_models):
-    from turbospec.models import load_model
+    from turbospec.model import load_model
 
     m = load_model(hf_models["qwen2"], "float32")  # tied embeddings: lm_head moved, embedding follows it
     assert m.embed is m.lm_head.weight

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from turbospec.demo import make_demo_model
 from turbospec.errors import TurboSpecError
-from turbospec.models import load_model
+from turbospec.model import load_model
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 300}
@@ -45,7 +45,7 @@ def test_sharded_equals_single(tiny, tmp_path):
     weight_map = {}
     for fname, keys in parts.items():
         save_file({k: w[k] for k in keys}, str(sharded / fname))
-        weight_map.update({k: fname for k in keys})
+        weight_map.update(dict.fromkeys(keys, fname))
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     ids = torch.arange(20) % 300
     from turbospec.kv.plan import AttentionPlan

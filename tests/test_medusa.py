@@ -3,23 +3,16 @@ import json
 import pytest
 import torch
 
+from turbospec.config import DEFAULT_TREE, EngineConfig, SpecConfig, parse_tree
 from turbospec.demo import qwen3_config, random_qwen3_weights, write_checkpoint
 from turbospec.engine import Engine
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
-from turbospec.models import load_model
+from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
-from turbospec.spec import SpecConfig, make_drafter
-from turbospec.spec.medusa import (
-    DEFAULT_TREE,
-    MedusaDrafter,
-    MedusaHeads,
-    MedusaTree,
-    load_heads,
-    parse_tree,
-    save_heads,
-)
-from turbospec.spec.tree import DraftTree
+from turbospec.speculative import make_drafter
+from turbospec.speculative.medusa import MedusaDrafter, MedusaHeads, MedusaTree, load_heads, save_heads
+from turbospec.speculative.tree import DraftTree
 
 SHAPE = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 64}
@@ -104,7 +97,7 @@ def plain_greedy(target, prompt, max_tokens):
     """Non-speculative greedy output (memoised across tests: the target is the same random model)."""
     key = (tuple(prompt), max_tokens)
     if key not in _PLAIN:
-        eng = Engine(target, None, ctx=256, ubatch=8)
+        eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
         _PLAIN[key] = gen(eng, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return _PLAIN[key]
 
@@ -151,7 +144,7 @@ def test_greedy_identical_to_plain(target_dir, tmp_path, tree_spec, shared, n_ma
     drafter = make_drafter(sc, target, 260)
     assert isinstance(drafter, MedusaDrafter)
     assert (drafter.heads is None) == shared
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=n_max)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=n_max)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     drafts = 0
     for prompt in PROMPTS[:2] + PROMPTS[-2:]:
@@ -171,7 +164,7 @@ def test_oracle_candidates_accept_through_tree(target_dir, tree_spec, ranks, exp
     target = load_model(target_dir, "float32")
     heads = random_heads(target)
     tree = MedusaTree(parse_tree(tree_spec))
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=OracleMedusa(heads, target, tree, ranks), n_max=3)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=OracleMedusa(heads, target, tree, ranks))
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for prompt in (PROMPTS[0], PROMPTS[-1]):
         assert gen(eng, prompt, p) == plain_greedy(target, prompt, 20)
@@ -185,13 +178,13 @@ def test_sampling_mode_completes(target_dir, tmp_path):
     save_heads(tmp_path, random_heads(target))
     drafter = make_drafter(SpecConfig.parse("medusa", n_max=3, tree="topk:2,2,1"), target, 260,
                            model_path=str(tmp_path))
-    eng = Engine(target, None, ctx=128, ubatch=8, drafter=drafter, n_max=3)
+    eng = Engine(target, None, EngineConfig(ctx=128, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
     p = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=3, max_tokens=20, ignore_eos=True)
     for prompt in PROMPTS[:2]:
         assert len(gen(eng, prompt, p)) == 20
     # context limit: the tree is cut to the cache rows left
-    eng = Engine(target, None, ctx=40, ubatch=8, drafter=drafter, n_max=3)
-    plain = Engine(target, None, ctx=40, ubatch=8)
+    eng = Engine(target, None, EngineConfig(ctx=40, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
+    plain = Engine(target, None, EngineConfig(ctx=40, ubatch=8))
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert gen(eng, PROMPTS[0], p) == gen(plain, PROMPTS[0], p)
 
@@ -232,12 +225,12 @@ def byte_model(tmp_path_factory):
 
 
 def test_train_heads_lowers_loss_resumes_and_loads(byte_model, tmp_path):
-    from turbospec.cli import main
+    from training.heads import main
 
     model, text = byte_model
     out = tmp_path / "heads"
     js = tmp_path / "s.json"
-    common = ["train-heads", "-m", str(model), "--text", str(text), "--out", str(out), "--seq-len", "32",
+    common = ["-m", str(model), "--text", str(text), "--out", str(out), "--seq-len", "32",
               "--batch", "2", "--lr", "3e-3", "--save-every", "4", "--no-progress", "--eval-windows", "2"]
     assert main(common + ["--steps", "4"]) == 0
     cfg = json.loads((out / "medusa_config.json").read_text())
@@ -251,15 +244,15 @@ def test_train_heads_lowers_loss_resumes_and_loads(byte_model, tmp_path):
     heads = load_heads(out, 32, 272)
     assert heads.num_heads == 3
     drafter = make_drafter(SpecConfig.parse("medusa", n_max=3), target, 300, model_path=str(out))
-    eng = Engine(target, None, ctx=256, ubatch=16, drafter=drafter, n_max=3)
-    plain = Engine(target, None, ctx=256, ubatch=16)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=16, spec=SpecConfig(n_max=3)), drafter=drafter)
+    plain = Engine(target, None, EngineConfig(ctx=256, ubatch=16))
     prompt = list(TEXT[:60].encode())
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert gen(eng, [t + 3 for t in prompt], p) == gen(plain, [t + 3 for t in prompt], p)
 
 
 def test_train_heads_shared_head_kl(byte_model, tmp_path):
-    from turbospec.spec.train_heads import train_heads
+    from training.heads import train_heads
 
     model, text = byte_model
     s = train_heads(str(model), [str(text)], str(tmp_path), steps=8, seq_len=40, batch=2, lr=3e-3,
@@ -294,8 +287,8 @@ def test_hybrid_target_verifies_trees(tmp_path, kernel, monkeypatch):
     trees = []
     propose = drafter.propose
     drafter.propose = lambda toks, n: trees.append(propose(toks, n)) or trees[-1]
-    eng = Engine(target, None, ctx=96, ubatch=8, drafter=drafter, n_max=2)
-    plain = Engine(target, None, ctx=96, ubatch=8)
+    eng = Engine(target, None, EngineConfig(ctx=96, ubatch=8, spec=SpecConfig(n_max=2)), drafter=drafter)
+    plain = Engine(target, None, EngineConfig(ctx=96, ubatch=8))
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for prompt in ([5, 9, 17, 33, 5, 9, 17, 33], [100, 3, 77, 3, 100]):
         assert gen(eng, prompt, p) == gen(plain, prompt, p)

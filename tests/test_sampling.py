@@ -1,6 +1,6 @@
 """Tests for turbospec.sampling: filters on hand-computed examples, penalties, seeds, greedy, and a
-statistical check that speculative rejection sampling preserves the target distribution (with negative
-controls)."""
+statistical check that the engine's speculative verifier (turbospec.speculative.verify.verify, drawing
+through a Sampler) preserves the target distribution (with negative controls)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,9 @@ from turbospec.sampling import (
     apply_penalties,
     probs_from_logits,
     sample,
-    verify_greedy,
-    verify_greedy_batch,
-    verify_rejection,
-    verify_rejection_batch,
 )
+from turbospec.speculative.tree import DraftTree
+from turbospec.speculative.verify import verify
 
 OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # every filter switched off
 
@@ -331,32 +329,44 @@ def test_sample_frequencies_match_probs():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Greedy verification
+# Speculative verification: the engine's verifier, turbospec.speculative.verify.verify, on chain draft trees.
+# logits[i] is the target's row for the position of draft i; logits[k] predicts the token after the draft.
+
+GREEDY = SamplingParams(temperature=0)
+SAMPLE = SamplingParams(**OFF)  # temperature 1, every filter off: the sampler's p is softmax(logits)
+
+
+def run_verify(draft, logits, params=GREEDY, q=None, generator=None) -> tuple[int, int]:
+    """verify() on ``DraftTree.chain(draft, q)``: (number of drafts accepted, next token)."""
+    sampler = Sampler(params)
+    if generator is not None:
+        sampler.generator = generator
+    path, token = verify(DraftTree.chain(list(draft), q), logits, sampler)
+    assert path == list(range(len(path)))  # a chain accepts a prefix of its nodes
+    return len(path), token
 
 
 def test_verify_greedy_hand_computed():
     target = torch.zeros(4, 6)
     for row, best in enumerate([3, 1, 4, 2]):
         target[row, best] = 1.0
-    assert verify_greedy(torch.tensor([3, 1, 5]), target) == (2, 4)
-    assert verify_greedy(torch.tensor([3, 1, 4]), target) == (3, 2)
-    assert verify_greedy(torch.tensor([0, 1, 4]), target) == (0, 3)
-    assert verify_greedy(torch.tensor([], dtype=torch.int64), target[:1]) == (0, 3)
+    assert run_verify([3, 1, 5], target) == (2, 4)
+    assert run_verify([3, 1, 4], target) == (3, 2)
+    assert run_verify([0, 1, 4], target) == (0, 3)
+    assert run_verify([], target[:1]) == (0, 3)
 
 
 def test_verify_greedy_ties_use_lowest_index():
     target = torch.tensor([[0.0, 5.0, 5.0], [1.0, 0.0, 0.0]])
-    assert verify_greedy(torch.tensor([1]), target) == (1, 0)
-    assert verify_greedy(torch.tensor([2]), target) == (0, 1)
+    assert run_verify([1], target) == (1, 0)
+    assert run_verify([2], target) == (0, 1)
 
 
-def test_verify_shape_errors():
-    with pytest.raises(ValueError):
-        verify_greedy(torch.tensor([1, 2]), torch.zeros(2, 4))
-    with pytest.raises(ValueError):
-        verify_rejection(torch.tensor([1]), torch.ones(2, 4) / 4, torch.ones(2, 4) / 4)
-    with pytest.raises(ValueError):
-        verify_rejection(torch.tensor([7]), None, torch.ones(2, 4) / 4)
+def test_verify_greedy_ignores_draft_distributions():
+    target = torch.tensor([[0.0, 5.0, 1.0], [1.0, 0.0, 0.0]])
+    q = [torch.tensor([0.0, 0.0, 1.0])]  # a q that would make sampling reject token 1 never matters here
+    assert run_verify([1], target, q=q) == (1, 0)
+    assert run_verify([2], target, q=q) == (0, 1)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -365,27 +375,41 @@ def test_verify_shape_errors():
 
 def test_rejection_accepts_everything_when_q_equals_p():
     g = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(4, 8, generator=g), -1)
+    logits = torch.randn(4, 8, generator=g)
+    p = [probs_from_logits(row, SAMPLE) for row in logits]  # exactly the sampler's p: p(x) / q(x) == 1
     for _ in range(200):
-        n, tok = verify_rejection(torch.tensor([1, 5, 2]), p[:3], p, g)
-        assert n == 3 and p[3, tok] > 0
+        n, tok = run_verify([1, 5, 2], logits, SAMPLE, q=p[:3], generator=g)
+        assert n == 3 and p[3][tok] > 0
 
 
 def test_rejection_never_accepts_or_returns_a_zero_probability_token():
     g = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    logits = logits_of([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = [torch.tensor([0.7, 0.1, 0.1, 0.1])]
     for _ in range(200):
-        n, tok = verify_rejection(torch.tensor([0]), q, p, g)
+        n, tok = run_verify([0], logits, SAMPLE, q=q, generator=g)
         assert n == 0 and tok in (1, 2)
-        n, tok = verify_rejection(torch.tensor([0]), None, p, g)  # one-hot q
+        n, tok = run_verify([0], logits, SAMPLE, generator=g)  # one-hot q
         assert n == 0 and tok in (1, 2)
 
 
 def test_rejection_one_hot_certain_target_always_accepts():
     g = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
-    assert all(verify_rejection(torch.tensor([1]), None, p, g)[0] == 1 for _ in range(100))
+    logits = logits_of([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    assert all(run_verify([1], logits, SAMPLE, generator=g)[0] == 1 for _ in range(100))
+
+
+def test_verify_handles_mixed_outcomes_and_one_hot_targets_agree_with_greedy():
+    target = torch.zeros(3, 5)
+    target[0, 2] = target[1, 3] = target[2, 4] = 1.0  # argmax 2, 3, 4
+    logits = torch.log(target)  # as sampling logits: one-hot targets, so rejection sampling is deterministic
+    uniform = [torch.full((5,), 0.2)] * 2
+    g = torch.Generator().manual_seed(0)
+    for draft, expected in [([2, 3], (2, 4)), ([2, 0], (1, 3)), ([1, 3], (0, 2))]:
+        assert run_verify(draft, target) == expected  # greedy
+        for _ in range(20):
+            assert run_verify(draft, logits, SAMPLE, generator=g) == expected  # one-hot q
+            assert run_verify(draft, logits, SAMPLE, q=uniform, generator=g) == expected  # probabilistic q
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -394,9 +418,9 @@ def test_rejection_one_hot_certain_target_always_accepts():
 # Toy target and draft "models" over V = 8 tokens are first-order Markov chains, p(x | prev) = P[prev] and
 # q(x | prev) = Q[prev], so that later positions are conditioned on earlier tokens as in real decoding.
 # Sequences start after token START; speculative decoding with chain length k runs until m tokens are emitted.
-# The first token must follow P[START] and the first two the joint P[START, a] * P[a, b]. The runs use the
-# batched verifier (50,000 chains in a few tensor calls); the single-chain verify_rejection wraps it and is
-# checked to give the same draws.
+# The first token must follow P[START] and the first two the joint P[START, a] * P[a, b]. The harness drafts
+# for all sequences at once and hands the chains to a batch verifier; for the engine's verify() that is
+# EngineVerifier, which verifies them one by one.
 
 
 def chi2_pvalue(observed, expected_probs) -> float:
@@ -457,7 +481,10 @@ class ToyModels:
 
 
 def generate_batch(models: ToyModels, verify_batch, k: int, m: int, n: int, one_hot: bool) -> np.ndarray:
-    """n sequences of speculative decoding with chain length k; returns the first m emitted tokens, [n, m]."""
+    """n sequences of speculative decoding with chain length k; returns the first m emitted tokens, [n, m].
+
+    ``verify_batch(draft[B, k], q[B, k, V] or None, target_probs[B, k+1, V], generator)`` returns
+    ``(num_accepted[B], next_token[B])``."""
     out = torch.full((n, m), -1, dtype=torch.int64)
     count = torch.zeros(n, dtype=torch.int64)
     last = torch.full((n,), START, dtype=torch.int64)
@@ -483,6 +510,36 @@ def generate_batch(models: ToyModels, verify_batch, k: int, m: int, n: int, one_
     return out.numpy()
 
 
+class EngineVerifier:
+    """generate_batch's batch-verifier interface on top of the engine's verify(), one chain at a time:
+    ``DraftTree.chain(draft, q rows or None)``, logits = log(target probs), and a Sampler with every filter
+    off whose generator is the harness's. Records how many drafts each chain had accepted, so that the tests
+    can check that rejections (and full acceptances) actually happened."""
+
+    def __init__(self) -> None:
+        # No penalties (the window is off too): one sampler can serve the chains of every sequence.
+        self.sampler = Sampler(SamplingParams(**OFF, repeat_last_n=0, seed=0))
+        self.accepted: list[int] = []
+
+    def __call__(self, draft_tokens, draft_probs, target_probs, generator):
+        self.sampler.generator = generator
+        logits = torch.log(target_probs)
+        n_acc, tokens = [], []
+        for i, draft in enumerate(draft_tokens.tolist()):
+            q = None if draft_probs is None else list(draft_probs[i])
+            path, token = verify(DraftTree.chain(draft, q), logits[i], self.sampler)
+            n_acc.append(len(path))
+            tokens.append(token)
+        self.accepted += n_acc
+        return torch.tensor(n_acc, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int64)
+
+    def assert_mixed_outcomes(self, k: int) -> None:
+        """Every outcome 0..k occurred: the runs rejected at every position and also accepted whole chains."""
+        counts = np.bincount(self.accepted, minlength=k + 1)
+        assert len(counts) == k + 1 and (counts > 0).all(), counts
+        assert counts[:k].sum() > 0.1 * counts.sum(), counts  # rejections are common, not a rare event
+
+
 def first_token_pvalue(models, out) -> float:
     return chi2_pvalue(np.bincount(out[:, 0], minlength=V), models.first_token_probs())
 
@@ -498,56 +555,31 @@ def test_toy_models_differ_enough_to_reject_often():
 
 
 def test_rejection_k1_first_token_is_target():
-    models = ToyModels(101)
-    out = generate_batch(models, verify_rejection_batch, k=1, m=1, n=N_BATCH, one_hot=False)
+    models, verifier = ToyModels(101), EngineVerifier()
+    out = generate_batch(models, verifier, k=1, m=1, n=N_BATCH, one_hot=False)
+    verifier.assert_mixed_outcomes(k=1)
     assert first_token_pvalue(models, out) > PASS
 
 
 def test_rejection_k3_first_token_and_first_two_joint_are_target():
-    models = ToyModels(202)
-    out = generate_batch(models, verify_rejection_batch, k=3, m=2, n=N_BATCH, one_hot=False)
+    models, verifier = ToyModels(202), EngineVerifier()
+    out = generate_batch(models, verifier, k=3, m=2, n=N_BATCH, one_hot=False)
+    verifier.assert_mixed_outcomes(k=3)
     assert first_token_pvalue(models, out) > PASS
     assert joint_pvalue(models, out) > PASS
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_rejection_one_hot_drafts_are_target(k):
-    models = ToyModels(303)
-    out = generate_batch(models, verify_rejection_batch, k=k, m=2, n=N_BATCH, one_hot=True)
+    models, verifier = ToyModels(303), EngineVerifier()
+    out = generate_batch(models, verifier, k=k, m=2, n=N_BATCH, one_hot=True)
+    verifier.assert_mixed_outcomes(k=k)
     assert first_token_pvalue(models, out) > PASS
     assert joint_pvalue(models, out) > PASS
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_single_chain_equals_batch_of_one(one_hot):
-    # verify_rejection wraps the batched verifier and consumes the generator identically, so the statistical
-    # tests of verify_rejection_batch hold for it draw for draw.
-    g = torch.Generator().manual_seed(0)
-    ga, gb = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    outcomes = set()
-    for _ in range(60):
-        p = torch.softmax(torch.randn(4, V, generator=g), -1)
-        q = torch.softmax(torch.randn(3, V, generator=g), -1)
-        draft = torch.multinomial(q, 1, generator=g).squeeze(1)
-        n, tok = verify_rejection_batch(draft[None], None if one_hot else q[None], p[None], gb)
-        single = verify_rejection(draft, None if one_hot else q, p, ga)
-        assert single == (int(n), int(tok))
-        outcomes.add(single[0])
-    assert outcomes == {0, 1, 2, 3} if not one_hot else len(outcomes) > 1
-
-
-def test_batch_verifiers_handle_mixed_outcomes():
-    target = torch.zeros(3, 3, 5)
-    target[:, 0, 2] = target[:, 1, 3] = target[:, 2, 4] = 1.0  # argmax 2, 3, 4 for every chain
-    draft = torch.tensor([[2, 3], [2, 0], [1, 3]])
-    n, bonus = verify_greedy_batch(draft, target)
-    assert n.tolist() == [2, 1, 0] and bonus.tolist() == [4, 3, 2]
-    # with one-hot targets rejection sampling is deterministic and must agree with greedy
-    n, token = verify_rejection_batch(draft, None, target, torch.Generator().manual_seed(0))
-    assert n.tolist() == [2, 1, 0] and token.tolist() == [4, 3, 2]
-
-
 # Negative controls: the same harness and statistics detect wrong samplers, so the tests above can fail.
+# They are batch implementations of their own, independent of the verifier under test.
 
 
 def always_accept_batch(draft_tokens, draft_probs, target_probs, generator):

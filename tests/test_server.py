@@ -293,7 +293,7 @@ def test_bench_url_measures_the_live_server(server, tmp_path):
     """`turbospec bench --url` against this real server: client-side TTFT/TPOT/ITL/e2e and acceptance."""
     import json
 
-    from turbospec.cli import main
+    from turbospec.cli.main import main
 
     base = server[0] + "/v1"
     out = tmp_path / "rep"
@@ -325,13 +325,15 @@ def test_zz_shutdown(server):
 # ---- in-process (FastAPI TestClient) ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def spec_engine(tiny_model):
+    from turbospec.config import EngineConfig, SpecConfig
     from turbospec.engine import Engine
-    from turbospec.models import load_model
-    from turbospec.spec.ngram import PromptLookup
+    from turbospec.model import load_model
+    from turbospec.speculative.ngram import PromptLookup
     from turbospec.tokenizer import Tokenizer
 
     model = load_model(str(tiny_model), "float32")
-    return Engine(model, Tokenizer(tiny_model), ctx=512, drafter=PromptLookup(1, 3), n_max=3)
+    return Engine(model, Tokenizer(tiny_model), EngineConfig(ctx=512, spec=SpecConfig(n_max=3)),
+                  drafter=PromptLookup(1, 3))
 
 
 def _app(engine, **kw):

@@ -5,13 +5,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from turbospec.config import EngineConfig, SpecConfig
 from turbospec.demo import make_demo_model, qwen3_config, random_qwen3_weights, write_checkpoint
 from turbospec.engine import Engine
-from turbospec.models import load_model
+from turbospec.model import load_model
 from turbospec.sampling import Sampler, SamplingParams
-from turbospec.spec import SpecConfig, make_drafter
-from turbospec.spec.tree import DraftTree
-from turbospec.spec.verify import verify
+from turbospec.speculative import make_drafter
+from turbospec.speculative.tree import DraftTree
+from turbospec.speculative.verify import verify
 
 SHAPE = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 64}
@@ -58,10 +59,10 @@ SPECS = ["ngram", "ngram-mod", "draft-mtp", "draft-model", "ngram-mod,draft-mtp"
 @pytest.mark.parametrize("spec", SPECS)
 def test_greedy_identical_to_plain(paths, spec):
     target = load_model(paths["target"], "float32")
-    plain = Engine(target, None, ctx=256, ubatch=8)
+    plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
     draft_path = paths["target"] if spec.endswith(":self") else paths["other"]
     sc = SpecConfig.parse(spec.split(":")[0], n_max=4, draft_model=str(draft_path), ngram_mod_n_match=3)
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=make_drafter(sc, target, 260), n_max=4)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=4)), drafter=make_drafter(sc, target, 260))
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     total = None
     for prompt in PROMPTS:
@@ -109,8 +110,8 @@ class TopKTreeDrafter:
 
 def test_tree_verification_greedy_identical(paths):
     target = load_model(paths["target"], "float32")
-    plain = Engine(target, None, ctx=256, ubatch=8)
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=TopKTreeDrafter(target), n_max=3)
+    plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=TopKTreeDrafter(target))
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for prompt in PROMPTS[:4]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -187,10 +188,10 @@ def test_chi2_detects_a_wrong_sampler():
 
 def test_mtp_reduced_draft_vocab_is_lossless(paths):
     target = load_model(paths["target"], "float32")
-    plain = Engine(target, None, ctx=256, ubatch=8)
+    plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
     sc = SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=32)
     drafter = make_drafter(sc, target, 260)
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for prompt in PROMPTS[:6]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -207,13 +208,14 @@ def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from turbospec.spec.draft_vocab import FILE, load, rank_tokens
+    from training.draft_vocab import rank_tokens
+    from turbospec.speculative.draft_vocab import FILE, load
 
     model_dir = tmp_path / "m"
     shutil.copytree(paths["target"], model_dir)
     tok = HFTokenizer.from_file(str(Path("models/turbospec-tiny") / "tokenizer.json"))
     ranked, n = rank_tokens(tok, ["def f(x):\n    return x\n", "x = x + 1\n"], 64)
-    counts = {t: 0 for t in range(64)}
+    counts = dict.fromkeys(range(64), 0)
     for text in ["def f(x):\n    return x\n", "x = x + 1\n"]:
         for t in tok.encode(text).ids:
             if t < 64:
@@ -226,8 +228,8 @@ def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):
     (model_dir / FILE).write_text(json.dumps({"ranked_ids": order}))
     assert load(model_dir) == order
     drafter = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=16), target, 260, str(model_dir))
-    plain = Engine(target, None, ctx=256, ubatch=8)
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
+    plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompt = PROMPTS[0]
     assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -246,12 +248,12 @@ def test_mtp_topk_tree_is_lossless_and_branches(paths, hybrid, tmp_path):
     else:
         target = load_model(paths["target"], "float32")
         prompts = PROMPTS[:4]
-    plain = Engine(target, None, ctx=256, ubatch=8)
+    plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
     drafter = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, mtp_topk=3), target, 260)
     trees = []
     propose = drafter.propose
     drafter.propose = lambda toks, n: trees.append(propose(toks, n)) or trees[-1]
-    eng = Engine(target, None, ctx=256, ubatch=8, drafter=drafter, n_max=3)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for prompt in prompts:
         assert run(eng, prompt, p) == run(plain, prompt, p)

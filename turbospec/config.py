@@ -1,161 +1,173 @@
-"""Model configuration read from a Hugging Face config.json."""
+"""The engine's configuration: one frozen object, validated in one place.
+
+`EngineConfig` says which checkpoint to load and how to run it (dtype, threads, context, batch sizes, KV
+formats); its nested `SpecConfig` says how to speculate. The command line, the server, the lab and the
+benchmarks all build these and hand them to `turbospec.build_engine`; none of them re-derives a setting.
+Names of KV formats and dtypes are normalised here (float16 -> f16), so every later reader sees one spelling.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
 
+from turbospec import dtypes
 from turbospec.errors import TurboSpecError
+from turbospec.kv.formats import get_format
 
-DENSE_ARCHS = ("qwen3", "qwen2", "llama")
-HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5", "qwen3_next")
-SUPPORTED_ARCHS = DENSE_ARCHS + HYBRID_ARCHS
+SPEC_TYPES = ("draft-mtp", "medusa", "ngram", "ngram-simple", "ngram-mod", "draft-model")
 
 
-@dataclass
-class ModelConfig:
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 32768
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+def kv_type(name: str | None) -> str | None:
+    """A KV format name in its canonical spelling (dtype spellings float16/bfloat16/float32 accepted);
+    None stays None (the model's own float type); a one-line error for an unknown format."""
+    if not name:
+        return None
+    if dtypes.is_dtype_name(name):
+        return dtypes.short_name(name)
+    try:
+        return get_format(name).name
+    except ValueError as e:
+        raise TurboSpecError(str(e)) from None
 
-    @property
-    def rope_theta(self) -> float:
-        return float(self.rope.get("rope_theta", 10000.0))
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+# Medusa trees (--spec-tree): rank paths, one per node; [0, 1] = the best token of head 1, then head 2's second
+DEFAULT_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
-    # ---- hybrid (Gated DeltaNet) fields, read from the raw config -----------------------------------------
-    def layer_types(self) -> list[str]:
-        """'full_attention' or 'linear_attention' per layer (all full attention for dense archs)."""
-        if self.arch not in HYBRID_ARCHS:
-            return ["full_attention"] * self.num_layers
-        types = self.raw.get("layer_types")
-        if types is None:
-            every = int(self.raw.get("full_attention_interval", 4))
-            types = ["linear_attention" if (i + 1) % every else "full_attention"
-                     for i in range(self.num_layers)]
-        types = list(types)[: self.num_layers]
-        kinds = ("full_attention", "linear_attention")
-        if len(types) != self.num_layers or any(t not in kinds for t in types):
-            raise TurboSpecError(f"config layer_types must list full_attention/linear_attention for each of "
-                                 f"{self.num_layers} layers, got {types}")
-        return types
-
-    def linear_dims(self) -> dict[str, int]:
-        """Gated DeltaNet sizes: key/value heads, key/value head dims, conv kernel."""
-        r = self.raw
-        return {
-            "num_k_heads": int(r.get("linear_num_key_heads", 16)),
-            "num_v_heads": int(r.get("linear_num_value_heads", 32)),
-            "k_head_dim": int(r.get("linear_key_head_dim", 128)),
-            "v_head_dim": int(r.get("linear_value_head_dim", 128)),
-            "conv_kernel": int(r.get("linear_conv_kernel_dim", 4)),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        arch = d.get("model_type")
-        if arch == "qwen3_5" and "text_config" in d:
-            inner = dict(d["text_config"])
-            inner.setdefault("model_type", "qwen3_5_text")
-            for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # outer values govern
-                if d.get(key) is not None:
-                    inner[key] = d[key]
-            return cls.from_dict({**inner, "_outer_model_type": "qwen3_5"})
-        if arch not in SUPPORTED_ARCHS:
-            raise TurboSpecError(
-                f"unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
+def parse_tree(spec: str | list | None) -> list[tuple[int, ...]]:
+    """Paths from a JSON list of rank lists ('[[0],[1],[0,0]]'), 'topk:k1,k2,...' (the full product tree:
+    k1 candidates at depth 1, each with k2 children, ...), a Python list, or None (the default tree)."""
+    raw: list
+    if spec is None or spec == "" or spec == "default":
+        raw = DEFAULT_TREE
+    elif isinstance(spec, str) and spec.strip().startswith("topk:"):
         try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
-            cfg = cls(
-                arch=arch,
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope=_rope_params(d, hybrid=arch in HYBRID_ARCHS),
-                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-                o_bias=arch in ("llama", "qwen3") + HYBRID_ARCHS and bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                qk_norm=arch in ("qwen3",) + HYBRID_ARCHS,
-                hidden_act=str(d.get("hidden_act", "silu")),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=_as_tuple(d.get("eos_token_id")),
-                raw=d,
-            )
-        except KeyError as e:
-            raise TurboSpecError(f"config.json is missing required field {e.args[0]!r}") from None
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise TurboSpecError(f"unsupported activation {cfg.hidden_act!r} (only silu)")
-        return cfg
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
+            ks = [int(k) for k in spec.strip()[5:].split(",") if k.strip()]
+        except ValueError:
+            raise TurboSpecError(f"--spec-tree {spec!r}: expected topk:k1,k2,... with integers") from None
+        if not ks or any(k < 1 for k in ks):
+            raise TurboSpecError(f"--spec-tree {spec!r}: every k must be >= 1")
+        raw = []
+        level: list[tuple[int, ...]] = [()]
+        for k in ks:
+            level = [p + (r,) for p in level for r in range(k)]
+            raw += [list(p) for p in level]
+    elif isinstance(spec, str):
         try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise TurboSpecError(f"no config.json at {path}") from None
+            raw = json.loads(spec)
         except json.JSONDecodeError as e:
-            raise TurboSpecError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+            raise TurboSpecError(f"--spec-tree: not JSON and not topk:... ({e})") from None
+    else:
+        raw = spec
+    if not isinstance(raw, list) or not raw:
+        raise TurboSpecError("--spec-tree: expected a non-empty list of paths such as [[0],[1],[0,0]]")
+    paths: set[tuple[int, ...]] = set()
+    for p in raw:
+        if not isinstance(p, list | tuple) or not p or not all(isinstance(r, int) and r >= 0 for r in p):
+            raise TurboSpecError(f"--spec-tree: bad path {p!r} (a non-empty list of ranks >= 0)")
+        for n in range(1, len(p) + 1):  # prefix-closed
+            paths.add(tuple(p[:n]))
+    return sorted(paths, key=lambda p: (len(p), p))
 
 
-def _as_tuple(v: Any) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    if isinstance(v, (list, tuple)):
-        return tuple(int(x) for x in v)
-    return (int(v),)
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # normalising a frozen dataclass field in __post_init__
 
 
-def _rope_params(d: dict[str, Any], hybrid: bool = False) -> dict[str, Any]:
-    """Merge the old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) spellings."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(d.get("rope_theta", 10000.0))}
-    for key in ("rope_scaling", "rope_parameters"):
-        extra = d.get(key)
-        if isinstance(extra, dict):
-            rope.update(extra)
-    if "type" in rope and rope.get("rope_type", "default") == "default":
-        rope["rope_type"] = rope.pop("type")
-    if "partial_rotary_factor" in d:
-        rope.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
-    if hybrid:  # Qwen3.5 / Qwen3-Next rotate a quarter of each head unless the config says otherwise
-        rope.setdefault("partial_rotary_factor", 0.25)
-    rope.setdefault("max_position_embeddings", d.get("max_position_embeddings", 32768))
-    if rope["rope_type"] not in ("default", "llama3", "yarn", "linear"):
-        raise TurboSpecError(f"unsupported rope type {rope['rope_type']!r} (default, linear, llama3, yarn)")
-    return rope
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which drafters (in llama.cpp's `--spec-type` names) and how they draft."""
+
+    types: tuple[str, ...] = ()
+    n_max: int = 3  # most draft tokens one step verifies (tree depth)
+    p_min: float = 0.0  # model drafters stop below this draft probability
+    draft_model: str | None = None  # checkpoint of the draft-model drafter (-md)
+    ngram_n_min: int = 2
+    ngram_n_max: int = 4
+    ngram_mod_n_match: int = 8
+    ngram_mod_n_max: int = 16
+    # the MTP reads only the last N prompt positions, so prefill with MTP on stays close to MTP off
+    # (benchmarks/spec_prefill.py); -1 auto (a quarter of the prompt, 64..256), 0 all
+    mtp_prompt_window: int = -1
+    # MTP drafts over the N most frequent tokens (draft_vocab.json) plus the request's own; 0 = full vocabulary,
+    # -1 = auto (1024 when the model ships a ranking, else full)
+    draft_vocab: int = -1
+    mtp_topk: int = 1  # MTP tree: top-k candidates per depth, the best continued; 1 = a chain
+    draft_k_type: str | None = None  # KV formats of the draft/MTP caches (-ctkd / -ctvd); None: the model dtype
+    draft_v_type: str | None = None
+    medusa: str | None = None  # Medusa heads directory (or file); None: beside the model
+    tree: str | None = None  # Medusa tree: JSON list of rank paths or "topk:k1,k2,..."; None: the default tree
+
+    def __post_init__(self) -> None:
+        types = self.types
+        if isinstance(types, str):
+            types = tuple(t.strip() for t in types.split(","))
+        types = tuple(t for t in types if t and t != "none")
+        for t in types:
+            if t not in SPEC_TYPES:
+                raise TurboSpecError(f"unknown --spec-type {t!r} (choose from {', '.join(SPEC_TYPES)})")
+        _set(self, "types", types)
+        if self.n_max < 1:
+            raise TurboSpecError("--spec-draft-n-max must be >= 1")
+        if self.mtp_topk < 1:
+            raise TurboSpecError("--spec-mtp-topk must be >= 1")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise TurboSpecError("--spec-draft-p-min must be in [0, 1]")
+        if "draft-model" in types and not self.draft_model:
+            raise TurboSpecError("--spec-type draft-model needs -md/--spec-draft-model PATH")
+        _set(self, "draft_k_type", kv_type(self.draft_k_type))
+        _set(self, "draft_v_type", kv_type(self.draft_v_type))
+        if self.tree:
+            parse_tree(self.tree)  # fail early on a malformed tree
+
+    @classmethod
+    def parse(cls, spec_type: str | None, **kw) -> SpecConfig:
+        """From a comma list such as `ngram-mod,draft-mtp` (None or 'none': speculation off)."""
+        return cls(types=tuple((spec_type or "").split(",")), **kw)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.types)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `build_engine` needs. `model` None means the bundled model (or TURBOSPEC_MODEL)."""
+
+    model: str | None = None
+    dtype: str = "float32"  # weights and compute: float32, bfloat16, float16
+    threads: int | None = None  # CPU threads; None: torch's default (all cores)
+    ctx: int = 4096  # context size in tokens (prompt + output)
+    batch: int = 2048  # logical batch (-b)
+    ubatch: int = 512  # prefill chunk (-ub), at most `batch`
+    cache_type_k: str | None = None  # KV formats (-ctk/-ctv): f16, q8_0, tbq4_0, turbo3, ...; None: the dtype
+    cache_type_v: str | None = None
+    prefix_cache: bool = True  # reuse the KV of a prompt's common prefix with the previous request
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.ctx <= 0 or self.ubatch <= 0 or self.batch <= 0:
+            raise TurboSpecError("context, batch and ubatch sizes must be positive")
+        if self.threads is not None and self.threads <= 0:
+            raise TurboSpecError("--threads must be positive")
+        _set(self, "dtype", dtypes.long_name(self.dtype))
+        _set(self, "ubatch", min(self.ubatch, self.batch))
+        _set(self, "cache_type_k", kv_type(self.cache_type_k))
+        _set(self, "cache_type_v", kv_type(self.cache_type_v))
+        if not isinstance(self.spec, SpecConfig):
+            raise TurboSpecError("EngineConfig.spec must be a SpecConfig")
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with some fields changed (validated again); `spec_*` keys change the nested SpecConfig."""
+        spec = {k[5:]: changes.pop(k) for k in list(changes) if k.startswith("spec_")}
+        if spec:
+            changes["spec"] = replace(changes.get("spec", self.spec), **spec)
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain values, for reports and the server's /props."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}
+        out["spec"] = {f.name: getattr(self.spec, f.name) for f in fields(self.spec)}
+        out["spec"]["types"] = list(self.spec.types)
+        return out

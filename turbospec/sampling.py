@@ -1,4 +1,4 @@
-"""Token sampling and speculative verification: pure functions on torch tensors.
+"""Token sampling: pure functions on torch tensors, and the per-sequence :class:`Sampler`.
 
 The sampler follows llama.cpp's defaults and semantics:
 
@@ -11,14 +11,8 @@ The sampler follows llama.cpp's defaults and semantics:
 
 ``temperature == 0`` means greedy: argmax with the lowest index winning ties.
 
-Speculative verification:
-
-* :func:`verify_greedy` accepts the longest draft prefix equal to the target argmax and adds the bonus token.
-* :func:`verify_rejection` is the Leviathan et al. / Chen et al. rejection sampler: the emitted tokens are
-  distributed exactly as if sampled from the target distributions one by one. A drafter without probabilities
-  (n-gram, argmax MTP) is a one-hot ``q``.
-* ``verify_greedy_batch`` / ``verify_rejection_batch`` do the same for ``B`` chains at once with a fixed
-  number of tensor ops (the single-chain functions wrap them).
+Speculative verification (greedy and Leviathan et al. / Chen et al. rejection sampling) lives in
+:func:`turbospec.speculative.verify.verify`, which draws through a :class:`Sampler`.
 
 Cost on a CPU with a 152K vocabulary: the filters look only at the top-k (or min-p / top-p) candidates found
 with ``topk`` instead of sorting the vocabulary, and draws use inverse-CDF sampling instead of
@@ -44,10 +38,6 @@ __all__ = [
     "draw_rows",
     "probs_from_logits",
     "sample",
-    "verify_greedy",
-    "verify_greedy_batch",
-    "verify_rejection",
-    "verify_rejection_batch",
 ]
 
 
@@ -291,11 +281,6 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(draw_rows(probs, generator))
 
 
-def _uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    dev = generator.device if generator is not None else device
-    return torch.rand(shape, generator=generator, device=dev).to(device)
-
-
 class Sampler:
     """Per-sequence sampling state: the parameters, a seeded ``torch.Generator`` and the penalty window.
 
@@ -346,134 +331,3 @@ class Sampler:
         if accept:
             self.accept(token)
         return token
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Speculative verification
-
-
-def _check_chain(draft_tokens, target: torch.Tensor, what: str) -> torch.Tensor:
-    """The draft of one chain as ``[1, k]`` after checking ``target`` is ``[k+1, V]``."""
-    draft = torch.as_tensor(draft_tokens, dtype=torch.int64, device=target.device).reshape(1, -1)
-    k = draft.shape[1]
-    if target.dim() != 2 or target.shape[0] != k + 1:
-        raise ValueError(f"{what} must have shape [k+1, V] = [{k + 1}, V], got {tuple(target.shape)}")
-    return draft
-
-
-def _check_batch(draft_tokens, target: torch.Tensor, what: str) -> torch.Tensor:
-    if target.dim() != 3:
-        raise ValueError(f"{what} must have shape [B, k+1, V], got {tuple(target.shape)}")
-    batch, k1, vocab = target.shape
-    draft = torch.as_tensor(draft_tokens, dtype=torch.int64, device=target.device)
-    if tuple(draft.shape) != (batch, k1 - 1):
-        raise ValueError(
-            f"draft_tokens must have shape [B, k] = [{batch}, {k1 - 1}] to match {what} "
-            f"{tuple(target.shape)}, got {tuple(draft.shape)}"
-        )
-    if draft.numel() and bool(((draft < 0) | (draft >= vocab)).any()):
-        raise ValueError(f"draft token ids must lie in [0, {vocab})")
-    return draft
-
-
-def verify_greedy_batch(
-    draft_tokens: torch.Tensor, target_logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify_greedy` for ``B`` chains at once: ``draft_tokens[B, k]``, ``target_logits[B, k+1, V]``.
-
-    Returns ``(num_accepted[B], bonus_tokens[B])``, int64 tensors on the logits' device, without a host sync.
-    """
-    draft = _check_batch(draft_tokens, target_logits, "target_logits")
-    best = torch.argmax(target_logits, dim=-1)  # first maximal index: lowest id wins ties
-    n = (draft == best[:, :-1]).to(torch.int64).cumprod(dim=-1).sum(dim=-1)
-    return n, best.gather(1, n.unsqueeze(1)).squeeze(1)
-
-
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy verification of a chain of ``k`` draft tokens against ``target_logits[k+1, V]``.
-
-    Row ``i`` of ``target_logits`` is the target's prediction for the position of ``draft_tokens[i]``; row
-    ``k`` predicts the token after the whole draft. Returns ``(num_accepted, bonus_token)``: drafts are
-    accepted while they equal the row's argmax (lowest index on ties), and the bonus is the argmax of the
-    first mismatching row (or of row ``k`` when everything was accepted). The emitted tokens are
-    ``draft[:num_accepted] + [bonus]``.
-    """
-    draft = _check_chain(draft_tokens, target_logits, "target_logits")
-    n, bonus = verify_greedy_batch(draft, target_logits.unsqueeze(0))
-    return int(n), int(bonus)
-
-
-def verify_rejection_batch(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify_rejection` for ``B`` chains at once: ``draft_tokens[B, k]``, ``draft_probs[B, k, V]`` or
-    None, ``target_probs[B, k+1, V]``. Returns ``(num_accepted[B], next_tokens[B])`` as int64 tensors.
-
-    Draws ``B*k`` uniforms for the acceptance tests, then one per chain for the next token.
-    """
-    p = target_probs.float()
-    draft = _check_batch(draft_tokens, p, "target_probs")
-    batch, k1, vocab = p.shape
-    k = k1 - 1
-    index = draft.unsqueeze(-1)
-    p_x = p[:, :k].gather(2, index).squeeze(-1)
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        if tuple(draft_probs.shape) != (batch, k, vocab):
-            raise ValueError(
-                f"draft_probs must have shape [B, k, V] = [{batch}, {k}, {vocab}], got "
-                f"{tuple(draft_probs.shape)}"
-            )
-        q = draft_probs.float().to(p.device)
-        q_x = q.gather(2, index).squeeze(-1)
-    # u < p/q  <=>  u*q < p: no division; q(x) = 0 < p(x) accepts, p(x) = 0 always rejects.
-    accepted = _uniform((batch, k), generator, p.device) * q_x < p_x
-    n = accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # leading acceptances
-    rows = torch.arange(batch, device=p.device)
-    p_next = p[rows, n]  # p_n: the rejected position's target, or p_k for the bonus
-    if k > 0:
-        at = n.clamp(max=k - 1)
-        if draft_probs is None:  # one-hot q
-            q_next = torch.zeros_like(p_next).scatter_(1, draft[rows, at].unsqueeze(1), 1.0)
-        else:
-            q_next = q[rows, at]
-        rejected = (n < k).unsqueeze(1)
-        residual = torch.where(rejected, (p_next - q_next).clamp(min=0.0), p_next)
-        # max(p - q, 0) can only be all zero when p == q at that row (then nothing is rejected in exact
-        # arithmetic); fall back to p as the definition says.
-        empty = ~(residual.sum(dim=-1, keepdim=True) > 0)
-        residual = torch.where(empty, p_next, residual)
-    else:
-        residual = p_next
-    return n, draw_rows(residual, generator)
-
-
-def verify_rejection(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023) along a chain.
-
-    ``draft_tokens[k]`` were drawn from ``draft_probs[k, V]`` (``q``; None = deterministic drafts, i.e.
-    one-hot ``q``); ``target_probs[k+1, V]`` (``p``) are the target's sampling distributions at the same
-    positions plus one. Draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the
-    first rejection the next token is drawn from ``normalize(max(p_i - q_i, 0))`` (from ``p_i`` if that is all
-    zero); if all ``k`` are accepted a bonus token is drawn from ``p_k``. Returns ``(num_accepted,
-    next_token)``; the emitted tokens ``draft[:num_accepted] + [next_token]`` are distributed exactly as
-    sampling from ``p`` token by token.
-    """
-    draft = _check_chain(draft_tokens, target_probs, "target_probs")
-    if draft_probs is not None:
-        if draft_probs.dim() != 2 or draft_probs.shape[0] != draft.shape[1]:
-            raise ValueError(
-                f"draft_probs must have shape [k, V] = [{draft.shape[1]}, V], got {tuple(draft_probs.shape)}"
-            )
-        draft_probs = draft_probs.unsqueeze(0)
-    n, token = verify_rejection_batch(draft, draft_probs, target_probs.unsqueeze(0), generator)
-    return int(n), int(token)

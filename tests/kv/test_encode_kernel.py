@@ -1,10 +1,11 @@
-"""The C++ KV encoder (turbospec/kernels/encode.cpp) against the reference encoders in turbospec/kv/formats.py."""
+"""The C++ KV encoder (turbospec/kernels/encode.cpp) against the reference encoders in turbospec/kv/formats/."""
 
 import pytest
 import torch
 
 from turbospec.kernels import encode as encoder
 from turbospec.kv.formats import get_format
+from turbospec.kv.kernel_args import encode_spec
 from turbospec.kv.quant_cache import QuantKVCache
 
 pytestmark = pytest.mark.skipif(encoder.load() is None, reason="encode kernel not available on this machine")
@@ -23,7 +24,7 @@ def _rows(kvh, n, d, seed):
 
 def _encode_both(name, d, x, start=3):
     fmt = get_format(name)
-    spec = encoder.spec_of(fmt, d)
+    spec = encode_spec(fmt, d)
     assert spec is not None
     kvh, n = x.shape[:2]
     ref = fmt.encode(x)
@@ -64,7 +65,7 @@ def test_turbo_matches_reference_up_to_boundary_ties(name, d):
 @pytest.mark.parametrize("name", EXACT + TURBO)
 def test_non_finite_input_writes_nothing(name):
     fmt = get_format(name)
-    spec = encoder.spec_of(fmt, 64)
+    spec = encode_spec(fmt, 64)
     x = torch.randn(2, 3, 64)
     x[1, 2, 5] = float("nan")
     bufs = fmt.allocate(64, (2, 4))
@@ -74,7 +75,7 @@ def test_non_finite_input_writes_nothing(name):
 
 def test_unsupported_formats_use_the_reference():
     for name in ("tbq4_0d", "turbo4p", "turbo3p"):
-        assert encoder.spec_of(get_format(name), 64) is None
+        assert encode_spec(get_format(name), 64) is None
 
 
 @pytest.mark.parametrize("kv", [("q8_0", "turbo3"), ("tbq4_0", "f16")])

@@ -4,13 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from turbospec.config import EngineConfig, SpecConfig
 from turbospec.demo import make_demo_model, qwen3_config, random_qwen3_weights, write_checkpoint
 from turbospec.engine import Engine
 from turbospec.kv.cache import KVCache
 from turbospec.kv.formats import FORMATS
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
-from turbospec.models import load_model
+from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
 
 ALL = list(FORMATS)
@@ -254,11 +255,10 @@ PROMPTS = [[(7 * i + j) % 64 for j in range(10)] * 3 for i in range(3)] + [
 
 @pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("turbo3", "q4_0")])
 def test_speculative_greedy_equals_plain_with_quantized_cache(peaked, kt, vt):
-    from turbospec.spec.ngram import PromptLookup
+    from turbospec.speculative.ngram import PromptLookup
 
-    plain = Engine(peaked, None, ctx=128, ubatch=8, cache_type_k=kt, cache_type_v=vt)
-    spec = Engine(peaked, None, ctx=128, ubatch=8, drafter=PromptLookup(2, 4), n_max=4, cache_type_k=kt,
-                  cache_type_v=vt)
+    plain = Engine(peaked, None, EngineConfig(ctx=128, ubatch=8, cache_type_k=kt, cache_type_v=vt))
+    spec = Engine(peaked, None, EngineConfig(ctx=128, ubatch=8, cache_type_k=kt, cache_type_v=vt, spec=SpecConfig(n_max=4)), drafter=PromptLookup(2, 4))
     assert isinstance(plain.cache, QuantKVCache) and plain.cache.k_type == kt and plain.cache.v_type == vt
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     accepted = 0
@@ -273,9 +273,10 @@ def test_speculative_greedy_equals_plain_with_quantized_cache(peaked, kt, vt):
 def test_draft_caches_with_their_own_types(tmp_path):
     """-ctkd/-ctvd: the draft-model and MTP drafters get packed caches; greedy output is unchanged."""
     from tests.test_spec import add_mtp
-    from turbospec.spec import SpecConfig, make_drafter
-    from turbospec.spec.draft_model import DraftModelDrafter
-    from turbospec.spec.mtp import MTPDrafter
+    from turbospec.config import SpecConfig
+    from turbospec.speculative import make_drafter
+    from turbospec.speculative.draft_model import DraftModelDrafter
+    from turbospec.speculative.mtp import MTPDrafter
 
     shape = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 64}
@@ -286,7 +287,7 @@ def test_draft_caches_with_their_own_types(tmp_path):
             w[k] = w[k] * 12
     add_mtp(w, cfg)
     target = load_model(write_checkpoint(tmp_path / "t", cfg, w), "float32")
-    plain = Engine(target, None, ctx=96, ubatch=8)
+    plain = Engine(target, None, EngineConfig(ctx=96, ubatch=8))
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     drafters = [MTPDrafter(target.mtp, 100, prompt_window=8, k_type="q8_0", v_type="turbo3"),
                 DraftModelDrafter(target, 100, k_type="q4_0", v_type="f16")]
@@ -294,7 +295,7 @@ def test_draft_caches_with_their_own_types(tmp_path):
     drafters.append(make_drafter(sc, target, 100))
     for d in drafters:
         assert isinstance(d.cache, QuantKVCache)
-        eng = Engine(target, None, ctx=96, ubatch=8, drafter=d, n_max=3)
+        eng = Engine(target, None, EngineConfig(ctx=96, ubatch=8, spec=SpecConfig(n_max=3)), drafter=d)
         for prompt in PROMPTS[:2] + PROMPTS[-1:]:
             assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
     assert (drafters[2].cache.k_type, drafters[2].cache.v_type) == ("f16", "q8_0")

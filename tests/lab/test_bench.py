@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from turbospec.cli import main
+from turbospec.cli.main import main
 from turbospec.demo import make_demo_model
 from turbospec.errors import TurboSpecError
 from turbospec.lab.bench import parse_sweeps
@@ -83,14 +83,13 @@ def test_prometheus_spec_counters_are_read():
 
 
 def test_sweep_values_take_the_option_type():
-    import argparse
+    from turbospec.config import EngineConfig, SpecConfig
+    from turbospec.lab.bench import apply_sweep
 
-    from turbospec.lab.bench import apply_config
-
-    a = argparse.Namespace(spec_draft_vocab=0, spec_draft_p_min=0.0, spec_type=None, spec_draft_n_max=3)
-    b = apply_config(a, {"draft-vocab": "2048", "p-min": "0.25", "spec-type": "ngram-mod+draft-mtp"})
-    assert b.spec_draft_vocab == 2048 and b.spec_draft_p_min == 0.25
-    assert b.spec_type == "ngram-mod,draft-mtp" and a.spec_draft_vocab == 0
+    a = EngineConfig(spec=SpecConfig(draft_vocab=0, p_min=0.0, n_max=3))
+    b = apply_sweep(a, {"draft-vocab": "2048", "p-min": "0.25", "spec-type": "ngram-mod+draft-mtp"})
+    assert b.spec.draft_vocab == 2048 and b.spec.p_min == 0.25
+    assert b.spec.types == ("ngram-mod", "draft-mtp") and a.spec.draft_vocab == 0
 
 
 def test_env_records_kernel_switches(monkeypatch):

@@ -1,6 +1,7 @@
-"""Tests for turbospec.lab.fit: byte counts against turbospec's own objects, the 27B preset (cross-checked against
-the recurrent-state size llama.cpp logs), GGUF/safetensors readers, the command line, and the verification:
-predicted peak within 10% of the measured peak RSS of `turbospec run` subprocesses on small models."""
+"""Tests for turbospec.lab.fit: byte counts against turbospec's own objects, the 27B preset (cross-checked
+against the recurrent-state size llama.cpp logs), GGUF/safetensors readers, the command line, and the
+verification: predicted peak within 10% of the measured peak RSS of `turbospec run` subprocesses on small
+models."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from turbospec.cli import build_parser
+from turbospec.cli.main import build_parser
 from turbospec.demo import make_demo_model
 from turbospec.errors import TurboSpecError
 from turbospec.lab.fit import (
@@ -35,7 +36,8 @@ MEDIUM = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fit")
-    return {"small": make_demo_model(root / "small", **SMALL), "medium": make_demo_model(root / "medium", **MEDIUM)}
+    return {"small": make_demo_model(root / "small", **SMALL),
+            "medium": make_demo_model(root / "medium", **MEDIUM)}
 
 
 def test_parse_mem():
@@ -62,7 +64,7 @@ def test_kv_bytes_match_the_caches():
 
 
 def test_weights_from_headers_match_the_loaded_model(models):
-    from turbospec.models import load_model
+    from turbospec.model import load_model
 
     arch = load_arch(models["medium"])
     b = estimate(arch, Setup(), 256, "f32", "f32")
@@ -133,14 +135,14 @@ def test_gguf_reader(tmp_path):
 
 def test_cli_json_and_table(models, capsys):
     ap = build_parser()
-    a = ap.parse_args(["fit", "-m", str(models["small"]), "--mem", "600MiB", "-ctk", "f16,turbo3", "-c", "8192",
-                       "--json"])
+    a = ap.parse_args(["fit", "-m", str(models["small"]), "--mem", "600MiB", "-ctk", "f16,turbo3", "-c",
+                       "8192", "--json"])
     assert a.func(a) == 0
     d = json.loads(capsys.readouterr().out)
     assert [r["kv_type"] for r in d["rows"]] == ["f16", "turbo3"]
     assert all(r["at_ctx"]["fits"] for r in d["rows"])
-    a = ap.parse_args(["fit", "--preset", "qwen3.6-27b", "--mem", "24GiB", "--backend", "cuda", "-ctk", "tbq4_0",
-                       "-c", "262144"])
+    a = ap.parse_args(["fit", "--preset", "qwen3.6-27b", "--mem", "24GiB", "--backend", "cuda", "-ctk",
+                       "tbq4_0", "-c", "262144"])
     assert a.func(a) == 0
     out = capsys.readouterr().out
     assert "tbq4_0" in out and "mtp" in out and "fits" in out
@@ -150,8 +152,8 @@ def test_cli_json_and_table(models, capsys):
 
 
 def test_predicted_peak_within_10_percent_of_measured(models, tmp_path):
-    """The verification: `turbospec run` subprocesses (600-token prompt, so a full ubatch is computed) on small
-    models; the CPU baseline is measured here too, on a minimal model, not assumed."""
+    """The verification: `turbospec run` subprocesses (600-token prompt, so a full ubatch is computed) on
+    small models; the CPU baseline is measured here too, on a minimal model, not assumed."""
     imported, runtime = measure_runtime_overhead()
     setup_kw = {"runtime_overhead": runtime, "import_overhead": imported}
     prompt = tmp_path / "p.txt"
@@ -177,7 +179,8 @@ def test_hybrid_counts_match_hybrid_cache():
     arch = arch_from_config(cfg)
     assert (arch.n_attn, arch.n_gdn) == (2, 6)
     cache = HybridCache(arch.n_attn, arch.n_kv_heads, arch.head_dim, arch.n_gdn,
-                        (arch.conv_kernel - 1, arch.conv_dim), (arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim),
+                        (arch.conv_kernel - 1, arch.conv_dim),
+                        (arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim),
                         300, torch.float32)
     b = estimate(arch, Setup(n_max=3), 300, "f32", "f32", "base")
     assert b.attention_kv == cache.attention_kv_bytes
@@ -192,8 +195,9 @@ def test_hybrid_counts_match_hybrid_cache():
 
 
 def test_cpu_mtp_counts_prompt_window_rows_and_draft_head():
-    """CPU MTP mode: the trunk hands the drafter only its prompt window's hidden rows (auto: 64..256 positions + 1),
-    and a float32 run of a 16-bit checkpoint holds a bf16 copy of the lm_head as the draft head."""
+    """CPU MTP mode: the trunk hands the drafter only its prompt window's hidden rows (auto: 64..256
+    positions + 1), and a float32 run of a 16-bit checkpoint holds a bf16 copy of the lm_head as the draft
+    head."""
     arch = load_arch(preset="qwen3.6-27b")
     for ctx, rows in ((100, 65), (1000, 251), (100000, 257)):
         b = estimate(arch, Setup(dtype="float32"), ctx, "f16", "f16", "mtp")

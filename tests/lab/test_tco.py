@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from turbospec.cli.tco import register, run
 from turbospec.lab.tco import (
     PRESETS,
     ApiPricing,
     OnPrem,
-    add_cli,
     api_monthly_cost,
     blended_tps,
     break_even_tokens,
@@ -24,7 +24,6 @@ from turbospec.lab.tco import (
     onprem_units,
     parse_tokens,
     plot_tco,
-    run_cli,
     tco_table,
     token_grid,
 )
@@ -204,12 +203,12 @@ def test_parse_tokens():
 
 def parse(*argv: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="turbospec")
-    add_cli(ap.add_subparsers(dest="cmd"))
+    register(ap.add_subparsers(dest="cmd"))
     return ap.parse_args(["tco", *argv])
 
 
 def test_cli_seeds_table(capsys):
-    assert run_cli(parse("--preset", "seeds")) == 0
+    assert run(parse("--preset", "seeds")) == 0
     out = capsys.readouterr().out
     assert "| 100M | 1 | 106,009 | 426,009 | 237,600 | 650,000 | 38,475 | 110,000 |" in out
     assert "amortization 63,889" in out and "electricity 42,120" in out
@@ -219,7 +218,7 @@ def test_cli_seeds_table(capsys):
 
 def test_cli_overrides_and_json(capsys):
     args = parse("--tps", "80", "--maint-hours", "0", "--tokens", "1M", "500M", "--format", "json")
-    assert run_cli(args) == 0
+    assert run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["capacity_tokens_per_month"] == pytest.approx(207_360_000)
     assert [r["units"] for r in doc["rows"]] == [1, 3]
@@ -246,7 +245,7 @@ def test_cli_custom_api_and_csv(capsys):
         "--format",
         "csv",
     )
-    assert run_cli(args) == 0
+    assert run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "tokens,units,onprem_hw_power,onprem_total,cheap,dear"
     cells = lines[1].split(",")
@@ -257,15 +256,15 @@ def test_cli_errors_are_one_line():
     from turbospec.errors import TurboSpecError
 
     with pytest.raises(TurboSpecError, match="utilisation"):
-        run_cli(parse("--utilisation", "0"))
+        run(parse("--utilisation", "0"))
     with pytest.raises(TurboSpecError, match="--in-price and --out-price"):
-        run_cli(parse("--in-price", "1"))
+        run(parse("--in-price", "1"))
     with pytest.raises(SystemExit):
         parse("--tokens", "many")
 
 
 def test_turbospec_cli_registers_tco(capsys):
-    from turbospec.cli import main
+    from turbospec.cli.main import main
 
     assert main(["tco", "--tokens", "100M"]) == 0
     assert "237,600" in capsys.readouterr().out
@@ -275,6 +274,6 @@ def test_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = plot_tco(SEEDS.onprem, SEEDS.apis, tmp_path / "tco.png", currency="KRW", claimed=SEEDS.claimed)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert run_cli(parse("--tps", "80", "--plot", str(tmp_path / "cli.png"))) == 0
+    assert run(parse("--tps", "80", "--plot", str(tmp_path / "cli.png"))) == 0
     assert (tmp_path / "cli.png").stat().st_size > 10_000
     assert math.isfinite(onprem_monthly_cost(SEEDS.onprem))

@@ -1,74 +1,46 @@
 """Fused few-row attention over a KV cache in any plain or packed format (turbospec/kernels/attention.cpp).
 
-`partial(q, k_fmt, k_fields, v_fmt, v_fields, v_width, start, end)` returns the partial softmax state
+`partial(q, k_spec, k_fields, v_spec, v_fields, v_width, start, end)` returns the partial softmax state
 (max m, sum l, unnormalized accumulator acc) of q's rows over positions [start, end); the caller finishes
-(`acc / l`) or keeps merging other positions into it (online softmax). Formats without a kernel path
-(TurboQuant-prod) and widths that are not a multiple of 8 return None from `spec_of`: callers use torch.
+(`acc / l`) or keeps merging other positions into it (online softmax). A spec is plain data, (kind, index
+bits, field names, centroid table); the KV layer (kv/kernel_args.py, `attention_spec`) derives it from a
+format (None for formats without a kernel path, e.g. TurboQuant-prod: callers use torch).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from turbospec import env
 from turbospec.kernels.gemv import load_extension
-from turbospec.kv.formats import (
-    KVFormat,
-    PlainFormat,
-    Q4_0Format,
-    Q8_0Format,
-    TBQ4Format,
-    TurboFormat,
-    TurboProdFormat,
-    _codebook,
-)
 
 # kinds shared with attention.cpp (TURBO: 128-value rotation blocks, TURBO64: 64-value blocks)
 F32, F16, BF16, Q8_0, Q4_0, TBQ4_0, TURBO, TURBO64 = range(8)
 _PLAIN = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
-_NO_TABLE = torch.empty(0)
-_PLAIN_SPECS = {dt: (kind, 0, ("data",), _NO_TABLE) for dt, kind in _PLAIN.items()}
+NO_TABLE = torch.empty(0)
+PLAIN_SPECS = {dt: (kind, 0, ("data",), NO_TABLE) for dt, kind in _PLAIN.items()}
 MAX_ROWS = 64  # above this many query rows per KV head (prefill), batched matmuls win
 TILE = 256  # positions per parallel task
 
 
 def load():
-    if os.environ.get("TURBOSPEC_NO_ATTN_KERNEL"):
+    if env.on("TURBOSPEC_NO_ATTN_KERNEL"):
         return None
     return load_extension("turbospec_attn", "attention.cpp", "attention")
-
-
-def spec_of(fmt: KVFormat, dim: int) -> tuple[int, int, tuple[str, ...], torch.Tensor] | None:
-    """(kind, index bits, field names, centroid table) of a format the kernel reads, or None."""
-    if fmt.padded_dim(dim) % 8:
-        return None
-    if isinstance(fmt, PlainFormat):
-        return _PLAIN_SPECS[fmt.dtype]
-    if isinstance(fmt, Q8_0Format):
-        return Q8_0, 0, ("d", "qs"), _NO_TABLE
-    if isinstance(fmt, Q4_0Format):
-        return Q4_0, 0, ("d", "qs"), _NO_TABLE
-    if isinstance(fmt, TBQ4Format):
-        return TBQ4_0, 0, ("d", "qs"), _NO_TABLE
-    if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat):
-        names = ("norm", "qs", "qh") if fmt.mse_bits == 3 else ("norm", "qs")
-        block = fmt.for_dim(dim).block_size
-        kind = TURBO64 if block == 64 else TURBO
-        return kind, fmt.mse_bits, names, _codebook(fmt.mse_bits, torch.device("cpu"), block)[0]
-    return None
 
 
 def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor],
             v_width: int, start: int, end: int, mod=None):
     """q float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width); fields [KVH, T, ...].
-    Returns m [KVH, R], l [KVH, R], acc [KVH, R, v_width]. `mod`: the loaded kernel, when the caller has it."""
+    Returns m [KVH, R], l [KVH, R], acc [KVH, R, v_width]. `mod`: the loaded kernel, when the caller has
+    it."""
     mod = mod or load()
     return mod.attend_partial(q, k_spec[0], k_spec[1], k_fields, k_spec[3], v_spec[0], v_spec[1], v_width,
                               v_fields, v_spec[3], start, end, TILE)
 
 
-def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor | None:
+def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 scale: float) -> torch.Tensor | None:
     """Attention of q [H, 1, D] over plain K/V views [KVH, L, D] (any of f32/f16/bf16), or None when the
     kernel is unavailable. Output [H, 1, D] in q's dtype."""
     h, _, d = q.shape
@@ -77,6 +49,6 @@ def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
     if mod is None or d % 8 or keys.dtype not in _PLAIN or values.dtype not in _PLAIN:
         return None
     qg = q.reshape(kvh, h // kvh, d).to(torch.float32) * scale
-    _, lsum, acc = partial(qg, _PLAIN_SPECS[keys.dtype], [keys], _PLAIN_SPECS[values.dtype], [values], d, 0,
+    _, lsum, acc = partial(qg, PLAIN_SPECS[keys.dtype], [keys], PLAIN_SPECS[values.dtype], [values], d, 0,
                            keys.shape[1], mod)
     return (acc / lsum.unsqueeze(-1)).to(q.dtype).reshape(h, 1, d)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from functools import cache
 from pathlib import Path
+
+from turbospec import env
 
 
 def cpu_has_avx2() -> bool:
@@ -22,7 +23,7 @@ def cpu_has_avx2() -> bool:
 def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = ()):
     """Build (once per machine, cached by torch) and load the C++ extension `name` from `source` in this
     folder; None when it cannot be built here (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
-    if os.environ.get("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
+    if env.on("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
         return None
     try:
         from torch.utils.cpp_extension import _get_build_directory, load

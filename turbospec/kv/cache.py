@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from turbospec import env
 from turbospec.errors import TurboSpecError
 
 
@@ -11,9 +12,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU cache buffer, in transparent huge pages when the kernels are here (attention at depth
     streams the cache every step; see docs/speed.md); `TURBOSPEC_NO_HUGEPAGES=1` gives plain torch.zeros."""
     from turbospec.kernels.gemv import load_kernel
-    from turbospec.layers.linear import HUGEPAGES
 
-    k = load_kernel() if HUGEPAGES else None
+    k = load_kernel() if env.HUGEPAGES else None
     return k.hugepage_zeros(list(shape), dtype) if k is not None else torch.zeros(shape, dtype=dtype)
 
 
@@ -29,6 +29,7 @@ class CachePositions:
     length: int
     pending: int
     base: int  # first attended position (drafters may skip a prompt prefix)
+    prefix_reusable = True
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
@@ -58,7 +59,7 @@ class CachePositions:
         self.base = 0
 
     def truncate(self, n: int) -> None:
-        """Drop committed positions >= n. Only drafters' own caches use this (target caches use commit)."""
+        """Drop committed positions >= n (prefix reuse between requests, drafters' own caches)."""
         self.length = min(self.length, n)
         self.pending = 0
 

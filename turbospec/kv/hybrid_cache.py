@@ -18,11 +18,14 @@ import torch
 
 from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
+from turbospec.kv.quant_cache import QuantKVCache
 
 TREE_MESSAGE = "a tree step on a hybrid model must have at most rollback_limit nodes"
 
 
 class HybridCache:
+    prefix_reusable = False  # the recurrent state after a prefix is not kept
+
     def __init__(
         self,
         num_attn_layers: int,
@@ -33,16 +36,16 @@ class HybridCache:
         ssm_shape: tuple[int, int, int],
         max_len: int,
         dtype: torch.dtype,
-        kv_dtype: torch.dtype | None = None,
+        *,
         rollback_limit: int = 16,
-        kv: KVCache | None = None,
+        kv: KVCache | QuantKVCache | None = None,
     ):
         # `kv` lets a caller pass another attention-KV store (e.g. a quantized format) with KVCache's
         # interface; only the attention layers ever see it.
         self.kv = (
             kv
             if kv is not None
-            else KVCache(num_attn_layers, num_kv_heads, head_dim, max_len, kv_dtype or dtype)
+            else KVCache(num_attn_layers, num_kv_heads, head_dim, max_len, dtype)
         )
         self.max_len = max_len
         self.dtype = dtype
@@ -152,6 +155,13 @@ class HybridCache:
         self._parents = None
         self._windows = [None] * len(self._windows)
         self._states = [None] * len(self._states)
+
+    def truncate(self, n: int) -> None:
+        """Only the whole context (n >= length) or nothing (n == 0) can be kept: no earlier state is stored."""
+        if n == 0:
+            self.reset()
+        elif n < self.length:
+            raise TurboSpecError("a hybrid cache cannot be cut back to a prefix (no recurrent state is kept for it)")
 
     def reset(self) -> None:
         self.kv.reset()

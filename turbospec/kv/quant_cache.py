@@ -25,10 +25,12 @@ from functools import cached_property
 
 import torch
 
+from turbospec.dtypes import short_name
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
 from turbospec.kernels import encode as encoder
-from turbospec.kv.cache import CachePositions
+from turbospec.kv import kernel_args
+from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
 
@@ -115,7 +117,7 @@ class QuantKVCache(CachePositions):
         # rows are (query head within group, token): [KVH, G*N, D]
         qf = q.to(torch.float32).reshape(kvh, g * n, d)
         if self.k_fmt.rotated:
-            qf = encoder.rotate_fast(qf, mod=self._encoder)
+            qf = kernel_args.rotate_fast(qf, mod=self._encoder)
         qf = qf * scale
         rows = g * n
         mask = plan.mask
@@ -132,7 +134,7 @@ class QuantKVCache(CachePositions):
             m, lsum, acc = self._attend_blocks(layer, qf, d, plan, fused_end, m, lsum, acc)
         out = acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
         if self.v_fmt.rotated:
-            out = encoder.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
+            out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
         return out.reshape(h, n, d).to(q.dtype)
 
     def _attend_blocks(self, layer: int, qf: torch.Tensor, d: int, plan: AttentionPlan, s0: int, m: torch.Tensor,
@@ -175,12 +177,14 @@ class QuantKVCache(CachePositions):
         """(K spec, V spec) of the C++ encoder (an entry None: that format uses its torch encoder), or None."""
         if self._encoder is None:
             return None
-        return encoder.spec_of(self.k_fmt, self.head_dim), encoder.spec_of(self.v_fmt, self.head_dim)
+        d = self.head_dim
+        return kernel_args.encode_spec(self.k_fmt, d), kernel_args.encode_spec(self.v_fmt, d)
 
     @cached_property
     def _kernel_specs(self):
         """(K spec, V spec) for the fused C++ kernel, or None (no kernel here, or a format it cannot read)."""
-        ks, vs = fused.spec_of(self.k_fmt, self.head_dim), fused.spec_of(self.v_fmt, self.head_dim)
+        ks = kernel_args.attention_spec(self.k_fmt, self.head_dim)
+        vs = kernel_args.attention_spec(self.v_fmt, self.head_dim)
         return (ks, vs) if ks is not None and vs is not None and fused.load() is not None else None
 
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
@@ -200,12 +204,10 @@ class QuantKVCache(CachePositions):
 
 
 def make_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, model_dtype: torch.dtype,
-                  k_type: str | None = None, v_type: str | None = None, kv_dtype: torch.dtype | None = None):
+                  k_type: str | None = None, v_type: str | None = None) -> KVCache | QuantKVCache:
     """The fast dense `KVCache` when K and V both use the same plain float type as the model computes in
     (or no type is given); a `QuantKVCache` otherwise."""
-    from turbospec.kv.cache import KVCache
-
-    dense = kv_dtype or model_dtype
+    dense = model_dtype
     if not k_type and not v_type:  # only a dense dtype was asked: the existing fast path
         return KVCache(num_layers, num_kv_heads, head_dim, max_len, dense)
     kf = get_format(k_type) if k_type else None
@@ -214,9 +216,5 @@ def make_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, max_len: in
     vd = vf.dtype if isinstance(vf, PlainFormat) else (dense if vf is None else None)
     if kd is not None and kd == vd == model_dtype:
         return KVCache(num_layers, num_kv_heads, head_dim, max_len, kd)
-    return QuantKVCache(num_layers, num_kv_heads, head_dim, max_len, k_type or _name_of(dense),
-                        v_type or _name_of(dense))
-
-
-def _name_of(dtype: torch.dtype) -> str:
-    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    return QuantKVCache(num_layers, num_kv_heads, head_dim, max_len, k_type or short_name(dense),
+                        v_type or short_name(dense))

@@ -1,23 +1,23 @@
-"""`turbospec bench`: speed with the reproducibility checklist built in.
+"""Speed of the local engine with the reproducibility checklist built in (`turbospec bench`).
 
-Defaults follow the seeds' checklist: 512-token prompt, 512 generated, temperature 0, 1 warm-up run discarded,
-5 repetitions, median with min/max and mean +- sd. Sweeps (`--sweep key=v1,v2`) form a cartesian product;
-`--depth 0,8192` fills the context first (llama-bench -d) and reports the speed loss vs depth 0; `--categories`
-uses the shipped prompt set instead of random tokens. `--url` measures an OpenAI-compatible server instead.
+Defaults follow the seeds' checklist (see `BenchOptions`): median of the repetitions with min/max and
+mean +- sd. Sweeps (`key=v1,v2`) form a cartesian product of `EngineConfig`s; depths fill the context first
+(llama-bench -d) and report the speed loss vs depth 0; categories use the shipped prompt set instead of random
+tokens. The report writers here serve `turbospec.lab.client` (servers) too.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import itertools
 import json
 import random
 import sys
-import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from turbospec.config import EngineConfig
+from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
 from turbospec.lab.report import (
     bar_plot,
@@ -28,29 +28,21 @@ from turbospec.lab.report import (
     write_csv,
     write_json,
 )
+from turbospec.lab.workload import BenchOptions, load_prompts
+from turbospec.sampling import SamplingParams
 
-SWEEP_KEYS = {
-    "ctk": "cache_type_k", "ctv": "cache_type_v", "spec-type": "spec_type", "n-max": "spec_draft_n_max",
-    "ub": "ubatch_size", "dtype": "dtype", "threads": "threads", "ctkd": "cache_type_k_draft",
-    "draft-vocab": "spec_draft_vocab", "p-min": "spec_draft_p_min", "mtp-window": "spec_mtp_prompt_window",
-    "mtp-topk": "spec_mtp_topk",
+# sweep key -> (the EngineConfig.replace key it changes, the value's type)
+SWEEP_KEYS: dict[str, tuple[str, type]] = {
+    "ctk": ("cache_type_k", str), "ctv": ("cache_type_v", str), "spec-type": ("spec_types", str),
+    "n-max": ("spec_n_max", int), "ub": ("ubatch", int), "dtype": ("dtype", str), "threads": ("threads", int),
+    "ctkd": ("spec_draft_k_type", str), "draft-vocab": ("spec_draft_vocab", int),
+    "p-min": ("spec_p_min", float), "mtp-window": ("spec_mtp_prompt_window", int),
+    "mtp-topk": ("spec_mtp_topk", int),
 }
-PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "prompts.json"
-
-
-def load_prompts(categories: str | None) -> dict[str, str]:
-    data = json.loads(PROMPTS_FILE.read_text())["prompts"]
-    if not categories or categories == "all":
-        return data
-    out = {}
-    for c in categories.split(","):
-        if c not in data:
-            raise TurboSpecError(f"unknown prompt category {c!r} (have: {', '.join(data)})")
-        out[c] = data[c]
-    return out
 
 
 def parse_sweeps(items: list[str]) -> list[dict[str, str]]:
+    """`["ctk=f16,q8_0", "ub=8,16"]` -> the cartesian product as `{key: value}` points (`[{}]` for none)."""
     axes: list[list[tuple[str, str]]] = []
     for it in items:
         if "=" not in it:
@@ -63,44 +55,49 @@ def parse_sweeps(items: list[str]) -> list[dict[str, str]]:
     return [dict(c) for c in itertools.product(*axes)] if axes else [{}]
 
 
-def apply_config(a: argparse.Namespace, cfg: dict[str, str]) -> argparse.Namespace:
-    b = copy.copy(a)
-    for k, v in cfg.items():
-        dest = SWEEP_KEYS[k]
-        cur = getattr(a, dest, None)
-        if v == "none":
-            setattr(b, dest, None)
-        elif dest == "spec_type":
-            setattr(b, dest, v.replace("+", ","))  # chains inside a sweep: ngram-mod+draft-mtp
-        elif isinstance(cur, int) or dest in ("spec_draft_n_max", "ubatch_size", "threads"):
-            setattr(b, dest, int(v))
-        elif isinstance(cur, float):
-            setattr(b, dest, float(v))
+def apply_sweep(config: EngineConfig, point: dict[str, str]) -> EngineConfig:
+    """`config` with one sweep point's values, each in its option's type; `none` unsets a value, and spec-type
+    chains are written with `+` (ngram-mod+draft-mtp)."""
+    changes: dict[str, Any] = {}
+    for key, value in point.items():
+        name, kind = SWEEP_KEYS[key]
+        if value == "none":
+            changes[name] = () if name == "spec_types" else None
+        elif name == "spec_types":
+            changes[name] = value.replace("+", ",")
         else:
-            setattr(b, dest, v)
-    return b
+            try:
+                changes[name] = kind(value)
+            except ValueError:
+                raise TurboSpecError(f"sweep {key}={value}: expected {kind.__name__}") from None
+    try:
+        return config.replace(**changes)
+    except TypeError:
+        raise TurboSpecError(f"sweep {_point_name(point)}: 'none' is not a value of every key") from None
 
 
-def run_local(a: argparse.Namespace) -> dict[str, Any]:
-    from turbospec.cli import load_engine
-    from turbospec.sampling import SamplingParams
-
-    configs = parse_sweeps(a.sweep)
-    depths = [int(d) for d in str(a.depth).split(",")]
-    prompts = load_prompts(a.categories) if a.categories else None
+def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """Measure every sweep point x depth x prompt category of `config`; the report (env, settings, rows).
+    `settings` is recorded as given (the command line passes its flags); default: config and options."""
+    points = parse_sweeps(list(opts.sweep))
+    depths = list(opts.depths)
+    prompts = load_prompts(opts.categories) if opts.categories else None
     rows: list[dict[str, Any]] = []
-    total = len(configs) * len(depths) * (len(prompts) if prompts else 1)
+    total = len(points) * len(depths) * (len(prompts) if prompts else 1)
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc="bench", file=sys.stderr, disable=a.quiet)
+    bar = tqdm(total=total, desc="bench", file=sys.stderr, disable=opts.quiet)
     model_path = None
-    for cfg in configs:
-        ca = apply_config(a, cfg)
-        ca.ctx_size = max(a.ctx_size, max(depths) + a.n_prompt + a.n_gen + 16, 4096 if prompts else 0)
-        engine, model_path = load_engine(ca)
+    for point in points:
+        cfg = apply_sweep(config, point)
+        cfg = cfg.replace(ctx=max(config.ctx, max(depths) + opts.n_prompt + opts.n_gen + 16,
+                                  4096 if prompts else 0))
+        engine = build_engine(cfg)
+        model_path = engine.model_path
         vocab = engine.model.cfg.vocab_size
-        params = SamplingParams(temperature=a.temp, top_k=0, top_p=1.0, min_p=0.0, seed=a.seed,
-                                max_tokens=a.n_gen, ignore_eos=True)
+        params = SamplingParams(temperature=opts.temp, top_k=0, top_p=1.0, min_p=0.0, seed=opts.seed,
+                                max_tokens=opts.n_gen, ignore_eos=True)
         for depth in depths:
             rng = random.Random(1234 + depth)
             filler = [rng.randrange(3, vocab) for _ in range(depth)]
@@ -108,10 +105,10 @@ def run_local(a: argparse.Namespace) -> dict[str, Any]:
             for cat, text in cases:
                 base = engine.encode_prompt(text) if text is not None else None
                 runs = []
-                for rep in range(a.warmup + a.repetitions):
+                for rep in range(opts.warmup + opts.repetitions):
                     if base is None:
                         r2 = random.Random(rep)
-                        ptoks = [r2.randrange(3, vocab) for _ in range(a.n_prompt)]
+                        ptoks = [r2.randrange(3, vocab) for _ in range(opts.n_prompt)]
                     else:
                         ptoks = base
                     toks = filler + ptoks
@@ -120,7 +117,7 @@ def run_local(a: argparse.Namespace) -> dict[str, Any]:
                     for _ in engine.stream(toks, params):
                         pass
                     st = engine.last_stats
-                    if rep < a.warmup:
+                    if rep < opts.warmup:
                         continue
                     computed = len(toks) - engine.reused_tokens
                     spec = st.extra.get("spec")
@@ -132,8 +129,8 @@ def run_local(a: argparse.Namespace) -> dict[str, Any]:
                         "mean_acc_len": spec.mean_acceptance_length if spec else None,
                         "per_pos": spec.per_position if spec else None,
                     })
-                row: dict[str, Any] = {"config": _cfg_name(cfg), **cfg, "depth": depth, "category": cat,
-                                       "n_prompt": len(ptoks), "n_gen": a.n_gen}
+                row: dict[str, Any] = {"config": _point_name(point), **point, "depth": depth, "category": cat,
+                                       "n_prompt": len(ptoks), "n_gen": opts.n_gen}
                 for key in ("prefill_tps", "decode_tps", "ttft_ms"):
                     s = summarize([r[key] for r in runs])
                     row[key] = s["median"]
@@ -150,12 +147,13 @@ def run_local(a: argparse.Namespace) -> dict[str, Any]:
         del engine
     bar.close()
     _add_depth_loss(rows)
-    settings = {k: v for k, v in vars(a).items() if k != "func"}
+    if settings is None:
+        settings = {"engine": config.to_dict(), **asdict(opts)}
     return {"env": env_info(model_path), "settings": settings, "rows": rows}
 
 
-def _cfg_name(cfg: dict[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+def _point_name(point: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in point.items()) or "default"
 
 
 def _add_depth_loss(rows: list[dict[str, Any]]) -> None:
@@ -167,14 +165,17 @@ def _add_depth_loss(rows: list[dict[str, Any]]) -> None:
 
 
 def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
+    """report.json, report.csv, report.md and the plots (t/s vs depth, acceptance) of a local or server
+    report into directory `out`; the files written."""
     out.mkdir(parents=True, exist_ok=True)
     rows = report["rows"]
     write_json(out / "report.json", report)
     flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
     write_csv(out / "report.csv", flat)
-    cols = [c for c in ("engine", "config", "depth", "category", "n_prompt", "n_gen", "prefill_tps", "decode_tps",
-                        "decode_tps_sd", "ttft_ms", "tpot_ms", "itl_p99_ms", "e2e_ms", "acc_rate", "mean_acc_len",
-                        "decode_loss_vs_d0_pct", "peak_rss_mib") if any(c in r for r in rows)]
+    cols = [c for c in ("engine", "config", "depth", "category", "n_prompt", "n_gen", "prefill_tps",
+                        "decode_tps", "decode_tps_sd", "ttft_ms", "tpot_ms", "itl_p99_ms", "e2e_ms",
+                        "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct", "peak_rss_mib")
+            if any(c in r for r in rows)]
     env = report["env"]
     md = ["# turbospec bench", "", "## Environment", ""]
     md += [f"- {k}: {v}" for k, v in env.items()]
@@ -199,6 +200,7 @@ def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
 
 
 def print_table(report: dict[str, Any]) -> None:
+    """The report's rows as a console table (plain dicts when rich is missing)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -216,48 +218,3 @@ def print_table(report: dict[str, Any]) -> None:
     for r in rows:
         t.add_row(*[f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
     Console(stderr=False).print(t)
-
-
-def add_cli(sub) -> argparse.ArgumentParser:
-    from turbospec.cli import add_model_args, add_spec_args
-
-    p = sub.add_parser("bench", help="measure prefill/decode speed and acceptance, reproducibly")
-    add_model_args(p)
-    add_spec_args(p)
-    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
-    p.add_argument("-n", "--n-gen", type=int, default=512, help="generated tokens (default 512)")
-    p.add_argument("-r", "--repetitions", type=int, default=5, help="measured repetitions (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="discarded warm-up runs (default 1)")
-    p.add_argument("-d", "--depth", default="0", help="context depths, comma list (default 0)")
-    p.add_argument("--sweep", action="append", default=[],
-                   help=f"key=v1,v2 (keys: {', '.join(SWEEP_KEYS)}); several form a cartesian product; "
-                        "write spec-type chains with + (ngram-mod+draft-mtp)")
-    p.add_argument("--categories", default=None, help="use the shipped prompt set: all or a comma list")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--url", action="append", default=None,
-                   help="benchmark an OpenAI-compatible server instead (repeatable: side by side)")
-    p.add_argument("--api-key", default=None, help="for --url")
-    p.add_argument("--out", default=None, help="report directory (default bench-<timestamp>)")
-    p.add_argument("-q", "--quiet", action="store_true")
-    p.set_defaults(func=run_cli)
-    return p
-
-
-def run_cli(a: argparse.Namespace) -> int:
-    for n in ("n_prompt", "n_gen", "repetitions"):
-        if getattr(a, n) <= 0:
-            raise TurboSpecError(f"--{n.replace('_', '-')} must be positive")
-    if a.warmup < 0:
-        raise TurboSpecError("--warmup must be >= 0")
-    if a.url:
-        from turbospec.lab.client import run_remote
-
-        report = run_remote(a)
-    else:
-        report = run_local(a)
-    out = Path(a.out or time.strftime("bench-%Y%m%d-%H%M%S"))
-    files = write_reports(report, out)
-    print_table(report)
-    print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
-    return 0

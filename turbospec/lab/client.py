@@ -7,7 +7,6 @@ llama-server style `timings.draft_n / draft_n_accepted`.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
@@ -15,10 +14,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 from typing import Any
 
 from turbospec.errors import TurboSpecError
 from turbospec.lab.report import env_info, summarize
+from turbospec.lab.workload import BenchOptions, load_prompts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -109,30 +110,32 @@ def scrape_spec_counters(base: str, api_key: str | None) -> dict[str, float] | N
     return out if found else None
 
 
-def run_remote(a: argparse.Namespace) -> dict[str, Any]:
-    from turbospec.lab.bench import load_prompts
-
-    prompts = load_prompts(a.categories) if a.categories else None
+def run_remote(urls: list[str], opts: BenchOptions, api_key: str | None = None,
+               settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure each server (an OpenAI-compatible base URL) per prompt category; the report (env, settings,
+    rows) in `turbospec.lab.bench.write_reports`'s format. `settings` is recorded as given (no secrets)."""
+    prompts = load_prompts(opts.categories) if opts.categories else None
     if prompts is None:
-        rng = random.Random(a.seed)
-        words = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "from", "or", "at"]
-        prompts = {"random": " ".join(rng.choice(words) for _ in range(a.n_prompt))}
+        rng = random.Random(opts.seed)
+        words = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be",
+                 "by", "this", "are", "from", "or", "at"]
+        prompts = {"random": " ".join(rng.choice(words) for _ in range(opts.n_prompt))}
     rows = []
-    for url in a.url:
+    for url in urls:
         for cat, text in prompts.items():
             runs = []
             before = None
-            for rep in range(a.warmup + a.repetitions):
-                if rep == a.warmup:
-                    before = scrape_spec_counters(url, a.api_key)
-                r = stream_once(url, text, a.n_gen, a.temp, a.seed + rep, a.api_key, None)
+            for rep in range(opts.warmup + opts.repetitions):
+                if rep == opts.warmup:
+                    before = scrape_spec_counters(url, api_key)
+                r = stream_once(url, text, opts.n_gen, opts.temp, opts.seed + rep, api_key, None)
                 if not r["ok"]:
                     raise TurboSpecError(f"{url}: request failed: {r['error']}")
-                if rep >= a.warmup:
+                if rep >= opts.warmup:
                     runs.append(r)
             itl = [x for r in runs for x in r["itl_ms"]]
             row: dict[str, Any] = {"engine": url, "config": "server", "depth": 0, "category": cat,
-                                   "n_gen": a.n_gen}
+                                   "n_gen": opts.n_gen}
             for key in ("ttft_ms", "tpot_ms", "e2e_ms", "out_tps"):
                 vals = [r[key] for r in runs]
                 s = summarize(vals)
@@ -145,12 +148,14 @@ def run_remote(a: argparse.Namespace) -> dict[str, Any]:
                 row["acc_rate"] = da / dn
                 row["acc_source"] = "timings"
             else:
-                after = scrape_spec_counters(url, a.api_key)
+                after = scrape_spec_counters(url, api_key)
                 if before and after and after["draft"] > before["draft"]:
-                    row["acc_rate"] = (after["accepted"] - before["accepted"]) / (after["draft"] - before["draft"])
+                    accepted = after["accepted"] - before["accepted"]
+                    row["acc_rate"] = accepted / (after["draft"] - before["draft"])
                     row["acc_source"] = "prometheus"
             rows.append(row)
             print(f"{url} [{cat}] ttft {row['ttft_ms']:.0f} ms, tpot {row['tpot_ms']:.1f} ms, "
                   f"out {row['out_tps']:.1f} t/s", file=sys.stderr)
-    settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
+    if settings is None:
+        settings = {"url": list(urls), **asdict(opts)}
     return {"env": env_info(None), "settings": settings, "rows": rows}

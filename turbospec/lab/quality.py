@@ -1,32 +1,59 @@
-"""`turbospec quality`: perplexity, KL divergence vs a baseline, and long-context retrieval, per KV configuration.
+"""Perplexity, KL divergence vs a baseline, and long-context retrieval, per KV configuration.
 
-Perplexity the llama-perplexity way: the text is cut into chunks of `--ctx` tokens, each chunk is processed from an
-empty cache in ubatch pieces (later pieces attend to the quantized entries of earlier ones) and the second half of
-every chunk is scored. KLD(p_baseline || p_candidate) per scored position on the same weights (default baseline:
-f16/f16 KV, no speculation), reported as mean, median, 99%, 99.9%, max, same-top-1 % and RMS delta-p (change of
-the probability of the correct token). Retrieval: a passkey, or one number among many in a number-dense
-"financial report", placed at a chosen depth of real filler text; greedy answer must contain the value.
+Perplexity the llama-perplexity way: the text is cut into chunks of `ctx` tokens, each chunk is processed from
+an empty cache in ubatch pieces (later pieces attend to the quantized entries of earlier ones) and the second
+half of every chunk is scored. KLD(p_baseline || p_candidate) per scored position on the same weights (default
+baseline: f16/f16 KV, no speculation), reported as mean, median, 99%, 99.9%, max, same-top-1 % and RMS delta-p
+(change of the probability of the correct token). Retrieval: a passkey, or one number among many in a
+number-dense "financial report", placed at a chosen depth of real filler text; greedy answer must contain the
+value.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from turbospec.config import EngineConfig
+from turbospec.engine import Engine, model_path
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
+from turbospec.lab.report import bar_plot, env_info, markdown_table, write_csv, write_json
+from turbospec.model import load_model
+from turbospec.tokenizer import Tokenizer
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
          "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
 EVAL_DIR = Path(__file__).resolve().parent.parent / "data" / "eval"
+PPL_COLUMNS = ["kv", "ctx", "ppl", "kld_mean", "kld_median", "kld_p99", "kld_p999", "kld_max",
+               "same_top1_pct", "rms_dp_pct"]
+RETRIEVAL_COLUMNS = ["kv", "kind", "length", "depth", "accuracy"]
+
+
+@dataclass(frozen=True)
+class QualityOptions:
+    """What `run_quality` measures: perplexity / KLD per K/V pair over chunks of each size of `ctxs`, and,
+    with `retrieval`, the retrieval grid (kinds x lengths x depths, `cases` documents per cell)."""
+
+    text: str = str(EVAL_DIR / "prose.jsonl")  # text or .jsonl (field 'text')
+    ctxs: tuple[int, ...] = (512,)  # chunk sizes
+    chunks: int = 4  # most chunks per size
+    pairs: tuple[str, ...] = tuple(PAIRS)  # K/V pairs
+    baseline: str = "f16/f16"
+    retrieval: bool = False
+    lengths: tuple[int, ...] = (1024, 2048, 4096)  # retrieval context lengths
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)  # retrieval needle depths (0..1)
+    cases: int = 5  # retrieval cases per cell
+    kinds: tuple[str, ...] = ("passkey", "numbers")
+    quiet: bool = False  # no progress bars
 
 
 def read_text(path: str | Path) -> str:
@@ -107,7 +134,8 @@ def perplexity_table(model, tokens: list[int], ctx: int, chunks: int, pairs: lis
         dp = torch.cat(st["dp"]).double()
         rows.append({"kv": p, "ctx": ctx, "chunks": n_chunks, "tokens_scored": st["n"],
                      "ppl": math.exp(st["nll"] / st["n"]), **kld_stats(torch.cat(st["kld"])),
-                     "same_top1_pct": 100.0 * st["same"] / st["n"], "rms_dp_pct": 100.0 * dp.pow(2).mean().sqrt().item(),
+                     "same_top1_pct": 100.0 * st["same"] / st["n"],
+                     "rms_dp_pct": 100.0 * dp.pow(2).mean().sqrt().item(),
                      "seconds": st["s"]})
     return rows
 
@@ -161,87 +189,68 @@ def retrieval_grid(engine_factory, tok, filler: list[int], pairs: list[str], len
     return rows
 
 
-def add_cli(sub) -> argparse.ArgumentParser:
-    from turbospec.cli import add_model_args
-
-    p = sub.add_parser("quality", help="perplexity, KLD vs a baseline and retrieval accuracy per KV configuration")
-    add_model_args(p)
-    p.add_argument("--text", default=str(EVAL_DIR / "prose.jsonl"), help="text or .jsonl (field 'text')")
-    p.add_argument("--ctx", default="512", help="chunk sizes, comma list (default 512)")
-    p.add_argument("--chunks", type=int, default=4, help="max chunks per size (default 4)")
-    p.add_argument("--kv", default=",".join(PAIRS), help="K/V pairs, comma list (default: the standard table)")
-    p.add_argument("--baseline", default="f16/f16", help="baseline K/V pair (default f16/f16)")
-    p.add_argument("--retrieval", action="store_true", help="also run the retrieval grid")
-    p.add_argument("--lengths", default="1024,2048,4096", help="retrieval context lengths")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval needle depths (0..1)")
-    p.add_argument("--cases", type=int, default=5, help="retrieval cases per cell (default 5)")
-    p.add_argument("--kinds", default="passkey,numbers", help="retrieval kinds: passkey, numbers")
-    p.add_argument("--out", default=None, help="report directory (default quality-<timestamp>)")
-    p.add_argument("-q", "--quiet", action="store_true")
-    p.set_defaults(func=run_cli)
-    return p
-
-
-def run_cli(a: argparse.Namespace) -> int:
+def run_quality(config: EngineConfig, opts: QualityOptions, settings: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """Load `config`'s model once and measure `opts`; the report (env, settings, perplexity, retrieval rows).
+    KV types, context and threads of the retrieval engines come from `config` (ubatch too); `settings` is
+    recorded as given (the command line passes its flags); default: config and options."""
     from tqdm import tqdm
 
-    from turbospec.cli import model_path, set_threads
-    from turbospec.engine import Engine
-    from turbospec.lab.report import bar_plot, env_info, markdown_table, write_csv, write_json
-    from turbospec.models import load_model
-    from turbospec.tokenizer import Tokenizer
-
-    path = model_path(a.model)
-    set_threads(a.threads)
-    pairs = [p.strip() for p in a.kv.split(",") if p.strip()]
-    for p in pairs + [a.baseline]:
+    path = model_path(config.model)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    pairs = list(opts.pairs)
+    for p in pairs + [opts.baseline]:
         parse_pair(p)
-    ctxs = [int(c) for c in a.ctx.split(",")]
-    model = load_model(path, a.dtype)
+    ctxs = list(opts.ctxs)
+    model = load_model(path, config.dtype)
     tok = Tokenizer(path)
-    text = read_text(a.text)[: max(ctxs) * a.chunks * 8]
+    text = read_text(opts.text)[: max(ctxs) * opts.chunks * 8]
     tokens = tok.encode(text, add_special=False)
-    total = sum(min(len(tokens) // c, a.chunks) for c in ctxs) * len(pairs)
-    bar = tqdm(total=total, desc="quality", file=sys.stderr, disable=a.quiet)
+    total = sum(min(len(tokens) // c, opts.chunks) for c in ctxs) * len(pairs)
+    bar = tqdm(total=total, desc="quality", file=sys.stderr, disable=opts.quiet)
     ppl_rows: list[dict[str, Any]] = []
     for c in ctxs:
-        ppl_rows += perplexity_table(model, tokens, c, a.chunks, pairs, a.baseline, a.ubatch_size,
+        ppl_rows += perplexity_table(model, tokens, c, opts.chunks, pairs, opts.baseline, config.ubatch,
                                      lambda: bar.update(1))
     bar.close()
     ret_rows: list[dict[str, Any]] = []
-    if a.retrieval:
-        lengths = [int(x) for x in a.lengths.split(",")]
-        depths = [float(x) for x in a.depths.split(",")]
-        kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if opts.retrieval:
+        lengths, depths, kinds = list(opts.lengths), list(opts.depths), list(opts.kinds)
         filler = tok.encode(read_text(EVAL_DIR / "prose.jsonl")[:200000], add_special=False)
-        rbar = tqdm(total=len(pairs) * len(kinds) * len(lengths) * len(depths) * a.cases, desc="retrieval",
-                    file=sys.stderr, disable=a.quiet)
+        rbar = tqdm(total=len(pairs) * len(kinds) * len(lengths) * len(depths) * opts.cases, desc="retrieval",
+                    file=sys.stderr, disable=opts.quiet)
 
         def factory(k: str, v: str, ctx: int) -> Engine:
-            return Engine(model, tok, ctx=ctx, ubatch=a.ubatch_size, cache_type_k=k, cache_type_v=v,
-                          prefix_cache=False)
+            cfg = config.replace(ctx=ctx, cache_type_k=k, cache_type_v=v, prefix_cache=False)
+            return Engine(model, tok, cfg, model_path=path)
 
-        ret_rows = retrieval_grid(factory, tok, filler, pairs, lengths, depths, a.cases, kinds,
+        ret_rows = retrieval_grid(factory, tok, filler, pairs, lengths, depths, opts.cases, kinds,
                                   progress=lambda: rbar.update(1))
         rbar.close()
-    out = Path(a.out or time.strftime("quality-%Y%m%d-%H%M%S"))
+    if settings is None:
+        settings = {"engine": config.to_dict(), **asdict(opts)}
+    return {"env": env_info(path), "settings": settings, "perplexity": ppl_rows, "retrieval": ret_rows}
+
+
+def write_reports(report: dict[str, Any], out: Path, opts: QualityOptions) -> None:
+    """report.json, perplexity.csv, report.md, kld.png (and retrieval.csv) into directory `out`."""
+    ppl_rows, ret_rows = report["perplexity"], report["retrieval"]
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(a).items() if k != "func"}
-    report = {"env": env_info(path), "settings": settings, "perplexity": ppl_rows, "retrieval": ret_rows}
     write_json(out / "report.json", report)
     write_csv(out / "perplexity.csv", ppl_rows)
-    cols = ["kv", "ctx", "ppl", "kld_mean", "kld_median", "kld_p99", "kld_p999", "kld_max", "same_top1_pct",
-            "rms_dp_pct"]
-    md = ["# turbospec quality", "", f"model {path}, text {a.text}, baseline {a.baseline}", "",
-          markdown_table(ppl_rows, cols), ""]
+    source = f"model {report['env'].get('model')}, text {opts.text}, baseline {opts.baseline}"
+    md = ["# turbospec quality", "", source, "", markdown_table(ppl_rows, PPL_COLUMNS), ""]
     if ret_rows:
         write_csv(out / "retrieval.csv", ret_rows)
-        md += ["## Retrieval accuracy", "", markdown_table(ret_rows, ["kv", "kind", "length", "depth", "accuracy"]), ""]
+        md += ["## Retrieval accuracy", "", markdown_table(ret_rows, RETRIEVAL_COLUMNS), ""]
     (out / "report.md").write_text("\n".join(md))
     bar_plot(out / "kld.png", [f"{r['kv']} @{r['ctx']}" for r in ppl_rows], [r["kld_mean"] for r in ppl_rows],
              "mean KLD vs baseline", "KLD per KV type")
-    print(markdown_table(ppl_rows, cols))
-    if ret_rows:
-        print(markdown_table(ret_rows, ["kv", "kind", "length", "depth", "accuracy"]))
-    print(f"wrote {out}/report.json, report.md, perplexity.csv, kld.png", file=sys.stderr)
-    return 0
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    """The perplexity table (and the retrieval table) as Markdown on stdout."""
+    print(markdown_table(report["perplexity"], PPL_COLUMNS))
+    if report["retrieval"]:
+        print(markdown_table(report["retrieval"], RETRIEVAL_COLUMNS))

@@ -28,7 +28,10 @@ def model_hash(path: str | Path, limit_bytes: int = 1 << 30) -> str:
     """sha256 over config.json and the weight files (first 1 GiB of each), for identifying the model used."""
     p = Path(path)
     h = hashlib.sha256()
-    files = sorted([*p.glob("config.json"), *p.glob("*.safetensors"), *p.glob("*.gguf")]) if p.is_dir() else [p]
+    if p.is_dir():
+        files = sorted([*p.glob("config.json"), *p.glob("*.safetensors"), *p.glob("*.gguf")])
+    else:
+        files = [p]
     for f in files:
         h.update(f.name.encode())
         with open(f, "rb") as fh:
@@ -42,14 +45,15 @@ def model_hash(path: str | Path, limit_bytes: int = 1 << 30) -> str:
 def env_info(model_path: str | None = None) -> dict[str, Any]:
     import torch
 
-    from turbospec import __version__
+    from turbospec import env
+    from turbospec.version import __version__
 
     info: dict[str, Any] = {
         "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "os": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
         "turbospec": __version__, "git_commit": _git_commit(),
         # kernel switches (TURBOSPEC_NO_FUSED, TURBOSPEC_NO_KERNEL, ...) change the measured path
-        "turbospec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TURBOSPEC_")},
+        "turbospec_env": env.all_set(),
     }
     try:
         import psutil
@@ -70,8 +74,8 @@ def env_info(model_path: str | None = None) -> dict[str, Any]:
 
 def _git_commit() -> str | None:
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
-                           timeout=5, cwd=Path(__file__).resolve().parent)
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
+                           text=True, timeout=5, cwd=Path(__file__).resolve().parent)
         return r.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None

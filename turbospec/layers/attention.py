@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from turbospec.kernels import attention as fused
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
 
@@ -85,7 +86,7 @@ class Attention:
         """Store the step's k/v and attend: q [N, H, D] (normed, rotated), k/v [N, KVH, D] -> [N, H*D]."""
         n = q.shape[0]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if hasattr(cache, "attend"):  # packed KV formats: block-wise attention inside the cache
+        if isinstance(cache, QuantKVCache):  # packed KV formats: block-wise attention inside the cache
             out = cache.attend(layer, q, k, v, plan, 1.0 / math.sqrt(self.hd))
         else:
             keys, values = cache.write(layer, k, v)

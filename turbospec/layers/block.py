@@ -12,24 +12,24 @@ import) turns it off.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from turbospec import env
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.attention import MLP, Attention
-from turbospec.layers.linear import SKINNY_MAX_ROWS
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ENABLED = not os.environ.get("TURBOSPEC_NO_FUSED")  # read once: this is checked per layer per token
+ENABLED = env.FUSED  # read once (TURBOSPEC_NO_FUSED): this is checked per layer per token
 
 
 def kernel_for(x: torch.Tensor, norm: torch.Tensor):
     """The kernel module when rows x [N, hidden] can go through the fused calls (few rows, matching dtypes),
     else None."""
-    if not ENABLED or x.dim() != 2 or x.shape[0] > SKINNY_MAX_ROWS or x.dtype not in _DTYPES or norm.dtype != x.dtype:
+    if (not ENABLED or x.dim() != 2 or x.shape[0] > env.SKINNY_MAX_ROWS or x.dtype not in _DTYPES
+            or norm.dtype != x.dtype):
         return None
     return load_kernel()
 

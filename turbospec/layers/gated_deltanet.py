@@ -20,11 +20,10 @@ The conv state is the last K-1 projected input rows; the layer hands the cache t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from turbospec import env
 from turbospec.kernels.gemv import load_extension
 from turbospec.layers.linear import Linear
 
@@ -33,7 +32,7 @@ _CHAIN = torch.empty(0, dtype=torch.int64)  # "no parents": the step's tokens ar
 
 def load_gdn_kernel():
     """The C++ decode/verification mixer (turbospec/kernels/deltanet.cpp), or None."""
-    if os.environ.get("TURBOSPEC_NO_GDN_KERNEL"):
+    if env.on("TURBOSPEC_NO_GDN_KERNEL"):
         return None
     return load_extension("turbospec_gdn", "deltanet.cpp", "Gated DeltaNet")
 

@@ -6,20 +6,20 @@ the kernel in turbospec/kernels/gemv.cpp reads each weight once per step for up 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from turbospec import env
 from turbospec.kernels.gemv import load_kernel
 
-SKINNY_MAX_ROWS = int(os.environ.get("TURBOSPEC_SKINNY_MAX_ROWS", "16"))
+SKINNY_MAX_ROWS = env.SKINNY_MAX_ROWS
 # Decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster than from
-# 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put them (e.g. the mmapped checkpoint).
-HUGEPAGES = not os.environ.get("TURBOSPEC_NO_HUGEPAGES")
+# 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put them
+# (e.g. the mmapped checkpoint).
+HUGEPAGES = env.HUGEPAGES
 # Prefill GEMMs for 16-bit weights: "upcast" multiplies in float32 (weights converted per call), "native" uses
 # torch's bf16/fp16 GEMM. Which is faster depends on the CPU (AVX-512 BF16 vs AVX2); see docs/speed.md.
-PREFILL_MODE = os.environ.get("TURBOSPEC_PREFILL", "upcast")
+PREFILL_MODE = env.PREFILL_MODE
 
 
 class Linear:

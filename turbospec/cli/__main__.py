@@ -1,0 +1,5 @@
+import sys
+
+from turbospec.cli.main import main
+
+sys.exit(main())

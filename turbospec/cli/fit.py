@@ -1,0 +1,83 @@
+"""`turbospec fit`: its flags, turned into an `Arch`, a `Setup` and a budget for turbospec.lab.fit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from turbospec import dtypes
+from turbospec.errors import TurboSpecError
+from turbospec.lab import fit
+
+
+def register(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("fit", help="maximum context per KV type for a memory budget (weights, KV, "
+                                   "recurrent state, MTP/draft, activations)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-m", "--model", help="checkpoint directory (config.json + safetensors) or .gguf file")
+    src.add_argument("--config", help="a config.json")
+    src.add_argument("--preset", help=f"named architecture: {', '.join(fit.PRESETS)}")
+    p.add_argument("--mem", required=True, help="memory budget, e.g. 24GiB, 24GB, 512MiB")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: turbospec's CPU engine (default); cuda: a llama.cpp-style GPU run")
+    p.add_argument("--dtype", default="float32", help="CPU weight/compute dtype as `turbospec run` (float32)")
+    p.add_argument("-ctk", "--cache-type-k", default=None,
+                   help=f"K cache type(s), comma list (default: {','.join(fit.DEFAULT_KV_TYPES)})")
+    p.add_argument("-ctv", "--cache-type-v", default=None, help="V cache type(s) (default: as -ctk)")
+    p.add_argument("-ctkd", "--cache-type-k-draft", default=None,
+                   help="MTP/draft K cache type (default: as K)")
+    p.add_argument("-ctvd", "--cache-type-v-draft", default=None,
+                   help="MTP/draft V cache type (default: as V)")
+    w = p.add_mutually_exclusive_group()
+    w.add_argument("--weights-bpw", type=float, default=None, help="bits per weight, e.g. 4.85 for Q4_K_M")
+    w.add_argument("--weight-dtype", default=None, help=f"weight format: {', '.join(fit.WEIGHT_BPW)}")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="ubatch (default 512)")
+    p.add_argument("--mtp", dest="mtp", action="store_true", default=None, help="include MTP rows")
+    p.add_argument("--no-mtp", dest="mtp", action="store_false", help="no MTP rows")
+    p.add_argument("-md", "--draft-model", default=None, help="draft model (directory, .gguf or config.json)")
+    p.add_argument("--n-max", type=int, default=3, help="draft tokens per step (default 3)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="also report whether this context fits")
+    p.add_argument("--ctx-max", type=int, default=None, help="search cap (default: 4M tokens)")
+    p.add_argument("--logits-rows", type=int, default=None,
+                   help="rows of logits held at once (default: 1+n_max on cpu, ubatch on cuda)")
+    p.add_argument("--runtime-overhead", default=None,
+                   help="process baseline: a size, or 'measure' (cpu: runs a minimal model in a "
+                        f"subprocess); default cpu {fit.CPU_RUNTIME_OVERHEAD // 2**20} MiB "
+                        f"(+ {fit.CPU_IMPORT_OVERHEAD // 2**20} MiB "
+                        f"before loading) measured, cuda {fit.CUDA_RUNTIME_OVERHEAD // 2**20} MiB estimate")
+    p.add_argument("--spec-state", choices=("per-position", "checkpoint"), default="per-position",
+                   help="GDN rollback for speculation: a state copy per chain position (turbospec, default) "
+                        "or one checkpoint copy (llama.cpp speculative checkpointing)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def _types(s: str | None) -> list[str]:
+    if not s:
+        return []
+    return [t.strip() for t in s.split(",") if t.strip()]
+
+
+def run(a: argparse.Namespace) -> int:
+    arch = fit.load_arch(a.model, a.config, a.preset)
+    bpw = fit.weight_bpw(a.weight_dtype) if a.weight_dtype else a.weights_bpw
+    if a.ubatch_size < 1 or a.n_max < 0:
+        raise TurboSpecError("-ub must be >= 1 and --n-max >= 0")
+    if not dtypes.is_dtype_name(a.dtype):
+        raise TurboSpecError(f"unknown --dtype {a.dtype!r} (float32, bfloat16, float16)")
+    runtime, imp = fit.runtime_baseline(a.runtime_overhead, a.backend)
+    setup = fit.Setup(backend=a.backend, dtype=a.dtype, weights_bpw=bpw, ubatch=a.ubatch_size, n_max=a.n_max,
+                      logits_rows=a.logits_rows, runtime_overhead=runtime, import_overhead=imp,
+                      spec_state=a.spec_state)
+    mem = fit.parse_mem(a.mem)
+    draft = fit.load_arch(a.draft_model) if a.draft_model else None
+    info = fit.plan(arch, setup, mem, _types(a.cache_type_k), _types(a.cache_type_v), a.mtp, draft,
+                    a.cache_type_k_draft, a.cache_type_v_draft, a.ctx_size, cap=a.ctx_max or (1 << 22))
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(fit.format_report(info))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,49 @@
+"""Build an engine from an `EngineConfig`: resolve the checkpoint, set threads, load model, tokenizer, drafter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from turbospec import env
+from turbospec.config import EngineConfig
+from turbospec.engine.engine import Engine
+from turbospec.errors import TurboSpecError
+from turbospec.model.registry import load_model
+from turbospec.speculative.registry import make_drafter
+from turbospec.tokenizer import Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLED = ("turbospec-tiny", "demo-qwen3")  # looked for in models/ beside the package, in this order
+
+
+def default_model() -> str | None:
+    """TURBOSPEC_MODEL, else the bundled model of a source checkout, else None."""
+    given = env.get("TURBOSPEC_MODEL")
+    if given:
+        return given
+    for name in BUNDLED:
+        cand = REPO_ROOT / "models" / name
+        if (cand / "config.json").exists():
+            return str(cand)
+    return None
+
+
+def model_path(given: str | None) -> str:
+    """The checkpoint to use: the one given, else the default; a one-line error when there is none."""
+    path = given or default_model()
+    if path is None:
+        raise TurboSpecError("no model given (-m) and no bundled model found; run scripts/make_demo_model.py")
+    return path
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine."""
+    path = model_path(config.model)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    model = load_model(path, config.dtype)
+    tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+    drafter = make_drafter(config.spec, model, config.ctx + config.spec.n_max + 1, model_path=path)
+    return Engine(model, tokenizer, config, drafter, model_path=path)

@@ -1,0 +1,228 @@
+"""The engine: chunked prefill, the decode loop with speculative steps, stop conditions and timing stats."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+
+import torch
+
+from turbospec.config import EngineConfig
+from turbospec.engine.stats import Chunk, GenStats, peak_rss_bytes
+from turbospec.engine.stops import find_stop, safe_prefix_len
+from turbospec.errors import TurboSpecError
+from turbospec.kv.plan import AttentionPlan
+from turbospec.model.base import Model
+from turbospec.sampling import Sampler, SamplingParams
+from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.stats import SpecStats
+from turbospec.speculative.tree import DraftTree
+from turbospec.speculative.verify import verify
+from turbospec.tokenizer import StreamDecoder, Tokenizer
+
+
+class Engine:
+    """Drives a model: tokenize, prefill in ubatch-sized chunks, decode (with drafts when a drafter is given),
+    sample, stop. `turbospec.build_engine(config)` loads everything from an `EngineConfig`; constructing one
+    directly takes an already loaded model (tests, the lab)."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
+                 drafter: Drafter | None = None, model_path: str | None = None):
+        config = config or EngineConfig()
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path  # the checkpoint directory, when loaded from one
+        self.ctx = config.ctx
+        self.ubatch = config.ubatch
+        self.cache = model.new_cache(config.ctx, k_type=config.cache_type_k, v_type=config.cache_type_v)
+        self.drafter = drafter
+        self.n_max = config.spec.n_max
+        self.prefix_cache = config.prefix_cache
+        self.cached_tokens: list[int] = []
+        self.reused_tokens = 0
+        self.last_stats = GenStats()
+        # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
+        # a decode step allocates enough small objects to trigger collections that would traverse them all.
+        gc.freeze()
+
+    # ---- building blocks -------------------------------------------------------------------------------
+    def prefill(self, tokens: list[int], rows: int | None = 1) -> torch.Tensor:
+        """Run the prompt through the model in ubatch chunks; return the hidden rows of the last `rows` prompt
+        positions ([rows, H]; None: every computed position, for drafters that read the target's hidden states).
+        Positions reused from the cache have no rows. Each chunk's last layer computes only the rows kept.
+
+        Prefix reuse: positions whose tokens equal those already in the cache are kept (at least one token is
+        always recomputed), as llama-server's prompt cache does; caches that cannot keep a prefix start over."""
+        reuse = 0
+        if self.prefix_cache and self.cache.prefix_reusable:
+            limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
+            while reuse < limit and self.cached_tokens[reuse] == tokens[reuse]:
+                reuse += 1
+        if reuse:
+            self.cache.truncate(reuse)
+        else:
+            self.cache.reset()
+        self.reused_tokens = reuse
+        self.cached_tokens = list(tokens)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        n, out = len(tokens), []
+        for s in range(reuse, n, self.ubatch):
+            chunk = ids[s:s + self.ubatch]
+            e = s + chunk.numel()
+            want = None if rows is None else min(e - s, max(1, e - (n - rows)))  # rows of this chunk kept
+            hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache,
+                                        out_rows=want)
+            self.cache.commit()
+            out.append(hidden)
+        hidden = torch.cat(out) if len(out) > 1 else out[0]
+        return hidden if rows is None else hidden[-min(rows, n - reuse):]
+
+    def step(self, token: int) -> torch.Tensor:
+        plan = AttentionPlan.causal(self.cache.length, 1)
+        hidden = self.model.forward(torch.tensor([token], dtype=torch.int64), plan, self.cache)
+        self.cache.commit()
+        return hidden
+
+    def verify_step(self, root: int, tree: DraftTree, sampler: Sampler) -> tuple[list[int], int, torch.Tensor]:
+        """One target forward over [root] + draft nodes; commit the accepted path.
+
+        Returns (accepted node indices, next token, hidden rows of the committed tokens)."""
+        start = self.cache.length
+        toks = torch.tensor([root] + tree.tokens, dtype=torch.int64)
+        if tree.is_chain:
+            plan = AttentionPlan.causal(start, toks.numel())
+        else:
+            plan = AttentionPlan.tree(start, [-1] + [p + 1 for p in tree.parents])
+        hidden = self.model.forward(toks, plan, self.cache)
+        path, nxt = verify(tree, self.model.logits(hidden), sampler)
+        keep = [0] + [1 + i for i in path]
+        self.cache.commit(keep)
+        return path, nxt, hidden[keep]
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise TurboSpecError("a tokenizer is needed for text prompts")
+        if chat:
+            prompt = self.tokenizer.render_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt, add_special=not chat)
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
+               ) -> Iterator[Chunk]:
+        """Yield generated tokens (with text when a tokenizer is present); stats land in `last_stats`."""
+        params = params or SamplingParams()
+        tokens = self.encode_prompt(prompt, chat)
+        if not tokens:
+            raise TurboSpecError("empty prompt")
+        if len(tokens) + max(params.max_tokens, 1) > self.ctx:
+            raise TurboSpecError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds context size {self.ctx}"
+            )
+        stats = GenStats(prompt_tokens=len(tokens))
+        spec = SpecStats()
+        self.last_stats = stats
+        if self.drafter is not None:
+            stats.extra["spec"] = spec
+        sampler = Sampler(params)
+        sampler.accept(tokens)
+        eos = set() if params.ignore_eos else self._eos_ids()
+        dec = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        stops = [s for s in params.stop if s]
+        held = ""  # text withheld because it may be the start of a stop string
+        drafter = self.drafter
+        t0 = time.perf_counter()
+        want: int | None = 1  # prompt rows whose hidden states are needed (None: all)
+        if drafter is not None and drafter.needs_hidden:
+            want = drafter.prompt_rows(len(tokens))
+        hidden = self.prefill(tokens, want)
+        if drafter is not None:
+            drafter.begin(tokens, hidden if drafter.needs_hidden else None)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.cached_tokens = self.reused_tokens
+        pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
+        context = self.cached_tokens  # grows in place: always the tokens whose KV is committed
+        t_first = None
+        done = False
+        while not done:
+            for tok in pending:
+                stats.gen_tokens += 1
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    stats.ttft_s = t_first - t0
+                if tok in eos:
+                    stats.finish_reason = "stop"
+                    done = True
+                    break
+                text = dec.push(tok) if dec else ""
+                if stops:
+                    held += text
+                    cut = find_stop(held, stops)
+                    if cut is not None:
+                        if held[:cut]:
+                            yield Chunk([tok], held[:cut])
+                        held = ""
+                        stats.finish_reason = "stop"
+                        done = True
+                        break
+                    safe = safe_prefix_len(held, stops)
+                    text, held = held[:safe], held[safe:]
+                yield Chunk([tok], text)
+                if stats.gen_tokens >= params.max_tokens:
+                    stats.finish_reason = "length"
+                    done = True
+                    break
+            if done:
+                break
+            if self.cache.length + 1 >= self.ctx:
+                stats.finish_reason = "length"
+                break
+            root = pending[-1]
+            context.append(root)
+            # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
+            room = min(params.max_tokens - stats.gen_tokens - 1, self.n_max)
+            slots = self.ctx - self.cache.length - 1
+            tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
+            if len(tree):
+                tree = tree.limit(room, slots)
+            if len(tree):
+                path, nxt, committed = self.verify_step(root, tree, sampler)
+                spec.record(tree, len(path))
+                accepted = [tree.tokens[i] for i in path]
+            else:
+                committed = self.step(root)
+                nxt, accepted = sampler.sample(self.model.logits(committed)[0]), []
+            if drafter is not None:
+                drafter.accept([root] + accepted, committed, nxt)
+            context += accepted
+            pending = accepted + [nxt]
+        if held:
+            yield Chunk([], held)
+        stats.finish_reason = stats.finish_reason or "length"
+        if t_first is not None:
+            stats.decode_s = time.perf_counter() - t_first
+        stats.peak_rss_bytes = peak_rss_bytes()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                 chat: bool = False) -> list[dict]:
+        """Batch API: run each prompt to completion; returns dicts with text, token ids and stats."""
+        out = []
+        for p in prompts:
+            toks: list[int] = []
+            text = []
+            for ch in self.stream(p, params, chat):
+                toks += ch.tokens
+                text.append(ch.text)
+            out.append({"text": "".join(text), "tokens": toks, "stats": self.last_stats})
+        return out
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model.cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= self.tokenizer.eos_ids
+        return ids
+
+

@@ -1,0 +1,61 @@
+"""What one generation measured: prompt and output sizes, prefill/decode time, TTFT, peak memory, drafts."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from the previous request (not recomputed)
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    gen_tokens: int = 0
+    decode_s: float = 0.0
+    peak_rss_bytes: int = 0
+    finish_reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first one, over the time after the first token."""
+        n = self.gen_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def line(self) -> str:
+        spec = self.extra.get("spec")
+        tail = f" | {spec.line()}" if spec is not None else ""
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (
+            f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
+            f" | gen {self.gen_tokens} tok, decode {self.decode_tps:.1f} t/s"
+            f" | peak mem {self.peak_rss_bytes / 2**20:.0f} MiB" + tail
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if "spec" in self.extra:
+            d["extra"] = {**self.extra, "spec": self.extra["spec"].to_dict()}
+        d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        return d
+
+
+@dataclass
+class Chunk:
+    """One streamed step: the new token ids and the text they complete (may be empty)."""
+
+    tokens: list[int]
+    text: str
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+

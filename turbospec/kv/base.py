@@ -1,0 +1,47 @@
+"""The cache interface: the per-sequence state a model reads and writes in a forward pass.
+
+Every cache holds `length` committed positions and, during a step, `pending` scratch positions after them.
+A step calls `begin(n)`, the model writes its n new positions to scratch, and the engine calls `commit()` (keep
+all) or `commit(keep)` (keep the listed scratch indices, in order: the accepted path of a draft tree). Nothing
+else rewrites committed positions, except `truncate` where `prefix_reusable` says it is possible.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Cache(Protocol):
+    max_len: int
+    # committed positions can be cut back to a prefix (attention KV can; recurrent states cannot)
+    prefix_reusable: bool
+
+    @property
+    def length(self) -> int:
+        """Committed positions."""
+        ...
+
+    def begin(self, n: int) -> None:
+        """Open n scratch positions after the committed ones (a one-line error when the context is full)."""
+        ...
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        """Keep every scratch position (None) or only the listed scratch indices, compacted in order."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every position."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first n committed positions (requires `prefix_reusable` unless n >= length)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, as allocated (what `fit` and `bench` report)."""
+        ...
+
+    def bytes_per_token(self) -> int:
+        """Bytes per context position of the part that grows with context."""
+        ...

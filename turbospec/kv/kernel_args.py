@@ -1,0 +1,92 @@
+"""KV formats translated into the C++ kernels' plain arguments (kinds, bits, field names, tables, signs).
+
+The kernels (turbospec/kernels/attention.py, encode.py) know nothing of `KVFormat`: this module, in the KV
+layer, says whether and how they read or write a format. `attention_spec(fmt, dim)` -> the fused attention
+kernel's spec or None; `encode_spec(fmt, dim)` -> the encoder's `EncodeSpec` or None; `rotate_fast` is the
+turbo* rotation through the encode kernel when it is here.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from turbospec.kernels import attention, encode
+from turbospec.kernels.encode import EncodeSpec
+from turbospec.kv.formats import (
+    NORM_MODES,
+    KVFormat,
+    PlainFormat,
+    Q4_0Format,
+    Q8_0Format,
+    TBQ4Format,
+    TurboFormat,
+    TurboProdFormat,
+)
+from turbospec.kv.formats.turbo import _codebook
+from turbospec.kv.hadamard import padded_dim, rot_block_for, rotate, rotation_signs, unrotate
+
+AttentionSpec = tuple[int, int, tuple[str, ...], torch.Tensor]
+
+
+def attention_spec(fmt: KVFormat, dim: int) -> AttentionSpec | None:
+    """(kind, index bits, field names, centroid table) of a format the attention kernel reads at head size
+    `dim`, or None (TurboQuant-prod, or a padded width that is not a multiple of 8)."""
+    if fmt.padded_dim(dim) % 8:
+        return None
+    if isinstance(fmt, PlainFormat):
+        return attention.PLAIN_SPECS[fmt.dtype]
+    if isinstance(fmt, Q8_0Format):
+        return attention.Q8_0, 0, ("d", "qs"), attention.NO_TABLE
+    if isinstance(fmt, Q4_0Format):
+        return attention.Q4_0, 0, ("d", "qs"), attention.NO_TABLE
+    if isinstance(fmt, TBQ4Format):
+        return attention.TBQ4_0, 0, ("d", "qs"), attention.NO_TABLE
+    if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat):
+        names = ("norm", "qs", "qh") if fmt.mse_bits == 3 else ("norm", "qs")
+        block = fmt.for_dim(dim).block_size
+        kind = attention.TURBO64 if block == 64 else attention.TURBO
+        return kind, fmt.mse_bits, names, _codebook(fmt.mse_bits, torch.device("cpu"), block)[0]
+    return None
+
+
+def encode_spec(fmt: KVFormat, dim: int) -> EncodeSpec | None:
+    """How the encode kernel writes `fmt` at head size `dim`, or None: the formats the attention kernel reads
+    (same kind numbers and field order), except dithered tbq4_0d and formats built with check_finite=False."""
+    if not fmt.check_finite or (isinstance(fmt, TBQ4Format) and fmt.dither):
+        return None
+    read = attention_spec(fmt, dim)
+    if read is None:
+        return None
+    kind, bits, fields, cent = read
+    width = fmt.padded_dim(dim)
+    if kind in (attention.TURBO, attention.TURBO64):
+        block = fmt.for_dim(dim).block_size
+        s1, s2 = _signs(block)
+        bounds = _codebook(bits, torch.device("cpu"), block)[1]
+        return EncodeSpec(kind, bits, width, fields, cent, bounds, s1, s2, NORM_MODES.index(fmt.norm_mode))
+    e = encode.EMPTY
+    return EncodeSpec(kind, 0, width, fields, e, e, e, e, 0)
+
+
+def rotate_fast(x: torch.Tensor, inverse: bool = False, dim: int | None = None, mod=None) -> torch.Tensor:
+    """`rotate(x)` / `unrotate(x, dim)` of turbospec.kv.hadamard for float32 x, as one C++ call (a fast
+    Walsh-Hadamard transform: the same map, rounded differently) when the encode kernel is here."""
+    mod = mod or encode.load()
+    if mod is None or x.dtype != torch.float32:
+        return unrotate(x, dim) if inverse else rotate(x)
+    w = x.shape[-1]
+    block = rot_block_for(w)
+    if not inverse and padded_dim(w, block) != w:
+        x = torch.nn.functional.pad(x, (0, padded_dim(w, block) - w))
+    s1, s2 = _signs(block)
+    y = encode.hadamard_rows(x, s1, s2, inverse, mod)
+    return y[..., :dim] if inverse and dim is not None and dim != w else y
+
+
+@cache
+def _signs(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation's sign vectors (s1, s2) for `block`, float32."""
+    s1, s2 = rotation_signs(block)
+    return s1.to(torch.float32).contiguous(), s2.to(torch.float32).contiguous()

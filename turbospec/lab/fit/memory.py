@@ -1,0 +1,238 @@
+"""Memory accounting: the bytes one sequence of a given context holds, component by component (`estimate`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from turbospec import dtypes
+from turbospec.errors import TurboSpecError
+from turbospec.lab.fit.arch import Arch
+
+# CPU baselines measured on the development box (Python 3.11, torch 2.13, Linux x86-64, 2 cores) with
+# `measure_runtime_overhead()`: the resident size after importing turbospec + torch and loading the gemv
+# kernel, before a model is loaded (224.6 MiB; the base of the load phase), and the peak RSS of
+# `turbospec run` on a minimal model (1 layer, hidden 64, vocab 320: weights + KV + activations < 1 MiB), i.e.
+# the runtime once the code paths of a forward have been paged in and torch's thread pools and allocator
+# arenas exist (250.2 MiB). Other machines differ: pass --runtime-overhead measure (or a size).
+CPU_IMPORT_OVERHEAD = 225 * 2**20
+CPU_RUNTIME_OVERHEAD = 250 * 2**20
+# CUDA context + cuBLAS workspace of a llama.cpp-style process: an estimate (unverified; typically
+# 0.3-0.6 GiB).
+CUDA_RUNTIME_OVERHEAD = 512 * 2**20
+QUANT_BLOCK = 1024  # turbospec.kv.quant_cache.DEFAULT_BLOCK: positions decoded per attention block
+ROLLBACK_LIMIT = 16  # HybridCache.rollback_limit: steps up to this many tokens keep every recurrent state
+
+
+@dataclass
+class Setup:
+    """How the model is run: backend, weight dtype / bits per weight, ubatch, speculation depth, baselines."""
+
+    backend: str = "cpu"  # cpu (turbospec engine) | cuda (llama.cpp-style GPU run)
+    dtype: str = "float32"  # CPU compute/weight dtype (turbospec run --dtype)
+    weights_bpw: float | None = None
+    ubatch: int = 512
+    n_max: int = 3
+    runtime_overhead: int | None = None
+    import_overhead: int | None = None  # cpu: base of the load phase
+    spec_state: str = "per-position"  # GDN rollback: per-position state copies | checkpoint (one copy)
+    logits_rows: int | None = None  # None: 1 + n_max on cpu, ubatch on cuda
+
+
+def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
+    """True when turbospec's CPU loader keeps the checkpoint mmapped: every tensor is already in --dtype, so
+    safetensors hands out tensors backed by the file (no conversion copy); only fused projections are
+    copied."""
+    return (setup.backend == "cpu" and setup.weights_bpw is None and bool(arch.src_dtypes)
+            and dtypes.is_dtype_name(setup.dtype)
+            and arch.src_dtypes == [dtypes.short_name(setup.dtype).upper()])  # safetensors: F32, F16, BF16
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, k_type: str, v_type: str) -> int:
+    """Exact packed bytes per context position (all layers, K + V) for turbospec's KV formats."""
+    from turbospec.kv.formats import get_format
+
+    try:
+        kb = get_format(k_type).bytes_per_vector(head_dim)
+        vb = get_format(v_type).bytes_per_vector(head_dim)
+    except ValueError as e:
+        raise TurboSpecError(str(e)) from None
+    return n_layers * n_kv_heads * (kb + vb)
+
+
+def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
+    """(trunk bytes, MTP bytes) as held in memory."""
+    bpw = setup.weights_bpw
+    if bpw is None and setup.backend == "cpu":
+        bpw = 8.0 * dtypes.nbytes(setup.dtype)
+    if bpw is None:
+        bpw = arch.preset_bpw
+    counted_trunk, counted_mtp = arch.trunk_params_counted, arch.mtp_params_counted
+    trunk_p = counted_trunk if counted_trunk is not None else arch.trunk_params()
+    mtp_p = counted_mtp if counted_mtp is not None else arch.mtp_params()
+    if bpw is not None and cpu_mmap_weights(arch, setup):
+        # the whole file becomes resident as the model runs (an untied embedding table only for the rows
+        # seen: counted in full, an upper bound) + anonymous copies of the fused projections
+        trunk = int((trunk_p + arch.fused_params) * bpw / 8)
+        mtp_b = int(mtp_p * bpw / 8)
+    elif bpw is not None:
+        trunk = int(trunk_p * bpw / 8)
+        mtp_b = int(mtp_p * bpw / 8)
+    elif arch.trunk_bytes is not None:
+        trunk, mtp_b = arch.trunk_bytes, arch.mtp_bytes or 0
+    else:  # cuda, safetensors: the checkpoint's own dtype
+        trunk = int(trunk_p * arch.src_dtype_bytes)
+        mtp_b = int(mtp_p * arch.src_dtype_bytes)
+    return trunk, (mtp_b if mtp else 0)
+
+
+def recurrent_bytes(arch: Arch, setup: Setup, chain: int) -> tuple[int, int]:
+    """(committed conv + SSM state of all GDN layers, per-position rollback copies for a `chain`-token
+    step)."""
+    if not arch.n_gdn:
+        return 0, 0
+    conv_b = 4 if setup.backend == "cuda" else dtypes.nbytes(setup.dtype)
+    conv = (arch.conv_kernel - 1) * arch.conv_dim * conv_b
+    ssm = arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * 4
+    state = arch.n_gdn * (conv + ssm)
+    if chain <= 1:
+        return state, 0
+    kept = chain if chain <= ROLLBACK_LIMIT and setup.spec_state == "per-position" else 1
+    scratch = arch.n_gdn * (ssm * kept + (arch.conv_kernel - 1 + chain) * arch.conv_dim * conv_b)
+    return state, scratch
+
+
+def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int) -> int:
+    """Live intermediates of one forward over `rows` tokens (the largest layer), plus logits."""
+    f = 4  # turbospec computes attention/GDN math in float32 on CPU; llama.cpp's compute buffers are f32
+    h, inter = arch.hidden, arch.intermediate
+    q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
+    kv = arch.n_kv_heads * arch.head_dim
+    attn = rows * (q + 2 * kv + 2 * arch.n_heads * arch.head_dim) * f  # qkv out, rotated q/k, attention out
+    # scores: one block per chunk (prefill / packed caches), or, for a dense-cache decode step, every cached
+    # position at once (scores + probabilities)
+    attn += max(arch.n_heads * rows * min(ctx, QUANT_BLOCK) * f, 2 * arch.n_heads * ctx * f)
+    mlp = rows * 4 * inter * f  # gate_up output (2I), silu(g), silu(g) * u
+    gdn = 0
+    if arch.n_gdn:
+        gdn = rows * (arch.conv_dim * 2 + 2 * arch.gdn_v_heads * arch.gdn_v_dim) * f
+    residual = rows * 3 * h * f  # x, normed x, sublayer output
+    n_logits = setup.logits_rows if setup.logits_rows is not None else (
+        setup.ubatch if setup.backend == "cuda" else 1 + setup.n_max)
+    # logits + sampler probabilities
+    logits = n_logits * arch.vocab * 4 * (2 if setup.backend == "cpu" else 1)
+    return residual + max(attn, mlp, gdn) + logits
+
+
+@dataclass
+class Breakdown:
+    """Bytes per component; `steady` is their sum, `total` the larger of it and the load peak."""
+
+    kv_type: str
+    mode: str  # "base", "mtp", "draft"
+    ctx: int
+    weights: int = 0
+    mtp_weights: int = 0
+    draft_weights: int = 0
+    attention_kv: int = 0
+    recurrent_state: int = 0
+    spec_state_copies: int = 0
+    mtp_kv: int = 0
+    draft_kv: int = 0
+    activations: int = 0
+    upcast_scratch: int = 0
+    rope_tables: int = 0
+    spec_hidden_rows: int = 0
+    draft_head: int = 0
+    mtp_compute: int = 0
+    runtime: int = 0
+    load_peak: int = 0
+
+    @property
+    def steady(self) -> int:
+        return (self.weights + self.mtp_weights + self.draft_weights + self.attention_kv
+                + self.recurrent_state + self.spec_state_copies + self.mtp_kv + self.draft_kv
+                + self.activations + self.upcast_scratch + self.rope_tables + self.spec_hidden_rows
+                + self.draft_head + self.mtp_compute + self.runtime)
+
+    @property
+    def total(self) -> int:
+        return max(self.steady, self.load_peak)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(steady=self.steady, total=self.total)
+        return d
+
+
+def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode: str = "base",
+             draft: Arch | None = None, dk_type: str | None = None, dv_type: str | None = None) -> Breakdown:
+    """Predicted peak bytes for one sequence of `ctx` tokens."""
+    if ctx < 1:
+        raise TurboSpecError("context must be >= 1")
+    dk_type, dv_type = dk_type or k_type, dv_type or v_type
+    spec = mode in ("mtp", "draft")
+    b = Breakdown(kv_type=k_type if k_type == v_type else f"{k_type}/{v_type}", mode=mode, ctx=ctx)
+    b.weights, b.mtp_weights = weight_bytes(arch, setup, mode == "mtp")
+    cache_len = ctx + (setup.n_max + 1 if spec else 0)  # drafters' caches hold the chain too
+    b.attention_kv = ctx * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim, k_type, v_type)
+    chain = setup.n_max + 1 if spec else 1
+    b.recurrent_state, b.spec_state_copies = recurrent_bytes(arch, setup, chain)
+    if mode == "mtp":
+        if not arch.mtp_layers:
+            raise TurboSpecError(f"{arch.name} has no MTP module")
+        b.mtp_kv = cache_len * kv_bytes_per_token(arch.mtp_layers, arch.n_kv_heads, arch.head_dim, dk_type,
+                                                  dv_type)
+    rows = setup.ubatch
+    b.activations = activation_bytes(arch, setup, ctx, rows)
+    if mode == "draft" and draft is not None:
+        b.draft_weights = weight_bytes(draft, setup, False)[0]
+        b.draft_kv = cache_len * kv_bytes_per_token(draft.n_attn, draft.n_kv_heads, draft.head_dim, dk_type,
+                                                    dv_type)
+        b.draft_kv += recurrent_bytes(draft, setup, chain)[0]
+    cpu = setup.backend == "cpu"
+    if cpu and setup.weights_bpw is None and dtypes.nbytes(setup.dtype) == 2:
+        # Linear's prefill path ("upcast") converts the weight of a layer projection to float32 per call (the
+        # lm_head only ever sees <= 1 + n_max rows, which take the skinny kernel instead)
+        q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
+        biggest = max(arch.hidden * 2 * arch.intermediate,
+                      arch.hidden * (q + 2 * arch.n_kv_heads * arch.head_dim),
+                      arch.hidden * (arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim))
+        b.upcast_scratch = biggest * 4 if rows > 16 else 0
+    if mode == "mtp":
+        if cpu:
+            # turbospec's MTP drafter reads the trunk's hidden rows of its prompt window (auto: a quarter of
+            # the prompt, 64..256 positions; prompt <= ctx) plus the last one
+            window = min(256, max(64, ctx // 4))
+            b.spec_hidden_rows = min(ctx, window + 1) * arch.hidden * dtypes.nbytes(setup.dtype)
+            if dtypes.nbytes(setup.dtype) == 4 and arch.src_dtype_bytes <= 2 and setup.weights_bpw is None:
+                # float32 run of a 16-bit checkpoint: the draft head is a bf16 copy of the lm_head (exact),
+                # from which the reduced vocabulary's rows are gathered (those ~1-2K rows are not counted)
+                b.draft_head = arch.vocab * arch.hidden * 2
+        else:
+            # llama.cpp: the MTP context inherits n_ubatch and reserves its own graph (one layer + logits)
+            one = Setup(backend="cuda", ubatch=setup.ubatch, logits_rows=setup.ubatch)
+            b.mtp_compute = activation_bytes(arch, one, ctx, setup.ubatch)
+    if cpu:
+        # cos/sin tables: built for 8192 positions, doubled when a position beyond them is reached
+        rot = int(arch.head_dim * (0.25 if arch.n_gdn else 1.0)) // 2 * 2
+        n = 8192
+        while n < cache_len:
+            n *= 2
+        b.rope_tables = 2 * n * rot * dtypes.nbytes(setup.dtype)
+        if mode == "draft" and draft is not None:  # the draft model builds its own tables
+            b.rope_tables += 2 * n * (int(draft.head_dim * (0.25 if draft.n_gdn else 1.0)) // 2 * 2) * \
+                dtypes.nbytes(setup.dtype)
+    b.runtime = setup.runtime_overhead if setup.runtime_overhead is not None else (
+        CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
+    if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
+        # loading with conversion: safetensors hands out tensors backed by the mmapped file, `.to(dtype)`
+        # makes the converted copy; every page read stays resident until the file is closed after loading, so
+        # the peak holds the whole file next to all converted weights. Transient on top: one layer's
+        # converted q/k/v (gate/up) pieces while they are concatenated into the fused matrix.
+        transient = arch.fused_layer_max * dtypes.nbytes(setup.dtype)
+        base = setup.import_overhead if setup.import_overhead is not None else CPU_IMPORT_OVERHEAD
+        b.load_peak = base + b.weights + b.mtp_weights + arch.file_bytes + transient
+        if draft is not None and mode == "draft":
+            b.load_peak += b.draft_weights
+    return b
+

@@ -1,0 +1,39 @@
+"""The model interface: what the engine, the drafters and the lab call on any model family."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from turbospec.kv.base import Cache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.model.config import ModelConfig
+from turbospec.model.mtp import MTPModule
+
+
+class Model(Protocol):
+    """A loaded checkpoint. `forward` returns final-normed hidden states, `logits` turns the rows that need them
+    into float32 logits; `mtp` is the native multi-token-prediction block, when the checkpoint has one."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    mtp: MTPModule | None
+
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:
+        """A cache for one sequence of up to max_len positions; K/V formats by name (None: the model dtype)."""
+        ...
+
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: Cache, out_rows: int | None = None
+                ) -> torch.Tensor:
+        """Hidden rows [N, H] for tokens [N] placed by `plan`; only the last `out_rows` rows when given."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of hidden rows [N, H]."""
+        ...
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held in memory."""
+        ...

@@ -1,0 +1,77 @@
+"""Dense decoder family: Qwen3, Qwen2 and Llama (GQA, optional q/k norm, biases, tied embeddings)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.kv.base import Cache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.layers.linear import Linear
+from turbospec.layers.norm import rms_norm
+from turbospec.layers.rope import Rope
+from turbospec.model.config import ModelConfig
+from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
+from turbospec.model.loader import WeightSource
+from turbospec.model.mtp import MTPModule
+
+
+class DenseModel:
+    """forward(tokens, plan, cache) -> final-normed hidden states; logits(hidden) -> float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype, prefix: str = "model"):
+        self.cfg, self.dtype = cfg, dtype
+        h = cfg.hidden_size
+        self.embed = ws.get(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"{prefix}.layers.{i}"
+            self.layers.append(DecoderLayer(
+                load_attention(ws, f"{p}.self_attn", cfg, dtype), load_mlp(ws, f"{p}.mlp", cfg, dtype),
+                ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
+                ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
+            ))
+        self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
+        if cfg.tie_word_embeddings and not ws.has("lm_head.weight"):
+            self.lm_head = Linear(self.embed)
+            self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
+        else:
+            self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
+        self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
+        self.mtp: MTPModule | None = None
+        if ws.has("mtp.fc.weight"):
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
+
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:
+        """Dense `KVCache` in the model dtype by default; a packed `QuantKVCache` when a K or V format
+        (`k_type`/`v_type`: f16, q8_0, turbo3, ...) other than the model's own float type is asked."""
+        c = self.cfg
+        return make_kv_cache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: Cache, out_rows: int | None = None
+                ) -> torch.Tensor:
+        """Final-normed hidden rows [N, H]; `out_rows` = r: only the last r rows are wanted ([r, H]; prefill wants
+        one for the next token's logits, an MTP drafter its prompt window), so the last layer attends and projects
+        those alone (llama.cpp skips the unused output rows the same way)."""
+        cache.begin(tokens.numel())
+        x = F.embedding(tokens, self.embed)
+        rope = self.rope.tables_for(plan)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, plan, cache, i, out_rows if i == last else None)
+        return rms_norm(x[-out_rows:] if out_rows else x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def weight_bytes(self) -> int:
+        n = self.embed.numel() * self.embed.element_size()
+        for layer in self.layers:
+            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+        if self.lm_head.weight is not self.embed:
+            n += self.lm_head.nbytes
+        return n

@@ -1,0 +1,334 @@
+"""Hybrid decoders: Qwen3.5 (`qwen3_5_text`, the text part of `qwen3_5`) and Qwen3-Next (`qwen3_next`).
+
+Layers are Gated DeltaNet ("linear_attention") or gated full attention ("full_attention"); the pattern comes
+from config `layer_types` (or `full_attention_interval`, default 4: three GDN layers per attention layer).
+All RMSNorms except the GDN output norm are zero-centred (y = x / rms(x) * (1 + w)). Attention rotates only
+the first `partial_rotary_factor` (default 0.25) of each head and gates its output with sigmoid(gate) from
+q_proj.
+
+The `mtp.*` weights (native multi-token prediction head) are loaded into `self.mtp` (an `MTPModule`, or None
+when the checkpoint has none); their names are in `self.mtp_names`. See `turbospec.speculative.mtp.MTPModule` for the
+interface.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from turbospec import env
+from turbospec.errors import TurboSpecError
+from turbospec.kv.base import Cache
+from turbospec.kv.cache import KVCache
+from turbospec.kv.hybrid_cache import HybridCache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.layers import block
+from turbospec.layers.attention import MLP
+from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
+from turbospec.layers.linear import Linear
+from turbospec.layers.norm import rms_norm
+from turbospec.layers.rope import Rope
+from turbospec.model.config import ModelConfig
+from turbospec.model.decoder import load_attention, load_mlp
+from turbospec.model.loader import WeightSource
+from turbospec.model.mtp import MTPModule
+
+log = logging.getLogger("turbospec")
+
+
+class MoE:
+    """Qwen3-Next sparse MoE: softmax router, top-k (renormalised), plus a sigmoid-gated shared expert."""
+
+    def __init__(
+        self,
+        router: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        norm_topk: bool,
+        shared: MLP | None,
+        shared_gate: torch.Tensor | None,
+    ):
+        self.router, self.gate_up, self.down = router, gate_up, down  # [E, H], [E, 2I, H], [E, H, I]
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.shared, self.shared_gate = shared, shared_gate
+        self.inter = down.shape[2]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        top = top.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            rows, slot = torch.where(idx == e)
+            g, u = F.linear(x[rows], self.gate_up[e]).split([self.inter, self.inter], dim=-1)
+            y = F.linear(F.silu(g) * u, self.down[e]) * top[rows, slot, None]
+            out.index_add_(0, rows, y)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in (self.router, self.gate_up, self.down))
+        if self.shared is not None:
+            n += self.shared.gate_up.nbytes + self.shared.down.nbytes + self.shared_gate.numel() * 4
+        return n
+
+
+def load_moe(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MoE:
+    r, h = cfg.raw, cfg.hidden_size
+    e, inter = int(r["num_experts"]), int(r["moe_intermediate_size"])
+    router = ws.get(f"{p}.gate.weight", dtype, (e, h))
+    if ws.has(f"{p}.experts.gate_up_proj"):  # transformers-5 fused layout
+        gate_up = ws.get(f"{p}.experts.gate_up_proj", dtype, (e, 2 * inter, h))
+        down = ws.get(f"{p}.experts.down_proj", dtype, (e, h, inter))
+    else:  # per-expert tensors, as in the released checkpoints
+        gate_up = torch.stack(
+            [
+                torch.cat(
+                    [
+                        ws.get(f"{p}.experts.{i}.gate_proj.weight", dtype, (inter, h)),
+                        ws.get(f"{p}.experts.{i}.up_proj.weight", dtype, (inter, h)),
+                    ]
+                )
+                for i in range(e)
+            ]
+        )
+        down = torch.stack([ws.get(f"{p}.experts.{i}.down_proj.weight", dtype, (h, inter)) for i in range(e)])
+    shared = shared_gate = None
+    si = int(r.get("shared_expert_intermediate_size") or 0)
+    if si and ws.has(f"{p}.shared_expert.gate_proj.weight"):
+        scfg = ModelConfig(**{**cfg.__dict__, "intermediate_size": si, "mlp_bias": False})
+        shared = load_mlp(ws, f"{p}.shared_expert", scfg, dtype)
+        shared_gate = ws.get(f"{p}.shared_expert_gate.weight", dtype, (1, h))
+    return MoE(
+        router,
+        gate_up,
+        down,
+        int(r.get("num_experts_per_tok", 1)),
+        bool(r.get("norm_topk_prob", True)),
+        shared,
+        shared_gate,
+    )
+
+
+def load_gdn(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> GatedDeltaNet:
+    d = cfg.linear_dims()
+    nk, nv, dk, dv, kern = (
+        d["num_k_heads"],
+        d["num_v_heads"],
+        d["k_head_dim"],
+        d["v_head_dim"],
+        d["conv_kernel"],
+    )
+    h = cfg.hidden_size
+    key_dim, value_dim = nk * dk, nv * dv
+    conv_dim = 2 * key_dim + value_dim
+    if nv % nk:
+        raise TurboSpecError(
+            f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})"
+        )
+    if ws.has(f"{p}.in_proj_qkv.weight"):  # Qwen3.5: separate projections, head-major
+        rows = [
+            ws.get(f"{p}.in_proj_qkv.weight", dtype, (conv_dim, h)),
+            ws.get(f"{p}.in_proj_z.weight", dtype, (value_dim, h)),
+            ws.get(f"{p}.in_proj_b.weight", dtype, (nv, h)),
+            ws.get(f"{p}.in_proj_a.weight", dtype, (nv, h)),
+        ]
+    else:  # Qwen3-Next: per key-head groups [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]
+        r = nv // nk
+        qkvz = ws.get(f"{p}.in_proj_qkvz.weight", dtype, (2 * key_dim + 2 * value_dim, h))
+        ba = ws.get(f"{p}.in_proj_ba.weight", dtype, (2 * nv, h))
+        grp = qkvz.view(nk, 2 * dk + 2 * r * dv, h)
+        q, k, v, z = grp.split([dk, dk, r * dv, r * dv], dim=1)
+        b, a = ba.view(nk, 2 * r, h).split([r, r], dim=1)
+        rows = [
+            torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]),
+            z.reshape(-1, h),
+            b.reshape(-1, h),
+            a.reshape(-1, h),
+        ]
+    return GatedDeltaNet(
+        Linear.fused(rows, [None] * 4),
+        ws.get(f"{p}.conv1d.weight", dtype, (conv_dim, 1, kern)),
+        ws.get(f"{p}.A_log", torch.float32, (nv,)),
+        ws.get(f"{p}.dt_bias", torch.float32, (nv,)),
+        ws.get(f"{p}.norm.weight", dtype, (dv,)),
+        Linear(ws.get(f"{p}.out_proj.weight", dtype, (h, value_dim))),
+        nk,
+        nv,
+        dk,
+        dv,
+        cfg.rms_norm_eps,
+    )
+
+
+def _is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    r = cfg.raw
+    if cfg.arch != "qwen3_next" or int(r.get("num_experts") or 0) <= 0:
+        return False
+    return i not in (r.get("mlp_only_layers") or []) and (i + 1) % int(r.get("decoder_sparse_step", 1)) == 0
+
+
+class HybridLayer:
+    def __init__(
+        self, kind: str, slot: int, mixer, mlp, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float
+    ):
+        self.kind, self.slot = kind, slot  # slot: index among layers of the same kind (cache index)
+        self.mixer, self.mlp = mixer, mlp
+        self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
+
+    def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache, out_rows: int | None = None
+                 ) -> torch.Tensor:
+        if (out_rows is not None and out_rows < x.shape[0] and self.kind == "full_attention"
+                and x.shape[0] > env.SKINNY_MAX_ROWS and plan.mask is None and isinstance(cache.kv, KVCache)):
+            # prefill's last layer: only the last rows are wanted
+            h = self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, out_rows)
+            x = x[-out_rows:] + h
+            return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+        k = block.fusable(x, self.mlp, self.in_norm)
+        if k is not None and self.kind == "full_attention":  # decode / verification: fused C++ calls
+            return block.attention_layer(k, x, self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True,
+                                         rope, plan, cache.kv, self.slot)
+        if self.kind == "full_attention":
+            x = x + self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot)
+            return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+        conv, ssm = cache.gdn_state(self.slot)
+        gdn = self.mixer
+        if k is not None and cache.track_all_states and load_gdn_kernel() is not None:  # the layer in one call
+            par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
+            x, window, states = k.gdn_layer(
+                x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,
+                gdn.dt_bias, gdn.norm_weight, ssm, par, gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps, gdn.out.weight,
+                gdn.out.bias, self.post_norm, self.mlp.gate_up.weight, self.mlp.gate_up.bias, self.mlp.down.weight,
+                self.mlp.down.bias)
+            cache.gdn_stash(self.slot, window, states)
+            return x
+        if k is not None:
+            proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+            o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
+            cache.gdn_stash(self.slot, window, states)
+            return block.out_mlp(k, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
+        y, window, states = gdn(rms_norm(x, self.in_norm, self.eps, True), conv, ssm, cache.track_all_states,
+                                cache.tree_parents)
+        cache.gdn_stash(self.slot, window, states)
+        x = x + y
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+
+
+class HybridModel:
+    """forward(tokens, plan, cache) -> final-normed hidden states; logits(hidden) -> float32 logits.
+
+    `new_cache(max_len)` returns a `HybridCache`; chain verification with rollback works through
+    `cache.commit(keep=list(range(j)))`; tree plans are rejected.
+    """
+
+    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype):
+        self.cfg, self.dtype = cfg, dtype
+        h = cfg.hidden_size
+        if ws.has("model.language_model.embed_tokens.weight"):
+            prefix = "model.language_model"
+            skipped = [n for n in ws.names() if n.startswith(("model.visual.", "visual."))]
+            if skipped:
+                log.warning("qwen3_5: ignoring %d vision tensors (model.visual.*); text only", len(skipped))
+        else:
+            prefix = "model"
+        self.prefix = prefix
+        self.layer_types = cfg.layer_types()
+        self.embed = ws.get(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        self.layers: list[HybridLayer] = []
+        n_attn = n_gdn = 0
+        for i, kind in enumerate(self.layer_types):
+            p = f"{prefix}.layers.{i}"
+            if kind == "full_attention":
+                mixer = load_attention(ws, f"{p}.self_attn", cfg, dtype, gated=True, zero_centred=True)
+                slot, n_attn = n_attn, n_attn + 1
+            else:
+                mixer = load_gdn(ws, f"{p}.linear_attn", cfg, dtype)
+                slot, n_gdn = n_gdn, n_gdn + 1
+            mlp = (
+                load_moe(ws, f"{p}.mlp", cfg, dtype)
+                if _is_moe_layer(cfg, i)
+                else load_mlp(ws, f"{p}.mlp", cfg, dtype)
+            )
+            self.layers.append(
+                HybridLayer(
+                    kind,
+                    slot,
+                    mixer,
+                    mlp,
+                    ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
+                    ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)),
+                    cfg.rms_norm_eps,
+                )
+            )
+        self.num_attn_layers, self.num_gdn_layers = n_attn, n_gdn
+        self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
+        if ws.has("lm_head.weight"):
+            self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
+        elif cfg.tie_word_embeddings:
+            self.lm_head = Linear(self.embed)
+            self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
+        else:
+            raise TurboSpecError(f"missing tensor 'lm_head.weight' in {ws.dir}")
+        self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
+        self.mtp_names = [n for n in ws.names() if n.startswith("mtp.")]
+        self.mtp: MTPModule | None = None
+        if self.mtp_names:
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
+        gdn = next((layer.mixer for layer in self.layers if layer.kind == "linear_attention"), None)
+        d = cfg.linear_dims()
+        self._conv_shape = gdn.conv_state_shape if gdn else (d["conv_kernel"] - 1, 1)
+        self._ssm_shape = gdn.ssm_state_shape if gdn else (1, 1, 1)
+
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
+                  rollback_limit: int = 16) -> HybridCache:
+        """KV formats (-ctk/-ctv) apply to the attention layers only; recurrent states stay float32."""
+        c = self.cfg
+        kv = make_kv_cache(self.num_attn_layers, c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type)
+        return HybridCache(self.num_attn_layers, c.num_kv_heads, c.head_dim, self.num_gdn_layers, self._conv_shape,
+                           self._ssm_shape, max_len, self.dtype, rollback_limit=rollback_limit, kv=kv)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: Cache, out_rows: int | None = None
+                ) -> torch.Tensor:
+        """Final-normed hidden rows [N, H] (the last `out_rows` of them, as DenseModel.forward)."""
+        if not isinstance(cache, HybridCache):
+            raise TurboSpecError("hybrid models need the cache from HybridModel.new_cache()")
+        if plan.mask is not None and plan.parents is None:
+            raise TurboSpecError("hybrid models need tree steps as AttentionPlan.tree(...) (with parents)")
+        cache.begin(tokens.numel())
+        cache.set_tree(plan.parents)
+        x = F.embedding(tokens, self.embed)
+        rope = self.rope.tables_for(plan)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, plan, cache, out_rows if i == last else None)
+        if out_rows:
+            x = x[-out_rows:]  # a last Gated DeltaNet layer computes every row
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, True)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def weight_bytes(self) -> int:
+        n = self.embed.numel() * self.embed.element_size()
+        for layer in self.layers:
+            m = layer.mixer
+            n += m.nbytes if isinstance(m, GatedDeltaNet) else m.qkv.nbytes + m.o.nbytes
+            n += (
+                layer.mlp.nbytes
+                if isinstance(layer.mlp, MoE)
+                else layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+            )
+        if self.lm_head.weight is not self.embed:
+            n += self.lm_head.nbytes
+        return n

@@ -1,0 +1,86 @@
+"""Read Hugging Face checkpoint directories: config.json + (sharded) safetensors, tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from turbospec.errors import TurboSpecError
+from turbospec.model.config import ModelConfig
+
+
+class WeightSource:
+    """Lazily reads named tensors from the safetensors files of a checkpoint (one open handle per file).
+
+    Tensors are read one at a time and converted to the target dtype, so at most one extra tensor is alive
+    while a model is built.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.index: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        index_file = self.dir / "model.safetensors.index.json"
+        if index_file.exists():
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise TurboSpecError(f"{index_file}: invalid safetensors index ({e})") from None
+            for name, fname in weight_map.items():
+                self.index[name] = self.dir / fname
+            files = sorted(set(self.index.values()))
+            for f in files:
+                if not f.exists():
+                    raise TurboSpecError(f"missing shard {f.name} listed in {index_file.name}")
+                self._open(f)
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise TurboSpecError(f"no *.safetensors files in {self.dir}")
+            for f in files:
+                for name in self._open(f).keys():  # noqa: SIM118 -- safe_open is not iterable
+                    self.index[name] = f
+
+    def _open(self, f: Path):
+        if f not in self._handles:
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 -- safetensors raises its own types for corrupt headers
+                raise TurboSpecError(f"{f.name}: corrupt or truncated safetensors file ({_one_line(e)})") from None
+        return self._handles[f]
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if name not in self.index:
+            raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
+        f = self.index[name]
+        try:
+            t = self._open(f).get_tensor(name)
+        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
+            raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies {shape}")
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    p = Path(path)
+    if not p.exists():
+        raise TurboSpecError(f"model path {p} does not exist")
+    if p.is_file():
+        raise TurboSpecError(f"{p} is a file; pass a checkpoint directory (config.json + *.safetensors)")
+    return ModelConfig.from_file(p / "config.json")

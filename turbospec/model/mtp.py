@@ -1,0 +1,114 @@
+"""The native multi-token-prediction block (Qwen3.5 / Qwen3-Next `mtp.*` weights): loading and forward.
+
+The MTP element at position j combines the target's final-normed hidden h_j with the embedding of token x_{j+1}
+and predicts x_{j+2}: u = fc([norm_e(embed(x_{j+1})), norm_h(h_j)]) -> one decoder layer (own KV cache, rotary
+position j) -> norm -> shared lm_head. `turbospec.speculative.mtp` drafts with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.errors import TurboSpecError
+from turbospec.kv.base import Cache
+from turbospec.kv.cache import KVCache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.layers import block
+from turbospec.layers.linear import Linear, exact_bf16
+from turbospec.layers.norm import rms_norm
+from turbospec.layers.rope import Rope
+from turbospec.model.config import HYBRID_ARCHS, ModelConfig
+from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
+from turbospec.model.loader import WeightSource
+
+
+class MTPModule:
+    """The weights and forward of the MTP block; logits come from the target's lm_head."""
+
+    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype, embed: torch.Tensor,
+                 lm_head: Linear, prefix: str = "mtp"):
+        h = cfg.hidden_size
+        hybrid = cfg.arch in HYBRID_ARCHS
+        self.cfg, self.dtype, self.zc = cfg, dtype, hybrid
+        self.embed, self.lm_head = embed, lm_head
+        self.fc = Linear(ws.get(f"{prefix}.fc.weight", dtype, (h, 2 * h)))
+        self.norm_e = ws.get(f"{prefix}.pre_fc_norm_embedding.weight", dtype, (h,))
+        self.norm_h = ws.get(f"{prefix}.pre_fc_norm_hidden.weight", dtype, (h,))
+        self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
+        n = 0
+        while ws.has(f"{prefix}.layers.{n}.input_layernorm.weight"):
+            n += 1
+        if n == 0:
+            raise TurboSpecError(f"{prefix}.* weights present but no {prefix}.layers.N found")
+        self.layers = []
+        for i in range(n):
+            p = f"{prefix}.layers.{i}"
+            layer = DecoderLayer(
+                load_attention(ws, f"{p}.self_attn", cfg, dtype, gated=hybrid, zero_centred=hybrid),
+                load_mlp(ws, f"{p}.mlp", cfg, dtype),
+                ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
+                ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps, hybrid,
+            )
+            self.layers.append(layer)
+        self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
+        self._draft_head: Linear | None = None
+        self._compacted = False
+
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:
+        """The MTP layers' own KV cache (formats as the target's `new_cache`)."""
+        c = self.cfg
+        return make_kv_cache(len(self.layers), c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, plan: AttentionPlan, cache: KVCache,
+                step: int = 0) -> torch.Tensor:
+        """tokens x_{j+1} [N] (a tensor or a list of ids), hidden h_j [N, H], plan positions j -> normed MTP
+        hidden [N, H]."""
+        eps = self.cfg.rms_norm_eps
+        if isinstance(tokens, list):  # drafting: a row view for one token (tensor creation + gather cost ~20 us)
+            e = self.embed[tokens[0]:tokens[0] + 1] if len(tokens) == 1 else self.embed[torch.tensor(tokens)]
+        else:
+            e = F.embedding(tokens, self.embed)
+        cache.begin(e.shape[0])
+        h = hidden.to(self.dtype)
+        k = block.kernel_for(e, self.norm_e)
+        if k is not None:  # drafting / catching up: one C++ call
+            u = k.mtp_in(e, self.norm_e, h, self.norm_h, eps, self.zc, self.fc.weight, self.fc.bias)
+        else:
+            u = self.fc(torch.cat([rms_norm(e, self.norm_e, eps, self.zc), rms_norm(h, self.norm_h, eps, self.zc)], -1))
+        li = step % len(self.layers)
+        x = self.layers[li](u, self.rope.tables_for(plan), plan, cache, li)
+        return rms_norm(x, self.norm, eps, self.zc)
+
+    def compact_weights(self) -> None:
+        """Store the MTP's own matrices in bf16 where that is exact (see `exact_bf16`); once."""
+        if self._compacted:
+            return
+        self._compacted = True
+        self.fc = exact_bf16(self.fc)
+        for layer in self.layers:
+            layer.attn.qkv, layer.attn.o = exact_bf16(layer.attn.qkv), exact_bf16(layer.attn.o)
+            layer.mlp.gate_up, layer.mlp.down = exact_bf16(layer.mlp.gate_up), exact_bf16(layer.mlp.down)
+
+    def draft_head(self) -> Linear:
+        """The lm_head for drafting, in bf16 where that is exact; built once and shared by every drafter of this
+        module (the target's lm_head itself is untouched)."""
+        if self._draft_head is None:
+            self._draft_head = exact_bf16(self.lm_head)
+        return self._draft_head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def nbytes(self) -> int:
+        n = self.fc.nbytes + 3 * self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+        return n

@@ -1,0 +1,26 @@
+"""OpenAI-compatible HTTP server: `turbospec serve -m MODEL`.
+
+Endpoints: /v1/completions, /v1/chat/completions (stream and non-stream), /v1/models, /health, /metrics.
+
+Concurrency model: the engine decodes one sequence at a time, so generation runs in a single worker thread
+fed by a bounded FIFO queue. Requests wait their turn (this is a queue, not batched decoding of concurrent
+sequences); when more than ``max_queue`` requests are waiting, new ones get 503. A client that disconnects
+stops its generation between tokens, and the worker moves on to the next request.
+
+Modules: `protocol` (the OpenAI wire format), `worker` (the generation thread), `metrics` (Prometheus), `app`
+(FastAPI). `create_app` and `ServerConfig` load FastAPI when first asked for, so importing this package (as
+the command line does for its flags) stays cheap.
+"""
+
+from turbospec.server.protocol import DEFAULT_MAX_BODY, APIError
+from turbospec.server.worker import Job, Worker
+
+__all__ = ["DEFAULT_MAX_BODY", "APIError", "Job", "ServerConfig", "Worker", "create_app"]
+
+
+def __getattr__(name: str):
+    if name in ("ServerConfig", "create_app"):
+        from turbospec.server import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

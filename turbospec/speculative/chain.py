@@ -1,0 +1,38 @@
+"""Chains of drafters: the first one with a non-empty draft wins; all of them see every accept()."""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.tree import DraftTree
+
+
+class ChainDrafter(Drafter):
+    name = "chain"
+
+    def __init__(self, drafters: list[Drafter]):
+        self.drafters = drafters
+        self.needs_hidden = any(d.needs_hidden for d in drafters)
+
+    def prompt_rows(self, n: int) -> int | None:
+        """The most trailing prompt rows any member reads (None: all)."""
+        rows = [d.prompt_rows(n) for d in self.drafters if d.needs_hidden]
+        return None if any(r is None for r in rows) else max((r for r in rows if r is not None), default=1)
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        for d in self.drafters:
+            d.begin(tokens, hidden)
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        best = DraftTree()
+        for d in self.drafters:
+            if len(best):
+                d.sync(tokens)  # keep its state current without drafting
+                continue
+            best = d.propose(tokens, n_max)
+        return best
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        for d in self.drafters:
+            d.accept(committed, hidden, next_token)

@@ -1,0 +1,75 @@
+"""A separate, smaller draft model with the same tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.kv.plan import AttentionPlan
+from turbospec.model.base import Model
+from turbospec.sampling import argmax
+from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.tree import DraftTree
+
+
+class DraftModelDrafter(Drafter):
+    """Greedy chain drafts from a draft model; its cache mirrors the target's committed tokens."""
+
+    name = "draft"
+    needs_hidden = False
+
+    def __init__(self, model: Model, max_len: int, p_min: float = 0.0, k_type: str | None = None,
+                 v_type: str | None = None):
+        self.model = model
+        self.cache = model.new_cache(max_len, k_type=k_type, v_type=v_type)
+        self.p_min = p_min
+        self.tokens: list[int] = []  # tokens whose KV is in the draft cache
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        self.cache.reset()
+        self.tokens = []
+        self._feed(tokens[:-1])
+
+    def _feed(self, toks: list[int]) -> torch.Tensor | None:
+        h = None
+        for s in range(0, len(toks), 512):
+            chunk = torch.tensor(toks[s:s + 512], dtype=torch.int64)
+            h = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache)
+            self.cache.commit()
+        self.tokens += toks
+        return h
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        # bring the cache up to date: common prefix with what it holds, then the new tokens (incl. the root)
+        n = 0
+        while n < len(self.tokens) and n < len(tokens) and self.tokens[n] == tokens[n]:
+            n += 1
+        if n < self.cache.length:
+            if self.cache.prefix_reusable:
+                self.cache.truncate(n)
+            else:
+                self.cache.reset()
+                n = 0
+        self.tokens = self.tokens[:n]
+        h = self._feed(tokens[n:])
+        committed = self.cache.length
+        out: list[int] = []
+        for i in range(n_max):
+            logits = self.model.logits(h[-1:])[0]
+            tok = argmax(logits)
+            if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
+                break
+            out.append(tok)
+            if i + 1 == n_max:
+                break
+            if self.cache.prefix_reusable:  # one row per draft, cut back afterwards
+                h = self.model.forward(torch.tensor([tok]), AttentionPlan.causal(self.cache.length, 1), self.cache)
+                self.cache.commit()
+            else:  # recurrent state: the drafts so far as one scratch step, dropped (a hybrid keeps no prefix)
+                h = self.model.forward(torch.tensor(out), AttentionPlan.causal(committed, len(out)), self.cache)
+                self.cache.commit([])
+        if self.cache.prefix_reusable:
+            self.cache.truncate(committed)
+        return DraftTree.chain(out, source=self.name)
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        pass

@@ -1,0 +1,45 @@
+"""The drafter interface: what every drafter (MTP, Medusa, n-gram, draft model, chains) provides to the engine."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from turbospec.speculative.tree import DraftTree
+
+
+class Drafter(Protocol):
+    """Proposes candidate tokens as a `DraftTree`; is told what the target accepted.
+
+    Drafters subclass this protocol, which gives them the defaults below for the optional parts.
+
+    name: the label in statistics (`by_source`).
+    needs_hidden: begin() and accept() receive the target's final hidden rows (MTP, Medusa); otherwise None.
+    """
+
+    name: str
+    needs_hidden: bool
+
+    def prompt_rows(self, n: int) -> int | None:
+        """How many trailing rows of an n-token prompt begin() reads (None: all of them), so that the target
+        computes no others in its last layer. Only asked when `needs_hidden`."""
+        return None
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """After prefill, with the prompt tokens and the target's hidden rows for them (or None)."""
+        return None
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        """A draft of at most n_max tokens deep, given every token so far (the last one is emitted but not yet
+        in the target's cache)."""
+        ...
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        """After verification, with the tokens committed this step (the root token plus accepted drafts) and the
+        target's hidden rows for them; `next_token` (the bonus) is not yet committed."""
+        return None
+
+    def sync(self, tokens: list[int]) -> None:
+        """Keep internal state current on a step where another drafter of a chain drafted (default: nothing)."""
+        return None

@@ -1,0 +1,166 @@
+"""MTP drafting: chains (or top-k trees) from recursing the model's own multi-token-prediction block."""
+
+from __future__ import annotations
+
+import torch
+
+from turbospec.kv.base import Cache
+from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.linear import Linear
+from turbospec.model.mtp import MTPModule
+from turbospec.sampling import argmax
+from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.tree import DraftTree
+
+
+class MTPDrafter(Drafter):
+    """Drafts a chain of up to n_max tokens by recursing the MTP block.
+
+    The MTP cache holds one entry per target position j < L (pairs (h_j, x_{j+1})); drafted entries are scratch
+    and dropped after each step. `prompt_window` limits how many prompt positions are fed to the MTP at begin()
+    (0 = all) so prompt processing is not slowed down by drafting.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
+                 k_type: str | None = None, v_type: str | None = None,
+                 draft_vocab: int = 0, topk: int = 1, ranked_vocab: list[int] | None = None):
+        self.mtp = mtp
+        # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
+        # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
+        self.topk = max(1, topk)
+        # Reduced-vocabulary drafting (as FR-Spec): score only `draft_vocab` tokens -- the most frequent ones of the
+        # training text when the model ships a ranking (draft_vocab.json, `ranked_vocab`), else the lowest ids
+        # (byte-level BPE assigns ids in merge order, a rough frequency order); verification stays exact.
+        # The draft head and the MTP's own matrices are read in bf16 where that is exact (a bf16 checkpoint run in
+        # float32): bit-identical drafts from half the bytes.
+        self.full_head = mtp.draft_head()
+        vocab = self.full_head.out_features
+        # reduced vocabulary: the base set, plus every token of the request's context as it arrives (a document's
+        # own identifiers are rare in the training text but copied often); rows gathered from the bf16 head
+        self.reduced = 0 < draft_vocab < vocab
+        self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
+        self._ids: set[int] = set()
+        self.head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
+        self._reduced_head: Linear | None = None
+        mtp.compact_weights()
+        self.cache = mtp.new_cache(max_len, k_type=k_type, v_type=v_type)
+        self.p_min = p_min
+        self.prompt_window = prompt_window
+        self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
+        self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
+        self.offset = 0  # target position of MTP cache entry 0
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
+        return (self._reduced_head or self.full_head)(h)
+
+    def _add_vocab(self, tokens: list[int]) -> None:
+        """Grow the reduced vocabulary by the tokens not yet in it (rebuilds the gathered head rows)."""
+        if not self.reduced:
+            return
+        new = set(tokens) - self._ids
+        if not new and self._reduced_head is not None:
+            return
+        self._ids |= new | self._base
+        self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
+        rows = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
+        self._reduced_head = Linear(rows, hugepages=False)  # rebuilt as tokens arrive: ordinary memory
+
+    def window(self, n: int) -> int:
+        """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a
+        quarter of the prompt between 64 and 256 -- the MTP pass and the target rows it reads then cost <= ~6% of
+        prefill (at 512 tokens a 256-position window cost 13%, docs/speculative.md)."""
+        if self.prompt_window >= 0:
+            return self.prompt_window
+        return min(256, max(64, n // 4))
+
+    def prompt_rows(self, n: int) -> int | None:
+        """Trailing prompt rows `begin` reads: the prompt window's pairs plus the last row (None: all)."""
+        w = self.window(n)
+        return w + 1 if w > 0 else None
+
+    def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
+        """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
+        assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
+        self._ids = set()
+        self._reduced_head = None
+        self._add_vocab(tokens)
+        self.cache.reset()
+        n = len(tokens)
+        # hidden may cover only the last rows (the engine reused a cached prompt prefix)
+        start = n - hidden.shape[0]
+        w = self.window(n)
+        if w > 0:
+            start = max(start, n - 1 - w)
+        hidden = torch.cat([hidden.new_zeros(n - hidden.shape[0], hidden.shape[1]), hidden])
+        # MTP cache entry i holds target position i + offset: skipped prompt positions take no cache room and
+        # need no mask (RoPE gets the true positions from the plan)
+        self.offset = start
+        chunk = 512
+        for s in range(start, n - 1, chunk):
+            e = min(s + chunk, n - 1)
+            toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64)
+            self.mtp.forward(toks, hidden[s:e], _plan(self.cache, s, e - s), self.cache)
+            self.cache.commit()
+        self.pending_tokens = []
+        self.pending_hidden = [hidden[n - 1:n]]
+
+    def _flush_and_first(self, root: int) -> torch.Tensor:
+        """Process all pending true pairs plus (h_{L-1}, root); return the last MTP output row."""
+        toks = self.pending_tokens + [root]
+        hid = torch.cat(self.pending_hidden, 0)
+        assert hid.shape[0] == len(toks)
+        plan = _plan(self.cache, self.next_pos, len(toks))
+        out = self.mtp.forward(toks, hid, plan, self.cache)
+        # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
+        self.cache.commit()
+        self.pending_tokens, self.pending_hidden = [], []
+        return out[-1:]
+
+    @property
+    def next_pos(self) -> int:
+        """Target position of the next pair fed to the MTP."""
+        return self.cache.length + self.offset
+
+    def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        h = self._flush_and_first(tokens[-1])
+        committed = self.cache.length
+        nodes: list[int] = []
+        parents: list[int] = []
+        spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
+        for i in range(n_max):
+            logits = self.head(h).float()[0]
+            rows = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
+            top = rows if self.head_ids is None else [self.head_ids[r] for r in rows]  # head rows -> token ids
+            tok = top[0]
+            if self.p_min > 0 and float(torch.softmax(logits, -1)[rows[0]]) < self.p_min:
+                break
+            nodes += top
+            parents += [spine] * len(top)
+            spine = len(nodes) - len(top)
+            if i + 1 == n_max:
+                break
+            plan = _plan(self.cache, self.next_pos, 1)
+            h = self.mtp.forward([tok], h, plan, self.cache, step=i + 1)
+            self.cache.commit()
+        self.cache.length = committed  # drop speculative MTP entries
+        return DraftTree(nodes, parents, [None] * len(nodes), self.name)
+
+    def sync(self, tokens: list[int]) -> None:
+        """Process the pending true pairs without drafting (another drafter of a chain won this step)."""
+        self._flush_and_first(tokens[-1])
+
+    def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}
+        assert hidden is not None and hidden.shape[0] == len(committed)
+        self._add_vocab(committed + [next_token])
+        self.pending_tokens = list(committed[1:])
+        self.pending_hidden = [hidden]
+
+
+def _plan(cache: Cache, pos: int, n: int) -> AttentionPlan:
+    """Causal step over the MTP cache's entries, with RoPE at the true target positions [pos, pos + n)."""
+    return AttentionPlan.causal(cache.length, n, first=pos)
