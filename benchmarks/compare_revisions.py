@@ -57,6 +57,14 @@ def run_once(checkout: Path, ext_dir: Path, model: str, flags: list[str], prompt
             "mean_acceptance_length": spec.get("mean_acceptance_length")}
 
 
+def revision(checkout: Path) -> str:
+    """The checkout's git commit (with "+changes" when its work tree differs from it), not its path."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return (head or "unknown") + ("+changes" if dirty.stdout.strip() else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="the earlier checkout (repository root)")
@@ -65,6 +73,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", nargs="*", default=None, help="only these configurations (names as printed)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     a = ap.parse_args()
     sides = {"before": Path(a.before).resolve(), "after": Path(a.after).resolve()}
@@ -73,6 +82,11 @@ def main() -> None:
     if a.demo_model:
         long_prompt = " ".join(f"w{i}" for i in range(400))  # several hundred tokens for the demo tokenizer
         configs[ENGINE_SHAPE] = (str(Path(a.demo_model).resolve()), ["--dtype", "bfloat16"], long_prompt)
+    if a.configs:
+        unknown = set(a.configs) - set(configs)
+        if unknown:
+            raise SystemExit(f"unknown configurations {sorted(unknown)} (choose from {sorted(configs)})")
+        configs = {n: configs[n] for n in a.configs}
     runs: dict[str, dict[str, list[dict]]] = {c: {k: [] for k in sides} for c in configs}
     for side, path in sides.items():  # warm-up: kernel builds, page cache
         run_once(path, ext[side], *CONFIGS["tiny code plain"][:2], CODE, 8, a.threads)
@@ -82,8 +96,8 @@ def main() -> None:
             for side in order:
                 runs[name][side].append(run_once(sides[side], ext[side], model, flags, prompt, a.gen, a.threads))
         print(f"rep {rep + 1}/{a.reps} done", file=sys.stderr)
-    report = {"before": str(sides["before"]), "after": str(sides["after"]), "reps": a.reps, "gen": a.gen,
-              "threads": a.threads, "configs": {}}
+    report = {**{s: revision(p) for s, p in sides.items()}, "reps": a.reps, "gen": a.gen, "threads": a.threads,
+              "configs": {}}
     print("| config | greedy text identical | decode t/s before | decode t/s after | after/before (paired) "
           "| prefill before | prefill after | spec speed-up before | spec speed-up after |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -96,7 +110,7 @@ def main() -> None:
                "decode_tps_all": {s: [r["decode_tps"] for r in by[s]] for s in sides},
                "mean_acceptance_length": {s: by[s][0]["mean_acceptance_length"] for s in sides}}
         plain = name.replace("draft-mtp", "plain") if "draft-mtp" in name and " KV" not in name else None
-        if plain in runs:
+        if plain is not None and plain in runs:
             row["spec_speedup"] = {s: statistics.median(x["decode_tps"] / y["decode_tps"]
                                                         for x, y in zip(by[s], runs[plain][s])) for s in sides}
         report["configs"][name] = row

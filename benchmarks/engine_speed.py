@@ -28,6 +28,7 @@ import torch
 
 from turbospec.config import EngineConfig
 from turbospec.demo import make_demo_model
+from turbospec.dtypes import parse_dtype
 from turbospec.engine import Engine
 from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
@@ -61,7 +62,7 @@ class TransformersRunner:
     def __init__(self, path: Path, dtype: str, ids: list[int]):
         from transformers import AutoModelForCausalLM
 
-        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        dt = parse_dtype(dtype)
         self.m = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
         self.x = torch.tensor([ids])
 

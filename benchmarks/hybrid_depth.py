@@ -29,6 +29,8 @@ import torch
 from safetensors.torch import save_file
 
 from turbospec.demo import qwen3_config, random_qwen3_weights
+from turbospec.dtypes import parse_dtype
+from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model import load_model
 
@@ -93,7 +95,7 @@ def write(path: Path, cfg: dict, tensors: dict) -> Path:
 
 
 def fill_to_depth(cache, depth: int, gen: torch.Generator) -> None:
-    kv = getattr(cache, "kv", cache)  # HybridCache wraps a KVCache for its attention layers
+    kv = cache.kv if isinstance(cache, HybridCache) else cache  # a hybrid's attention layers have their own KV
     kv.k[:, :, :depth] = torch.randn(kv.k[:, :, :depth].shape, generator=gen).to(kv.k.dtype)
     kv.v[:, :, :depth] = torch.randn(kv.v[:, :, :depth].shape, generator=gen).to(kv.v.dtype)
     kv.length = depth
@@ -132,7 +134,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+    dt = parse_dtype(a.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dense_cfg = qwen3_config()
@@ -150,8 +152,9 @@ def main() -> None:
         for name, m in models.items():
             times, cache = decode_times(m, depth, a.steps, a.warmup)
             med = statistics.median(times)
-            kv_bytes = getattr(cache, "attention_kv_bytes", cache.nbytes)
-            rec = getattr(cache, "recurrent_state_bytes", 0)
+            hybrid = isinstance(cache, HybridCache)
+            kv_bytes = cache.attention_kv_bytes if hybrid else cache.nbytes
+            rec = cache.recurrent_state_bytes if hybrid else 0
             per_tok = cache.bytes_per_token()
             row = {"model": name, "depth": depth, "tps_median": 1 / med, "ms_median": med * 1e3,
                    "ms_all": [x * 1e3 for x in times], "attention_kv_bytes_at_depth": per_tok * depth,

@@ -273,3 +273,10 @@ def test_exact_bf16_weights_are_bit_identical_or_left_alone():
         assert torch.equal(small(x), lin(x))
     rough = Linear(torch.randn(40, 24, generator=g))  # not bf16-representable: untouched
     assert exact_bf16(rough) is rough
+
+
+def test_every_spec_type_has_a_registered_drafter():
+    from turbospec.config import SPEC_TYPES
+    from turbospec.speculative import DRAFTERS
+
+    assert set(SPEC_TYPES) == set(DRAFTERS)

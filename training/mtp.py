@@ -6,7 +6,7 @@ emit two steps after j, which is what speculative verification accepts -- by KL 
 or cross-entropy on the base's greedy tokens (--loss ce). Only `mtp.*` trains; the base and the shared lm_head
 stay as they are. The `mtp.*` tensors of the checkpoint's model.safetensors are replaced in place (in the
 checkpoint's dtype) at every save; mtp_train_state.pt (float32 MTP weights + optimizer + step) lets --resume
-continue. Needs transformers (the training extra).
+continue. Needs transformers (installed by the `test` extra).
 
     python -m training.heads --kind mtp --text corpus.jsonl --steps 300 --minutes 15
 """

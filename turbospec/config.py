@@ -1,8 +1,9 @@
 """The engine's configuration: one frozen object, validated in one place.
 
 `EngineConfig` says which checkpoint to load and how to run it (dtype, threads, context, batch sizes, KV
-formats); its nested `SpecConfig` says how to speculate. The command line, the server, the lab and the
-benchmarks all build these and hand them to `turbospec.build_engine`; none of them re-derives a setting.
+formats); its nested `SpecConfig` says how to speculate. The command line and the server build these and hand
+them to `turbospec.build_engine`; the lab and the benchmarks take them too (with an already loaded model where
+they compare several engines on one); none of them re-derives a setting.
 Names of KV formats and dtypes are normalised here (float16 -> f16), so every later reader sees one spelling.
 """
 
@@ -166,7 +167,7 @@ class EngineConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """Plain values, for reports and the server's /props."""
+        """Plain values, for reports."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}
         out["spec"] = {f.name: getattr(self.spec, f.name) for f in fields(self.spec)}
         out["spec"]["types"] = list(self.spec.types)

@@ -15,6 +15,9 @@ Switches change which code path runs (for benchmarks and debugging), never resul
 | TURBOSPEC_SKINNY_MAX_ROWS | most rows the skinny GEMM takes per call, default 16 (read at import) |
 | TURBOSPEC_PREFILL | `upcast` (default): bf16/f16 prefill GEMMs in float32; `native`: in the weight dtype (read at import) |
 
+The test suite reads two more, in tests/ only: TURBOSPEC_TEST_THREADS (torch threads, default 2) and
+TURBOSPEC_HYPOTHESIS_EXAMPLES (property-test examples for the KV codecs, default 0: the fixed cases only).
+
 Switches marked "read at import" are checked per layer per token and are read once; the others are read when
 the code path is chosen, so a test or benchmark may set them at run time.
 """

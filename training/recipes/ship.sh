@@ -1,7 +1,7 @@
 #!/bin/bash
 # usage: ship.sh RUN -- ship runs/RUN/final (after finalize.sh RUN) as the default models/turbospec-tiny:
 # copies the weights, tokenizer and training summary, its held-out evaluation as eval.json, and rebuilds the MTP
-# draft vocabulary; then write the card with training/scripts/write_card.py (see docs/bundled-model.md)
+# draft vocabulary; then write the card with python -m training.scripts.write_card (see docs/bundled-model.md)
 set -ex
 run=runs/${1:?usage: ship.sh RUN}
 cd "$(dirname "$0")/../.."  # the repository root

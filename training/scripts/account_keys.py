@@ -2,8 +2,8 @@
 restating the account number from the question, and copying the balance from the document (each teacher-forced,
 one forward pass per case).  Session 10 used it to compare dense6 and dense8 (docs/bundled-model.md).
 
-    python training/scripts/account_keys.py models/turbospec-tiny runs/dense8/final
-    python training/scripts/account_keys.py --eval runs/dense9/final_eval.json   # its generated account misses
+    python -m training.scripts.account_keys models/turbospec-tiny runs/dense8/final
+    python -m training.scripts.account_keys --eval runs/dense9/final_eval.json   # its generated account misses
 
 With ``--eval`` it lists, from an evaluation's generated answers, each account miss whose restated number is
 wrong: the number asked for, the number written, and whether that number is in any row of the document.

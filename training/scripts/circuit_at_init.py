@@ -1,9 +1,9 @@
 """Compare planted induction circuits at initialisation (nothing trained): the table in docs/bundled-model.md,
 "Session 8" and "Session 9".
 
-    python training/scripts/circuit_at_init.py            # ~4 min on 2 cores
-    python training/scripts/circuit_at_init.py --bf16     # the same under CPU bfloat16 autocast (session 11)
-    python training/scripts/circuit_at_init.py --bf16 --circuits digits   # session 12: one token per digit
+    python -m training.scripts.circuit_at_init            # ~4 min on 2 cores
+    python -m training.scripts.circuit_at_init --bf16     # the same under CPU bfloat16 autocast (session 11)
+    python -m training.scripts.circuit_at_init --bf16 --circuits digits   # session 12: one token per digit
 
 The session-8/9 table (``--circuits all``) tokenizes the shipped cases with the merged-digit tokenizer that
 models/turbospec-tiny had until session 11 (the hybrid's, models/turbospec-tiny-hybrid); ``--circuits digits``

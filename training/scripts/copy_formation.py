@@ -1,6 +1,6 @@
 """How many steps until a freshly initialised model learns to copy (induction), on random-symbol sequences.
 
-    python training/scripts/copy_formation.py --arch qwen3_5_text --layers 8 --hidden 256 --symbols 64 \\
+    python -m training.scripts.copy_formation --arch qwen3_5_text --layers 8 --hidden 256 --symbols 64 \\
         --batch 16 --half 32 --steps 900
 
 Each sequence is `half` random symbols followed by the same symbols again; the second half is predictable only

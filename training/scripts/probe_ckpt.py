@@ -1,6 +1,6 @@
 """Probe a training checkpoint while the run goes on: in-context copying and a few retrieval cases.
 
-    python training/scripts/probe_ckpt.py runs/dense1 --lengths 1024 --limit 10 --threads 1
+    python -m training.scripts.probe_ckpt runs/dense1 --lengths 1024 --limit 10 --threads 1
 
 Loads <run>/ckpt.pt (model only) and prints the copy probe (top-1 on a held-out code window and on its
 repetition) and retrieval accuracy on the first --limit shipped cases per length.  Use one thread beside a

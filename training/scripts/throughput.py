@@ -1,6 +1,6 @@
 """Measure CPU training throughput (forward+backward+AdamW step) of candidate configs.
 
-    python training/scripts/throughput.py --arch qwen3 qwen3_5_text --seq 2048 --steps 3
+    python -m training.scripts.throughput --arch qwen3 qwen3_5_text --seq 2048 --steps 3
 """
 
 import argparse

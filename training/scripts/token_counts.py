@@ -1,6 +1,6 @@
 """Token counts of the shipped held-out texts under two tokenizers (docs/bundled-model.md, "Session 12").
 
-    python training/scripts/token_counts.py models/turbospec-tiny models/turbospec-tiny-hybrid   # ~5 s
+    python -m training.scripts.token_counts models/turbospec-tiny models/turbospec-tiny-hybrid   # ~5 s
 
 Per kind (code, prose, retrieval prompts): total tokens with each tokenizer and their ratio; per retrieval length:
 mean and max prompt tokens with the first tokenizer (the cases were cut to length with the merged-digit one).

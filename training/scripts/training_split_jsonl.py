@@ -1,7 +1,7 @@
 """Write a sample of the bundled model's *training* split (code + prose, never the held-out files) as jsonl, for
 `python -m training.heads --text` (the MTP self-distillation stage of models/turbospec-tiny used the defaults).
 
-    python training/scripts/training_split_jsonl.py --out runs/mtp_distill/train.jsonl
+    python -m training.scripts.training_split_jsonl --out runs/mtp_distill/train.jsonl
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Write the model card (models/turbospec-tiny/README.md) from the training summary and eval results.
 
-    python training/scripts/write_card.py --model models/turbospec-tiny --eval runs/tiny/eval.json
+    python -m training.scripts.write_card --model models/turbospec-tiny --eval runs/tiny/eval.json
 """
 
 import argparse

@@ -10,6 +10,7 @@ from turbospec import env
 from turbospec.config import EngineConfig
 from turbospec.engine.engine import Engine
 from turbospec.errors import TurboSpecError
+from turbospec.model.base import Model
 from turbospec.model.registry import load_model
 from turbospec.speculative.registry import make_drafter
 from turbospec.tokenizer import Tokenizer
@@ -38,12 +39,19 @@ def model_path(given: str | None) -> str:
     return path
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine."""
+def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
+    """Resolve the checkpoint, apply the thread count, load the model and its tokenizer (None when the checkpoint
+    ships none): what `build_engine` does before the drafter, for tools that run several engines on one model."""
     path = model_path(config.model)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     model = load_model(path, config.dtype)
     tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+    return path, model, tokenizer
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine."""
+    path, model, tokenizer = load_parts(config)
     drafter = make_drafter(config.spec, model, config.ctx + config.spec.n_max + 1, model_path=path)
     return Engine(model, tokenizer, config, drafter, model_path=path)

@@ -189,14 +189,14 @@ class Engine:
             if len(tree):
                 tree = tree.limit(room, slots)
             if len(tree):
-                path, nxt, committed = self.verify_step(root, tree, sampler)
+                path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
                 spec.record(tree, len(path))
                 accepted = [tree.tokens[i] for i in path]
             else:
-                committed = self.step(root)
-                nxt, accepted = sampler.sample(self.model.logits(committed)[0]), []
+                hidden_rows = self.step(root)
+                nxt, accepted = sampler.sample(self.model.logits(hidden_rows)[0]), []
             if drafter is not None:
-                drafter.accept([root] + accepted, committed, nxt)
+                drafter.accept([root] + accepted, hidden_rows, nxt)
             context += accepted
             pending = accepted + [nxt]
         if held:

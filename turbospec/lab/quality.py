@@ -22,13 +22,11 @@ from typing import Any
 
 import torch
 
-from turbospec.config import EngineConfig
-from turbospec.engine import Engine, model_path
+from turbospec.config import EngineConfig, kv_type
+from turbospec.engine import Engine, load_parts
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
 from turbospec.lab.report import bar_plot, env_info, markdown_table, write_csv, write_json
-from turbospec.model import load_model
-from turbospec.tokenizer import Tokenizer
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
          "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
@@ -66,16 +64,12 @@ def read_text(path: str | Path) -> str:
 
 
 def parse_pair(p: str) -> tuple[str, str]:
-    from turbospec.kv.formats import get_format
-
+    """A K/V format pair `K/V` (or one name for both), each normalised as -ctk/-ctv are."""
     if "/" not in p:
         p = f"{p}/{p}"
-    k, v = p.split("/", 1)
-    for t in (k, v):
-        try:
-            get_format(t)
-        except ValueError as e:
-            raise TurboSpecError(str(e)) from None
+    k, v = (kv_type(t) for t in p.split("/", 1))
+    if k is None or v is None:
+        raise TurboSpecError(f"--kv {p!r}: expected K/V format names such as q8_0/q8_0")
     return k, v
 
 
@@ -196,15 +190,13 @@ def run_quality(config: EngineConfig, opts: QualityOptions, settings: dict[str, 
     recorded as given (the command line passes its flags); default: config and options."""
     from tqdm import tqdm
 
-    path = model_path(config.model)
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     pairs = list(opts.pairs)
     for p in pairs + [opts.baseline]:
         parse_pair(p)
     ctxs = list(opts.ctxs)
-    model = load_model(path, config.dtype)
-    tok = Tokenizer(path)
+    path, model, tok = load_parts(config)
+    if tok is None:
+        raise TurboSpecError(f"{path} has no tokenizer.json (quality measures text)")
     text = read_text(opts.text)[: max(ctxs) * opts.chunks * 8]
     tokens = tok.encode(text, add_special=False)
     total = sum(min(len(tokens) // c, opts.chunks) for c in ctxs) * len(pairs)

@@ -8,6 +8,7 @@ import torch
 
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.linear import Linear
 from turbospec.model.config import ModelConfig
 from turbospec.model.mtp import MTPModule
 
@@ -18,6 +19,7 @@ class Model(Protocol):
 
     cfg: ModelConfig
     dtype: torch.dtype
+    lm_head: Linear  # the output projection (Medusa heads and MTP drafting share it)
     mtp: MTPModule | None
 
     def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:

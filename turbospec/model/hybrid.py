@@ -7,7 +7,7 @@ the first `partial_rotary_factor` (default 0.25) of each head and gates its outp
 q_proj.
 
 The `mtp.*` weights (native multi-token prediction head) are loaded into `self.mtp` (an `MTPModule`, or None
-when the checkpoint has none); their names are in `self.mtp_names`. See `turbospec.speculative.mtp.MTPModule` for the
+when the checkpoint has none); their names are in `self.mtp_names`. See `turbospec.model.mtp.MTPModule` for the
 interface.
 """
 
@@ -226,7 +226,7 @@ class HybridModel:
     """forward(tokens, plan, cache) -> final-normed hidden states; logits(hidden) -> float32 logits.
 
     `new_cache(max_len)` returns a `HybridCache`; chain verification with rollback works through
-    `cache.commit(keep=list(range(j)))`; tree plans are rejected.
+    `cache.commit(keep=list(range(j)))`; tree plans (with parents) keep a recurrent state per node.
     """
 
     def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype):

@@ -158,7 +158,7 @@ def load_heads(path: str | Path, hidden: int | None = None, vocab: int | None = 
     d = find_heads(path)
     if d is None:
         raise TurboSpecError(f"no Medusa heads at {path} (need {CONFIG_NAME} and {WEIGHTS_NAME}; "
-                             "train them with `turbospec train-heads`)")
+                             "train them with `python -m training.heads`)")
     try:
         cfg = json.loads((d / CONFIG_NAME).read_text())
         nh, nl, hd, vb = (int(cfg[k]) for k in ("num_heads", "num_layers", "hidden", "vocab"))

@@ -82,8 +82,7 @@ def _draft_model(c: DraftContext) -> Drafter:
     from turbospec.model.registry import load_model
     from turbospec.speculative.draft_model import DraftModelDrafter
 
-    if not c.cfg.draft_model:
-        raise TurboSpecError("--spec-type draft-model needs -md/--spec-draft-model PATH")
+    assert c.cfg.draft_model  # SpecConfig requires it with draft-model
     dm = load_model(c.cfg.draft_model, c.target.dtype)
     if dm.cfg.vocab_size != c.target.cfg.vocab_size:
         raise TurboSpecError(f"draft model vocab {dm.cfg.vocab_size} != target vocab {c.target.cfg.vocab_size}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from turbospec import dtypes
 from turbospec.errors import TurboSpecError
 from turbospec.lab.fit.arch import Arch
 from turbospec.lab.fit.measure import measure_runtime_overhead
@@ -19,14 +20,14 @@ from turbospec.lab.fit.units import parse_mem
 DEFAULT_KV_TYPES = ("f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3", "turbo2")
 # Bits per weight of common weight formats (GGUF averages over a whole file; Q4_K_M mixes Q4_K and Q6_K).
 WEIGHT_BPW = {
-    "f32": 32.0, "float32": 32.0, "f16": 16.0, "float16": 16.0, "bf16": 16.0, "bfloat16": 16.0,
+    "f32": 32.0, "f16": 16.0, "bf16": 16.0,  # float spellings (float16, fp16, ...) via turbospec.dtypes
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q4_k_m": 4.85, "q4_0": 4.5, "q3_k_m": 3.91, "q2_k": 3.35,
 }
 
 
 def weight_bpw(name: str) -> float:
     """Bits per weight of a weight format name (q4_k_m, bf16, ...)."""
-    key = name.lower()
+    key = dtypes.short_name(name) if dtypes.is_dtype_name(name) else name.lower()
     if key not in WEIGHT_BPW:
         raise TurboSpecError(f"unknown --weight-dtype {name!r} ({', '.join(WEIGHT_BPW)})")
     return WEIGHT_BPW[key]

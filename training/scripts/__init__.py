@@ -1,0 +1,1 @@
+"""Training-area tools, run from the repository root as `python -m training.scripts.NAME`."""
