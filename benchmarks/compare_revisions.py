@@ -52,7 +52,7 @@ def run_once(checkout: Path, ext_dir: Path, model: str, flags: list[str], prompt
         if r.returncode != 0:
             raise SystemExit(f"{checkout}: {' '.join(cmd[2:6])} failed: {r.stderr.strip()[-500:]}")
         s = json.loads(stats.read_text())
-    spec = (s.get("extra") or {}).get("spec") or {}
+    spec = s.get("spec") or (s.get("extra") or {}).get("spec") or {}  # older checkouts: under "extra"
     return {"text": r.stdout, "decode_tps": s["decode_tps"], "prefill_tps": s["prefill_tps"],
             "mean_acceptance_length": spec.get("mean_acceptance_length")}
 

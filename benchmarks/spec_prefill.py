@@ -67,7 +67,7 @@ def main() -> None:
                 if r:
                     res[name]["prefill"].append(st.prefill_tps)
                     res[name]["decode"].append(st.decode_tps)
-                    spec = st.extra.get("spec")
+                    spec = st.spec
                     res[name]["accept"].append(spec.acceptance_rate if spec is not None else float("nan"))
         base = statistics.median(res["off"]["prefill"])
         for name, v in res.items():

@@ -49,7 +49,7 @@ def run_once(model, tok, path: str, prompt: str, cfg: SpecConfig | None, gen: in
     list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
     st = eng.last_stats
     out = {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t}
-    spec = st.extra.get("spec")
+    spec = st.spec
     if spec is not None:
         out["drafts"], out["accepted"] = spec.drafts, spec.accepted
         out["mean_acc_len"] = 1 + spec.accepted / max(spec.drafts, 1)

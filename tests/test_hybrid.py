@@ -275,7 +275,7 @@ def test_speculative_greedy_identical_on_hybrid(models, spec):
     for i in range(4):
         prompt = [(5 * i + j) % 128 for j in range(8)] * 2
         assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
-        drafts += eng.last_stats.extra["spec"].drafts
+        drafts += eng.last_stats.spec.drafts
     assert drafts > 0
 
 
@@ -321,4 +321,4 @@ def test_hybrid_checkpoint_as_draft_model_with_draft_kv_types(ckpts, models):
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = [(3 * j) % 128 for j in range(10)]
     assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
-    assert eng.last_stats.extra["spec"].drafts > 0
+    assert eng.last_stats.spec.drafts > 0

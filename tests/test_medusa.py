@@ -149,7 +149,7 @@ def test_greedy_identical_to_plain(target_dir, tmp_path, tree_spec, shared, n_ma
     drafts = 0
     for prompt in PROMPTS[:2] + PROMPTS[-2:]:
         assert gen(eng, prompt, p) == plain_greedy(target, prompt, 20), (tree_spec, prompt)
-        st = eng.last_stats.extra["spec"]
+        st = eng.last_stats.spec
         drafts += st.drafts
         assert len(st.per_pos_drafted) <= n_max
     assert drafts > 0
@@ -168,7 +168,7 @@ def test_oracle_candidates_accept_through_tree(target_dir, tree_spec, ranks, exp
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for prompt in (PROMPTS[0], PROMPTS[-1]):
         assert gen(eng, prompt, p) == plain_greedy(target, prompt, 20)
-        st = eng.last_stats.extra["spec"]
+        st = eng.last_stats.spec
         assert st.per_pos_accepted[expect - 1] >= st.drafts - 1  # the last step may be cut by max_tokens
         assert sum(st.per_pos_accepted[expect:]) == 0  # no deeper path exists in the tree
 
@@ -292,5 +292,5 @@ def test_hybrid_target_verifies_trees(tmp_path, kernel, monkeypatch):
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for prompt in ([5, 9, 17, 33, 5, 9, 17, 33], [100, 3, 77, 3, 100]):
         assert gen(eng, prompt, p) == gen(plain, prompt, p)
-    assert eng.last_stats.extra["spec"].drafts > 0
+    assert eng.last_stats.spec.drafts > 0
     assert any(len(t.tokens) > 2 and not t.is_chain for t in trees)  # real branching trees were verified

@@ -67,7 +67,7 @@ def test_greedy_identical_to_plain(paths, spec):
     total = None
     for prompt in PROMPTS:
         assert run(eng, prompt, p) == run(plain, prompt, p), (spec, prompt)
-        st = eng.last_stats.extra["spec"]
+        st = eng.last_stats.spec
         if total is None:
             total = st
         else:
@@ -115,7 +115,7 @@ def test_tree_verification_greedy_identical(paths):
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for prompt in PROMPTS[:4]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
-        st = eng.last_stats.extra["spec"]
+        st = eng.last_stats.spec
         assert st.accepted >= 2 * (st.drafts - 1)  # the best branch (second root child + its child) is taken
 
 

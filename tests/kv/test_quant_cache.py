@@ -266,7 +266,7 @@ def test_speculative_greedy_equals_plain_with_quantized_cache(peaked, kt, vt):
         a = plain.generate([prompt], p)[0]["tokens"]
         b = spec.generate([prompt], p)[0]["tokens"]
         assert a == b, (kt, vt, prompt)
-        accepted += spec.last_stats.extra["spec"].accepted
+        accepted += spec.last_stats.spec.accepted
     assert accepted > 0
 
 

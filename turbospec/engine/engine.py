@@ -126,7 +126,7 @@ class Engine:
         spec = SpecStats()
         self.last_stats = stats
         if self.drafter is not None:
-            stats.extra["spec"] = spec
+            stats.spec = spec
         sampler = Sampler(params)
         sampler.accept(tokens)
         eos = set() if params.ignore_eos else self._eos_ids()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import resource
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+from turbospec.speculative.stats import SpecStats
 
 
 @dataclass
@@ -16,7 +18,7 @@ class GenStats:
     decode_s: float = 0.0
     peak_rss_bytes: int = 0
     finish_reason: str = ""
-    extra: dict = field(default_factory=dict)
+    spec: SpecStats | None = None  # drafts and acceptance, when a drafter ran
 
     @property
     def prefill_tps(self) -> float:
@@ -30,8 +32,7 @@ class GenStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def line(self) -> str:
-        spec = self.extra.get("spec")
-        tail = f" | {spec.line()}" if spec is not None else ""
+        tail = f" | {self.spec.line()}" if self.spec is not None else ""
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (
             f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
@@ -41,8 +42,7 @@ class GenStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if "spec" in self.extra:
-            d["extra"] = {**self.extra, "spec": self.extra["spec"].to_dict()}
+        d["spec"] = self.spec.to_dict() if self.spec is not None else None
         d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
         return d
 

@@ -120,7 +120,7 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
                     if rep < opts.warmup:
                         continue
                     computed = len(toks) - engine.reused_tokens
-                    spec = st.extra.get("spec")
+                    spec = st.spec
                     runs.append({
                         "prefill_tps": computed / st.prefill_s if st.prefill_s else 0.0,
                         "decode_tps": st.decode_tps, "ttft_ms": st.ttft_s * 1e3, "gen": st.gen_tokens,

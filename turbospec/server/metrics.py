@@ -74,7 +74,7 @@ class Metrics:
             self.ttft.observe(t_first - t_arrival)
         if stats.gen_tokens > 1 and stats.decode_s > 0:
             self.tpot.observe(stats.decode_s / (stats.gen_tokens - 1))
-        spec = stats.extra.get("spec")
+        spec = stats.spec
         if spec is not None:
             self._record_spec(spec)
 

@@ -303,7 +303,7 @@ def timings(stats) -> dict:
     if stats is None:
         return {}
     gen_s = max(stats.ttft_s - stats.prefill_s, 0.0) + stats.decode_s
-    spec = stats.extra.get("spec")
+    spec = stats.spec
     return {
         "prompt_n": stats.prompt_tokens,
         "prompt_ms": stats.prefill_s * 1e3,
