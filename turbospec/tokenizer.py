@@ -76,21 +76,27 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text pieces without splitting multi-byte characters."""
+    """Turns a growing list of token ids into text pieces without splitting multi-byte characters.
+
+    Each push decodes only the tokens since the last piece that ended on a whole character (plus the tokens of that
+    piece, as context), so a long output costs the same per token as a short one. A piece is withheld while the
+    text ends in an incomplete character (U+FFFD); the pieces concatenate to `decode(ids)`.
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tk = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
+        self.prefix = 0  # first id of the context window: the start of the last emitted piece
+        self.read = 0  # ids before this are emitted
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tk.decode(self.ids)
-        if text.endswith("\ufffd"):
+        done = self.tk.decode(self.ids[self.prefix:self.read])
+        text = self.tk.decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(done):
             return ""
-        piece = text[self.emitted:]
-        self.emitted = len(text)
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
 
     def text(self) -> str:
         return self.tk.decode(self.ids)
