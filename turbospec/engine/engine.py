@@ -34,18 +34,19 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path  # the checkpoint directory, when loaded from one
-        self.ctx = config.ctx
-        self.ubatch = config.ubatch
         self.cache = model.new_cache(config.ctx, k_type=config.cache_type_k, v_type=config.cache_type_v)
         self.drafter = drafter
-        self.n_max = config.spec.n_max
-        self.prefix_cache = config.prefix_cache
         self.cached_tokens: list[int] = []
         self.reused_tokens = 0
         self.last_stats = GenStats()
         # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
         # a decode step allocates enough small objects to trigger collections that would traverse them all.
         gc.freeze()
+
+    @property
+    def ctx(self) -> int:
+        """Context size in tokens (prompt + output)."""
+        return self.config.ctx
 
     # ---- building blocks -------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], rows: int | None = 1) -> torch.Tensor:
@@ -56,7 +57,7 @@ class Engine:
         Prefix reuse: positions whose tokens equal those already in the cache are kept (at least one token is
         always recomputed), as llama-server's prompt cache does; caches that cannot keep a prefix start over."""
         reuse = 0
-        if self.prefix_cache and self.cache.prefix_reusable:
+        if self.config.prefix_cache and self.cache.prefix_reusable:
             limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
             while reuse < limit and self.cached_tokens[reuse] == tokens[reuse]:
                 reuse += 1
@@ -68,8 +69,9 @@ class Engine:
         self.cached_tokens = list(tokens)
         ids = torch.tensor(tokens, dtype=torch.int64)
         n, out = len(tokens), []
-        for s in range(reuse, n, self.ubatch):
-            chunk = ids[s:s + self.ubatch]
+        ubatch = self.config.ubatch
+        for s in range(reuse, n, ubatch):
+            chunk = ids[s:s + ubatch]
             e = s + chunk.numel()
             want = None if rows is None else min(e - s, max(1, e - (n - rows)))  # rows of this chunk kept
             hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache,
@@ -183,7 +185,7 @@ class Engine:
             root = pending[-1]
             context.append(root)
             # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
-            room = min(params.max_tokens - stats.gen_tokens - 1, self.n_max)
+            room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.n_max)
             slots = self.ctx - self.cache.length - 1
             tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
             if len(tree):

@@ -207,14 +207,13 @@ def make_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, max_len: in
                   k_type: str | None = None, v_type: str | None = None) -> KVCache | QuantKVCache:
     """The fast dense `KVCache` when K and V both use the same plain float type as the model computes in
     (or no type is given); a `QuantKVCache` otherwise."""
-    dense = model_dtype
     if not k_type and not v_type:  # only a dense dtype was asked: the existing fast path
-        return KVCache(num_layers, num_kv_heads, head_dim, max_len, dense)
+        return KVCache(num_layers, num_kv_heads, head_dim, max_len, model_dtype)
     kf = get_format(k_type) if k_type else None
     vf = get_format(v_type) if v_type else None
-    kd = kf.dtype if isinstance(kf, PlainFormat) else (dense if kf is None else None)
-    vd = vf.dtype if isinstance(vf, PlainFormat) else (dense if vf is None else None)
+    kd = kf.dtype if isinstance(kf, PlainFormat) else (model_dtype if kf is None else None)
+    vd = vf.dtype if isinstance(vf, PlainFormat) else (model_dtype if vf is None else None)
     if kd is not None and kd == vd == model_dtype:
         return KVCache(num_layers, num_kv_heads, head_dim, max_len, kd)
-    return QuantKVCache(num_layers, num_kv_heads, head_dim, max_len, k_type or short_name(dense),
-                        v_type or short_name(dense))
+    return QuantKVCache(num_layers, num_kv_heads, head_dim, max_len, k_type or short_name(model_dtype),
+                        v_type or short_name(model_dtype))

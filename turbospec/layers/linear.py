@@ -12,14 +12,11 @@ import torch.nn.functional as F
 from turbospec import env
 from turbospec.kernels.gemv import load_kernel
 
-SKINNY_MAX_ROWS = env.SKINNY_MAX_ROWS
-# Decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster than from
-# 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put them
-# (e.g. the mmapped checkpoint).
-HUGEPAGES = env.HUGEPAGES
-# Prefill GEMMs for 16-bit weights: "upcast" multiplies in float32 (weights converted per call), "native" uses
-# torch's bf16/fp16 GEMM. Which is faster depends on the CPU (AVX-512 BF16 vs AVX2); see docs/speed.md.
-PREFILL_MODE = env.PREFILL_MODE
+# env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
+# than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
+# them (e.g. the mmapped checkpoint).
+# env.PREFILL_MODE: prefill GEMMs for 16-bit weights: "upcast" multiplies in float32 (weights converted per call),
+# "native" uses torch's bf16/fp16 GEMM. Which is faster depends on the CPU (AVX-512 BF16 vs AVX2); docs/speed.md.
 
 
 class Linear:
@@ -30,7 +27,7 @@ class Linear:
         live as long as any tensor in them (the model's weights)."""
         self.kernel = load_kernel()
         self.weight = weight.contiguous()
-        if (hugepages and self.kernel is not None and HUGEPAGES and self.weight.device.type == "cpu"
+        if (hugepages and self.kernel is not None and env.HUGEPAGES and self.weight.device.type == "cpu"
                 and not self.weight.requires_grad):
             self.weight = self.kernel.hugepage_copy(self.weight)
         self.bias = bias
@@ -47,9 +44,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.kernel is not None and rows <= SKINNY_MAX_ROWS:
+        if self.kernel is not None and rows <= env.SKINNY_MAX_ROWS:
             return self.kernel.skinny_linear(x, self.weight, self.bias)
-        if PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):
+        if env.PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):
             b = self.bias.float() if self.bias is not None else None
             return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
