@@ -6,6 +6,12 @@ end-to-end latency and the token count from `usage`; then starts the next reques
 already started are finished). A failure is any non-200 answer, an error event, a stream without [DONE],
 or a transport error. The server's RSS is sampled once a second (psutil) to check that memory stays flat.
 
+Misbehaving clients: `--disconnect-frac F` makes that share of requests hang up mid-stream (after a random number
+of events, or before the first); `--malformed-frac F` sends that share as bad requests (broken JSON, wrong types,
+unknown fields, huge numbers, lone surrogates, a wrong content type), each of which must get a 4xx. Any 5xx is a
+failure. After the run the script waits for `/health` to show nothing running or waiting: a job still there after
+`--settle` seconds is "stuck".
+
 Against a running server (give --server-pid for the RSS samples):
 
     python benchmarks/load.py --url http://127.0.0.1:8080 --clients 32 --duration 60 --server-pid PID
@@ -13,6 +19,7 @@ Against a running server (give --server-pid for the RSS samples):
 Or let the script start a server on a free loopback port with a tiny random demo model:
 
     nice -n 5 python benchmarks/load.py --spawn-tiny --clients 32 --duration 60 --json runs/load.json
+    python benchmarks/load.py --spawn-tiny --clients 64 --duration 60 --disconnect-frac 0.1 --malformed-frac 0.05
 """
 
 from __future__ import annotations
@@ -66,6 +73,20 @@ def summary(xs: list[float], scale: float = 1e3) -> dict:
             "p90": pct(xs, 90) * scale, "p99": pct(xs, 99) * scale, "max": max(xs) * scale}
 
 
+MALFORMED = [  # (content type, body): each must be answered with a 4xx
+    ("application/json", b'{"prompt": "x", "max_tokens": '),
+    ("application/json", b'{"prompt": 5}'),
+    ("application/json", b'{"prompt": "x", "temperature": "hot"}'),
+    ("application/json", b'{"prompt": "x", "frobnicate": true}'),
+    ("application/json", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"),
+    ("application/json", b'{"prompt": "\\ud800"}'),  # a lone surrogate escape
+    ("application/json", b'{"prompt": "x", "stop": ["' + b"s" * 1000 + b'"]}'),
+    ("application/json", b"[1, 2, 3]"),
+    ("application/json", b'{"prompt": "x", "logit_bias": {"-4": 1}}'),
+    ("text/plain", b'{"prompt": "x"}'),
+]
+
+
 class Results:
     def __init__(self):
         self.ttft: list[float] = []
@@ -74,13 +95,34 @@ class Results:
         self.e2e: list[float] = []
         self.tokens = 0
         self.ok = 0
+        self.disconnected = 0  # requests that hung up on purpose
+        self.rejected = 0  # malformed requests answered with a 4xx, as they must be
+        self.status_5xx = 0
         self.failures: dict[str, int] = {}
 
     def fail(self, why: str) -> None:
         self.failures[why] = self.failures.get(why, 0) + 1
 
 
+async def malformed_request(http: httpx.AsyncClient, res: Results, rng: random.Random) -> None:
+    ctype, data = rng.choice(MALFORMED)
+    try:
+        r = await http.post("/v1/completions", content=data, headers={"Content-Type": ctype})
+    except httpx.HTTPError as e:
+        res.fail(f"malformed: {type(e).__name__}")
+        return
+    if 400 <= r.status_code < 500 and "error" in r.json():
+        res.rejected += 1
+    else:
+        res.status_5xx += r.status_code >= 500
+        res.fail(f"malformed answered {r.status_code}")
+
+
 async def one_request(http: httpx.AsyncClient, args, res: Results, rng: random.Random) -> None:
+    if rng.random() < args.malformed_frac:
+        await malformed_request(http, res, rng)
+        return
+    hang_up_after = rng.randrange(0, 8) if rng.random() < args.disconnect_frac else None
     prompt = rng.choice(PROMPTS)
     body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
@@ -100,11 +142,17 @@ async def one_request(http: httpx.AsyncClient, args, res: Results, rng: random.R
         async with http.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 await r.aread()
+                res.status_5xx += r.status_code >= 500
                 res.fail(f"http {r.status_code}")
                 return
+            events = 0
             async for line in r.aiter_lines():
+                if hang_up_after is not None and events >= hang_up_after:
+                    res.disconnected += 1
+                    return  # leaving the block closes the connection mid-stream
                 if not line.startswith("data: "):
                     continue
+                events += 1
                 data = line[6:]
                 if data == "[DONE]":
                     done = True
@@ -176,6 +224,14 @@ async def run(args, pid: int | None) -> dict:
         t_end = t0 + args.duration
         await asyncio.gather(*(client_loop(i, http, args, res, t_end) for i in range(args.clients)))
         wall = time.perf_counter() - t0
+        settled = None  # seconds until nothing runs or waits; None: still busy after --settle
+        t_settle = time.perf_counter()
+        while time.perf_counter() - t_settle < args.settle:
+            h = (await http.get("/health")).json()
+            if h["running"] == 0 and h["waiting"] == 0:
+                settled = time.perf_counter() - t_settle
+                break
+            await asyncio.sleep(0.1)
         stop.set()
         await sampler
         if proc is not None:
@@ -195,6 +251,9 @@ async def run(args, pid: int | None) -> dict:
         "url": args.url, "clients": args.clients, "duration_s": args.duration, "wall_s": wall,
         "max_tokens": args.max_tokens, "chat": args.chat,
         "requests_ok": res.ok, "failures": n_fail, "failure_kinds": res.failures,
+        "disconnect_frac": args.disconnect_frac, "malformed_frac": args.malformed_frac,
+        "disconnected": res.disconnected, "malformed_rejected": res.rejected, "status_5xx": res.status_5xx,
+        "settled_after_s": settled, "stuck": settled is None,
         "requests_per_s": res.ok / wall, "output_tokens": res.tokens, "output_tok_per_s": res.tokens / wall,
         "ttft_ms": summary(res.ttft), "tpot_ms": summary(res.tpot), "itl_ms": summary(res.itl),
         "e2e_ms": summary(res.e2e), "server_metrics": metrics,
@@ -255,6 +314,9 @@ def print_report(o: dict) -> None:
 
     print(f"{o['clients']} clients x {o['duration_s']:.0f} s (wall {o['wall_s']:.1f} s) against {o['url']}")
     print(f"  requests ok {o['requests_ok']}, failures {o['failures']} {o['failure_kinds'] or ''}")
+    print(f"  hung up on purpose {o['disconnected']}, malformed rejected with 4xx {o['malformed_rejected']}, "
+          f"5xx {o['status_5xx']}; nothing running or waiting "
+          + (f"{o['settled_after_s']:.1f} s after the last request" if not o["stuck"] else "-- STUCK JOBS"))
     print(f"  throughput {o['requests_per_s']:.2f} req/s, {o['output_tok_per_s']:.1f} output tok/s "
           f"({o['output_tokens']} tokens)")
     for k in ("ttft", "tpot", "itl", "e2e"):
@@ -279,6 +341,10 @@ def main() -> int:
     ap.add_argument("--server-pid", type=int, default=None, help="PID of the server, for RSS samples")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disconnect-frac", type=float, default=0.0, help="share of requests that hang up mid-stream")
+    ap.add_argument("--malformed-frac", type=float, default=0.0, help="share of requests sent malformed")
+    ap.add_argument("--settle", type=float, default=10.0,
+                    help="seconds allowed after the run for /health to show nothing running or waiting")
     ap.add_argument("--spawn-tiny", action="store_true",
                     help="start `turbospec serve` on a free loopback port "
                          "(tiny random model unless --model-path)")
@@ -310,7 +376,7 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0 if out["failures"] == 0 else 1
+    return 0 if out["failures"] == 0 and not out["stuck"] else 1
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def server(tiny_model):
     port = _free_port()
     cmd = [sys.executable, "-m", "turbospec.cli", "serve", "-m", str(tiny_model), "--port", str(port),
            "-c", str(CTX), "-t", "1", "--spec-type", "ngram", "--api-key", KEY,
-           "--max-body-bytes", str(MAX_BODY), "--max-queue", "8"]
+           "--max-body-bytes", str(MAX_BODY), "--max-queue", "8", "-n", "-1"]  # -n -1: no max_tokens cap
     env = dict(os.environ, TURBOSPEC_API_KEY="")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -193,6 +193,9 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
     ("stream_options not an object", "/v1/completions", {"prompt": "x", "stream_options": 5}, 400,
      "stream_options"),
+    ("unknown field", "/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("lone surrogate in model", "/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', 400, "model"),
+    ("5000-digit number", "/v1/completions", b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}", 400, None),
 ]
 
 
@@ -339,6 +342,7 @@ def spec_engine(tiny_model):
 def _app(engine, **kw):
     from turbospec.server import ServerConfig, create_app
 
+    kw.setdefault("host", "testserver")  # TestClient's Host header: as if bound there (keyless Host check)
     return create_app(engine, ServerConfig(model_name="tiny", **kw))
 
 
@@ -392,7 +396,7 @@ class _SlowEngine:
         self.last_stats = GenStats()
         self.stopped = threading.Event()
 
-    def stream(self, tokens, params):
+    def stream(self, tokens, params, abort=None):
         from turbospec.engine import Chunk, GenStats
 
         self.last_stats = GenStats(prompt_tokens=len(tokens), finish_reason="length")
@@ -411,12 +415,13 @@ def test_bounded_queue_rejects_when_full():
 
     from turbospec.sampling import SamplingParams
     from turbospec.server import APIError, Job, Worker
+    from turbospec.server.worker import Channel
 
     eng = _SlowEngine()
     w = Worker(eng, max_queue=2)
     loop = asyncio.new_event_loop()
     try:
-        jobs = [Job([1, 2], SamplingParams(max_tokens=2), loop, asyncio.Queue(), time.perf_counter() + 60)
+        jobs = [Job([1, 2], SamplingParams(max_tokens=2), Channel(loop), time.perf_counter() + 60)
                 for _ in range(4)]
         w.submit(jobs[0])
         deadline = time.time() + 5
@@ -440,22 +445,23 @@ def test_queue_timeout_and_generation_deadline():
 
     from turbospec.sampling import SamplingParams
     from turbospec.server import APIError, Job, Worker
+    from turbospec.server.worker import Channel
 
     eng = _SlowEngine()
     eng.release.set()
     w = Worker(eng, max_queue=4)
     loop = asyncio.new_event_loop()
     try:
-        late = Job([1], SamplingParams(max_tokens=5), loop, asyncio.Queue(), time.perf_counter() - 1)
+        late = Job([1], SamplingParams(max_tokens=5), Channel(loop), time.perf_counter() - 1)
         w.submit(late)
-        item = loop.run_until_complete(asyncio.wait_for(late.out.get(), 10))
+        item = loop.run_until_complete(asyncio.wait_for(late.channel.take(), 10))[0]
         assert item[0] == "error" and isinstance(item[1], APIError) and item[1].code == "queue_timeout"
         # a generation that runs past its deadline is cut off with finish_reason "length"
-        job = Job([1], SamplingParams(max_tokens=1000), loop, asyncio.Queue(), time.perf_counter() + 0.3)
+        job = Job([1], SamplingParams(max_tokens=1000), Channel(loop), time.perf_counter() + 0.3)
         w.submit(job)
         items = []
         while not items or items[-1][0] != "done":
-            items.append(loop.run_until_complete(asyncio.wait_for(job.out.get(), 10)))
+            items += loop.run_until_complete(asyncio.wait_for(job.channel.take(), 10))
         assert items[-1][2] == "length" and 1 <= len(items) - 1 < 1000
     finally:
         w.stop()

@@ -280,3 +280,16 @@ def test_every_spec_type_has_a_registered_drafter():
     from turbospec.speculative import DRAFTERS
 
     assert set(SPEC_TYPES) == set(DRAFTERS)
+
+
+def test_ngram_mod_pool_is_per_request_unless_shared():
+    """One request's text never drafts the next request's tokens (a cross-client leak and timing channel),
+    unless the pool is shared on purpose (llama.cpp's behaviour)."""
+    from turbospec.speculative.ngram import NgramMod
+
+    secret = [7, 8, 9, 10, 11, 12]
+    for shared, want in ((False, []), (True, [11, 12])):
+        d = NgramMod(n_match=3, n_max=4, pool_bits=10, shared=shared)
+        d.begin(secret, None)  # client A's request
+        d.begin([1, 2], None)  # client B's request starts
+        assert d.propose([1, 2, 8, 9, 10], 4).tokens[:2] == want

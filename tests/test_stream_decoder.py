@@ -51,3 +51,26 @@ def test_multibyte_characters_split_across_tokens(tok):
 @given(st.lists(st.integers(min_value=0, max_value=8191), min_size=1, max_size=60))
 def test_same_pieces_as_decoding_everything(tok, ids):
     assert pieces(tok, ids) == reference_pieces(tok, ids)
+
+
+def test_work_per_token_does_not_grow_with_the_output(tok):
+    """Counts the ids each push hands to the tokenizer: as many at token 30,000 as at token 10 (a decoder that
+    re-decodes the whole output would hand it 30,000)."""
+    text = "naïve café — 東京 🙂 def f(x): return x  # ✓\n"
+    ids = tok.encode(text, add_special=False)
+    ids = (ids * (30_000 // len(ids) + 1))[:30_000]
+    decoded: list[int] = []
+    real = tok.decode
+
+    class Counting:
+        def decode(self, some: list[int], skip_special: bool = True) -> str:
+            decoded.append(len(some))
+            return real(some, skip_special)
+
+    dec = StreamDecoder(Counting())  # type: ignore[arg-type]
+    per_push = []
+    for t in ids:
+        decoded.clear()
+        dec.push(t)
+        per_push.append(sum(decoded))
+    assert max(per_push[-1000:]) <= max(per_push[:1000]) <= 16

@@ -158,7 +158,7 @@ def train_heads(model_path: str, texts: list[str], out: str | None = None, *, st
             raise TurboSpecError(f"--resume: no checkpoint ({STATE_NAME}) in {out_dir}")
         heads = load_heads(out_dir, cfg.hidden_size, cfg.vocab_size, lm_w)
         heads.float()
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
         start = int(state["step"])
         num_heads, num_layers, shared_head = heads.num_heads, heads.num_layers, heads.shared_head
     else:

@@ -110,7 +110,7 @@ def train_mtp(model_path: str, texts: list[str], *, steps: int = 300, seq_len: i
     if resume:
         if not state_path.exists():
             raise TurboSpecError(f"--resume: no {STATE_NAME} in {path}")
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
         mtp.load_state_dict(state["mtp"])
         opt.load_state_dict(state["optim"])
         start = int(state["step"])

@@ -249,7 +249,7 @@ def main(argv=None):
     ckpt_path = os.path.join(args.run, "ckpt.pt")
     meta = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "done": False, "history": [], "args": vars(args)}
     if os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         sampler.load_state(ck["sampler"])

@@ -88,6 +88,7 @@ class SpecConfig:
     ngram_n_max: int = 4
     ngram_mod_n_match: int = 8
     ngram_mod_n_max: int = 16
+    ngram_mod_shared: bool = False  # keep the ngram-mod pool across requests (llama.cpp does; leaks between clients)
     # the MTP reads only the last N prompt positions, so prefill with MTP on stays close to MTP off
     # (benchmarks/spec_prefill.py); -1 auto (a quarter of the prompt, 64..256), 0 all
     mtp_prompt_window: int = -1

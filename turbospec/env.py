@@ -5,7 +5,7 @@ Switches change which code path runs (for benchmarks and debugging), never resul
 | variable | effect |
 |---|---|
 | TURBOSPEC_MODEL | checkpoint used when no model is given (`-m`) |
-| TURBOSPEC_API_KEY | `turbospec serve`: require this bearer key (as `--api-key`) |
+| TURBOSPEC_API_KEY | `turbospec serve`: require this bearer key (as `--api-key`; used when neither key flag is given; set but empty is an error) |
 | TURBOSPEC_NO_KERNEL | build no C++ kernel: torch ops only |
 | TURBOSPEC_NO_FUSED | no one-call decoder layer: op-by-op path (read at import) |
 | TURBOSPEC_NO_ATTN_KERNEL | packed-KV attention in torch instead of the fused C++ kernel |
@@ -36,6 +36,13 @@ def get(name: str, default: str = "") -> str:
     if name not in SWITCHES:
         raise KeyError(f"{name} is not a turbospec switch (see turbospec/env.py)")
     return os.environ.get(name) or default
+
+
+def lookup(name: str) -> str | None:
+    """The switch's raw value: None when unset, '' when set but empty (for settings where that is an error)."""
+    if name not in SWITCHES:
+        raise KeyError(f"{name} is not a turbospec switch (see turbospec/env.py)")
+    return os.environ.get(name)
 
 
 def on(name: str) -> bool:

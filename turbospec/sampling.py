@@ -2,14 +2,21 @@
 
 The sampler follows llama.cpp's defaults and semantics:
 
-* penalties (repeat / presence / frequency over the last ``repeat_last_n`` tokens) come first;
+* ``logit_bias`` is added first, then the penalties (repeat / presence / frequency over the last
+  ``repeat_last_n`` tokens);
 * then the truncation filters in llama.cpp's default chain order: top-k, top-p, min-p;
 * temperature is applied last, to the surviving logits (llama.cpp's ``temperature`` sampler sits at the end of
   its default chain ``penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature``). The filters
   therefore see the untempered distribution: top-k does not care, but the top-p and min-p cut-offs would move
   if temperature were applied before them.
 
-``temperature == 0`` means greedy: argmax with the lowest index winning ties.
+``temperature == 0`` means greedy: argmax with the lowest index winning ties. Any positive temperature is
+applied with the row's largest logit subtracted first, so a tiny one (1e-40) gives the argmax (tied maxima
+share it) instead of overflowing float32; temperatures and penalties beyond float32's range are rejected.
+
+Logprobs (``SamplingParams.logprobs``) are ``log_softmax`` of the logits after the bias and the penalties,
+before the truncation filters and temperature: the model's distribution as adjusted, not the truncated one
+that is sampled.
 
 Speculative verification (greedy and Leviathan et al. / Chen et al. rejection sampling) lives in
 :func:`turbospec.speculative.verify.verify`, which draws through a :class:`Sampler`.
@@ -32,13 +39,19 @@ import torch
 from turbospec.kernels.gemv import load_kernel
 
 __all__ = [
+    "MAX_LOGPROBS",
     "Sampler",
     "SamplingParams",
+    "TokenLogprob",
     "apply_penalties",
     "draw_rows",
+    "logprobs_of",
     "probs_from_logits",
     "sample",
 ]
+
+MAX_LOGPROBS = 20  # the most alternatives per token that logprobs / prompt_logprobs may ask for
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest temperature or penalty the float32 logits take
 
 
 @dataclass
@@ -57,28 +70,35 @@ class SamplingParams:
     max_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Added to the logits of these token ids before the penalties (OpenAI's logit_bias; -100 practically bans).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # None = off; k = each generated token's logprob and the k most probable alternatives (0..MAX_LOGPROBS).
+    logprobs: int | None = None
+    # None = off; k = the same for every prompt token but the first (the prompt is then prefilled in full).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Written as `not (x >= 0)` so that NaN is rejected as well.
-        if not (self.temperature >= 0) or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not (0 <= self.temperature <= FLOAT32_MAX):
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy) within float32's range, "
+                             f"got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not (self.repeat_penalty > 0) or math.isinf(self.repeat_penalty):
+        if not (0 < self.repeat_penalty <= FLOAT32_MAX):
             raise ValueError(
-                f"repeat_penalty must be a finite number > 0 (1 = off), got {self.repeat_penalty}"
+                f"repeat_penalty must be a number > 0 (1 = off) within float32's range, got {self.repeat_penalty}"
             )
         if int(self.repeat_last_n) != self.repeat_last_n or self.repeat_last_n < -1:
             raise ValueError(
                 f"repeat_last_n must be an integer >= -1 (-1 = all, 0 = off), got {self.repeat_last_n}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+            if not (abs(getattr(self, name)) <= FLOAT32_MAX):
+                raise ValueError(f"{name} must be a number within float32's range, got {getattr(self, name)}")
         if int(self.max_tokens) != self.max_tokens or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens}")
         if self.seed is not None and int(self.seed) != self.seed:
@@ -88,6 +108,15 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
         self.stop = [s for s in self.stop if s]  # an empty stop string would end every generation at once
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or int(k) != k or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{tok}] must be a finite number, got {bias!r}")
         self.top_k = int(self.top_k)
         self.repeat_last_n = int(self.repeat_last_n)
         self.max_tokens = int(self.max_tokens)
@@ -131,10 +160,35 @@ def apply_penalties(
     seen = counts > 0
     out = logits.clone()
     if params.repeat_penalty != 1.0:
-        penalised = torch.where(out > 0, out / params.repeat_penalty, out * params.repeat_penalty)
+        # A penalty below float32's smallest normal number acts as that number (in float32 it would be 0, and
+        # -inf * 0 is NaN); a division that overflows is clamped below, so the logits never become NaN or +inf.
+        p = max(params.repeat_penalty, torch.finfo(torch.float32).tiny)
+        penalised = torch.where(out > 0, out / p, out * p)
         out = torch.where(seen, penalised, out)
     out = out - counts * params.frequency_penalty - seen.to(logits.dtype) * params.presence_penalty
-    return out
+    return out.clamp_(max=torch.finfo(out.dtype).max)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability, and the ``top`` most probable tokens as (id, logprob), most probable first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """``log_softmax`` (float32) of each row of ``logits`` (``[V]`` or ``[N, V]``): the logprob of ``tokens[i]``
+    in row i, and the k largest of that row."""
+    lp = torch.log_softmax(_as_rows(logits), dim=-1)
+    ids = torch.tensor(tokens, dtype=torch.int64, device=lp.device).reshape(-1, 1)
+    chosen = lp.gather(-1, ids).reshape(-1).tolist()
+    if k <= 0:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    vals, top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return [TokenLogprob(t, c, tuple(zip(i, v)))
+            for t, c, i, v in zip(tokens, chosen, top.tolist(), vals.tolist())]
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -211,7 +265,11 @@ def _filtered(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
         keep &= mass_before < params.top_p  # the first token is always kept (0 < top_p)
     if params.min_p > 0.0:  # p >= min_p * p_max, in log space
         keep &= vals >= vals.max(-1, keepdim=True).values + math.log(params.min_p)
-    probs = torch.softmax(vals.masked_fill(~keep, -math.inf) / params.temperature, dim=-1)
+    # Tempered softmax with the row's max subtracted before dividing: a tiny temperature sends every other
+    # logit to -inf instead of overflowing to inf - inf = NaN, giving the argmax (ties share it); below float32's
+    # smallest normal number the temperature acts as that number (in float32 it would be 0, and 0 / 0 is NaN).
+    scaled = (vals - vals.max(-1, keepdim=True).values).masked_fill(~keep, -math.inf)
+    probs = torch.softmax(scaled / max(params.temperature, torch.finfo(torch.float32).tiny), dim=-1)
     return probs, ids
 
 
@@ -296,6 +354,12 @@ class Sampler:
         self.generator.manual_seed(self.seed)
         n = self.params.repeat_last_n
         self._window: deque[int] = deque(maxlen=n if n > 0 else None)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.params.logit_bias:
+            ids, vals = zip(*self.params.logit_bias.items())
+            self._bias = (torch.tensor(ids, dtype=torch.int64, device=device),
+                          torch.tensor(vals, dtype=torch.float32, device=device))
+        self.logprobs: list[TokenLogprob] = []  # of the tokens chosen since the last take_logprobs()
 
     def reset(self) -> None:
         """Reseed and clear the window: the next draws repeat those of a fresh Sampler."""
@@ -317,7 +381,11 @@ class Sampler:
         return torch.tensor(list(self._window), dtype=torch.int64)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits with the penalties of the current window applied."""
+        """Logits with the logit bias and then the penalties of the current window applied (llama.cpp's order)."""
+        if self._bias is not None:
+            ids, vals = self._bias
+            logits = logits.clone()
+            logits[..., ids] += vals.to(logits.dtype)
         if not self.params.has_penalties or not self._window:
             return logits
         return apply_penalties(logits, self.recent_tokens, self.params)
@@ -326,8 +394,21 @@ class Sampler:
         """The distribution :meth:`sample` would draw from (e.g. the ``p`` / ``q`` rows for verification)."""
         return probs_from_logits(self.process(logits), self.params)
 
+    def chose(self, token: int, processed: torch.Tensor) -> None:
+        """``token`` was drawn from ``processed`` (a ``[V]`` row of :meth:`process`'s output): record its logprobs
+        when ``params.logprobs`` asks for them, and accept it into the penalty window."""
+        if self.params.logprobs is not None:
+            self.logprobs += logprobs_of(processed, [token], self.params.logprobs)
+        self.accept(token)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs recorded since the last call, one per chosen token, in order."""
+        out, self.logprobs = self.logprobs, []
+        return out
+
     def sample(self, logits: torch.Tensor, accept: bool = True) -> int:
-        token = sample(self.process(logits), self.params, self.generator)
+        processed = self.process(logits)
+        token = sample(processed, self.params, self.generator)
         if accept:
-            self.accept(token)
+            self.chose(token, processed)
         return token

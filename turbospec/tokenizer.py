@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from turbospec.errors import TurboSpecError
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 class Tokenizer:
@@ -45,7 +50,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        if add_special and self.add_bos:
+        if add_special and self.add_bos and self.bos_token is not None:
             bos = self.tok.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos] + ids
@@ -54,25 +59,66 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def _template(self) -> Template:
+        """The chat template compiled once, in a sandbox set up as transformers' apply_chat_template sets it up
+        (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that neither
+        sorts keys nor escapes HTML)."""
         if not self.chat_template:
             raise TurboSpecError("this tokenizer has no chat template (tokenizer_config.json chat_template)")
         from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
         def raise_exception(msg: str) -> None:
             raise TemplateError(msg)
 
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                   sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-            )
+            return env.from_string(self.chat_template)
         except TemplateError as e:
             raise TurboSpecError(f"chat template error: {e}") from None
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (reads the variable `tools`)."""
+        if not self.chat_template:
+            return False
+        from jinja2 import Environment, meta
+        from jinja2.exceptions import TemplateError
+
+        try:
+            ast = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(self.chat_template)
+        except TemplateError:
+            return False
+        return "tools" in meta.find_undeclared_variables(ast)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as prompt text, rendered as transformers' apply_chat_template renders it. `messages`
+        are OpenAI-style dicts (an assistant's `tool_calls` with `function.arguments` as a dict); `tools` are
+        OpenAI function-tool dicts, passed to the template as `tools` (None when there are none)."""
+        if tools and not self.supports_tools:
+            raise TurboSpecError("this model's chat template does not support tools")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # a template that trips over a message it does not expect: the request's fault, reported in one line
+            raise TurboSpecError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
 class StreamDecoder:

@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    ck = torch.load(os.path.join(a.run, "ckpt.pt"), map_location="cpu", weights_only=False)
+    ck = torch.load(os.path.join(a.run, "ckpt.pt"), map_location="cpu", weights_only=True)
     meta = ck["meta"]
     tok = load_tokenizer(os.path.join(a.run, "tokenizer"))
     model = make_model(SimpleNamespace(**meta["args"]), tok)

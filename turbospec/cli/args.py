@@ -21,6 +21,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the model dtype, i.e. f32 for a float32 model)")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="V cache format (as -ctk)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt in full instead of reusing the KV of the prefix it shares with the "
+                        "previous request (on a shared server, that reuse shows in another client's timings)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +36,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-ngram-size-n", type=int, default=4, help="prompt lookup: longest n-gram to match")
     p.add_argument("--spec-ngram-mod-n-match", type=int, default=8, help="ngram-mod: tokens hashed per key")
     p.add_argument("--spec-ngram-mod-n-max", type=int, default=16, help="ngram-mod: max draft length")
+    p.add_argument("--spec-ngram-mod-shared", action="store_true",
+                   help="ngram-mod: keep the pool across requests (llama.cpp's behaviour; a server's clients then "
+                        "draft from, and can time, each other's text) (default: a fresh pool per request)")
     p.add_argument("--spec-medusa", default=None,
                    help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors; default: the model's)")
     p.add_argument("--spec-tree", default=None,
@@ -53,8 +59,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctvd", "--cache-type-v-draft", default=None, help="draft/MTP V cache format (as -ctkd)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+def add_sampling_args(p: argparse.ArgumentParser, n_help: str = "tokens to generate (default 128)") -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=128, help=n_help)
     p.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
@@ -75,7 +81,8 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
     return SpecConfig.parse(
         a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
-        ngram_mod_n_max=a.spec_ngram_mod_n_max, mtp_prompt_window=a.spec_mtp_prompt_window,
+        ngram_mod_n_max=a.spec_ngram_mod_n_max, ngram_mod_shared=a.spec_ngram_mod_shared,
+        mtp_prompt_window=a.spec_mtp_prompt_window,
         draft_vocab=a.spec_draft_vocab, mtp_topk=a.spec_mtp_topk, draft_k_type=a.cache_type_k_draft,
         draft_v_type=a.cache_type_v_draft, medusa=a.spec_medusa, tree=a.spec_tree,
     )
@@ -86,6 +93,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, dtype=a.dtype, threads=a.threads, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
         cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, spec=spec_config(a),
+        prefix_cache=not a.no_prefix_cache,
     )
 
 

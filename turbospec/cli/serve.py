@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from turbospec import env
@@ -17,13 +18,17 @@ from turbospec.cli.args import (
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
 from turbospec.server import DEFAULT_MAX_BODY
+from turbospec.server.security import binds_beyond_loopback
 
 
 def register(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     add_model_args(s)
     add_spec_args(s)
-    add_sampling_args(s)
+    add_sampling_args(s, n_help="the most tokens a request may generate, and the default when it gives no max_tokens "
+                                "(a larger max_tokens is clamped: finish_reason length); -1 or 0: no limit but "
+                                "the context (default -1, as llama-server)")
+    s.set_defaults(n_predict=-1)
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -33,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: none; also TURBOSPEC_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="accept every key listed in PATH, one per line (blank lines ignored); with --api-key, "
+                        "both are accepted")
     p.add_argument("--alias", default=None,
                    help="model name served in the API (default: the model directory name)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
@@ -42,6 +50,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="per-request limit in seconds: queue wait beyond it -> 503, generation is cut off "
                         "(finish_reason length) (default 600)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds to receive a request body; slower clients get 408 (default 30)")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="requests in flight at once (queued, generating or being read); more get 503 (default 256)")
+    p.add_argument("--max-concurrent-per-key", type=int, default=0,
+                   help="generation requests one API key may have queued or running; more get 429 (default 0: "
+                        "no limit)")
+    p.add_argument("--stream-interval-ms", type=float, default=50.0,
+                   help="a stream writes what it has at most this often; the first token goes out at once "
+                        "(default 50; 0 = a write per token)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
@@ -50,20 +68,98 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from turbospec.server import ServerConfig, create_app
 
-    if a.max_body_bytes <= 0 or a.max_queue <= 0 or not (a.timeout > 0):
-        raise TurboSpecError("--max-body-bytes, --max-queue and --timeout must be positive")
+    if a.max_body_bytes <= 0 or a.max_queue <= 0 or not (a.timeout > 0) or not (a.body_timeout > 0) \
+            or a.max_connections <= 0:
+        raise TurboSpecError("--max-body-bytes, --max-queue, --max-connections, --timeout and --body-timeout "
+                             "must be positive")
+    if a.max_concurrent_per_key < 0 or not (0 <= a.stream_interval_ms <= 1000):
+        raise TurboSpecError("--max-concurrent-per-key must be >= 0 and --stream-interval-ms in 0..1000")
     if not (0 < a.port < 65536):
         raise TurboSpecError("--port must be in 1..65535")
+    a.n_predict = max(a.n_predict, 0)  # -1 (llama.cpp's "no limit") is 0 here: no cap beyond the context
     defaults = sampling_params(a)
+    keys = api_keys(a)
+    if not keys and binds_beyond_loopback(a.host):
+        print(f"warning: --host {a.host} may be reachable from other machines and no API key is set: anyone who "
+              f"can reach port {a.port} can use the server; set --api-key-file (or --api-key)",
+              file=sys.stderr, flush=True)
     engine = build_engine(engine_config(a))
     name = a.alias or Path(engine.model_path).name
-    key = a.api_key or env.get("TURBOSPEC_API_KEY") or None
-    cfg = ServerConfig(model_name=name, api_key=key, max_body_bytes=a.max_body_bytes, max_queue=a.max_queue,
-                       timeout=a.timeout, defaults=defaults)
-    app = create_app(engine, cfg)
-    print(f"turbospec serve: model '{name}' on http://{a.host}:{a.port} (ctx {engine.ctx}, "
-          f"queue {a.max_queue}{', api key required' if key else ''})", flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level,
-                limit_concurrency=max(64, 4 * a.max_queue), timeout_keep_alive=30, access_log=False,
-                timeout_graceful_shutdown=10)
+    cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
+                       max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,
+                       max_per_key=a.max_concurrent_per_key, max_connections=a.max_connections,
+                       stream_interval=a.stream_interval_ms / 1e3)
+    app = create_app(engine, cfg, worker_thread=False)
+    # the app answers past --max-connections itself (OpenAI JSON); uvicorn's own limit (plain text) stays a
+    # backstop for idle keep-alive connections far beyond it
+    http = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                                         limit_concurrency=4 * a.max_connections, timeout_keep_alive=30,
+                                         access_log=False, timeout_graceful_shutdown=10))
+    return serve_on_main_thread(http, app.state.worker, f"model '{name}' on http://{a.host}:{a.port} "
+                                f"(ctx {engine.ctx}, queue {a.max_queue}"
+                                f"{f', {len(keys)} api key(s) accepted' if keys else ''})")
+
+
+def serve_on_main_thread(http, worker, banner: str) -> int:
+    """HTTP in a thread, generation on this (the main) thread: see `Worker` for why. SIGINT / SIGTERM stop
+    both: uvicorn stops accepting and gives open responses up to 10 s, queued jobs end with "abort", the running
+    one stops at its next token."""
+    import signal
+    import threading
+
+    t = threading.Thread(target=http.run, name="turbospec-http", daemon=True)
+    t.start()
+    while not http.started:  # uvicorn binds the port, or fails to and the thread ends
+        if not t.is_alive():
+            raise TurboSpecError("the HTTP server did not start (see the message above)")
+        t.join(0.05)
+    print(f"turbospec serve: {banner}", flush=True)
+
+    def on_signal(signum, frame) -> None:
+        http.should_exit = True
+        worker.stop_soon()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    worker.run(alive=t.is_alive)
+    http.should_exit = True
+    t.join(15)
     return 0
+
+
+def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+    """The accepted API keys: --api-key and every key in --api-key-file; $TURBOSPEC_API_KEY when neither flag is
+    given. An empty key, an unreadable or empty key file, or a key a header cannot carry is an error."""
+    keys: list[str] = []
+    if a.api_key is not None:
+        keys.append(_check_key(a.api_key, "--api-key"))
+    if a.api_key_file is not None:
+        keys += read_key_file(a.api_key_file)
+    if a.api_key is None and a.api_key_file is None:
+        from_env = env.lookup("TURBOSPEC_API_KEY")
+        if from_env is not None:
+            keys.append(_check_key(from_env, "TURBOSPEC_API_KEY"))
+    return tuple(dict.fromkeys(keys))
+
+
+def read_key_file(path: str) -> list[str]:
+    """The keys in `path`, one per line; surrounding whitespace and blank lines are ignored."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise TurboSpecError(f"--api-key-file {path}: cannot read it ({reason})") from None
+    keys = [_check_key(line, f"--api-key-file {path} line {i}")
+            for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not keys:
+        raise TurboSpecError(f"--api-key-file {path} holds no keys")
+    return keys
+
+
+def _check_key(key: str, where: str) -> str:
+    key = key.strip()
+    if not key:
+        raise TurboSpecError(f"{where}: the API key is empty (an empty key would disable authentication)")
+    if any(not (33 <= ord(c) < 127) for c in key):
+        raise TurboSpecError(f"{where}: an API key must be printable ASCII without spaces")
+    return key

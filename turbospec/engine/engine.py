@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -14,12 +14,16 @@ from turbospec.engine.stops import find_stop, safe_prefix_len
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model.base import Model
-from turbospec.sampling import Sampler, SamplingParams
+from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
 from turbospec.speculative.verify import verify
 from turbospec.tokenizer import StreamDecoder, Tokenizer
+
+
+class Aborted(Exception):
+    """Prefill stopped because the caller's `abort` check said so."""
 
 
 class Engine:
@@ -49,15 +53,18 @@ class Engine:
         return self.config.ctx
 
     # ---- building blocks -------------------------------------------------------------------------------
-    def prefill(self, tokens: list[int], rows: int | None = 1) -> torch.Tensor:
+    def prefill(self, tokens: list[int], rows: int | None = 1, reuse_prefix: bool = True,
+                abort: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run the prompt through the model in ubatch chunks; return the hidden rows of the last `rows` prompt
         positions ([rows, H]; None: every computed position, for drafters that read the target's hidden states).
         Positions reused from the cache have no rows. Each chunk's last layer computes only the rows kept.
 
-        Prefix reuse: positions whose tokens equal those already in the cache are kept (at least one token is
-        always recomputed), as llama-server's prompt cache does; caches that cannot keep a prefix start over."""
+        Prefix reuse (unless `reuse_prefix` is False): positions whose tokens equal those already in the cache
+        are kept (at least one token is always recomputed), as llama-server's prompt cache does; caches that
+        cannot keep a prefix start over. `abort` is asked between chunks; when it answers True, `Aborted` is
+        raised and the cache keeps the chunks already computed."""
         reuse = 0
-        if self.config.prefix_cache and self.cache.prefix_reusable:
+        if reuse_prefix and self.config.prefix_cache and self.cache.prefix_reusable:
             limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
             while reuse < limit and self.cached_tokens[reuse] == tokens[reuse]:
                 reuse += 1
@@ -71,6 +78,9 @@ class Engine:
         n, out = len(tokens), []
         ubatch = self.config.ubatch
         for s in range(reuse, n, ubatch):
+            if abort is not None and s > reuse and abort():
+                self.cached_tokens = self.cached_tokens[:self.cache.length]
+                raise Aborted
             chunk = ids[s:s + ubatch]
             e = s + chunk.numel()
             want = None if rows is None else min(e - s, max(1, e - (n - rows)))  # rows of this chunk kept
@@ -113,17 +123,24 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special=not chat)
 
     # ---- generation ------------------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
-               ) -> Iterator[Chunk]:
-        """Yield generated tokens (with text when a tokenizer is present); stats land in `last_stats`."""
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
+               abort: Callable[[], bool] | None = None) -> Iterator[Chunk]:
+        """Yield generated tokens (with text when a tokenizer is present); stats land in `last_stats`.
+
+        `abort` (a server's cancel check) is asked between prefill chunks: when it answers True the stream ends
+        without tokens and `finish_reason` "abort". Between tokens the caller stops by closing the iterator."""
         params = params or SamplingParams()
         tokens = self.encode_prompt(prompt, chat)
         if not tokens:
             raise TurboSpecError("empty prompt")
-        if len(tokens) + max(params.max_tokens, 1) > self.ctx:
+        if len(tokens) + params.max_tokens > self.ctx:
             raise TurboSpecError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds context size {self.ctx}"
             )
+        vocab = self.model.cfg.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise TurboSpecError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                                 f"[0, {vocab})")
         stats = GenStats(prompt_tokens=len(tokens))
         spec = SpecStats()
         self.last_stats = stats
@@ -140,17 +157,41 @@ class Engine:
         want: int | None = 1  # prompt rows whose hidden states are needed (None: all)
         if drafter is not None and drafter.needs_hidden:
             want = drafter.prompt_rows(len(tokens))
-        hidden = self.prefill(tokens, want)
+        prompt_lp = params.prompt_logprobs
+        # prompt logprobs need every prompt row: no prefix reuse, all rows kept
+        try:
+            hidden = self.prefill(tokens, None if prompt_lp is not None else want, reuse_prefix=prompt_lp is None,
+                                  abort=abort)
+        except Aborted:
+            stats.prefill_s = time.perf_counter() - t0
+            stats.finish_reason = "abort"
+            return
+        first: Chunk | None = None
+        if prompt_lp is not None:
+            first = Chunk([], "", prompt_logprobs=[None, *self._prompt_logprobs(tokens, hidden, prompt_lp)])
+            hidden = hidden if want is None else hidden[-want:]
+        stats.cached_tokens = self.reused_tokens
+        if params.max_tokens == 0:  # prefill only (prompt logprobs for log-likelihood evaluation)
+            stats.prefill_s = time.perf_counter() - t0
+            stats.finish_reason = "length"
+            stats.peak_rss_bytes = peak_rss_bytes()
+            if first is not None:
+                yield first
+            return
         if drafter is not None:
             drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0
-        stats.cached_tokens = self.reused_tokens
+        if first is not None:
+            yield first
         pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
+        want_lp = params.logprobs is not None  # then pending_lp[i] is the logprobs of pending[i]
+        pending_lp = sampler.take_logprobs() if want_lp else []
         context = self.cached_tokens  # grows in place: always the tokens whose KV is committed
         t_first = None
         done = False
         while not done:
-            for tok in pending:
+            for i, tok in enumerate(pending):
+                lp = [pending_lp[i]] if want_lp else None
                 stats.gen_tokens += 1
                 if t_first is None:
                     t_first = time.perf_counter()
@@ -165,14 +206,14 @@ class Engine:
                     cut = find_stop(held, stops)
                     if cut is not None:
                         if held[:cut]:
-                            yield Chunk([tok], held[:cut])
+                            yield Chunk([tok], held[:cut], lp)
                         held = ""
                         stats.finish_reason = "stop"
                         done = True
                         break
                     safe = safe_prefix_len(held, stops)
                     text, held = held[:safe], held[safe:]
-                yield Chunk([tok], text)
+                yield Chunk([tok], text, lp)
                 if stats.gen_tokens >= params.max_tokens:
                     stats.finish_reason = "length"
                     done = True
@@ -201,6 +242,8 @@ class Engine:
                 drafter.accept([root] + accepted, hidden_rows, nxt)
             context += accepted
             pending = accepted + [nxt]
+            if want_lp:
+                pending_lp = sampler.take_logprobs()
         if held:
             yield Chunk([], held)
         stats.finish_reason = stats.finish_reason or "length"
@@ -219,6 +262,16 @@ class Engine:
                 toks += ch.tokens
                 text.append(ch.text)
             out.append({"text": "".join(text), "tokens": toks, "stats": self.last_stats})
+        return out
+
+    def _prompt_logprobs(self, tokens: list[int], hidden: torch.Tensor, k: int) -> list[TokenLogprob]:
+        """The logprobs of prompt tokens 1.. from the rows before them (raw logits: no bias or penalties), in
+        slices of rows so that the [rows, vocab] logits stay small (64 x 152K float32: 39 MB)."""
+        out: list[TokenLogprob] = []
+        step = 64
+        for s in range(0, len(tokens) - 1, step):
+            e = min(s + step, len(tokens) - 1)
+            out += logprobs_of(self.model.logits(hidden[s:e]), tokens[s + 1:e + 1], k)
         return out
 
     def _eos_ids(self) -> set[int]:

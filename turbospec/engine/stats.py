@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 from dataclasses import asdict, dataclass
 
+from turbospec.sampling import TokenLogprob
 from turbospec.speculative.stats import SpecStats
 
 
@@ -49,10 +50,16 @@ class GenStats:
 
 @dataclass
 class Chunk:
-    """One streamed step: the new token ids and the text they complete (may be empty)."""
+    """One streamed step: the new token ids and the text they complete (may be empty).
+
+    logprobs: one per token, when `SamplingParams.logprobs` is set. prompt_logprobs: when
+    `SamplingParams.prompt_logprobs` is set, the first chunk (no tokens) carries one per prompt token, None for
+    the first."""
 
     tokens: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def peak_rss_bytes() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,9 @@ from turbospec.errors import TurboSpecError
 DENSE_ARCHS = ("qwen3", "qwen2", "llama")
 HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5", "qwen3_next")
 SUPPORTED_ARCHS = DENSE_ARCHS + HYBRID_ARCHS
+# ModelConfig field -> its config.json name, for error messages
+CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads"}
 
 
 @dataclass
@@ -37,6 +41,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        """Every value the model builders rely on, checked once: a bad config.json is a one-line error here,
+        not a traceback (or a huge allocation) later."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            _int(getattr(self, name), CONFIG_NAMES.get(name, name), 1)
+        if self.num_heads % self.num_kv_heads:
+            raise TurboSpecError(f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                                 f"num_key_value_heads ({self.num_kv_heads})")
+        _number(self.rms_norm_eps, "rms_norm_eps", positive=True)
+        for tok in (() if self.bos_token_id is None else (self.bos_token_id,)) + tuple(self.eos_token_ids):
+            _int(tok, "bos_token_id / eos_token_id", 0)
+        _check_rope(self.rope, self.head_dim)
+        if self.arch in HYBRID_ARCHS:
+            self.layer_types()
+            d = self.linear_dims()
+            if d["num_v_heads"] % d["num_k_heads"]:
+                raise TurboSpecError(f"config.json: linear_num_value_heads ({d['num_v_heads']}) must be a multiple "
+                                     f"of linear_num_key_heads ({d['num_k_heads']})")
+        if self.arch == "qwen3_next":
+            _check_moe(self.raw)
+
     @property
     def rope_theta(self) -> float:
         return float(self.rope.get("rope_theta", 10000.0))
@@ -56,31 +82,34 @@ class ModelConfig:
             return ["full_attention"] * self.num_layers
         types = self.raw.get("layer_types")
         if types is None:
-            every = int(self.raw.get("full_attention_interval", 4))
+            every = _int(self.raw.get("full_attention_interval", 4), "full_attention_interval", 1)
             types = ["linear_attention" if (i + 1) % every else "full_attention"
                      for i in range(self.num_layers)]
-        types = list(types)[: self.num_layers]
         kinds = ("full_attention", "linear_attention")
-        if len(types) != self.num_layers or any(t not in kinds for t in types):
-            raise TurboSpecError(f"config layer_types must list full_attention/linear_attention for each of "
-                                 f"{self.num_layers} layers, got {types}")
-        return types
+        if not isinstance(types, list) or len(types) < self.num_layers or any(t not in kinds for t in types):
+            raise TurboSpecError(f"config.json: layer_types must list full_attention/linear_attention for each of "
+                                 f"{self.num_layers} layers, got {_show(types)}")
+        return types[: self.num_layers]
 
     def linear_dims(self) -> dict[str, int]:
         """Gated DeltaNet sizes: key/value heads, key/value head dims, conv kernel."""
         r = self.raw
         return {
-            "num_k_heads": int(r.get("linear_num_key_heads", 16)),
-            "num_v_heads": int(r.get("linear_num_value_heads", 32)),
-            "k_head_dim": int(r.get("linear_key_head_dim", 128)),
-            "v_head_dim": int(r.get("linear_value_head_dim", 128)),
-            "conv_kernel": int(r.get("linear_conv_kernel_dim", 4)),
+            "num_k_heads": _int(r.get("linear_num_key_heads", 16), "linear_num_key_heads", 1),
+            "num_v_heads": _int(r.get("linear_num_value_heads", 32), "linear_num_value_heads", 1),
+            "k_head_dim": _int(r.get("linear_key_head_dim", 128), "linear_key_head_dim", 1),
+            "v_head_dim": _int(r.get("linear_value_head_dim", 128), "linear_value_head_dim", 1),
+            "conv_kernel": _int(r.get("linear_conv_kernel_dim", 4), "linear_conv_kernel_dim", 1),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise TurboSpecError(f"config.json must hold a JSON object, got {type(d).__name__}")
         arch = d.get("model_type")
         if arch == "qwen3_5" and "text_config" in d:
+            if not isinstance(d["text_config"], dict):
+                raise TurboSpecError("config.json: text_config must be a JSON object")
             inner = dict(d["text_config"])
             inner.setdefault("model_type", "qwen3_5_text")
             for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # outer values govern
@@ -89,62 +118,143 @@ class ModelConfig:
             return cls.from_dict({**inner, "_outer_model_type": "qwen3_5"})
         if arch not in SUPPORTED_ARCHS:
             raise TurboSpecError(
-                f"unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+                f"unknown architecture {_show(arch)} (supported: {', '.join(SUPPORTED_ARCHS)})"
             )
         try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
+            hidden = _int(d["hidden_size"], "hidden_size", 1)
+            heads = _int(d["num_attention_heads"], "num_attention_heads", 1)
+            head_dim = d.get("head_dim")
+            if head_dim is None:
+                if hidden % heads:
+                    raise TurboSpecError(f"config.json: hidden_size ({hidden}) is not a multiple of "
+                                         f"num_attention_heads ({heads}) and no head_dim is given")
+                head_dim = hidden // heads
+            kv_heads = d.get("num_key_value_heads")
+            attention_bias = _bool(d.get("attention_bias", False), "attention_bias")
+            act = d.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):
+                raise TurboSpecError(f"unsupported activation {_show(act)} (only silu)")
             cfg = cls(
                 arch=arch,
-                vocab_size=int(d["vocab_size"]),
+                vocab_size=_int(d["vocab_size"], "vocab_size", 1),
                 hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
+                intermediate_size=_int(d["intermediate_size"], "intermediate_size", 1),
+                num_layers=_int(d["num_hidden_layers"], "num_hidden_layers", 1),
                 num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                num_kv_heads=heads if kv_heads is None else _int(kv_heads, "num_key_value_heads", 1),
+                head_dim=_int(head_dim, "head_dim", 1),
+                rms_norm_eps=_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", positive=True),
                 rope=_rope_params(d, hybrid=arch in HYBRID_ARCHS),
-                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-                o_bias=arch in ("llama", "qwen3") + HYBRID_ARCHS and bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
+                max_position_embeddings=_int(d.get("max_position_embeddings", 32768), "max_position_embeddings", 1),
+                tie_word_embeddings=_bool(d.get("tie_word_embeddings", False), "tie_word_embeddings"),
+                attention_bias=arch == "qwen2" or attention_bias,
+                o_bias=arch in ("llama", "qwen3") + HYBRID_ARCHS and attention_bias,
+                mlp_bias=_bool(d.get("mlp_bias", False), "mlp_bias"),
                 qk_norm=arch in ("qwen3",) + HYBRID_ARCHS,
-                hidden_act=str(d.get("hidden_act", "silu")),
-                bos_token_id=d.get("bos_token_id"),
+                hidden_act=act,
+                bos_token_id=None if d.get("bos_token_id") is None else _int(d["bos_token_id"], "bos_token_id", 0),
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
                 raw=d,
             )
         except KeyError as e:
             raise TurboSpecError(f"config.json is missing required field {e.args[0]!r}") from None
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise TurboSpecError(f"unsupported activation {cfg.hidden_act!r} (only silu)")
         return cfg
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise TurboSpecError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # bad JSON, bad UTF-8, an integer too long to convert
             raise TurboSpecError(f"{path} is not valid JSON: {e}") from None
+        except (OSError, RecursionError) as e:
+            raise TurboSpecError(f"{path}: cannot read it ({type(e).__name__})") from None
         return cls.from_dict(d)
+
+
+def _show(v: Any) -> str:
+    """A config value for an error message, cut short."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _int(v: Any, name: str, lo: int) -> int:
+    """A JSON integer >= lo (an integral float such as 4096.0 too), else a one-line error naming the field."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise TurboSpecError(f"config.json: {name} must be an integer >= {lo}, got {_show(v)}")
+    return v
+
+
+def _number(v: Any, name: str, positive: bool = False) -> float:
+    """A finite JSON number (> 0 if `positive`), else a one-line error naming the field."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise TurboSpecError(f"config.json: {name} must be a finite{' positive' if positive else ''} number, "
+                             f"got {_show(v)}")
+    return float(v)
+
+
+def _bool(v: Any, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise TurboSpecError(f"config.json: {name} must be true or false, got {_show(v)}")
+    return v
 
 
 def _as_tuple(v: Any) -> tuple[int, ...]:
     if v is None:
         return ()
     if isinstance(v, (list, tuple)):
-        return tuple(int(x) for x in v)
-    return (int(v),)
+        return tuple(_int(x, "eos_token_id", 0) for x in v)
+    return (_int(v, "eos_token_id", 0),)
+
+
+def _check_rope(rope: dict[str, Any], head_dim: int) -> None:
+    """The rope settings `layers.rope` reads: a positive theta, a partial rotary factor in (0, 1] that rotates
+    an even number of dims, and each scaling type's own factors."""
+    _number(rope.get("rope_theta", 10000.0), "rope_theta", positive=True)
+    frac = _number(rope.get("partial_rotary_factor", 1.0), "partial_rotary_factor", positive=True)
+    dim = int(head_dim * frac)
+    if frac > 1 or dim < 2 or dim % 2:
+        raise TurboSpecError(f"config.json: partial_rotary_factor {frac} with head_dim {head_dim} rotates {dim} "
+                             f"dims; it must be in (0, 1] and rotate an even number of dims")
+    kind = rope.get("rope_type", "default")
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(kind, ())
+    for key in need:
+        if key not in rope:
+            raise TurboSpecError(f"config.json: rope type {kind!r} needs {key!r}")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "max_position_embeddings"):
+        if rope.get(key) is not None:
+            _number(rope[key], f"rope {key}", positive=True)
+    if kind == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
+        raise TurboSpecError("config.json: rope high_freq_factor must be greater than low_freq_factor")
+
+
+def _check_moe(r: dict[str, Any]) -> None:
+    """Qwen3-Next's mixture-of-experts fields (read by `hybrid.load_moe` when num_experts > 0)."""
+    experts = _int(r.get("num_experts") or 0, "num_experts", 0)
+    if not experts:
+        return
+    _int(r.get("moe_intermediate_size"), "moe_intermediate_size", 1)
+    top = _int(r.get("num_experts_per_tok", 1), "num_experts_per_tok", 1)
+    if top > experts:
+        raise TurboSpecError(f"config.json: num_experts_per_tok ({top}) exceeds num_experts ({experts})")
+    _int(r.get("decoder_sparse_step", 1), "decoder_sparse_step", 1)
+    _int(r.get("shared_expert_intermediate_size") or 0, "shared_expert_intermediate_size", 0)
+    only = r.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise TurboSpecError(f"config.json: mlp_only_layers must be a list of layer indices, got {_show(only)}")
+    for i in only:
+        _int(i, "mlp_only_layers entry", 0)
 
 
 def _rope_params(d: dict[str, Any], hybrid: bool = False) -> dict[str, Any]:
     """Merge the old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) spellings."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(d.get("rope_theta", 10000.0))}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _number(d.get("rope_theta", 10000.0), "rope_theta")}
     for key in ("rope_scaling", "rope_parameters"):
         extra = d.get(key)
         if isinstance(extra, dict):
@@ -156,6 +266,6 @@ def _rope_params(d: dict[str, Any], hybrid: bool = False) -> dict[str, Any]:
     if hybrid:  # Qwen3.5 / Qwen3-Next rotate a quarter of each head unless the config says otherwise
         rope.setdefault("partial_rotary_factor", 0.25)
     rope.setdefault("max_position_embeddings", d.get("max_position_embeddings", 32768))
-    if rope["rope_type"] not in ("default", "llama3", "yarn", "linear"):
-        raise TurboSpecError(f"unsupported rope type {rope['rope_type']!r} (default, linear, llama3, yarn)")
+    if not isinstance(rope["rope_type"], str) or rope["rope_type"] not in ("default", "llama3", "yarn", "linear"):
+        raise TurboSpecError(f"unsupported rope type {_show(rope['rope_type'])} (default, linear, llama3, yarn)")
     return rope

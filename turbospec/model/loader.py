@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
@@ -25,11 +25,7 @@ class WeightSource:
         self._handles: dict[Path, object] = {}
         index_file = self.dir / "model.safetensors.index.json"
         if index_file.exists():
-            try:
-                weight_map = json.loads(index_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise TurboSpecError(f"{index_file}: invalid safetensors index ({e})") from None
-            for name, fname in weight_map.items():
+            for name, fname in _weight_map(index_file).items():
                 self.index[name] = self.dir / fname
             files = sorted(set(self.index.values()))
             for f in files:
@@ -71,6 +67,27 @@ class WeightSource:
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         return t
+
+
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map. A shard must be a relative `*.safetensors` path without `..` parts
+    (checked on the name, so shards that are symlinks, as in a Hugging Face cache, still load)."""
+    try:
+        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON, bad UTF-8, huge ints
+        raise TurboSpecError(f"{index_file}: invalid safetensors index ({_one_line(e)})") from None
+    except (OSError, RecursionError) as e:
+        raise TurboSpecError(f"{index_file}: cannot read it ({type(e).__name__})") from None
+    if not isinstance(weight_map, dict):
+        raise TurboSpecError(f"{index_file.name}: weight_map must be a JSON object")
+    for name, fname in weight_map.items():
+        parts = PurePosixPath(fname).parts if isinstance(fname, str) else ()
+        if (not parts or not fname.endswith(".safetensors") or fname.startswith("/")
+                or any(c in "\\:" or ord(c) < 32 for c in fname) or any(p in ("..", ".") for p in parts)):
+            shown = repr(fname) if len(repr(fname)) <= 80 else repr(fname)[:77] + "..."
+            raise TurboSpecError(f"{index_file.name}: tensor {name[:80]!r} maps to {shown}; shards must be "
+                                 f"relative *.safetensors paths inside the model directory")
+    return weight_map
 
 
 def _one_line(e: Exception) -> str:

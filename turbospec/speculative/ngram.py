@@ -32,13 +32,18 @@ class PromptLookup(Drafter):
 
 class NgramMod(Drafter):
     """Rolling hash of the last n_match tokens -> the token that followed, in a fixed-size pool (llama.cpp
-    ngram-mod). Drafts chain lookups up to n_max tokens; proposes nothing when fewer than n_min would come."""
+    ngram-mod). Drafts chain lookups up to n_max tokens; proposes nothing when fewer than n_min would come.
+
+    The pool starts empty for each request, so one client's text never drafts (or times) another's; `shared`
+    keeps it across requests as llama.cpp does (repeated or similar requests then draft from earlier ones)."""
 
     name = "ngram-mod"
     needs_hidden = False
 
-    def __init__(self, n_match: int = 8, n_min: int = 1, n_max: int = 16, pool_bits: int = 20):
+    def __init__(self, n_match: int = 8, n_min: int = 1, n_max: int = 16, pool_bits: int = 20,
+                 shared: bool = False):
         self.n, self.n_min, self.n_max = n_match, n_min, n_max
+        self.shared = shared
         self.mask = (1 << pool_bits) - 1
         self.pool = torch.full((1 << pool_bits,), -1, dtype=torch.int32)
         self.seen = 0
@@ -56,6 +61,8 @@ class NgramMod(Drafter):
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         self.seen = 0
+        if not self.shared:
+            self.pool.fill_(-1)
         self._add(tokens)
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:

@@ -50,7 +50,7 @@ def _prompt_lookup(c: DraftContext) -> Drafter:
 def _ngram_mod(c: DraftContext) -> Drafter:
     from turbospec.speculative.ngram import NgramMod
 
-    return NgramMod(c.cfg.ngram_mod_n_match, 1, c.cfg.ngram_mod_n_max)
+    return NgramMod(c.cfg.ngram_mod_n_match, 1, c.cfg.ngram_mod_n_max, shared=c.cfg.ngram_mod_shared)
 
 
 @register("draft-mtp")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from turbospec.sampling import Sampler
+from turbospec.sampling import Sampler, probs_from_logits
 from turbospec.speculative.tree import DraftTree
 
 
@@ -16,7 +16,8 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[lis
     distribution q (chains from probabilistic drafters) is accepted with probability min(1, p/q) and on
     rejection the next token comes from norm(max(p - q, 0)) (Leviathan et al.); children without q are
     deterministic candidates: the target samples x ~ p and the walk continues if x is one of them. Both keep
-    the output distribution exactly p. The sampler's penalty window is advanced token by token.
+    the output distribution exactly p. The sampler's penalty window is advanced token by token, and each emitted
+    token's logprobs (when asked for) come from the row it was chosen at, with the bias and penalties applied.
     """
     path: list[int] = []
     node, row = -1, 0
@@ -25,11 +26,12 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[lis
         q = tree.q[kids[0]] if len(kids) == 1 and not sampler.params.greedy else None
         if q is not None:  # one child with a draft distribution: accept with min(1, p/q)
             k = kids[0]
-            p = sampler.probs(logits[row])
+            processed = sampler.process(logits[row])
+            p = probs_from_logits(processed, sampler.params)
             x = tree.tokens[k]
             u = float(torch.rand((), generator=sampler.generator))
             if float(q[x]) > 0 and u < min(1.0, float(p[x]) / float(q[x])):
-                sampler.accept(x)
+                sampler.chose(x, processed)
                 path.append(k)
                 node, row = k, 1 + k
                 continue
@@ -37,7 +39,7 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[lis
             if float(resid.sum()) <= 0:
                 resid = p
             nxt = int(torch.multinomial(resid / resid.sum(), 1, generator=sampler.generator))
-            sampler.accept(nxt)
+            sampler.chose(nxt, processed)
             return path, nxt
         x = sampler.sample(logits[row])
         match = next((k for k in kids if tree.tokens[k] == x), None)
