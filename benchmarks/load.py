@@ -111,7 +111,11 @@ async def malformed_request(http: httpx.AsyncClient, res: Results, rng: random.R
     except httpx.HTTPError as e:
         res.fail(f"malformed: {type(e).__name__}")
         return
-    if 400 <= r.status_code < 500 and "error" in r.json():
+    try:
+        shaped = "error" in r.json()  # OpenAI-shaped error body
+    except ValueError:
+        shaped = False
+    if 400 <= r.status_code < 500 and shaped:
         res.rejected += 1
     else:
         res.status_5xx += r.status_code >= 500

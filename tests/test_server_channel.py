@@ -32,9 +32,15 @@ def test_tokens_put_while_the_loop_is_busy_cost_no_wake_up():
         threading.Thread(target=ch.put, args=(("chunk", 100),)).start()
         assert await asyncio.wait_for(waiter, 30) == [("chunk", 100)]
         assert counting.wakes == 1
-        for i in range(50):  # while the loop paces, ordinary tokens do not wake it ...
-            ch.put(("chunk", i))
-        assert counting.wakes == 1
+        paced = asyncio.create_task(ch.take(pace=3600.0))  # the loop paces: waits only for the job's end
+        await asyncio.sleep(0)
+        t = threading.Thread(target=lambda: [ch.put(("chunk", i)) for i in range(50)])
+        t.start()
+        t.join()
+        assert counting.wakes == 1  # ordinary tokens do not wake it ...
+        ch.put(("done", None, None), last=True)
+        assert len(await asyncio.wait_for(paced, 60)) == 51
+        assert counting.wakes == 2  # ... the last event does, once
 
     asyncio.run(main())
 

@@ -72,6 +72,8 @@ def test_one_api_key_cannot_hold_more_than_its_limit():
             with h.stream("POST", base + "/v1/completions", json=body(True), headers=k2) as other:
                 assert other.status_code == 200  # another key is not limited by the first one's use
         assert settle(base)["running"] == 0
+        r = httpx.post(base + "/v1/completions", json=body(n=2), headers=k1, timeout=30)
+        assert r.status_code == 200  # the stream that ended gave its slot back
     with live(eng, api_keys=("one",), max_per_key=1) as base:  # the slot is free again once a reply is over
         for _ in range(3):
             r = httpx.post(base + "/v1/completions", json=body(n=2), headers=k1, timeout=30)

@@ -102,8 +102,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def serve_on_main_thread(http, worker, banner: str) -> int:
     """HTTP in a thread, generation on this (the main) thread: see `Worker` for why. SIGINT / SIGTERM stop
-    both: uvicorn stops accepting and gives open responses up to 10 s, queued jobs end with "abort", the running
-    one stops at its next token."""
+    both: uvicorn stops accepting and gives open responses up to 10 s (a second signal: none), queued and new
+    requests get a 503 (`shutting_down`), the running one stops at its next token (finish reason "abort")."""
     import signal
     import threading
 
@@ -116,14 +116,19 @@ def serve_on_main_thread(http, worker, banner: str) -> int:
     print(f"turbospec serve: {banner}", flush=True)
 
     def on_signal(signum, frame) -> None:
+        if http.should_exit:  # a second Ctrl-C: close the open streams now instead of after 10 s
+            http.force_exit = True
         http.should_exit = True
         worker.stop_soon()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    worker.run(alive=t.is_alive)
-    http.should_exit = True
-    t.join(15)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        worker.run(alive=t.is_alive)
+    finally:
+        http.should_exit = True
+        t.join(15)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

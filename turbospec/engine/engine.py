@@ -189,67 +189,69 @@ class Engine:
         context = self.cached_tokens  # grows in place: always the tokens whose KV is committed
         t_first = None
         done = False
-        while not done:
-            for i, tok in enumerate(pending):
-                lp = [pending_lp[i]] if want_lp else None
-                stats.gen_tokens += 1
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    stats.ttft_s = t_first - t0
-                if tok in eos:
-                    stats.finish_reason = "stop"
-                    done = True
-                    break
-                text = dec.push(tok) if dec else ""
-                if stops:
-                    held += text
-                    cut = find_stop(held, stops)
-                    if cut is not None:
-                        if held[:cut]:
-                            yield Chunk([tok], held[:cut], lp)
-                        held = ""
+        try:  # (a caller that stops early closes the generator: the timings still hold)
+            while not done:
+                for i, tok in enumerate(pending):
+                    lp = [pending_lp[i]] if want_lp else None
+                    stats.gen_tokens += 1
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                        stats.ttft_s = t_first - t0
+                    if tok in eos:
                         stats.finish_reason = "stop"
                         done = True
                         break
-                    safe = safe_prefix_len(held, stops)
-                    text, held = held[:safe], held[safe:]
-                yield Chunk([tok], text, lp)
-                if stats.gen_tokens >= params.max_tokens:
-                    stats.finish_reason = "length"
-                    done = True
+                    text = dec.push(tok) if dec else ""
+                    if stops:
+                        held += text
+                        cut = find_stop(held, stops)
+                        if cut is not None:
+                            if held[:cut]:
+                                yield Chunk([tok], held[:cut], lp)
+                            held = ""
+                            stats.finish_reason = "stop"
+                            done = True
+                            break
+                        safe = safe_prefix_len(held, stops)
+                        text, held = held[:safe], held[safe:]
+                    yield Chunk([tok], text, lp)
+                    if stats.gen_tokens >= params.max_tokens:
+                        stats.finish_reason = "length"
+                        done = True
+                        break
+                if done:
                     break
-            if done:
-                break
-            if self.cache.length + 1 >= self.ctx:
-                stats.finish_reason = "length"
-                break
-            root = pending[-1]
-            context.append(root)
-            # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
-            room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.n_max)
-            slots = self.ctx - self.cache.length - 1
-            tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
-            if len(tree):
-                tree = tree.limit(room, slots)
-            if len(tree):
-                path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
-                spec.record(tree, len(path))
-                accepted = [tree.tokens[i] for i in path]
-            else:
-                hidden_rows = self.step(root)
-                nxt, accepted = sampler.sample(self.model.logits(hidden_rows)[0]), []
-            if drafter is not None:
-                drafter.accept([root] + accepted, hidden_rows, nxt)
-            context += accepted
-            pending = accepted + [nxt]
-            if want_lp:
-                pending_lp = sampler.take_logprobs()
-        if held:
-            yield Chunk([], held)
-        stats.finish_reason = stats.finish_reason or "length"
-        if t_first is not None:
-            stats.decode_s = time.perf_counter() - t_first
-        stats.peak_rss_bytes = peak_rss_bytes()
+                if self.cache.length + 1 >= self.ctx:
+                    stats.finish_reason = "length"
+                    break
+                root = pending[-1]
+                context.append(root)
+                # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
+                room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.n_max)
+                slots = self.ctx - self.cache.length - 1
+                tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
+                if len(tree):
+                    tree = tree.limit(room, slots)
+                if len(tree):
+                    path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
+                    spec.record(tree, len(path))
+                    accepted = [tree.tokens[i] for i in path]
+                else:
+                    hidden_rows = self.step(root)
+                    nxt, accepted = sampler.sample(self.model.logits(hidden_rows)[0]), []
+                if drafter is not None:
+                    drafter.accept([root] + accepted, hidden_rows, nxt)
+                context += accepted
+                pending = accepted + [nxt]
+                if want_lp:
+                    pending_lp = sampler.take_logprobs()
+            if held:
+                yield Chunk([], held)
+            stats.finish_reason = stats.finish_reason or "length"
+        finally:
+            if t_first is not None:
+                stats.decode_s = time.perf_counter() - t_first
+            stats.peak_rss_bytes = peak_rss_bytes()
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
                  chat: bool = False) -> list[dict]:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from turbospec.errors import TurboSpecError
@@ -61,6 +62,8 @@ async def read_json(request: Request, limit: int, deadline_s: float) -> bytes:
 
     try:
         await asyncio.wait_for(receive_all(), deadline_s)
+    except ClientDisconnect:  # the client hung up while sending
+        raise ClientGone from None
     except asyncio.TimeoutError:
         raise APIError(408, f"request body not received within {deadline_s:g} s (--body-timeout)",
                        "invalid_request_error", None, "request_timeout") from None
@@ -280,7 +283,7 @@ class Server:
         if not self.worker.has_room():  # before reading the body: a full queue costs no parsing
             raise self.worker.queue_full()
         key = self.key_of(request)
-        limit = self.cfg.max_per_key
+        limit = self.cfg.max_per_key if self.api_keys else 0  # a per-key limit needs keys
         if limit and self.per_key.get(key, 0) >= limit:
             raise APIError(429, f"too many concurrent requests for this API key (limit {limit}, "
                                 "--max-concurrent-per-key)", "rate_limit_error", None, "rate_limit_exceeded")
@@ -288,6 +291,9 @@ class Server:
         resp: Response | None = None
         try:
             resp = await self._handle(request, chat, key, t_arrival)
+            return resp
+        except ClientGone:  # left before its request was read: nobody to answer (the status is for the logs)
+            resp = Response(status_code=499)
             return resp
         finally:
             if not isinstance(resp, EventStream):  # a stream frees the slot when it ends
@@ -431,7 +437,7 @@ class Guard:
         request = Request(scope)
         endpoint = endpoint_label(request.url.path)
         refused = server.authorized(request)
-        if refused is None and self.active >= server.cfg.max_connections:
+        if refused is None and self.active >= server.cfg.max_connections and endpoint != "/health":
             refused = APIError(503, f"server busy: {self.active} requests in flight (--max-connections)",
                                "server_overloaded", None, "too_many_connections")
         if refused is not None:

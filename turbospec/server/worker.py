@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from turbospec.server.metrics import Metrics
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", "server_overloaded", None, "shutting_down")
+
+
 class Channel:
     """Events from the worker thread to one request's event loop, woken only when the loop is waiting."""
 
@@ -78,7 +82,7 @@ class Channel:
             await self._event.wait()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queue removes a cancelled job by identity, not by comparing prompts
 class Job:
     tokens: list[int]
     params: SamplingParams
@@ -139,6 +143,8 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         with self._cond:
+            if self._stopping:
+                raise shutting_down()
             if len(self._queue) >= self.max_queue:
                 raise self.queue_full()
             self._queue.append(job)
@@ -158,8 +164,8 @@ class Worker:
         job.emit(("done", None, "abort"), last=True)
 
     def stop_soon(self) -> None:
-        """Stop taking jobs: the queued ones end with "abort", the running one stops at its next check, and
-        `run()` returns. Safe in a signal handler."""
+        """Stop taking jobs: new and queued ones get a 503 (`shutting_down`), the running one stops at its next
+        check (finish reason "abort"), and `run()` returns. Safe in a signal handler."""
         with self._cond:
             self._stopping = True
             pending = list(self._queue)
@@ -168,7 +174,7 @@ class Worker:
             self._cond.notify_all()
         for job in pending:
             job.cancelled.set()
-            job.emit(("done", None, "abort"), last=True)
+            job.emit(("error", shutting_down()), last=True)
         if cur is not None:
             cur.cancelled.set()
 
@@ -189,17 +195,20 @@ class Worker:
                 while not self._queue and not self._stopping:
                     self._cond.wait(timeout=None if alive is None else 1.0)
                     if alive is not None and not alive():
-                        self._stopping = True
-                if self._stopping:
-                    return
+                        break
+                if self._stopping or not self._queue:
+                    break
                 job = self._queue.popleft()
                 self.current = job
+            if self._stopping:  # a signal between the two lines above: stop_soon saw neither
+                job.cancelled.set()
             self._gauges()
             try:
                 self._run(job)
             finally:
                 self.current = None
                 self._gauges()
+        self.stop_soon()  # (also when `alive` said no) whatever is still queued gets its answer
 
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
@@ -237,6 +246,6 @@ class Worker:
                     return "length"
         finally:
             gen.close()
-        if cancelled.is_set():
-            return "abort"
-        return "length" if time.perf_counter() > deadline else None
+        if self.engine.last_stats.finish_reason == "abort":  # the prefill stopped: which check said so
+            return "abort" if cancelled.is_set() else "length"
+        return None  # the engine finished on its own: its reason stands
