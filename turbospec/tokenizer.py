@@ -33,8 +33,13 @@ class Tokenizer:
                 cfg = json.loads(tc.read_text())
             except json.JSONDecodeError as e:
                 raise TurboSpecError(f"{tc} is not valid JSON: {e}") from None
+        self._setup(cfg, _chat_template(d, cfg))
+
+    def _setup(self, cfg: dict[str, Any], chat_template: str | None, extra_eos: tuple[int, ...] = ()) -> None:
+        """The attributes besides `tok`, from a tokenizer_config.json-shaped dict (a directory's, or one made from GGUF
+        metadata)."""
         self.config = cfg
-        self.chat_template = _chat_template(d, cfg)
+        self.chat_template = chat_template
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None
@@ -43,6 +48,25 @@ class Tokenizer:
             i = self.tok.token_to_id(t) if t is not None else None
             if i is not None and (t == self.eos_token or t in ("<|im_end|>", "<|eot_id|>")):
                 self.eos_ids.add(i)
+        self.eos_ids.update(extra_eos)
+
+    @classmethod
+    def from_gguf(cls, fields: dict[str, Any]) -> Tokenizer:
+        """The tokenizer of a GGUF file, from its metadata (`fields`: key -> python value, as `gguf_metadata` gives):
+        the `tokenizers` tokenizer Hugging Face uses for the original checkpoint, rebuilt from the vocabulary, token
+        types, merges and pre-tokenizer name llama.cpp's converter stored; BOS/EOS and the chat template from the
+        metadata. Byte-level BPE (`tokenizer.ggml.model` "gpt2") only."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        spec, cfg, extra_eos = _gguf_tokenizer_spec(fields)
+        try:
+            tok = HFTokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises its own types; report them in one line
+            raise TurboSpecError(f"GGUF tokenizer: cannot build it ({' '.join(str(e).split())[:150]})") from None
+        obj = cls.__new__(cls)
+        obj.tok = tok
+        obj._setup(cfg, cfg.get("chat_template"), extra_eos)
+        return obj
 
     @property
     def vocab_size(self) -> int:
@@ -163,3 +187,154 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> str | None:
         named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
         return named.get("default") or next(iter(named.values()), None)
     return t
+
+
+# --- GGUF (llama.cpp) tokenizers ------------------------------------------------------------------------------------
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# The pre-tokenizer regexes as the Hugging Face tokenizer.json files (and transformers' Qwen2/Qwen3.5 tokenizers)
+# have them; llama.cpp's src/llama-vocab.cpp quotes them as "original regex from tokenizer.json" before its rewrites.
+_QWEN2_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN35_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_LLAMA3_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# llama.cpp's "default" (a missing tokenizer.ggml.pre): its own sequence of splits, no Hugging Face counterpart
+_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)""",
+                r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+def _split(regex: str) -> dict[str, Any]:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+
+def _byte_level(use_regex: bool, trim_offsets: bool = False) -> dict[str, Any]:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": trim_offsets, "use_regex": use_regex}
+
+
+def _seq(*pre: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "Sequence", "pretokenizers": list(pre)}
+
+
+_NFC = {"type": "NFC"}
+# tokenizer.ggml.pre -> (normalizer, pre_tokenizer, BPE ignore_merges, llama.cpp's default add_bos)
+_PRE: dict[str, tuple[dict[str, Any] | None, dict[str, Any], bool, bool]] = {
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo"), (None, _byte_level(True, trim_offsets=True), False, False)),
+    **dict.fromkeys(("starcoder", "smollm", "refact"),  # Digits(individual) + GPT-2's ByteLevel split
+                    (None, _seq({"type": "Digits", "individual_digits": True}, _byte_level(True, trim_offsets=True)),
+                     False, False)),
+    "qwen2": (_NFC, _seq(_split(_QWEN2_RE), _byte_level(False)), False, False),
+    "qwen35": (_NFC, _seq(_split(_QWEN35_RE), _byte_level(False)), False, False),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3"),
+                    (None, _seq(_split(_LLAMA3_RE), _byte_level(False, trim_offsets=True)), True, True)),
+    "default": (None, _seq(*(_split(r) for r in _DEFAULT_RES), _byte_level(False)), False, False),
+}
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """A `gguf.GGUFReader`'s key/value metadata as python values: str, int, float, bool, or a list of them (the
+    reader's own `GGUF.*` header fields included). Strings that are not UTF-8 are decoded with replacement."""
+    import numpy as np
+    from gguf import GGUFValueType
+
+    out: dict[str, Any] = {}
+    for name, f in reader.fields.items():
+        types = list(f.types)
+        if not types:
+            continue
+        if types[0] == GGUFValueType.ARRAY:
+            items = [f.parts[i] for i in f.data]
+            if types[-1] == GGUFValueType.STRING:
+                out[name] = [bytes(p).decode("utf-8", errors="replace") for p in items]
+            else:
+                out[name] = np.concatenate(items).tolist() if items else []
+        elif types[0] == GGUFValueType.STRING:
+            out[name] = bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
+        else:
+            out[name] = f.parts[f.data[0]].tolist()[0]
+    return out
+
+
+def _gguf_tokenizer_spec(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:
+    """The tokenizer.json (as a dict), a tokenizer_config.json-shaped dict and the extra end-of-generation ids that
+    GGUF metadata describes; one-line TurboSpecError for metadata it cannot describe."""
+    if not isinstance(fields, dict):
+        raise TurboSpecError(f"GGUF tokenizer: metadata must be a dict, not {type(fields).__name__}")
+    model = fields.get("tokenizer.ggml.model")
+    if model is None:
+        raise TurboSpecError("GGUF tokenizer: no tokenizer.ggml.model in the metadata (a file without a tokenizer)")
+    if model != "gpt2":
+        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.model {model!r} is not supported "
+                             "(supported: 'gpt2', byte-level BPE)")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str) or pre not in _PRE:
+        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.pre {pre!r} is not supported "
+                             f"(supported: {', '.join(sorted(_PRE))})")
+    normalizer, pre_tokenizer, ignore_merges, add_bos_default = _PRE[pre]
+
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise TurboSpecError("GGUF tokenizer: tokenizer.ggml.tokens is missing or not a list of strings")
+    n = len(tokens)
+    types = fields.get("tokenizer.ggml.token_type", [_NORMAL] * n)
+    if not isinstance(types, list) or len(types) != n or not all(type(t) is int for t in types):
+        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.token_type must be {n} integers (one per token)")
+    merges = fields.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not merges or not all(isinstance(m, str) for m in merges):
+        raise TurboSpecError("GGUF tokenizer: tokenizer.ggml.merges is missing or not a list of strings")
+    pairs: list[list[str]] = []
+    for m in merges:
+        k = m.find(" ", 1)  # as llama.cpp splits them (a space never starts a byte-level token)
+        if k < 0 or k == len(m) - 1:
+            raise TurboSpecError(f"GGUF tokenizer: merge {m[:40]!r} is not two tokens separated by a space")
+        pairs.append([m[:k], m[k + 1:]])
+
+    vocab: dict[str, int] = {}
+    added: list[dict[str, Any]] = []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty == _UNUSED:  # llama.cpp's "[PAD<i>]" fillers up to the embedding rows: no token in Hugging Face
+            continue
+        # added tokens are in the BPE vocabulary too: `tokenizers` gives an added token that is not the next free id
+        # only when the model has it (merges never build them, so BPE results do not change)
+        vocab[t] = i
+        if ty in (_CONTROL, _USER_DEFINED, _UNKNOWN):  # the checkpoint's added tokens (special ones: control)
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": ty != _USER_DEFINED})
+
+    def token_id(key: str) -> int | None:
+        v = fields.get(key)
+        if v is None:
+            return None
+        if type(v) is not int or not 0 <= v < n:
+            raise TurboSpecError(f"GGUF tokenizer: {key} {v!r} is not a token id (vocabulary of {n})")
+        return v
+
+    bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+    eog = tuple(i for i in (eos, token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id"))
+                if i is not None)
+    add_bos = fields.get("tokenizer.ggml.add_bos_token", add_bos_default)
+    if not isinstance(add_bos, bool):
+        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.add_bos_token {add_bos!r} is not a bool")
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise TurboSpecError("GGUF tokenizer: tokenizer.chat_template is not a string")
+
+    post: dict[str, Any] = _byte_level(True)
+    if add_bos and bos is not None:  # as Llama 3's tokenizer.json: ByteLevel, then "<bos> $A"
+        b = {"SpecialToken": {"id": tokens[bos], "type_id": 0}}
+        post = {"type": "Sequence", "processors": [post, {
+            "type": "TemplateProcessing",
+            "single": [b, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [b, {"Sequence": {"id": "A", "type_id": 0}}, b, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}}}]}
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer, "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": pairs},
+    }
+    cfg = {"bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
+           "add_bos_token": add_bos, "chat_template": template}
+    return spec, cfg, eog

@@ -11,7 +11,8 @@ from turbospec.config import EngineConfig
 from turbospec.engine.engine import Engine
 from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
-from turbospec.model.registry import load_model
+from turbospec.model.gguf import GGUFFile, is_gguf
+from turbospec.model.registry import load_gguf, load_model
 from turbospec.speculative.registry import make_drafter
 from turbospec.tokenizer import Tokenizer
 
@@ -45,8 +46,14 @@ def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
     path = model_path(config.model)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    model = load_model(path, config.dtype)
-    tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+    tokenizer: Tokenizer | None
+    if is_gguf(path):  # one file: model and tokenizer
+        f = GGUFFile(path)
+        model = load_gguf(f, config.dtype)
+        tokenizer = Tokenizer.from_gguf(f.meta) if "tokenizer.ggml.model" in f.meta else None
+    else:
+        model = load_model(path, config.dtype)
+        tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
     return path, model, tokenizer
 
 

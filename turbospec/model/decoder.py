@@ -12,7 +12,7 @@ from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
 from turbospec.model.config import ModelConfig
-from turbospec.model.loader import WeightSource
+from turbospec.model.loader import TensorSource
 
 
 class DecoderLayer:
@@ -36,7 +36,7 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
 
 
-def load_attention(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype, gated: bool = False,
+def load_attention(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype, gated: bool = False,
                    zero_centred: bool = False) -> Attention:
     h, q, kv = cfg.hidden_size, cfg.q_size * (2 if gated else 1), cfg.kv_size
     names = ("q_proj", "k_proj", "v_proj")
@@ -54,7 +54,7 @@ def load_attention(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtyp
     )
 
 
-def load_mlp(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MLP:
+def load_mlp(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MLP:
     h, i = cfg.hidden_size, cfg.intermediate_size
     bias = cfg.mlp_bias
     gate = ws.get(f"{p}.gate_proj.weight", dtype, (i, h))

@@ -13,14 +13,14 @@ from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
 from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
-from turbospec.model.loader import WeightSource
+from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
 
 
 class DenseModel:
     """forward(tokens, plan, cache) -> final-normed hidden states; logits(hidden) -> float32 logits."""
 
-    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype, prefix: str = "model"):
+    def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype, prefix: str = "model"):
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
         self.embed = ws.get(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))

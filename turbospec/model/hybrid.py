@@ -33,7 +33,7 @@ from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
 from turbospec.model.decoder import load_attention, load_mlp
-from turbospec.model.loader import WeightSource
+from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
 
 log = logging.getLogger("turbospec")
@@ -81,7 +81,7 @@ class MoE:
         return n
 
 
-def load_moe(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MoE:
+def load_moe(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MoE:
     r, h = cfg.raw, cfg.hidden_size
     e, inter = int(r["num_experts"]), int(r["moe_intermediate_size"])
     router = ws.get(f"{p}.gate.weight", dtype, (e, h))
@@ -118,7 +118,7 @@ def load_moe(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
     )
 
 
-def load_gdn(ws: WeightSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> GatedDeltaNet:
+def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> GatedDeltaNet:
     d = cfg.linear_dims()
     nk, nv, dk, dv, kern = (
         d["num_k_heads"],
@@ -229,7 +229,7 @@ class HybridModel:
     `cache.commit(keep=list(range(j)))`; tree plans (with parents) keep a recurrent state per node.
     """
 
-    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype):
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
         if ws.has("model.language_model.embed_tokens.weight"):

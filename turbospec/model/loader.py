@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -12,7 +13,31 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
 
 
-class WeightSource:
+class TensorSource(Protocol):
+    """Named tensors of a model, under Hugging Face names: a checkpoint directory (`WeightSource`) or a GGUF file
+    (`turbospec.model.gguf.GGUFWeights`)."""
+
+    def names(self) -> list[str]: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None
+            ) -> torch.Tensor: ...
+
+
+class IndexedSource:
+    """A `TensorSource` whose `index` maps each Hugging Face name to where the tensor lives."""
+
+    index: dict
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+
+class WeightSource(IndexedSource):
     """Lazily reads named tensors from the safetensors files of a checkpoint (one open handle per file).
 
     Tensors are read one at a time and converted to the target dtype, so at most one extra tensor is alive
@@ -47,12 +72,6 @@ class WeightSource:
             except Exception as e:  # noqa: BLE001 -- safetensors raises its own types for corrupt headers
                 raise TurboSpecError(f"{f.name}: corrupt or truncated safetensors file ({_one_line(e)})") from None
         return self._handles[f]
-
-    def names(self) -> list[str]:
-        return list(self.index)
-
-    def has(self, name: str) -> bool:
-        return name in self.index
 
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.index:

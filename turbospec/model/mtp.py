@@ -21,13 +21,13 @@ from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import HYBRID_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
-from turbospec.model.loader import WeightSource
+from turbospec.model.loader import TensorSource
 
 
 class MTPModule:
     """The weights and forward of the MTP block; logits come from the target's lm_head."""
 
-    def __init__(self, cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype, embed: torch.Tensor,
+    def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype, embed: torch.Tensor,
                  lm_head: Linear, prefix: str = "mtp"):
         h = cfg.hidden_size
         hybrid = cfg.arch in HYBRID_ARCHS

@@ -11,18 +11,19 @@ from turbospec.dtypes import parse_dtype
 from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
-from turbospec.model.loader import WeightSource, load_config
+from turbospec.model.gguf import GGUFFile, is_gguf
+from turbospec.model.loader import TensorSource, WeightSource, load_config
 
-Builder = Callable[[ModelConfig, WeightSource, torch.dtype], Model]
+Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
 
 
-def _dense(cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype) -> Model:
+def _dense(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model:
     from turbospec.model.dense import DenseModel
 
     return DenseModel(cfg, ws, dtype)
 
 
-def _hybrid(cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype) -> Model:
+def _hybrid(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model:
     from turbospec.model.hybrid import HybridModel
 
     return HybridModel(cfg, ws, dtype)
@@ -31,7 +32,7 @@ def _hybrid(cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype) -> Model:
 FAMILIES: dict[str, Builder] = {**dict.fromkeys(DENSE_ARCHS, _dense), **dict.fromkeys(HYBRID_ARCHS, _hybrid)}
 
 
-def build_model(cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype) -> Model:
+def build_model(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model:
     try:
         family = FAMILIES[cfg.arch]
     except KeyError:
@@ -40,7 +41,15 @@ def build_model(cfg: ModelConfig, ws: WeightSource, dtype: torch.dtype) -> Model
     return family(cfg, ws, dtype)
 
 
+def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32") -> Model:
+    """Build the model of an opened GGUF file."""
+    cfg = f.config()
+    return build_model(cfg, f.weights(cfg), parse_dtype(dtype))
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32") -> Model:
-    """Load a checkpoint directory (config.json + safetensors) into a turbospec model (dense or hybrid)."""
+    """Load a checkpoint directory (config.json + safetensors) or a llama.cpp GGUF file into a turbospec model."""
+    if is_gguf(path):
+        return load_gguf(GGUFFile(path), dtype)
     cfg = load_config(path)
     return build_model(cfg, WeightSource(path), parse_dtype(dtype))

@@ -1,0 +1,189 @@
+"""GGUF files (llama.cpp's format) for the dense architectures: F32 files give the transformers checkpoint's
+logits; quantized tensors load as exactly the `gguf` package's dequantization; bad files are one-line errors.
+
+The files are written here the way llama.cpp's convert_hf_to_gguf.py writes them (its tensor names and metadata
+keys, llama's q/k rows permuted for its RoPE layout); by hand, F32 and Q8_0 files written by that converter itself
+(llama-cpp-python 0.3.36's copy) for qwen3 / qwen2 / llama load with the checkpoint's logits (max abs difference
+4e-7 for F32)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from tests.hf_tiny import hf_logits  # noqa: E402
+from turbospec.errors import TurboSpecError  # noqa: E402
+from turbospec.kv.plan import AttentionPlan  # noqa: E402
+from turbospec.model.gguf import GLOBAL_NAMES, LAYER_NAMES, GGUFFile, unpermute_rope  # noqa: E402
+from turbospec.model.registry import load_model  # noqa: E402
+
+ARCH = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation of a llama q/k projection."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None = None) -> Path:
+    """A GGUF file of a transformers checkpoint, as llama.cpp's converter lays it out; matrices in `qtype`,
+    1-D tensors (norms, biases) in F32 as llama.cpp keeps them."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = arch_name or ARCH[cfg["model_type"]]
+    tensors: dict[str, np.ndarray] = {}
+    for f in hf_dir.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = dict(GLOBAL_NAMES)
+    for i in range(cfg["num_hidden_layers"]):
+        names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{g}" for hf, g in LAYER_NAMES.items()})
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    for hf, x in sorted(tensors.items()):
+        x = x.astype(np.float32)
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            x = permute(x, heads if "q_proj" in hf else kv)
+        if x.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(names[hf], gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(names[hf], x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    h = model.forward(ids, AttentionPlan.causal(0, len(ids)), model.new_cache(64))
+    return model.logits(h)
+
+
+IDS = torch.tensor([3, 17, 99, 5, 64, 2, 127, 8, 41, 41, 12, 0])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_tied_bias", "qwen3_gqa3", "qwen2", "llama"])
+def test_f32_file_gives_the_checkpoint_logits(hf_models, tmp_path, name):
+    path = write_gguf(hf_models[name], tmp_path / f"{name}.gguf")
+    got = logits(load_model(path, "float32"), IDS)
+    want = hf_logits(hf_models[name], IDS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_quantized_tensors_load_as_the_reference_dequantization(hf_models, tmp_path, name, qtype):
+    path = write_gguf(hf_models[name], tmp_path / f"{name}.gguf", qtype)
+    f = GGUFFile(path)
+    cfg = f.config()
+    ws = f.weights(cfg)
+    seen = 0
+    for hf_name in ws.names():
+        t = f.tensors[ws.index[hf_name]]
+        ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).copy())
+        ref = ref.reshape(tuple(reversed(t.shape.tolist())))
+        if name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            ref = unpermute_rope(ref, cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
+        assert torch.equal(ws.get(hf_name, torch.float32), ref), hf_name  # bit-exact
+        seen += t.tensor_type == qtype
+    assert seen > 0
+    got, want = logits(load_model(path, "float32"), IDS), hf_logits(hf_models[name], IDS)
+    assert torch.isfinite(got).all() and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
+
+
+def k_quant_bytes(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid K-quant blocks (finite fp16 scales), `rows` x `cols` values."""
+    block, size = gguf.quants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = rng.uniform(1e-3, 2e-2, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # ql, qh, int8 scales, then d
+        raw[..., -2:] = scale[..., :2]
+    else:  # d, dmin first
+        raw[..., :4] = scale
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_k_quant_tensors_load_as_the_reference_dequantization(tmp_path, qtype):
+    """A qwen3-shaped file whose matrices are K-quant blocks (256 values a block: every matrix is 256 wide)."""
+    rng = np.random.default_rng(0)
+    h, layers, vocab, heads, hd = 256, 2, 64, 4, 64
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for add, v in ((w.add_context_length, 256), (w.add_embedding_length, h), (w.add_block_count, layers),
+                   (w.add_feed_forward_length, 256), (w.add_head_count, heads), (w.add_head_count_kv, 2),
+                   (w.add_key_length, hd), (w.add_value_length, hd), (w.add_layer_norm_rms_eps, 1e-6),
+                   (w.add_rope_freq_base, 10000.0)):
+        add(v)
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, h)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    for i in range(layers):
+        for g, rows in (("attn_q", heads * hd), ("attn_k", 2 * hd), ("attn_v", 2 * hd), ("attn_output", h),
+                        ("ffn_gate", 256), ("ffn_up", 256), ("ffn_down", h)):
+            w.add_tensor(f"blk.{i}.{g}.weight", k_quant_bytes(rows, 256, qtype, rng), raw_dtype=qtype)
+        for g, n in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            w.add_tensor(f"blk.{i}.{g}.weight", np.ones(n, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    ws = f.weights(f.config())
+    for hf_name in ws.names():
+        t = f.tensors[ws.index[hf_name]]
+        ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        assert torch.equal(ws.get(hf_name, torch.float32), torch.from_numpy(ref.reshape(ws.get(hf_name).shape)))
+    model = load_model(path, "float32")
+    assert model.cfg.tie_word_embeddings and torch.isfinite(logits(model, torch.tensor([1, 2, 3]))).all()
+
+
+@pytest.fixture()
+def good_file(hf_models, tmp_path) -> Path:
+    return write_gguf(hf_models["qwen3"], tmp_path / "good.gguf")
+
+
+def test_truncated_file_is_a_one_line_error(good_file, tmp_path):
+    data = good_file.read_bytes()
+    for cut in (10, len(data) // 3, len(data) - 100):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(TurboSpecError) as e:
+            load_model(bad)
+        assert "\n" not in str(e.value) and bad.name in str(e.value)
+
+
+def test_unsupported_architecture_and_tensor_type(hf_models, tmp_path):
+    with pytest.raises(TurboSpecError, match="architecture 'gpt2' is not supported"):
+        load_model(write_gguf(hf_models["qwen3"], tmp_path / "a.gguf", arch_name="gpt2"))
+    with pytest.raises(TurboSpecError, match="type Q4_1, which is not supported"):
+        load_model(write_gguf(hf_models["qwen3"], tmp_path / "b.gguf", Q.Q4_1))
+
+
+def test_cli_reports_a_bad_file_in_one_line(good_file, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(good_file.read_bytes()[:1000])
+    r = subprocess.run([sys.executable, "-m", "turbospec.cli", "run", "-m", str(bad), "-n", "2"],
+                       capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr

@@ -1,0 +1,348 @@
+"""Tokenizers rebuilt from GGUF metadata (Tokenizer.from_gguf) tokenize, decode and render chats exactly as the
+Hugging Face tokenizer of the checkpoint they were converted from.
+
+The GGUF metadata is written the way llama.cpp's convert_hf_to_gguf.py writes it (token list padded to the
+vocabulary size, token types from the added tokens, merges as "a b" strings, special ids, chat template), with
+gguf.GGUFWriter, and read back with gguf.GGUFReader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from turbospec.errors import TurboSpecError
+from turbospec.tokenizer import StreamDecoder, Tokenizer, gguf_metadata
+
+gguf = pytest.importorskip("gguf")
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+TEXTS = [
+    "Hello, world! It's a test; we'll see. I'VE DONE IT, they'd've said.",
+    "def f(x):\n    return x ** 2  # square\n\n\tif x != 0:\n\t\tprint(f'{x=}')\r\n",
+    "numbers: 0 7 42 123 4567 1234567890 3.14159 -2e10 1,000,000 x1y22z333",
+    "unicode: naïve café Ærøskøbing Straße ÿ Ωμέγα Привет мир العربية हिन्दी",
+    "cjk: 我想在apple工作1314151天～ 日本語のテキスト 한국어 텍스트",
+    "emoji: 🚀 😶\u200d🌫️ 🦙🦙 👍🏽 🏳️\u200d🌈 ✅",
+    "whitespace:   two  three   \n\n\n four\t\t\ttabs   \n   trailing   ",
+    "combining: e\u0301 a\u0300 n\u0303 (decomposed) vs é à ñ",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\nok<|im_end|><|endoftext|>",
+    "<|im_end|><|im_end|>x<|im_start|> <|endoftext|>\n",
+    "''''''```````\"\"\"\"......!!!!!!?????? ------=======",
+    "",
+    " ",
+    "a",
+]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Sum 12 and 30, please. 🙂"},
+    {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "And in 日本語?"},
+]
+
+
+def looks_special(t: str) -> bool:  # convert_hf_to_gguf's does_token_look_special, the part byte-level BPE needs
+    return (t.startswith("<|") and t.endswith("|>")) or t in ("<pad>", "<mask>")
+
+
+def gguf_fields(tokenizer_json: dict[str, Any], tokenizer_config: dict[str, Any], vocab_size: int, pre: str,
+                path: Path, **extra: Any) -> dict[str, Any]:
+    """Write the tokenizer's GGUF metadata as llama.cpp's converter does, read it back with GGUFReader."""
+    vocab = dict(tokenizer_json["model"]["vocab"])
+    added = {a["content"]: a for a in tokenizer_json["added_tokens"]}
+    for a in added.values():
+        vocab[a["content"]] = a["id"]
+    rev = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in rev:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif rev[i] in added:
+            tokens.append(rev[i])
+            types.append(gguf.TokenType.CONTROL if added[rev[i]]["special"] or looks_special(rev[i])
+                         else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(rev[i])
+            types.append(gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
+
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for kind in ("bos", "eos"):
+        t = tokenizer_config.get(f"{kind}_token")
+        t = t.get("content") if isinstance(t, dict) else t
+        if t is not None:
+            getattr(w, f"add_{kind}_token_id")(vocab[t])
+    if "add_bos_token" in tokenizer_config:
+        w.add_add_bos_token(bool(tokenizer_config["add_bos_token"]))
+    if tokenizer_config.get("chat_template"):
+        w.add_chat_template(tokenizer_config["chat_template"])
+    for k, v in extra.items():
+        getattr(w, f"add_{k}")(v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return gguf_metadata(gguf.GGUFReader(path))
+
+
+def same_tokenizer(ref: Tokenizer, got: Tokenizer, texts: list[str] = TEXTS) -> None:
+    assert got.vocab_size == ref.vocab_size
+    assert (got.bos_token, got.eos_token, got.add_bos, got.eos_ids) == \
+        (ref.bos_token, ref.eos_token, ref.add_bos, ref.eos_ids)
+    for text in texts:
+        ids = ref.encode(text)
+        assert got.encode(text) == ids, text
+        assert got.encode(text, add_special=False) == ref.encode(text, add_special=False), text
+        assert got.decode(ids) == ref.decode(ids), text
+        assert got.decode(ids, skip_special=False) == ref.decode(ids, skip_special=False) == text, text
+        sd_ref, sd_got = StreamDecoder(ref), StreamDecoder(got)
+        assert [sd_got.push(i) for i in ids] == [sd_ref.push(i) for i in ids], text
+    every = list(range(ref.vocab_size))
+    assert got.decode(every, skip_special=False) == ref.decode(every, skip_special=False)
+    assert got.decode(every) == ref.decode(every)
+
+
+# the bundled tokenizers: turbospec-tiny splits digits (Digits(individual) + ByteLevel: llama.cpp's "smollm" /
+# "starcoder"), turbospec-tiny-hybrid is plain GPT-2 ByteLevel ("gpt-2")
+BUNDLED = [("turbospec-tiny", "smollm"), ("turbospec-tiny", "starcoder"), ("turbospec-tiny-hybrid", "gpt-2")]
+
+
+@pytest.mark.parametrize(("name", "pre"), BUNDLED)
+def test_bundled_tokenizer_round_trips(name: str, pre: str, tmp_path: Path) -> None:
+    d = MODELS / name
+    if not (d / "tokenizer.json").exists():
+        pytest.skip("no bundled tokenizer")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    vocab_size = json.loads((d / "config.json").read_text()).get("vocab_size", 8192)
+    fields = gguf_fields(json.loads((d / "tokenizer.json").read_text()), cfg, vocab_size, pre, tmp_path / "t.gguf")
+    ref, got = Tokenizer(d), Tokenizer.from_gguf(fields)
+    same_tokenizer(ref, got)
+    assert got.chat_template == ref.chat_template
+    for gen in (True, False):
+        assert got.render_chat(MESSAGES, add_generation_prompt=gen) == ref.render_chat(MESSAGES, gen)
+    assert got.supports_tools == ref.supports_tools
+    assert got.eos_ids == {ref.tok.token_to_id("<|endoftext|>"), ref.tok.token_to_id("<|im_end|>")}
+
+
+def test_pre_tokenizer_name_matters(tmp_path: Path) -> None:
+    """turbospec-tiny-hybrid (merges like "Ġ1", "00") read with the digit-splitting "smollm" split tokenizes numbers
+    differently from its own GPT-2 split: the name is used."""
+    d = MODELS / "turbospec-tiny-hybrid"
+    if not (d / "tokenizer.json").exists():
+        pytest.skip("no bundled tokenizer")
+    fields = gguf_fields(json.loads((d / "tokenizer.json").read_text()),
+                         json.loads((d / "tokenizer_config.json").read_text()), 8192, "smollm", tmp_path / "t.gguf")
+    assert Tokenizer.from_gguf(fields).encode("x 1000 12") != Tokenizer(d).encode("x 1000 12")
+
+
+CORPUS = (TEXTS + [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "I'm sure you've heard they'll come; she's here and we'd go. DON'T, CAN'T, I'M.",
+    "for (int i = 0; i < 100; ++i) { sum += a[i] * b[i]; }\n",
+    "人工智能正在改变世界。我们需要学习新的技能。",
+    "東京は日本の首都です。カタカナとひらがな。",
+    "Ünïcödé tëxt wïth dïäcrïtïcs and Ελληνικά κείμενα.",
+]) * 4
+
+TRICKY = [
+    "1234567890 12 345 6789 3.14 1e-5 ۱۲۳ ٤٥٦ ①②③ ²³",
+    "I'm, you're, he's, we've, they'll, I'd, DON'T, She'S, 'twas, o'clock, rock'n'roll",
+    "中文文本：你好，世界！我想在apple工作1314151天～",
+    "line1\nline2\r\nline3\n\n\nline4\r\r\n  \n\t\n",
+    "  leading and trailing  ", "x\u0301y\u0308 e\u0301te\u0301 (combining marks)", "(paren) [bracket] {brace}",
+    "hello<|im_end|>world<|im_start|>system\nx", "<think>\nhmm\n</think>\n\nanswer", "emoji 🤖🧠 👩‍💻",
+    "!!!???...,,,;;;::: ---___ ```code```", "über straße ÆØÅ",
+]
+
+
+def pair(merge: str) -> tuple[str, str]:
+    a, b = merge.split(" ")
+    return a, b
+
+
+def trained(pre: str) -> tuple[dict[str, int], list[str]]:
+    """A small byte-level BPE (vocabulary, merges) trained with `pre` as its pre-tokenizer regex."""
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    t = HFTokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pre), behavior="isolated"),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    j = json.loads(t.to_str())
+    return j["model"]["vocab"], [" ".join(m) for m in j["model"]["merges"]]
+
+
+QWEN_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize(("pre", "cls_path"), [("qwen2", "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"),
+                                               ("qwen35", "transformers.models.qwen3_5.tokenization_qwen3_5"
+                                                          ".Qwen3_5Tokenizer")])
+def test_qwen_pre_tokenizers_match_transformers(pre: str, cls_path: str, tmp_path: Path) -> None:
+    """A Qwen-style tokenizer as transformers builds it (its own regex, NFC, ByteLevel) is the reference."""
+    import importlib
+
+    from tokenizers import AddedToken
+
+    module, _, name = cls_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"transformers has no {name}")
+    vocab, merges = trained(importlib.import_module(module).PRETOKENIZE_REGEX)
+    hf = cls(vocab=dict(vocab), merges=[pair(m) for m in merges])
+    n = len(vocab)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    hf.add_tokens([AddedToken(s, special=True, normalized=False) for s in specials if s not in hf.get_vocab()])
+    hf.add_tokens([AddedToken(s, special=False, normalized=False) for s in ("<think>", "</think>")])
+    added = {t.content: (i, t.special) for i, t in hf.added_tokens_decoder.items()}
+    tokens = [f"[PAD{i}]" for i in range(n + 16)]  # the converter's fillers up to the embedding rows
+    types = [gguf.TokenType.UNUSED] * (n + 16)
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, gguf.TokenType.NORMAL
+    for t, (i, special) in added.items():
+        tokens[i] = t
+        types[i] = gguf.TokenType.CONTROL if special or looks_special(t) else gguf.TokenType.USER_DEFINED
+
+    w = gguf.GGUFWriter(tmp_path / "q.gguf", "qwen3")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(added["<|im_end|>"][0])
+    w.add_bos_token_id(added["<|endoftext|>"][0])
+    w.add_add_bos_token(False)
+    w.add_chat_template(QWEN_TEMPLATE)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "q.gguf")))
+
+    assert got.vocab_size == len(hf.get_vocab())
+    for text in TRICKY + TEXTS:
+        ids = hf.encode(text, add_special_tokens=False)
+        assert got.encode(text) == ids, text
+        assert got.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+        assert got.decode(ids, skip_special=False) == hf.decode(ids, skip_special_tokens=False), text
+    assert got.eos_token == "<|im_end|>" and got.eos_ids == {added["<|im_end|>"][0]}
+    assert got.bos_token == "<|endoftext|>" and not got.add_bos
+    assert got.render_chat(MESSAGES) == hf.apply_chat_template(MESSAGES, chat_template=QWEN_TEMPLATE, tokenize=False,
+                                                               add_generation_prompt=True)
+    # digits one by one, contractions case-insensitive, NFC: the Qwen split, not the GPT-2 one
+    assert len(got.encode("1234567")) == 7
+    assert got.encode("e\u0301") == got.encode("\u00e9")
+
+
+LLAMA3_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def test_llama3_bpe(tmp_path: Path) -> None:
+    """ "llama-bpe": Llama 3's split (digits in threes), its merges ignored for whole-word tokens, BOS added."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab, merges = trained(LLAMA3_RE)
+    n = len(vocab)
+    vocab["Ġunreachable"] = n  # a word no merge builds: found whole only because merges are ignored for it
+    n += 1
+    ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges], ignore_merges=True))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_RE), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ref.decoder = decoders.ByteLevel()
+    ref.add_special_tokens([AddedToken("<|begin_of_text|>", normalized=False),
+                            AddedToken("<|eot_id|>", normalized=False)])
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])] + ["<|begin_of_text|>", "<|eot_id|>"]
+    types = [gguf.TokenType.NORMAL] * n + [gguf.TokenType.CONTROL] * 2
+    w = gguf.GGUFWriter(tmp_path / "l.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(n)
+    w.add_eos_token_id(n + 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "l.gguf")))
+    assert got.add_bos and got.bos_token == "<|begin_of_text|>"  # llama.cpp's default for llama-bpe
+    assert got.eos_ids == {n + 1}
+    for text in TRICKY + TEXTS:
+        ids = ref.encode(text, add_special_tokens=False).ids
+        assert got.encode(text, add_special=False) == ids, text
+        assert got.encode(text) == ([n] + ids if ids[:1] != [n] else ids), text
+        assert got.decode(ids) == ref.decode(ids), text
+    assert len(got.encode("1234567", add_special=False)) >= 3
+    assert got.encode("a unreachable") == [n, vocab["a"], n - 1]
+    assert got.tok.encode("a").ids == [n, vocab["a"]]  # the post-processor adds BOS as Llama 3's does
+
+
+def test_gguf_metadata_values(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen3")
+    w.add_uint32("a.u32", 7)
+    w.add_int32("a.i32", -3)
+    w.add_uint64("a.u64", 2**40)
+    w.add_float32("a.f32", 0.5)
+    w.add_bool("a.bool", True)
+    w.add_string("a.str", "héllo ✓")
+    w.add_array("a.ints", [1, 2, 3])
+    w.add_array("a.strs", ["x", "", "ü"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    m = gguf_metadata(gguf.GGUFReader(tmp_path / "m.gguf"))
+    assert m["general.architecture"] == "qwen3"
+    want = {"a.u32": 7, "a.i32": -3, "a.u64": 2**40, "a.f32": 0.5, "a.bool": True, "a.str": "héllo ✓",
+            "a.ints": [1, 2, 3], "a.strs": ["x", "", "ü"]}
+    for k, v in want.items():
+        assert m[k] == v and type(m[k]) is type(v), k
+    assert all(type(x) is int for x in m["a.ints"])
+
+
+BASE = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.token_type": [1, 1, 1], "tokenizer.ggml.merges": ["a b"]}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"tokenizer.ggml.model": "llama"}, "'llama' is not supported (supported: 'gpt2'"),
+    ({"tokenizer.ggml.model": None}, "no tokenizer.ggml.model"),
+    ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre 'klingon' is not supported (supported: default, gpt-2"),
+    ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens is missing"),
+    ({"tokenizer.ggml.tokens": ["a", 2, "ab"]}, "tokenizer.ggml.tokens is missing or not a list of strings"),
+    ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is missing"),
+    ({"tokenizer.ggml.merges": ["ab"]}, "merge 'ab' is not two tokens"),
+    ({"tokenizer.ggml.merges": ["a c"]}, "cannot build it"),
+    ({"tokenizer.ggml.token_type": [1, 1]}, "token_type must be 3 integers"),
+    ({"tokenizer.ggml.token_type": "x"}, "token_type must be 3 integers"),
+    ({"tokenizer.ggml.eos_token_id": 3}, "eos_token_id 3 is not a token id (vocabulary of 3)"),
+    ({"tokenizer.ggml.bos_token_id": "0"}, "bos_token_id '0' is not a token id"),
+    ({"tokenizer.ggml.add_bos_token": 1}, "add_bos_token 1 is not a bool"),
+    ({"tokenizer.chat_template": ["x"]}, "chat_template is not a string"),
+])
+def test_bad_metadata_is_one_line_error(change: dict[str, Any], message: str) -> None:
+    fields = {k: v for k, v in {**BASE, **change}.items() if v is not None}
+    with pytest.raises(TurboSpecError) as e:
+        Tokenizer.from_gguf(fields)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_minimal_metadata() -> None:
+    t = Tokenizer.from_gguf({k: v for k, v in BASE.items() if k != "tokenizer.ggml.pre"})  # llama.cpp: "default"
+    assert t.encode("abab") == [2, 2] and t.vocab_size == 3
+    assert t.decode(t.encode("ab")) == "ab" and t.eos_ids == set() and t.chat_template is None
+    with pytest.raises(TurboSpecError, match="no chat template"):
+        t.render_chat([{"role": "user", "content": "x"}])
+    with pytest.raises(TurboSpecError, match="metadata must be a dict"):
+        Tokenizer.from_gguf([])  # type: ignore[arg-type]
