@@ -15,19 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-NAMES = {  # HF name (per layer) -> GGUF name
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
+from turbospec.model.gguf import LAYER_NAMES  # HF suffix (per layer) -> GGUF suffix, as llama.cpp names them
 
 
 def load_tensors(model: Path) -> dict[str, np.ndarray]:
@@ -77,8 +65,9 @@ def convert(model: Path, out: Path, wtype: str) -> None:
 
     put("token_embd.weight", t["model.embed_tokens.weight"])
     for i in range(n_layers):
-        for hf, gg in NAMES.items():
-            put(f"blk.{i}.{gg}", t[f"model.layers.{i}.{hf}"])
+        for hf, gg in LAYER_NAMES.items():
+            if f"model.layers.{i}.{hf}" in t:  # (biases and q/k norms only where the architecture has them)
+                put(f"blk.{i}.{gg}", t[f"model.layers.{i}.{hf}"])
     put("output_norm.weight", t["model.norm.weight"])
     if "lm_head.weight" in t and not cfg.get("tie_word_embeddings", False):
         put("output.weight", t["lm_head.weight"])

@@ -187,3 +187,99 @@ def test_cli_reports_a_bad_file_in_one_line(good_file, tmp_path):
                        capture_output=True, text=True, timeout=300)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+
+
+# ---- the qwen35 hybrid ------------------------------------------------------------------------------------------
+def tile_v_heads(x: torch.Tensor, dim: int, nk: int, r: int, d: int) -> torch.Tensor:
+    """llama.cpp's converter order for value heads: grouped by key head -> tiled."""
+    shape = list(x.shape)
+    return x.reshape(*shape[:dim], nk, r, d, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
+def write_hybrid_gguf(hf_dir: Path, out: Path) -> Path:
+    """A Qwen3.5 checkpoint (with its mtp.* block) as llama.cpp's converter writes it: the MTP block as layer n
+    ("nextn"), zero-centred norm weights + 1, A_log as -exp(A_log), conv1d squeezed, value heads tiled."""
+    from safetensors.torch import load_file
+
+    from turbospec.model.gguf import HYBRID_LAYER_NAMES, MTP_NAMES
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    n, nk, nv = cfg["num_hidden_layers"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
+    names = dict(GLOBAL_NAMES)
+    for i in range(n):
+        names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{g}" for hf, g in HYBRID_LAYER_NAMES.items()})
+    names.update({hf: f"blk.{n}.{g}" for hf, g in MTP_NAMES.items()})
+    names.update({f"mtp.layers.0.{hf}": f"blk.{n}.{g}" for hf, g in HYBRID_LAYER_NAMES.items()})
+    w = gguf.GGUFWriter(str(out), "qwen35")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n + 1)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 0.25)))
+    w.add_uint32("qwen35.nextn_predict_layers", 1)
+    for k, v in (("conv_kernel", cfg["linear_conv_kernel_dim"]), ("state_size", dk), ("group_count", nk),
+                 ("time_step_rank", nv), ("inner_size", dv * nv)):
+        w.add_uint32(f"qwen35.ssm.{k}", v)
+    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]] + [False])
+    w.add_uint32("qwen35.full_attention_interval", cfg.get("full_attention_interval", 4))
+    for hf, x in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+        x = x.float()
+        if names[hf].endswith("norm.weight") and not names[hf].endswith("ssm_norm.weight"):  # MTP enorm/hnorm too
+            x = x + 1
+        if nv != nk and ".linear_attn." in hf:
+            if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                x = torch.cat([x[:2 * nk * dk], tile_v_heads(x[2 * nk * dk:], 0, nk, r, dv)])
+            elif hf.endswith("in_proj_z.weight"):
+                x = tile_v_heads(x, 0, nk, r, dv)
+            elif hf.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                x = tile_v_heads(x, 0, nk, r, 1)
+            elif hf.endswith("out_proj.weight"):
+                x = tile_v_heads(x, 1, nk, r, dv)
+        if hf.endswith("A_log"):
+            x = -torch.exp(x)
+        if hf.endswith("conv1d.weight"):
+            x = x.squeeze(1)
+        w.add_tensor(names[hf], x.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_qwen35_file_with_mtp_gives_the_checkpoint(tmp_path):
+    """Every tensor (the MTP block's included) equals the checkpoint's after the converter's transforms are
+    undone, with more value than key heads (the tiled order); logits equal transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_hybrid import build, mtp_tensors
+    from turbospec.model.loader import WeightSource
+
+    src = build("qwen3_5", tmp_path)  # 2 key heads, 4 value heads
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["linear_num_value_heads"] > cfg["linear_num_key_heads"]
+    sd = load_file(str(src / "model.safetensors"))
+    sd.update(mtp_tensors(cfg))
+    save_file(sd, str(src / "model.safetensors"))
+    cfg["mtp_num_hidden_layers"] = 1
+    (src / "config.json").write_text(json.dumps(cfg))
+    f = GGUFFile(write_hybrid_gguf(src, tmp_path / "h.gguf"))
+    mcfg = f.config()
+    assert mcfg.layer_types() == cfg["layer_types"]
+    ws, ref = f.weights(mcfg), WeightSource(src)
+    assert sorted(ws.names()) == sorted(ref.names())
+    for name in ref.names():
+        want = ref.get(name, torch.float32)
+        assert torch.allclose(ws.get(name, torch.float32, tuple(want.shape)), want, atol=1e-6, rtol=0), name
+    model = load_model(f.path, "float32")
+    assert model.mtp is not None
+    got, want = logits(model, IDS), hf_logits(src, IDS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())

@@ -1,10 +1,11 @@
 """llama.cpp GGUF files: the hyperparameters as a `ModelConfig`, and the tensors under their Hugging Face names
-(dequantized by the `gguf` package to the model's dtype), so that the dense model classes build from a `.gguf`
-file exactly as from a checkpoint directory.
+(dequantized by the `gguf` package to the model's dtype), so that the model classes build from a `.gguf` file
+exactly as from a checkpoint directory.
 
-Architectures: `qwen3`, `qwen2`, `llama` (dense). Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K.
-llama.cpp's converter permutes the query and key rows of `llama` models for its RoPE layout (Qwen models are not
-permuted); `get` undoes that, so the rows are the checkpoint's again. The weights are dequantized at load time:
+Architectures: `qwen3`, `qwen2`, `llama` (dense) and `qwen35` (the Qwen3.5 hybrid, with its `nextn` MTP block as
+the checkpoint's `mtp.*`). Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K. `get` undoes what llama.cpp's
+converter did to a tensor (llama's permuted q/k rows; for qwen35 the +1 on norm weights, -exp(A_log), the squeezed
+conv1d, the tiled value heads), so the tensors are the checkpoint's again. The weights are dequantized at load time:
 a quantized file runs at the speed (and memory) of the dtype it is loaded in."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
 
-ARCHS = ("qwen3", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen35")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 GLOBAL_NAMES = {  # Hugging Face name -> GGUF name
@@ -46,6 +47,36 @@ LAYER_NAMES = {  # per layer: Hugging Face suffix -> GGUF suffix
     "mlp.gate_proj.bias": "ffn_gate.bias",
     "mlp.up_proj.bias": "ffn_up.bias",
     "mlp.down_proj.bias": "ffn_down.bias",
+}
+
+
+HYBRID_LAYER_NAMES = {  # qwen35 (Qwen3.5 / 3.6 hybrid), per layer: Hugging Face suffix -> GGUF suffix
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+MTP_NAMES = {  # the MTP block, stored by llama.cpp as layer n_layers ("nextn"): Hugging Face -> GGUF suffix
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
 }
 
 
@@ -86,6 +117,32 @@ class GGUFFile:
 
     def config(self) -> ModelConfig:
         """The hyperparameters as the Hugging Face config.json the file was converted from would give them."""
+        d = self._dense_config()
+        if self.arch != "qwen35":
+            return ModelConfig.from_dict(d)
+        # the hybrid: block_count counts the MTP ("nextn") layers too; the rest is the ssm.* keys
+        n_mtp = int(self.key("nextn_predict_layers", 0) or 0)
+        n = d["num_hidden_layers"] = int(d["num_hidden_layers"]) - n_mtp
+        recurrent = self.key("attention.recurrent_layers")
+        if not isinstance(recurrent, list) or len(recurrent) < n:
+            raise TurboSpecError(f"{self.path.name}: metadata qwen35.attention.recurrent_layers is missing or short")
+        ssm = {k: self.key(f"ssm.{k}") for k in ("conv_kernel", "state_size", "group_count", "time_step_rank",
+                                                   "inner_size")}
+        missing = [k for k, v in ssm.items() if not isinstance(v, int) or v <= 0]
+        if missing:
+            raise TurboSpecError(f"{self.path.name}: metadata qwen35.ssm.{missing[0]} is missing or not positive")
+        rope_dim = self.key("rope.dimension_count", d["head_dim"])
+        d.update(model_type="qwen3_5_text", mtp_num_hidden_layers=n_mtp,
+                 layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:n]],
+                 full_attention_interval=self.key("full_attention_interval", 4),
+                 linear_conv_kernel_dim=ssm["conv_kernel"], linear_key_head_dim=ssm["state_size"],
+                 linear_num_key_heads=ssm["group_count"], linear_num_value_heads=ssm["time_step_rank"],
+                 linear_value_head_dim=ssm["inner_size"] // ssm["time_step_rank"],
+                 rope_parameters={"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                  "partial_rotary_factor": rope_dim / d["head_dim"]})
+        return ModelConfig.from_dict(d)
+
+    def _dense_config(self) -> dict[str, Any]:
         need = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
                 "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
         d: dict[str, Any] = {"model_type": self.arch}
@@ -114,7 +171,7 @@ class GGUFFile:
         for hf, k in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             if k in self.meta:
                 d[hf] = self.meta[k]
-        return ModelConfig.from_dict(d)
+        return d
 
     def weights(self, cfg: ModelConfig) -> GGUFWeights:
         return GGUFWeights(self, cfg)
@@ -129,10 +186,17 @@ class GGUFWeights(IndexedSource):
         for hf, g in GLOBAL_NAMES.items():
             if g in f.tensors:
                 self.index[hf] = g
+        layer = HYBRID_LAYER_NAMES if f.arch == "qwen35" else LAYER_NAMES
         for i in range(cfg.num_layers):
-            for hf, g in LAYER_NAMES.items():
+            for hf, g in layer.items():
                 if f"blk.{i}.{g}" in f.tensors:
                     self.index[f"model.layers.{i}.{hf}"] = f"blk.{i}.{g}"
+        if f.arch == "qwen35" and f"blk.{cfg.num_layers}.nextn.eh_proj.weight" in f.tensors:  # the MTP block
+            n = cfg.num_layers
+            names = {**MTP_NAMES, **{f"mtp.layers.0.{hf}": g for hf, g in HYBRID_LAYER_NAMES.items()}}
+            for hf, g in names.items():
+                if f"blk.{n}.{g}" in f.tensors:
+                    self.index[hf] = f"blk.{n}.{g}"
 
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.index:
@@ -143,8 +207,6 @@ class GGUFWeights(IndexedSource):
             raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has type {kind}, which is not supported "
                                  f"(supported: {', '.join(TYPES)})")
         rows = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims innermost first
-        if shape is not None and rows != tuple(shape):
-            raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {rows}, the config implies {shape}")
         try:
             x = _values(t.data, t.tensor_type).reshape(rows)
         except (ValueError, IndexError) as e:  # a truncated file maps fewer bytes than the tensor needs
@@ -153,7 +215,39 @@ class GGUFWeights(IndexedSource):
         if self.f.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
             out = unpermute_rope(out, heads)
+        if self.f.arch == "qwen35":
+            out = self._undo_qwen35(name, self.index[name], out)
+        if shape is not None and tuple(out.shape) != tuple(shape):
+            raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {tuple(out.shape)}, the config "
+                                 f"implies {tuple(shape)}")
         return out.to(dtype) if dtype is not None else out
+
+    def _undo_qwen35(self, name: str, gguf_name: str, x: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's converter for a Qwen3.5 tensor: its +1 on zero-centred norm weights (every GGUF
+        `*norm.weight` but the gated DeltaNet's `ssm_norm`, the MTP block's `enorm` / `hnorm` included), A_log
+        stored as -exp(A_log), the conv1d weight squeezed, and (when there are more value than key heads) the
+        value heads reordered from grouped-by-key-head to tiled."""
+        if gguf_name.endswith("norm.weight") and not gguf_name.endswith("ssm_norm.weight"):
+            return x - 1
+        lin = self.cfg.linear_dims()
+        nk, nv, dk, dv = lin["num_k_heads"], lin["num_v_heads"], lin["k_head_dim"], lin["v_head_dim"]
+        if name.endswith(".A_log"):
+            x = torch.log(-x)
+        if name.endswith("conv1d.weight"):
+            x = x.reshape(x.shape[0], 1, -1)
+        if nv == nk or ".linear_attn." not in name:
+            return x
+        r = nv // nk
+        if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+            qk = 2 * nk * dk
+            return torch.cat([x[:qk], untile_v_heads(x[qk:], 0, nk, r, dv)])
+        if name.endswith("in_proj_z.weight"):
+            return untile_v_heads(x, 0, nk, r, dv)
+        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_bias")):
+            return untile_v_heads(x, 0, nk, r, 1)
+        if name.endswith("out_proj.weight"):
+            return untile_v_heads(x, 1, nk, r, dv)
+        return x
 
 
 def _values(data: np.ndarray, qtype) -> np.ndarray:
@@ -163,6 +257,15 @@ def _values(data: np.ndarray, qtype) -> np.ndarray:
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return data
     return quants.dequantize(data, qtype)
+
+
+def untile_v_heads(x: torch.Tensor, dim: int, nk: int, r: int, d: int) -> torch.Tensor:
+    """Value heads along `dim` from llama.cpp's tiled order [v0 of every key head, v1 of every key head, ...] back
+    to the checkpoint's grouped order [all v of key head 0, all v of key head 1, ...] (`r` value heads per key
+    head, `d` values each)."""
+    shape = list(x.shape)
+    y = x.reshape(*shape[:dim], r, nk, d, *shape[dim + 1:])
+    return y.transpose(dim, dim + 1).reshape(shape)
 
 
 def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
