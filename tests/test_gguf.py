@@ -24,14 +24,10 @@ from tests.hf_tiny import hf_logits  # noqa: E402
 from turbospec.errors import TurboSpecError  # noqa: E402
 from turbospec.kv.plan import AttentionPlan  # noqa: E402
 from turbospec.model.gguf import GLOBAL_NAMES, LAYER_NAMES, GGUFFile, unpermute_rope  # noqa: E402
+from turbospec.model.gguf_export import export_gguf, permute_rope  # noqa: E402
 from turbospec.model.registry import load_model  # noqa: E402
 
 ARCH = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
-
-
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter permutation of a llama q/k projection."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None = None) -> Path:
@@ -63,7 +59,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None 
     for hf, x in sorted(tensors.items()):
         x = x.astype(np.float32)
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
-            x = permute(x, heads if "q_proj" in hf else kv)
+            x = permute_rope(torch.from_numpy(x), heads if "q_proj" in hf else kv).numpy()
         if x.ndim == 2 and qtype != Q.F32:
             w.add_tensor(names[hf], gguf.quants.quantize(x, qtype), raw_dtype=qtype)
         else:
@@ -189,75 +185,11 @@ def test_cli_reports_a_bad_file_in_one_line(good_file, tmp_path):
     assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
 
 
-# ---- the qwen35 hybrid ------------------------------------------------------------------------------------------
-def tile_v_heads(x: torch.Tensor, dim: int, nk: int, r: int, d: int) -> torch.Tensor:
-    """llama.cpp's converter order for value heads: grouped by key head -> tiled."""
-    shape = list(x.shape)
-    return x.reshape(*shape[:dim], nk, r, d, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
-
-
-def write_hybrid_gguf(hf_dir: Path, out: Path) -> Path:
-    """A Qwen3.5 checkpoint (with its mtp.* block) as llama.cpp's converter writes it: the MTP block as layer n
-    ("nextn"), zero-centred norm weights + 1, A_log as -exp(A_log), conv1d squeezed, value heads tiled."""
-    from safetensors.torch import load_file
-
-    from turbospec.model.gguf import HYBRID_LAYER_NAMES, MTP_NAMES
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    n, nk, nv = cfg["num_hidden_layers"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
-    names = dict(GLOBAL_NAMES)
-    for i in range(n):
-        names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{g}" for hf, g in HYBRID_LAYER_NAMES.items()})
-    names.update({hf: f"blk.{n}.{g}" for hf, g in MTP_NAMES.items()})
-    names.update({f"mtp.layers.0.{hf}": f"blk.{n}.{g}" for hf, g in HYBRID_LAYER_NAMES.items()})
-    w = gguf.GGUFWriter(str(out), "qwen35")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(n + 1)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    w.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 0.25)))
-    w.add_uint32("qwen35.nextn_predict_layers", 1)
-    for k, v in (("conv_kernel", cfg["linear_conv_kernel_dim"]), ("state_size", dk), ("group_count", nk),
-                 ("time_step_rank", nv), ("inner_size", dv * nv)):
-        w.add_uint32(f"qwen35.ssm.{k}", v)
-    w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]] + [False])
-    w.add_uint32("qwen35.full_attention_interval", cfg.get("full_attention_interval", 4))
-    for hf, x in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
-        x = x.float()
-        if names[hf].endswith("norm.weight") and not names[hf].endswith("ssm_norm.weight"):  # MTP enorm/hnorm too
-            x = x + 1
-        if nv != nk and ".linear_attn." in hf:
-            if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-                x = torch.cat([x[:2 * nk * dk], tile_v_heads(x[2 * nk * dk:], 0, nk, r, dv)])
-            elif hf.endswith("in_proj_z.weight"):
-                x = tile_v_heads(x, 0, nk, r, dv)
-            elif hf.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
-                x = tile_v_heads(x, 0, nk, r, 1)
-            elif hf.endswith("out_proj.weight"):
-                x = tile_v_heads(x, 1, nk, r, dv)
-        if hf.endswith("A_log"):
-            x = -torch.exp(x)
-        if hf.endswith("conv1d.weight"):
-            x = x.squeeze(1)
-        w.add_tensor(names[hf], x.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
+# ---- the qwen35 hybrid, and export -------------------------------------------------------------------------
 def test_qwen35_file_with_mtp_gives_the_checkpoint(tmp_path):
-    """Every tensor (the MTP block's included) equals the checkpoint's after the converter's transforms are
-    undone, with more value than key heads (the tiled order); logits equal transformers'."""
+    """An exported Qwen3.5 checkpoint (more value than key heads: the tiled order; an MTP block: the nextn layer)
+    loads with every tensor equal to the checkpoint's and transformers' logits. (Exports of the bundled hybrid are
+    tensor-for-tensor and key-for-key those of llama.cpp's converter; checked by hand, see docs/gguf.md.)"""
     from safetensors.torch import load_file, save_file
 
     from tests.hf_hybrid import build, mtp_tensors
@@ -271,7 +203,7 @@ def test_qwen35_file_with_mtp_gives_the_checkpoint(tmp_path):
     save_file(sd, str(src / "model.safetensors"))
     cfg["mtp_num_hidden_layers"] = 1
     (src / "config.json").write_text(json.dumps(cfg))
-    f = GGUFFile(write_hybrid_gguf(src, tmp_path / "h.gguf"))
+    f = GGUFFile(export_gguf(src, tmp_path / "h.gguf", "f32"))
     mcfg = f.config()
     assert mcfg.layer_types() == cfg["layer_types"]
     ws, ref = f.weights(mcfg), WeightSource(src)
@@ -283,3 +215,56 @@ def test_qwen35_file_with_mtp_gives_the_checkpoint(tmp_path):
     assert model.mtp is not None
     got, want = logits(model, IDS), hf_logits(src, IDS)
     assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize(("name", "kind"), [("qwen3", "f32"), ("llama", "f32"), ("qwen3_tied_bias", "f16"),
+                                            ("qwen2", "q8_0"), ("llama", "q4_0")])
+def test_export_round_trip(hf_models, tmp_path, name, kind):
+    """export-gguf then load: f32 gives the checkpoint's tensors (llama's q/k permuted and back), other types
+    the gguf package's quantize-dequantize of them."""
+    from turbospec.model.loader import WeightSource
+
+    f = GGUFFile(export_gguf(hf_models[name], tmp_path / "x.gguf", kind))
+    ws, ref = f.weights(f.config()), WeightSource(hf_models[name])
+    assert sorted(ws.names()) == sorted(ref.names())
+    qtype = getattr(Q, kind.upper())
+    for n in ref.names():
+        want = ref.get(n, torch.float32)
+        if want.ndim == 2 and kind != "f32":
+            if name == "llama" and n.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = f.config().num_heads if "q_proj" in n else f.config().num_kv_heads
+                want = unpermute_rope(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(
+                    permute_rope(want, heads).numpy(), qtype), qtype)), heads)
+            else:
+                want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), qtype), qtype))
+        assert torch.equal(ws.get(n, torch.float32), want.float()), n
+
+
+@pytest.mark.parametrize("bundled", ["turbospec-tiny", "turbospec-tiny-hybrid"])
+def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled):
+    """The bundled models through `turbospec export-gguf`: the file's tokenizer is the checkpoint's (ids, chat
+    template), and greedy decoding from the file equals decoding from the directory (MTP drafting too)."""
+    from turbospec import EngineConfig, SamplingParams, SpecConfig, build_engine
+    from turbospec.cli.main import main
+
+    src = Path(__file__).resolve().parents[1] / "models" / bundled
+    out = tmp_path / "b.gguf"
+    assert main(["export-gguf", str(src), str(out), "--type", "f32"]) == 0
+    spec = SpecConfig(types=("draft-mtp",)) if bundled.endswith("hybrid") else SpecConfig()
+    a, b = (build_engine(EngineConfig(model=str(p), spec=spec)) for p in (src, out))
+    text = "def f(x):\n    return x  # 12345 café 🙂 <|im_end|>"
+    assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert a.tokenizer.render_chat(msgs) == b.tokenizer.render_chat(msgs)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ga, gb = (list(e.stream("import os\n", params)) for e in (a, b))
+    assert [c.tokens for c in ga] == [c.tokens for c in gb]
+    if bundled.endswith("hybrid"):
+        assert a.last_stats.spec.accepted == b.last_stats.spec.accepted > 0
+
+
+def test_export_refuses_what_it_cannot_write(hf_models, tmp_path):
+    with pytest.raises(TurboSpecError, match="llama-quantize"):
+        export_gguf(hf_models["qwen3"], tmp_path / "k.gguf", "q4_k")
+    with pytest.raises(TurboSpecError, match="RoPE scaling"):
+        export_gguf(hf_models["qwen3_yarn"], tmp_path / "y.gguf", "f32")
