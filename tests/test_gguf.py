@@ -30,7 +30,8 @@ from turbospec.model.registry import load_model  # noqa: E402
 ARCH = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None = None,
+               int8_embedding: bool = False) -> Path:
     """A GGUF file of a transformers checkpoint, as llama.cpp's converter lays it out; matrices in `qtype`,
     1-D tensors (norms, biases) in F32 as llama.cpp keeps them."""
     from safetensors.numpy import load_file
@@ -60,7 +61,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None 
         x = x.astype(np.float32)
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             x = permute_rope(torch.from_numpy(x), heads if "q_proj" in hf else kv).numpy()
-        if x.ndim == 2 and qtype != Q.F32:
+        if int8_embedding and names[hf] == "token_embd.weight":  # a tensor type no loader supports (I8)
+            w.add_tensor(names[hf], x.astype(np.int8))
+        elif x.ndim == 2 and qtype != Q.F32:
             w.add_tensor(names[hf], gguf.quants.quantize(x, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(names[hf], x)
@@ -87,7 +90,7 @@ def test_f32_file_gives_the_checkpoint_logits(hf_models, tmp_path, name):
     assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_quantized_tensors_load_as_the_reference_dequantization(hf_models, tmp_path, name, qtype):
     path = write_gguf(hf_models[name], tmp_path / f"{name}.gguf", qtype)
@@ -172,8 +175,8 @@ def test_truncated_file_is_a_one_line_error(good_file, tmp_path):
 def test_unsupported_architecture_and_tensor_type(hf_models, tmp_path):
     with pytest.raises(TurboSpecError, match="architecture 'gpt2' is not supported"):
         load_model(write_gguf(hf_models["qwen3"], tmp_path / "a.gguf", arch_name="gpt2"))
-    with pytest.raises(TurboSpecError, match="type Q4_1, which is not supported"):
-        load_model(write_gguf(hf_models["qwen3"], tmp_path / "b.gguf", Q.Q4_1))
+    with pytest.raises(TurboSpecError, match="type I8, which is not supported"):
+        load_model(write_gguf(hf_models["qwen3"], tmp_path / "b.gguf", int8_embedding=True))
 
 
 def test_cli_reports_a_bad_file_in_one_line(good_file, tmp_path):

@@ -3,7 +3,7 @@
 exactly as from a checkpoint directory.
 
 Architectures: `qwen3`, `qwen2`, `llama` (dense) and `qwen35` (the Qwen3.5 hybrid, with its `nextn` MTP block as
-the checkpoint's `mtp.*`). Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K. `get` undoes what llama.cpp's
+the checkpoint's `mtp.*`). Tensor types: `TYPES`. `get` undoes what llama.cpp's
 converter did to a tensor (llama's permuted q/k rows; for qwen35 the +1 on norm weights, -exp(A_log), the squeezed
 conv1d, the tiled value heads), so the tensors are the checkpoint's again. The weights are dequantized at load time:
 a quantized file runs at the speed (and memory) of the dtype it is loaded in."""
@@ -21,7 +21,9 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen35")
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
+         # what llama-quantize falls back to for rows not a multiple of 256 values, and other common ones
+         "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 GLOBAL_NAMES = {  # Hugging Face name -> GGUF name
     "model.embed_tokens.weight": "token_embd.weight",
