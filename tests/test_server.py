@@ -98,7 +98,7 @@ def test_completion_basic(client):
     for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
               "predicted_per_second", "draft_n", "draft_n_accepted"):
         assert k in t
-    assert t["predicted_n"] == 12 and t["prompt_n"] == r.usage.prompt_tokens
+    assert t["predicted_n"] == 12 and t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
 
 
 def test_streaming_matches_non_streaming(client):

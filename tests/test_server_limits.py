@@ -91,3 +91,30 @@ def test_past_the_connection_limit_the_answer_is_openai_json():
             r = httpx.post(base + "/v1/completions", json=body(n=2), timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
             assert r.headers["content-type"] == "application/json"
+
+
+def test_cache_prompt_false_prefills_everything(tmp_path):
+    """llama-server's `cache_prompt`: a repeated prompt reuses the cached prefix (timings.cache_n) unless the
+    request says false; prompt_n + cache_n is always the prompt's length."""
+    from fastapi.testclient import TestClient
+
+    from turbospec.config import EngineConfig
+    from turbospec.demo import make_demo_model
+    from turbospec.engine import Engine
+    from turbospec.model import load_model
+    from turbospec.server import ServerConfig, create_app
+
+    path = make_demo_model(tmp_path / "m", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300)
+    eng = Engine(load_model(str(path), "float32"), None, EngineConfig(ctx=256))
+    prompt = list(range(5, 60))
+    with TestClient(create_app(eng, ServerConfig(model_name="m")), base_url="http://127.0.0.1") as c:
+        seen = []
+        for cache in (None, None, False, True):
+            req = {"prompt": prompt, "max_tokens": 2, **({} if cache is None else {"cache_prompt": cache})}
+            t = c.post("/v1/completions", json=req).json()["timings"]
+            assert t["prompt_n"] + t["cache_n"] == len(prompt)
+            seen.append(t["cache_n"])
+        assert seen[0] == 0 and seen[1] > 0 and seen[2] == 0 and seen[3] > 0
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_prompt": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_prompt"

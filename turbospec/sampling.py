@@ -76,6 +76,8 @@ class SamplingParams:
     logprobs: int | None = None
     # None = off; k = the same for every prompt token but the first (the prompt is then prefilled in full).
     prompt_logprobs: int | None = None
+    # False: prefill the whole prompt even where it repeats the previous request's (llama-server's cache_prompt)
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         # Written as `not (x >= 0)` so that NaN is rejected as well.

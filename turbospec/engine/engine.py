@@ -160,7 +160,7 @@ class Engine:
         prompt_lp = params.prompt_logprobs
         # prompt logprobs need every prompt row: no prefix reuse, all rows kept
         try:
-            hidden = self.prefill(tokens, None if prompt_lp is not None else want, reuse_prefix=prompt_lp is None,
+            hidden = self.prefill(tokens, None if prompt_lp is not None else want, reuse_prefix=prompt_lp is None and params.cache_prompt,
                                   abort=abort)
         except Aborted:
             stats.prefill_s = time.perf_counter() - t0

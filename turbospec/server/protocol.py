@@ -136,7 +136,7 @@ def _encodable(s: str) -> bool:
 COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "best_of", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "metadata", "store",
-    "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos", "n_predict",  # llama.cpp
+    "top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos", "n_predict", "cache_prompt",  # llama.cpp
 })
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
@@ -525,6 +525,7 @@ def sampling_params(body: dict, defaults: SamplingParams, ctx: int, n_prompt: in
             max_tokens=mt,
             stop=stop_strings(body) if "stop" in body else list(d.stop),
             ignore_eos=flag(body, "ignore_eos") or d.ignore_eos,
+            cache_prompt=body.get("cache_prompt") is None or flag(body, "cache_prompt"),
         )
     except ValueError as e:
         raise bad(str(e)) from None
@@ -665,10 +666,12 @@ def timings(stats) -> dict:
         return {}
     gen_s = max(stats.ttft_s - stats.prefill_s, 0.0) + stats.decode_s
     spec = stats.spec
-    return {
-        "prompt_n": stats.prompt_tokens,
+    computed = stats.prompt_tokens - stats.cached_tokens
+    return {  # as llama-server: prompt_n counts the prompt tokens computed, cache_n those reused from the cache
+        "cache_n": stats.cached_tokens,
+        "prompt_n": computed,
         "prompt_ms": stats.prefill_s * 1e3,
-        "prompt_per_token_ms": stats.prefill_s * 1e3 / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+        "prompt_per_token_ms": stats.prefill_s * 1e3 / computed if computed else 0.0,
         "prompt_per_second": stats.prefill_tps,
         "predicted_n": stats.gen_tokens,
         "predicted_ms": gen_s * 1e3,
