@@ -10,7 +10,7 @@ prompts over a pipe; it reports its own GenStats: TTFT = prefill start -> first 
 
     python benchmarks/served_speed.py -m models/turbospec-tiny-hybrid -n 128 --rounds 3 \\
         --config plain= --config "mtp=--spec-type draft-mtp --spec-draft-n-max 3" \\
-        --llama-server /path/llama-server --gguf /tmp/tiny-hybrid-f32.gguf --json docs/results/served_speed.json
+        --llama-server <llama.cpp>/build/bin/llama-server --gguf tiny-hybrid-f32.gguf --json docs/results/served_speed.json
 
 A `--config NAME=FLAGS` gives turbospec flags; the llama-server flags for it are derived (draft-mtp ->
 `--spec-type draft-mtp --spec-draft-n-max N`; other drafters have no llama-server twin and skip it).

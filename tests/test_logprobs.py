@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 
-from tests.test_spec import SHAPE, add_mtp
+from tests.test_spec import SHAPE, peaked_target
 from turbospec.config import EngineConfig, SpecConfig
-from turbospec.demo import qwen3_config, random_qwen3_weights, write_checkpoint
 from turbospec.engine import Engine
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
@@ -28,13 +27,7 @@ SPECS = [None, "ngram", "draft-mtp", "draft-model:self"]
 
 @pytest.fixture(scope="module")
 def target_path(tmp_path_factory):
-    cfg = qwen3_config(**SHAPE, mtp_num_hidden_layers=1)
-    w = random_qwen3_weights(cfg, seed=11, dtype=torch.float32)
-    for k in w:  # larger weights: peaked, repetitive distributions that drafts can hit
-        if k.endswith(("proj.weight", "embed_tokens.weight")):
-            w[k] = w[k] * 12
-    add_mtp(w, cfg)
-    return write_checkpoint(tmp_path_factory.mktemp("lp") / "target", cfg, w)
+    return peaked_target(tmp_path_factory.mktemp("lp") / "target")
 
 
 @pytest.fixture(scope="module")

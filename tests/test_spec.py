@@ -31,16 +31,22 @@ def add_mtp(w: dict, cfg: dict, seed: int = 3) -> None:
         w[f"mtp.{n}.weight"] = torch.ones(h)
 
 
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec")
+def peaked_target(out: Path) -> Path:
+    """A random target with an MTP block whose larger weights give peaked, repetitive distributions that drafts
+    can hit."""
     cfg = qwen3_config(**SHAPE, mtp_num_hidden_layers=1)
     w = random_qwen3_weights(cfg, seed=11, dtype=torch.float32)
-    for k in w:  # larger weights: peaked, repetitive distributions that drafts can hit
+    for k in w:
         if k.endswith(("proj.weight", "embed_tokens.weight")):
             w[k] = w[k] * 12
     add_mtp(w, cfg)
-    target = write_checkpoint(d / "target", cfg, w)
+    return write_checkpoint(out, cfg, w)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    target = peaked_target(d / "target")
     other = make_demo_model(d / "other", seed=5, **SHAPE)
     return {"target": target, "other": other}
 

@@ -74,8 +74,7 @@ class Generation:
     """A queued job seen from its request: the worker's events as they come, counting the generated tokens
     and noticing a client that went away."""
 
-    def __init__(self, request: Request, job: Job, reply: Reply, t_arrival: float, pace: float = 0.0):
-        self.request = request
+    def __init__(self, job: Job, reply: Reply, t_arrival: float, pace: float = 0.0):
         self.job = job
         self.pace = pace  # seconds between two batches of events taken from the worker (see worker.Channel)
         self.pending: deque[tuple] = deque()  # events taken from the channel, not yet handled
@@ -312,7 +311,7 @@ class Server:
         params = protocol.with_logprobs_and_bias(params, body, chat, self.vocab)
         job = Job(tokens, params, Channel(asyncio.get_running_loop()), deadline=t_arrival + self.cfg.timeout,
                   key=key)
-        gen = Generation(request, job, Reply.new(self.cfg.model_name, chat), t_arrival, self.cfg.stream_interval)
+        gen = Generation(job, Reply.new(self.cfg.model_name, chat), t_arrival, self.cfg.stream_interval)
         if chat and protocol.parse_tools(body).parse_calls:
             gen.tool_calls = tools.ToolCallParser()
         if protocol.echo(body, chat):
