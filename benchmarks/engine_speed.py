@@ -9,9 +9,12 @@ read per token x decode t/s) is divided by the copy bandwidth of its own round, 
 With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights are written as GGUF
 (benchmarks/to_gguf.py; f32 for float32, f16 for float16) and llama.cpp's pp512 / tg128 are measured in the same run
 (`-t` threads, `-r` reps; llama.cpp has no bf16 row here).
+Packed weight types (`--weights q8_0 q4_0 q4_k`): with `--llama-quantize PATH` the f32 GGUF is quantized by
+llama.cpp (`llama-quantize --pure`, every matrix in the type) and both engines run *that file* (turbospec keeps its
+blocks packed, activations in --weights-dtype); without it, turbospec quantizes the checkpoint at load (`--weights`).
 
     python benchmarks/engine_speed.py [--reps 5] [--dtypes float32 bfloat16 float16] [--llama-bench PATH]
-        [--out docs/results/engine_speed.json]
+        [--weights q8_0 q4_0 q4_k] [--llama-quantize PATH] [--out docs/results/engine_speed.json]
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def copy_bandwidth_gbs(reps: int = 5) -> float:
 
 
 class TurbospecRunner:
-    def __init__(self, path: Path, dtype: str, ids: list[int]):
-        self.eng = Engine(load_model(path, dtype), None, EngineConfig(ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False))
+    def __init__(self, path: Path, dtype: str, ids: list[int], weights: str = "auto"):
+        model = load_model(path, dtype, weights)
+        self.eng = Engine(model, None, EngineConfig(ctx=PROMPT + GEN + 8, ubatch=512, prefix_cache=False))
         self.ids = ids
         self.params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
 
@@ -80,15 +84,8 @@ class TransformersRunner:
 class LlamaCppRunner:
     """llama-bench pp512 / tg128 (one repetition per call) on a GGUF of the same weights (f32 or f16)."""
 
-    def __init__(self, binary: str, path: Path, dtype: str, threads: int):
-        import subprocess
-        import sys
-
-        wtype = {"float32": "f32", "float16": "f16"}[dtype]
-        self.gguf = path / f"bench-{wtype}.gguf"
-        if not self.gguf.exists():
-            subprocess.run([sys.executable, str(Path(__file__).with_name("to_gguf.py")), "--model", str(path),
-                            "--type", wtype, "--out", str(self.gguf)], check=True)
+    def __init__(self, binary: str, path: Path, dtype: str, threads: int, gguf: Path | None = None):
+        self.gguf = gguf or float_gguf(path, {"float32": "f32", "float16": "f16"}[dtype])
         self.cmd = [binary, "-m", str(self.gguf), "-p", str(PROMPT), "-n", str(GEN), "-t", str(threads), "-r", "1",
                     "-o", "json"]
 
@@ -100,6 +97,29 @@ class LlamaCppRunner:
         return res["prefill"], res["decode"]
 
 
+def float_gguf(path: Path, wtype: str) -> Path:
+    """The checkpoint as an f32 / f16 GGUF file beside it (written once)."""
+    import subprocess
+    import sys
+
+    out = path / f"bench-{wtype}.gguf"
+    if not out.exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("to_gguf.py")), "--model", str(path),
+                        "--type", wtype, "--out", str(out)], check=True)
+    return out
+
+
+def quantized_gguf(path: Path, wtype: str, quantize: str) -> Path:
+    """The checkpoint quantized by llama.cpp to `wtype` with every matrix in that type (--pure), written once."""
+    import subprocess
+
+    out = path / f"bench-{wtype}.gguf"
+    if not out.exists():
+        subprocess.run([quantize, "--pure", str(float_gguf(path, "f32")), str(out), wtype.upper()], check=True,
+                       capture_output=True)
+    return out
+
+
 def _summary(samples: list[tuple[float, float]]) -> dict:
     pre, dec = [s[0] for s in samples], [s[1] for s in samples]
     return {"prefill_tps": statistics.median(pre), "decode_tps": statistics.median(dec), "decode_all": dec,
@@ -109,11 +129,14 @@ def _summary(samples: list[tuple[float, float]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16", "float16"])
     ap.add_argument("--model", default="models/demo-qwen3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="path of a llama.cpp llama-bench binary")
+    ap.add_argument("--weights", nargs="*", default=[], help="packed weight types: q8_0 q4_0 q4_k")
+    ap.add_argument("--weights-dtype", default="bfloat16", help="activations / KV of the packed rows")
+    ap.add_argument("--llama-quantize", default=None, help="path of llama.cpp's llama-quantize (packed rows)")
     ap.add_argument("--out", default="docs/results/engine_speed.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -128,6 +151,12 @@ def main() -> None:
             runners[("transformers", dtype)] = TransformersRunner(path, dtype, ids)
         if a.llama_bench and dtype in ("float32", "float16"):
             runners[("llama_cpp", dtype)] = LlamaCppRunner(a.llama_bench, path, dtype, a.threads)
+    for wtype in a.weights:  # one GGUF file per type for both engines, or turbospec's own quantization
+        gguf = quantized_gguf(path, wtype, a.llama_quantize) if a.llama_quantize else None
+        runners[("turbospec", wtype)] = (TurbospecRunner(gguf, a.weights_dtype, ids) if gguf
+                                         else TurbospecRunner(path, a.weights_dtype, ids, wtype))
+        if a.llama_bench and gguf:
+            runners[("llama_cpp", wtype)] = LlamaCppRunner(a.llama_bench, path, wtype, a.threads, gguf)
     samples: dict[tuple[str, str], list] = {k: [] for k in runners}
     bws: list[float] = []
     for r in range(a.reps + 1):  # round 0 is the warm-up; every round runs every engine and dtype once
@@ -141,14 +170,15 @@ def main() -> None:
         print(f"round {r}/{a.reps} done (copy bandwidth {bw:.1f} GB/s)", flush=True)
     bw = statistics.median(bws)
     rows = []
-    for dtype in a.dtypes:
+    for dtype in [*a.dtypes, *a.weights]:
         ts = _summary(samples[("turbospec", dtype)])
         ts["weight_bytes_per_token"] = wb = runners[("turbospec", dtype)].eng.model.weight_bytes
         hf = _summary(samples[("transformers", dtype)]) if ("transformers", dtype) in samples else None
         lc = _summary(samples[("llama_cpp", dtype)]) if ("llama_cpp", dtype) in samples else None
         # share of the copy bandwidth measured in the same round, median over rounds
         share = statistics.median(wb * d / 1e9 / b for d, b in zip(ts["decode_all"], bws))
-        row = {"dtype": dtype, "turbospec": ts, "transformers": hf, "llama_cpp": lc,
+        row = {"dtype": dtype, "gguf": str(getattr(runners.get(("llama_cpp", dtype)), "gguf", "")) or None,
+               "turbospec": ts, "transformers": hf, "llama_cpp": lc,
                "weight_GBps": wb * ts["decode_tps"] / 1e9, "bound_tps_at_copy_bw": bw * 1e9 / wb,
                "share_of_copy_bw": share}
         if lc:
@@ -163,11 +193,12 @@ def main() -> None:
         if lc:
             line += (f" | llama.cpp decode {lc['decode_tps']:6.1f} ({lc['share_of_copy_bw']:4.0%})"
                      f"  prefill {lc['prefill_tps']:7.1f}"
-                     f" | turbospec/llama.cpp decode {ts['decode_tps'] / lc['decode_tps']:4.2f}x")
+                     f" | turbospec/llama.cpp decode {ts['decode_tps'] / lc['decode_tps']:4.2f}x"
+                     f" prefill {ts['prefill_tps'] / lc['prefill_tps']:4.2f}x")
         print(line, flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpu_count": torch.get_num_threads(),
             "torch": torch.__version__, "copy_bandwidth_GBps": bw, "copy_bandwidth_all": bws, "prompt": PROMPT,
-            "gen": GEN, "reps": a.reps, "interleaved": True}
+            "gen": GEN, "reps": a.reps, "interleaved": True, "weights_dtype": a.weights_dtype}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"copy bandwidth {bw:.1f} GB/s (median of the rounds); wrote {a.out}")

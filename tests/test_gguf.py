@@ -268,6 +268,6 @@ def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled):
 
 def test_export_refuses_what_it_cannot_write(hf_models, tmp_path):
     with pytest.raises(TurboSpecError, match="llama-quantize"):
-        export_gguf(hf_models["qwen3"], tmp_path / "k.gguf", "q4_k")
+        export_gguf(hf_models["qwen3"], tmp_path / "k.gguf", "q6_k")
     with pytest.raises(TurboSpecError, match="RoPE scaling"):
         export_gguf(hf_models["qwen3_yarn"], tmp_path / "y.gguf", "f32")

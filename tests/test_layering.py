@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "turbospec"
 RANKS = {
     "turbospec.errors": 0, "turbospec.env": 0, "turbospec.dtypes": 0, "turbospec.version": 0,
     "turbospec.kernels": 1,
-    "turbospec.kv": 2,
+    "turbospec.kv": 2, "turbospec.weights": 2,
     "turbospec.config": 3,
     "turbospec.layers": 4, "turbospec.sampling": 4, "turbospec.tokenizer": 4,
     "turbospec.model": 5, "turbospec.demo": 5,

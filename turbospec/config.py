@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
 from turbospec.kv.formats import get_format
+from turbospec.weights import WEIGHT_CHOICES
 
 SPEC_TYPES = ("draft-mtp", "medusa", "ngram", "ngram-simple", "ngram-mod", "draft-model")
 
@@ -139,6 +140,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "float32"  # weights and compute: float32, bfloat16, float16
+    weights: str = "auto"  # matrices: as stored (float ones in `dtype`), or packed at load: q8_0, q4_0, q4_k
     threads: int | None = None  # CPU threads; None: torch's default (all cores)
     ctx: int = 4096  # context size in tokens (prompt + output)
     batch: int = 2048  # logical batch (-b)
@@ -154,6 +156,9 @@ class EngineConfig:
         if self.threads is not None and self.threads <= 0:
             raise TurboSpecError("--threads must be positive")
         _set(self, "dtype", dtypes.long_name(self.dtype))
+        _set(self, "weights", str(self.weights).lower())
+        if self.weights not in WEIGHT_CHOICES:
+            raise TurboSpecError(f"--weights {self.weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
         _set(self, "ubatch", min(self.ubatch, self.batch))
         _set(self, "cache_type_k", kv_type(self.cache_type_k))
         _set(self, "cache_type_v", kv_type(self.cache_type_v))

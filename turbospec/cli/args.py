@@ -13,6 +13,9 @@ from turbospec.sampling import SamplingParams
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--weights", default="auto", choices=("auto", "q8_0", "q4_0", "q4_k"),
+                   help="matrices: auto = as stored (float in --dtype; a GGUF file's Q8_0/Q4_0/Q4_K blocks stay "
+                        "packed), or quantize float matrices at load to q8_0 | q4_0 | q4_k (default auto)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prefill chunk size (default 512)")
@@ -91,7 +94,7 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The model flags (+ --spec-* flags where the command has them) as an EngineConfig."""
     return EngineConfig(
-        model=a.model, dtype=a.dtype, threads=a.threads, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
+        model=a.model, dtype=a.dtype, weights=a.weights, threads=a.threads, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
         cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, spec=spec_config(a),
         prefix_cache=not a.no_prefix_cache,
     )

@@ -49,10 +49,10 @@ def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
     tokenizer: Tokenizer | None
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
-        model = load_gguf(f, config.dtype)
+        model = load_gguf(f, config.dtype, config.weights)
         tokenizer = Tokenizer.from_gguf(f.meta) if "tokenizer.ggml.model" in f.meta else None
     else:
-        model = load_model(path, config.dtype)
+        model = load_model(path, config.dtype, config.weights)
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
     return path, model, tokenizer
 

@@ -171,10 +171,15 @@ void add_residual(float* x, const float* d, int64_t n) {
   for (; i < n; ++i) x[i] = rnd<T>(x[i] + rnd<T>(d[i]));
 }
 
-// y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype.
+#include "quant.cpp"
+
+// y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype or packed format.
 void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m) {
-  const int64_t in = w.size(1), out = w.size(0);
-  by_dtype(w.scalar_type(), [&](auto tag) { run(w.data_ptr<decltype(tag)>(), x, y, m, in, out); });
+  const int64_t in = in_features(w), out = w.size(0);
+  if (packed::is_packed(w))
+    packed::product(w, x, y, m);
+  else
+    by_dtype(w.scalar_type(), [&](auto tag) { run(w.data_ptr<decltype(tag)>(), x, y, m, in, out); });
   if (b.has_value()) {
     auto bf = b->to(torch::kFloat).contiguous();
     const float* bp = bf.data_ptr<float>();
@@ -258,11 +263,11 @@ std::vector<float> norm_product(const torch::Tensor& x, const torch::Tensor& nor
 }
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous 2-D tensor");
+  TORCH_CHECK((w.dim() == 2 || packed::is_packed(w)) && w.is_contiguous(), "weight must be a contiguous 2-D or packed tensor");
   auto out_dtype = x.scalar_type();
   auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
   const int64_t m = xs.size(0), in = xs.size(1), out = w.size(0);
-  TORCH_CHECK(w.size(1) == in, "shape mismatch");
+  TORCH_CHECK(in_features(w) == in, "shape mismatch");
   auto y = torch::empty({m, out}, xs.options());
   product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m);
   auto shape = x.sizes().vec();
@@ -366,7 +371,7 @@ torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc
                       c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin, int64_t nh,
                       int64_t nkv, int64_t hd, bool gated) {
   TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && cos.scalar_type() == x.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(-1), "bad weight");
+  TORCH_CHECK(w.is_contiguous() && in_features(w) == x.size(-1), "bad weight");
   TORCH_CHECK(w.size(0) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
   return by_dtype(x.scalar_type(), [&](auto tag) {
     return attn_in_t<decltype(tag)>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
@@ -376,7 +381,7 @@ torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc
 // RMSNorm then product: y = norm(x) W^T (+ b), rounded to T (the Gated DeltaNet's input projection).
 torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, torch::Tensor w,
                           c10::optional<torch::Tensor> b) {
-  TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == x.size(-1), "bad input");
+  TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && w.is_contiguous() && in_features(w) == x.size(-1), "bad input");
   return by_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     return from_floats<T>(norm_product<T>(x, norm_w, eps, zc, w, b), x.numel() / x.size(-1), w.size(0), x);
@@ -401,7 +406,7 @@ torch::Tensor mtp_in(torch::Tensor e, torch::Tensor ne, torch::Tensor h, torch::
                      torch::Tensor w, c10::optional<torch::Tensor> b) {
   TORCH_CHECK(h.scalar_type() == e.scalar_type() && ne.scalar_type() == e.scalar_type() &&
               nh.scalar_type() == e.scalar_type() && h.sizes() == e.sizes() && e.dim() == 2, "bad MTP input");
-  TORCH_CHECK(w.is_contiguous() && w.size(1) == 2 * e.size(1), "bad fc weight");
+  TORCH_CHECK(w.is_contiguous() && in_features(w) == 2 * e.size(1), "bad fc weight");
   return by_dtype(e.scalar_type(), [&](auto tag) { return mtp_in_t<decltype(tag)>(e, ne, h, nh, eps, zc, w, b); });
 }
 
@@ -413,7 +418,7 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
                         const torch::Tensor& w_o, const c10::optional<torch::Tensor>& b_o, const torch::Tensor& post_w,
                         double eps, bool zc, const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
                         const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn) {
-  const int64_t d = x.size(-1), m = x.numel() / d, aw = w_o.size(1), inter = w_dn.size(1);
+  const int64_t d = x.size(-1), m = x.numel() / d, aw = in_features(w_o), inter = in_features(w_dn);
   std::vector<float> af = to_floats<T>(a);
   if (gate.has_value()) {
     const T* g = gate->data_ptr<T>();
@@ -448,11 +453,11 @@ torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Ten
                       c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn, c10::optional<torch::Tensor> b_dn) {
   TORCH_CHECK(a.scalar_type() == x.scalar_type() && post_w.scalar_type() == x.scalar_type(), "dtype mismatch");
   TORCH_CHECK(w_o.is_contiguous() && w_gu.is_contiguous() && w_dn.is_contiguous(), "weights must be contiguous");
-  TORCH_CHECK(w_o.size(1) * x.size(0) == a.numel() && w_o.size(0) == x.size(-1), "o shape mismatch");
-  TORCH_CHECK(w_gu.size(0) == 2 * w_dn.size(1) && w_gu.size(1) == x.size(-1) && w_dn.size(0) == x.size(-1),
+  TORCH_CHECK(in_features(w_o) * x.size(0) == a.numel() && w_o.size(0) == x.size(-1), "o shape mismatch");
+  TORCH_CHECK(w_gu.size(0) == 2 * in_features(w_dn) && in_features(w_gu) == x.size(-1) && w_dn.size(0) == x.size(-1),
               "mlp shape mismatch");
   if (gate.has_value())
-    TORCH_CHECK(gate->scalar_type() == x.scalar_type() && gate->stride(1) == 1 && gate->size(1) == w_o.size(1),
+    TORCH_CHECK(gate->scalar_type() == x.scalar_type() && gate->stride(1) == 1 && gate->size(1) == in_features(w_o),
                 "bad gate");
   return by_dtype(x.scalar_type(), [&](auto tag) {
     return out_mlp_t<decltype(tag)>(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
@@ -664,6 +669,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
+  m.def("packed_linear", &packed_linear, "x W^T for a packed (Q8_0 / Q4_0 / Q4_K) W, any number of rows");
+  m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
+  m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");
+  m.def("packed_rows", &packed_rows, "rows ids of a packed table as float32");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");
   m.def("argmax_rows", &argmax_rows, "first index of the maximum of each row (NaN wins)");

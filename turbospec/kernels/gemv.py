@@ -62,9 +62,9 @@ def _drop_stale_lock(lock: Path) -> None:
 
 @cache
 def load_kernel():
-    """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp and deltanet.cpp: their hash
+    """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp, deltanet.cpp and quant.cpp: their hash
     goes into the build flags, so that torch rebuilds the module when any of the files changes. Cached: callers (RMSNorm, every
     `Linear`) ask per call."""
     here = Path(__file__).parent
-    deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp"))).hexdigest()[:16]
+    deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp", "quant.cpp"))).hexdigest()[:16]
     return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

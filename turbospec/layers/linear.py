@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from turbospec import env
 from turbospec.kernels.gemv import load_kernel
+from turbospec.weights import dequantize, format_of, in_features, is_packed
 
 # env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
 # than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
@@ -20,7 +21,9 @@ from turbospec.kernels.gemv import load_kernel
 
 
 class Linear:
-    """y = x W^T + b. Several HF projections can be fused into one (rows concatenated)."""
+    """y = x W^T + b. Several HF projections can be fused into one (rows concatenated). W is a float matrix or
+    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K), multiplied by the kernel without unpacking the matrix
+    for decode and verification rows, and by float32 tiles for prefill."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, hugepages: bool = True):
         """`hugepages=False` for short-lived matrices: huge-page copies come from a bump allocator whose mappings
@@ -31,19 +34,28 @@ class Linear:
                 and not self.weight.requires_grad):
             self.weight = self.kernel.hugepage_copy(self.weight)
         self.bias = bias
-        self.out_features, self.in_features = self.weight.shape
-        self.prefill_weight: torch.Tensor | None = None
+        self.out_features, self.in_features = self.weight.shape[0], in_features(self.weight)
+        self.packed = is_packed(self.weight)
 
     @classmethod
-    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Linear:
+    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+              dtype: torch.dtype | None = None) -> Linear:
+        """One Linear for several projections' rows. Parts of different formats (a GGUF file that mixes types)
+        are all widened to `dtype`."""
+        if len({format_of(w) for w in weights}) > 1 or len({w.dtype for w in weights}) > 1:
+            to = dtype or next(w.dtype for w in weights if not is_packed(w))
+            weights = [dequantize(w).to(to) if is_packed(w) else w.to(to) for w in weights]
         w = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
         if all(b is None for b in biases):
             return cls(w, None)
-        bs = [b if b is not None else torch.zeros(wi.shape[0], dtype=w.dtype) for b, wi in zip(biases, weights)]
+        bt = next(b.dtype for b in biases if b is not None)
+        bs = [b if b is not None else torch.zeros(wi.shape[0], dtype=bt) for b, wi in zip(biases, weights)]
         return cls(w, torch.cat(bs, 0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.packed:
+            return self.kernel.packed_linear(x, self.weight, self.bias, env.SKINNY_MAX_ROWS)
         if self.kernel is not None and rows <= env.SKINNY_MAX_ROWS:
             return self.kernel.skinny_linear(x, self.weight, self.bias)
         if env.PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):

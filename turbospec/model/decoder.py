@@ -41,7 +41,7 @@ def load_attention(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtyp
     h, q, kv = cfg.hidden_size, cfg.q_size * (2 if gated else 1), cfg.kv_size
     names = ("q_proj", "k_proj", "v_proj")
     sizes = (q, kv, kv)
-    ws_ = [ws.get(f"{p}.{n}.weight", dtype, (s, h)) for n, s in zip(names, sizes)]
+    ws_ = [ws.matrix(f"{p}.{n}.weight", dtype, (s, h)) for n, s in zip(names, sizes)]
     bs = [ws.get(f"{p}.{n}.bias", dtype, (s,)) if cfg.attention_bias else None for n, s in zip(names, sizes)]
     o_bias = ws.get(f"{p}.o_proj.bias", dtype, (h,)) if cfg.o_bias else None
     qn = kn = None
@@ -49,7 +49,7 @@ def load_attention(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtyp
         qn = ws.get(f"{p}.q_norm.weight", dtype, (cfg.head_dim,))
         kn = ws.get(f"{p}.k_norm.weight", dtype, (cfg.head_dim,))
     return Attention(
-        Linear.fused(ws_, bs), Linear(ws.get(f"{p}.o_proj.weight", dtype, (h, cfg.q_size)), o_bias),
+        Linear.fused(ws_, bs, dtype), Linear(ws.matrix(f"{p}.o_proj.weight", dtype, (h, cfg.q_size)), o_bias),
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qn, kn, cfg.rms_norm_eps, gated, zero_centred,
     )
 
@@ -57,8 +57,8 @@ def load_attention(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtyp
 def load_mlp(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MLP:
     h, i = cfg.hidden_size, cfg.intermediate_size
     bias = cfg.mlp_bias
-    gate = ws.get(f"{p}.gate_proj.weight", dtype, (i, h))
-    up = ws.get(f"{p}.up_proj.weight", dtype, (i, h))
+    gate = ws.matrix(f"{p}.gate_proj.weight", dtype, (i, h))
+    up = ws.matrix(f"{p}.up_proj.weight", dtype, (i, h))
     gb = [ws.get(f"{p}.{n}.bias", dtype, (i,)) if bias else None for n in ("gate_proj", "up_proj")]
     down_b = ws.get(f"{p}.down_proj.bias", dtype, (h,)) if bias else None
-    return MLP(Linear.fused([gate, up], gb), Linear(ws.get(f"{p}.down_proj.weight", dtype, (h, i)), down_b))
+    return MLP(Linear.fused([gate, up], gb, dtype), Linear(ws.matrix(f"{p}.down_proj.weight", dtype, (h, i)), down_b))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
@@ -15,6 +14,7 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
+from turbospec.weights import rows_of
 
 
 class DenseModel:
@@ -23,7 +23,7 @@ class DenseModel:
     def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype, prefix: str = "model"):
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
-        self.embed = ws.get(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        self.embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"{prefix}.layers.{i}"
@@ -37,7 +37,7 @@ class DenseModel:
             self.lm_head = Linear(self.embed)
             self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
         else:
-            self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
+            self.lm_head = Linear(ws.matrix("lm_head.weight", dtype, (cfg.vocab_size, h)))
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp: MTPModule | None = None
         if ws.has("mtp.fc.weight"):
@@ -56,7 +56,7 @@ class DenseModel:
         one for the next token's logits, an MTP drafter its prompt window), so the last layer attends and projects
         those alone (llama.cpp skips the unused output rows the same way)."""
         cache.begin(tokens.numel())
-        x = F.embedding(tokens, self.embed)
+        x = rows_of(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

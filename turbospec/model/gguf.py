@@ -5,11 +5,13 @@ exactly as from a checkpoint directory.
 Architectures: `qwen3`, `qwen2`, `llama` (dense) and `qwen35` (the Qwen3.5 hybrid, with its `nextn` MTP block as
 the checkpoint's `mtp.*`). Tensor types: `TYPES`. `get` undoes what llama.cpp's
 converter did to a tensor (llama's permuted q/k rows; for qwen35 the +1 on norm weights, -exp(A_log), the squeezed
-conv1d, the tiled value heads), so the tensors are the checkpoint's again. The weights are dequantized at load time:
-a quantized file runs at the speed (and memory) of the dtype it is loaded in."""
+conv1d, the tiled value heads), so the tensors are the checkpoint's again. Matrices stored as Q8_0, Q4_0 or Q4_K
+stay packed (`matrix`: the file's blocks, rows reordered where the converter reordered them); other quantized
+types are dequantized by the `gguf` package to the model's dtype."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,9 @@ import torch
 
 from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
+from turbospec.kernels.gemv import load_kernel
 from turbospec.model.loader import IndexedSource, _one_line
+from turbospec.weights import BY_GGUF_TYPE, packable
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen35")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
@@ -200,7 +204,7 @@ class GGUFWeights(IndexedSource):
                 if f"blk.{n}.{g}" in f.tensors:
                     self.index[hf] = f"blk.{n}.{g}"
 
-    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _tensor(self, name: str):
         if name not in self.index:
             raise TurboSpecError(f"{self.f.path.name}: missing tensor {name!r}")
         t = self.f.tensors[self.index[name]]
@@ -208,23 +212,54 @@ class GGUFWeights(IndexedSource):
         if kind not in TYPES:
             raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has type {kind}, which is not supported "
                                  f"(supported: {', '.join(TYPES)})")
+        return t
+
+    def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        """The file's blocks [out, blocks, block bytes] for a Q8_0 / Q4_0 / Q4_K matrix (a view of the memory
+        map unless rows had to be reordered), else `get` (float, or packed per `pack`)."""
+        t = self._tensor(name)
+        fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
+        if fmt is None or load_kernel() is None or not packable(fmt, shape):
+            return super().matrix(name, dtype, shape)
+        col_unit = fmt.block_values
+        lin = self.cfg.linear_dims() if self.f.arch == "qwen35" else {}
+        if (name.endswith("out_proj.weight") and lin and lin["num_v_heads"] != lin["num_k_heads"]
+                and lin["v_head_dim"] % col_unit):
+            return super().matrix(name, dtype, shape)  # value heads reordered within blocks: dequantize
+        packed_shape = (shape[0], shape[1] // fmt.block_values, fmt.block_bytes)
+        try:
+            data = t.data.reshape(packed_shape)
+        except (ValueError, IndexError) as e:
+            raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has {t.data.size} bytes, a {shape} "
+                                 f"{fmt.name} matrix needs {int(np.prod(packed_shape))} ({_one_line(e)})") from None
+        with warnings.catch_warnings():  # a read-only map: nothing writes to weights
+            warnings.simplefilter("ignore", UserWarning)
+            out = torch.from_numpy(data)
+        return self._reorder(name, out, col_unit)
+
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self._tensor(name)
         rows = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims innermost first
         try:
             x = _values(t.data, t.tensor_type).reshape(rows)
         except (ValueError, IndexError) as e:  # a truncated file maps fewer bytes than the tensor needs
             raise TurboSpecError(f"{self.f.path.name}: cannot read tensor {t.name} ({_one_line(e)})") from None
-        out = torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x))  # off the map
-        if self.f.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
-            out = unpermute_rope(out, heads)
-        if self.f.arch == "qwen35":
-            out = self._undo_qwen35(name, self.index[name], out)
+        out = self._reorder(name, torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x)))
         if shape is not None and tuple(out.shape) != tuple(shape):
             raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {tuple(out.shape)}, the config "
                                  f"implies {tuple(shape)}")
         return out.to(dtype) if dtype is not None else out
 
-    def _undo_qwen35(self, name: str, gguf_name: str, x: torch.Tensor) -> torch.Tensor:
+    def _reorder(self, name: str, out: torch.Tensor, col_unit: int = 1) -> torch.Tensor:
+        """Undo the converter's reordering (rows, and columns in units of `col_unit` values for packed rows)."""
+        if self.f.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
+            out = unpermute_rope(out, heads)
+        if self.f.arch == "qwen35":
+            out = self._undo_qwen35(name, self.index[name], out, col_unit)
+        return out
+
+    def _undo_qwen35(self, name: str, gguf_name: str, x: torch.Tensor, col_unit: int = 1) -> torch.Tensor:
         """Undo llama.cpp's converter for a Qwen3.5 tensor: its +1 on zero-centred norm weights (every GGUF
         `*norm.weight` but the gated DeltaNet's `ssm_norm`, the MTP block's `enorm` / `hnorm` included), A_log
         stored as -exp(A_log), the conv1d weight squeezed, and (when there are more value than key heads) the
@@ -248,7 +283,7 @@ class GGUFWeights(IndexedSource):
         if name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_bias")):
             return untile_v_heads(x, 0, nk, r, 1)
         if name.endswith("out_proj.weight"):
-            return untile_v_heads(x, 1, nk, r, dv)
+            return untile_v_heads(x, 1, nk, r, dv // col_unit)
         return x
 
 

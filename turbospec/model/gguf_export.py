@@ -3,8 +3,9 @@
 llama.cpp loads and runs it — the hybrid with its MTP block, which llama.cpp's `--spec-type draft-mtp` uses — and
 turbospec loads it back to the same tensors.
 
-Types: f32, f16, bf16, q8_0, q4_0 for the matrices (1-D tensors stay f32, as llama.cpp keeps them). K-quants
-(q4_k ...) have no quantizer in the `gguf` package: export f16 and run llama.cpp's `llama-quantize`."""
+Types: f32, f16, bf16, q8_0, q4_0 (the `gguf` package's quantizers) and q4_k (turbospec's port of llama.cpp's
+reference quantizer, `turbospec.weights.quantize`) for the matrices; 1-D tensors stay f32, as llama.cpp keeps them.
+Rows that are not whole blocks stay f32, except q4_k's, which fall back to Q5_0 as `llama-quantize` does."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
 from turbospec.model.gguf import GLOBAL_NAMES, HYBRID_LAYER_NAMES, LAYER_NAMES, MTP_NAMES
 from turbospec.model.loader import WeightSource
 from turbospec.tokenizer import _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE
+from turbospec.weights import quantize
 
-EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
 
 
 def tile_v_heads(x: torch.Tensor, dim: int, nk: int, r: int, d: int) -> torch.Tensor:
@@ -155,7 +157,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
         w.add_full_attention_interval(int(cfg.raw.get("full_attention_interval", 4)))
         if has_mtp:
             w.add_nextn_predict_layers(1)
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}[kind])
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k": 15}[kind])
     if (model_dir / "tokenizer.json").exists():
         for key, value in tokenizer_metadata(model_dir, cfg.vocab_size).items():
             _add(w, key, value)
@@ -169,7 +171,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
         if hybrid:
             x = _convert_qwen35(hf, g, x, lin)
         a = x.numpy()
-        if a.ndim == 2 and kind != "f32" and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        if a.ndim == 2 and kind == "q4_k" and a.shape[1] % 256 == 0:
+            w.add_tensor(g, quantize(x, "q4_k").numpy().reshape(a.shape[0], -1), raw_dtype=qtype)
+        elif a.ndim == 2 and kind == "q4_k" and a.shape[1] % 32 == 0:
+            w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q5_0), raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        elif a.ndim == 2 and kind != "f32" and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(g, a)

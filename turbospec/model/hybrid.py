@@ -29,6 +29,7 @@ from turbospec.layers import block
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
 from turbospec.layers.linear import Linear
+from turbospec.weights import rows_of
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
@@ -136,12 +137,12 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
         )
     if ws.has(f"{p}.in_proj_qkv.weight"):  # Qwen3.5: separate projections, head-major
         rows = [
-            ws.get(f"{p}.in_proj_qkv.weight", dtype, (conv_dim, h)),
-            ws.get(f"{p}.in_proj_z.weight", dtype, (value_dim, h)),
-            ws.get(f"{p}.in_proj_b.weight", dtype, (nv, h)),
-            ws.get(f"{p}.in_proj_a.weight", dtype, (nv, h)),
+            ws.matrix(f"{p}.in_proj_qkv.weight", dtype, (conv_dim, h)),
+            ws.matrix(f"{p}.in_proj_z.weight", dtype, (value_dim, h)),
+            ws.matrix(f"{p}.in_proj_b.weight", dtype, (nv, h)),
+            ws.matrix(f"{p}.in_proj_a.weight", dtype, (nv, h)),
         ]
-    else:  # Qwen3-Next: per key-head groups [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]
+    else:  # Qwen3-Next: per key-head groups [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]; float
         r = nv // nk
         qkvz = ws.get(f"{p}.in_proj_qkvz.weight", dtype, (2 * key_dim + 2 * value_dim, h))
         ba = ws.get(f"{p}.in_proj_ba.weight", dtype, (2 * nv, h))
@@ -155,12 +156,12 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
             a.reshape(-1, h),
         ]
     return GatedDeltaNet(
-        Linear.fused(rows, [None] * 4),
+        Linear.fused(rows, [None] * 4, dtype),
         ws.get(f"{p}.conv1d.weight", dtype, (conv_dim, 1, kern)),
         ws.get(f"{p}.A_log", torch.float32, (nv,)),
         ws.get(f"{p}.dt_bias", torch.float32, (nv,)),
         ws.get(f"{p}.norm.weight", dtype, (dv,)),
-        Linear(ws.get(f"{p}.out_proj.weight", dtype, (h, value_dim))),
+        Linear(ws.matrix(f"{p}.out_proj.weight", dtype, (h, value_dim))),
         nk,
         nv,
         dk,
@@ -241,7 +242,7 @@ class HybridModel:
             prefix = "model"
         self.prefix = prefix
         self.layer_types = cfg.layer_types()
-        self.embed = ws.get(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        self.embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
         self.layers: list[HybridLayer] = []
         n_attn = n_gdn = 0
         for i, kind in enumerate(self.layer_types):
@@ -271,7 +272,7 @@ class HybridModel:
         self.num_attn_layers, self.num_gdn_layers = n_attn, n_gdn
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
         if ws.has("lm_head.weight"):
-            self.lm_head = Linear(ws.get("lm_head.weight", dtype, (cfg.vocab_size, h)))
+            self.lm_head = Linear(ws.matrix("lm_head.weight", dtype, (cfg.vocab_size, h)))
         elif cfg.tie_word_embeddings:
             self.lm_head = Linear(self.embed)
             self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
@@ -305,7 +306,7 @@ class HybridModel:
             raise TurboSpecError("hybrid models need tree steps as AttentionPlan.tree(...) (with parents)")
         cache.begin(tokens.numel())
         cache.set_tree(plan.parents)
-        x = F.embedding(tokens, self.embed)
+        x = rows_of(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
+from turbospec.weights import WeightFormat, packable, quantize
 
 
 class TensorSource(Protocol):
@@ -24,17 +25,29 @@ class TensorSource(Protocol):
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None
             ) -> torch.Tensor: ...
 
+    def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        """A linear layer's (or the embedding's) weight: packed blocks (`turbospec.weights`) when the source
+        stores them packed or `pack` asks for a format, else a float matrix in `dtype`."""
+        ...
+
 
 class IndexedSource:
-    """A `TensorSource` whose `index` maps each Hugging Face name to where the tensor lives."""
+    """A `TensorSource` whose `index` maps each Hugging Face name to where the tensor lives. `pack`: the weight
+    format float matrices are quantized to as they load (`--weights`), None to keep them float."""
 
     index: dict
+    pack: WeightFormat | None = None
 
     def names(self) -> list[str]:
         return list(self.index)
 
     def has(self, name: str) -> bool:
         return name in self.index
+
+    def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        if self.pack is not None and packable(self.pack, shape):
+            return quantize(self.get(name, None, shape), self.pack)  # from the stored dtype, row by row
+        return self.get(name, dtype, shape)
 
 
 class WeightSource(IndexedSource):

@@ -22,6 +22,7 @@ from turbospec.layers.rope import Rope
 from turbospec.model.config import HYBRID_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
 from turbospec.model.loader import TensorSource
+from turbospec.weights import is_packed, rows_of
 
 
 class MTPModule:
@@ -33,7 +34,7 @@ class MTPModule:
         hybrid = cfg.arch in HYBRID_ARCHS
         self.cfg, self.dtype, self.zc = cfg, dtype, hybrid
         self.embed, self.lm_head = embed, lm_head
-        self.fc = Linear(ws.get(f"{prefix}.fc.weight", dtype, (h, 2 * h)))
+        self.fc = Linear(ws.matrix(f"{prefix}.fc.weight", dtype, (h, 2 * h)))
         self.norm_e = ws.get(f"{prefix}.pre_fc_norm_embedding.weight", dtype, (h,))
         self.norm_h = ws.get(f"{prefix}.pre_fc_norm_hidden.weight", dtype, (h,))
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
@@ -67,7 +68,9 @@ class MTPModule:
         """tokens x_{j+1} [N] (a tensor or a list of ids), hidden h_j [N, H], plan positions j -> normed MTP
         hidden [N, H]."""
         eps = self.cfg.rms_norm_eps
-        if isinstance(tokens, list):  # drafting: a row view for one token (tensor creation + gather cost ~20 us)
+        if is_packed(self.embed):
+            e = rows_of(self.embed, torch.as_tensor(tokens), self.dtype)
+        elif isinstance(tokens, list):  # drafting: a row view for one token (tensor creation + gather cost ~20 us)
             e = self.embed[tokens[0]:tokens[0] + 1] if len(tokens) == 1 else self.embed[torch.tensor(tokens)]
         else:
             e = F.embedding(tokens, self.embed)

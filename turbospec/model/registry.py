@@ -12,7 +12,8 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
 from turbospec.model.gguf import GGUFFile, is_gguf
-from turbospec.model.loader import TensorSource, WeightSource, load_config
+from turbospec.model.loader import IndexedSource, TensorSource, WeightSource, load_config
+from turbospec.weights import PACKED, WEIGHT_CHOICES
 
 Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
 
@@ -41,15 +42,24 @@ def build_model(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model
     return family(cfg, ws, dtype)
 
 
-def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32") -> Model:
-    """Build the model of an opened GGUF file."""
+def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = "auto") -> Model:
+    """Build the model of an opened GGUF file (`weights`: as `load_model`)."""
     cfg = f.config()
-    return build_model(cfg, f.weights(cfg), parse_dtype(dtype))
+    return build_model(cfg, _packing(f.weights(cfg), weights), parse_dtype(dtype))
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32") -> Model:
-    """Load a checkpoint directory (config.json + safetensors) or a llama.cpp GGUF file into a turbospec model."""
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto") -> Model:
+    """Load a checkpoint directory (config.json + safetensors) or a llama.cpp GGUF file into a turbospec model.
+    `weights`: "auto" keeps matrices as stored (float ones in `dtype`, a GGUF file's Q8_0 / Q4_0 / Q4_K blocks
+    packed); "q8_0" / "q4_0" / "q4_k" quantize the float matrices as they load (llama.cpp's reference blocks)."""
     if is_gguf(path):
-        return load_gguf(GGUFFile(path), dtype)
+        return load_gguf(GGUFFile(path), dtype, weights)
     cfg = load_config(path)
-    return build_model(cfg, WeightSource(path), parse_dtype(dtype))
+    return build_model(cfg, _packing(WeightSource(path), weights), parse_dtype(dtype))
+
+
+def _packing(ws: IndexedSource, weights: str) -> IndexedSource:
+    if weights not in WEIGHT_CHOICES:
+        raise TurboSpecError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
+    ws.pack = PACKED.get(weights)
+    return ws

@@ -1,0 +1,184 @@
+"""Packed weights (turbospec.weights, kernels/quant.cpp): llama.cpp's block bytes, the gguf package's
+dequantization, the fused products against float products of the same weights, rows in a batch equal to rows
+alone, the AVX2 and AVX-512 paths, and models loaded packed (--weights, GGUF files) against their references."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from turbospec import weights as W
+from turbospec.config import EngineConfig
+from turbospec.engine import Engine
+from turbospec.errors import TurboSpecError
+from turbospec.kernels.gemv import load_kernel
+from turbospec.layers.linear import Linear
+from turbospec.model import load_model
+from turbospec.model.gguf_export import export_gguf
+from turbospec.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="packed weights need the AVX2 kernel")
+
+FORMATS = list(W.PACKED)
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w[0, :40] = 0.0  # an all-zero block (scale 0)
+    w[1, 5] = 30.0  # an outlier
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_gives_the_gguf_reference_bytes(fmt, dtype):
+    w = matrix(24, 512).to(dtype)
+    p = W.quantize(w, fmt)
+    ref = gguf.quants.quantize(w.float().numpy(), getattr(gguf.GGMLQuantizationType, W.PACKED[fmt].gguf_type))
+    assert p.shape == (24, 512 // 32, W.PACKED[fmt].block_bytes)
+    assert np.array_equal(p.numpy().reshape(24, -1), ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_the_gguf_reference_bit_for_bit(fmt):
+    p = W.quantize(matrix(16, 768 if fmt != "q4_k" else 512), fmt)
+    ref = gguf.quants.dequantize(p.numpy().reshape(16, -1), getattr(gguf.GGMLQuantizationType, W.PACKED[fmt].gguf_type))
+    assert np.array_equal(W.dequantize(p).numpy(), ref)
+    assert np.array_equal(W.dequantize(p, slice(3, 7)).numpy(), ref[3:7])
+
+
+def test_q4_k_blocks_round_trip_closely():
+    """The Q4_K quantizer (llama.cpp's make_qkx2 search) keeps the error of 4.5-bit weights."""
+    w = matrix(32, 1024)
+    err = (W.dequantize(W.quantize(w, "q4_k")) - w).norm() / w.norm()
+    err4_0 = (W.dequantize(W.quantize(w, "q4_0")) - w).norm() / w.norm()
+    assert err < err4_0 < 0.15
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cols", [512, 768, 2304])
+def test_fused_product_matches_the_float_product(fmt, cols):
+    if cols % W.PACKED[fmt].block_values:
+        pytest.skip("not whole blocks")
+    w, k = matrix(67, cols), load_kernel()
+    p = W.quantize(w, fmt)
+    ref_w = W.dequantize(p)
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(1))
+    b = torch.randn(67)
+    for m in (1, 2, 3, 16, 20):  # 20 > the skinny limit: the dequantized-tile path
+        y = k.packed_linear(x[:m], p, b, 16)
+        want = x[:m] @ ref_w.T + b
+        rel = float((y - want).norm() / want.norm())
+        assert rel < (1e-6 if m > 16 else 2e-2), (m, rel)  # int8 activations: ~0.5% like llama.cpp's Q8 inputs
+    solo = torch.cat([k.packed_linear(x[i:i + 1], p, b, 16) for i in range(16)])
+    assert torch.equal(k.packed_linear(x[:16], p, b, 16), solo)  # a row's result does not depend on its batch
+
+
+def test_avx2_and_avx512_paths_agree():
+    """The same products with TURBOSPEC_NO_AVX512=1 (the AVX2 path) in a child process: the same int8 sums,
+    float sums in another order."""
+    code = ("import torch,sys; from turbospec import weights as W; from turbospec.kernels.gemv import load_kernel\n"
+            "torch.manual_seed(0); x=torch.randn(3,2304); out=[]\n"
+            "for f in ('q8_0','q4_0','q4_k'):\n"
+            "  w=torch.randn(50,2304); out.append(load_kernel().packed_linear(x,W.quantize(w,f),None,16))\n"
+            "torch.save(out, sys.argv[1])\n")
+    got = {}
+    for flag in ("0", "1"):
+        path = f"{os.environ.get('TMPDIR', '/tmp')}/avx_{flag}_{os.getpid()}.pt"
+        env = {**os.environ, "TURBOSPEC_NO_AVX512": "1"} if flag == "1" else dict(os.environ)
+        env.pop("TURBOSPEC_NO_AVX512", None) if flag == "0" else None
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True)
+        got[flag] = torch.load(path, weights_only=True)
+        os.unlink(path)
+    for a, b in zip(got["0"], got["1"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_and_embedding_rows():
+    w = matrix(64, 256)
+    p = W.quantize(w, "q4_k")
+    lin = Linear(p)
+    assert (lin.out_features, lin.in_features, lin.nbytes) == (64, 256, 64 * 144)
+    x = torch.randn(2, 256)
+    assert torch.allclose(lin(x), x @ W.dequantize(p).T, rtol=0, atol=0.05 * float((x @ w.T).abs().max()))
+    ids = torch.tensor([[3, 0], [63, 3]])
+    rows = W.rows_of(p, ids, torch.float32)
+    assert rows.shape == (2, 2, 256) and torch.equal(rows[0, 0], W.dequantize(p)[3])
+    with pytest.raises(TurboSpecError, match="whole 256-value blocks"):
+        W.quantize(torch.zeros(4, 100), "q4_k")
+
+
+def test_fused_parts_of_different_formats_widen_to_the_dtype():
+    a, b = W.quantize(matrix(32, 256), "q8_0"), W.quantize(matrix(16, 256, 1), "q4_0")
+    lin = Linear.fused([a, b], [None, None], torch.float32)
+    assert not lin.packed and lin.weight.shape == (48, 256)
+    assert torch.equal(lin.weight[32:], W.dequantize(b))
+    same = Linear.fused([a, W.quantize(matrix(8, 256, 2), "q8_0")], [None, None], torch.float32)
+    assert same.packed and same.weight.shape == (40, 8, 34)
+
+
+def greedy(model, ids, n=24, spec=None):
+    from turbospec.config import SpecConfig
+    from turbospec.speculative.registry import make_drafter
+
+    cfg = EngineConfig(ctx=256, prefix_cache=False, spec=spec or SpecConfig())
+    drafter = make_drafter(cfg.spec, model, 256) if spec else None
+    eng = Engine(model, None, cfg, drafter)
+    return eng.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]["tokens"]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_bundled_hybrid_packed_close_to_float_and_mtp_lossless(fmt):
+    """--weights on the bundled hybrid: the logits stay near the float model's (KLD small), and MTP drafting over
+    the packed model gives exactly its own greedy tokens."""
+    from turbospec.config import SpecConfig
+    from turbospec.kv.plan import AttentionPlan
+
+    path = MODELS / "turbospec-tiny-hybrid"
+    ref, packed = load_model(path, "float32"), load_model(path, "float32", fmt)
+    assert packed.weight_bytes < ref.weight_bytes / (3 if fmt == "q8_0" else 6)
+    ids = list(range(5, 45))
+    lp = []
+    for m in (ref, packed):
+        cache = m.new_cache(64)
+        h = m.forward(torch.tensor(ids), AttentionPlan.causal(0, len(ids)), cache)
+        lp.append(torch.log_softmax(m.logits(h), -1))
+    kld = float((lp[0].exp() * (lp[0] - lp[1])).sum(-1).mean())
+    assert kld < (0.01 if fmt == "q8_0" else 0.1), kld
+    plain = greedy(packed, ids)
+    assert greedy(packed, ids, spec=SpecConfig(types=("draft-mtp",), n_max=3)) == plain
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_gguf_blocks_load_packed_as_the_files_bytes(tmp_path, kind):
+    """An exported Q8_0 / Q4_0 file loads with its matrices packed, byte for byte the file's blocks, and the model
+    equals the checkpoint quantized at load (the same reference quantizer)."""
+    path = MODELS / "turbospec-tiny"
+    out = tmp_path / f"m-{kind}.gguf"
+    export_gguf(path, out, kind)
+    from_file, at_load = load_model(out, "float32"), load_model(path, "float32", kind)
+    qkv = from_file.layers[0].attn.qkv
+    assert qkv.packed and W.format_of(qkv.weight).name == kind
+    for a, b in ((from_file.layers[0].mlp.down, at_load.layers[0].mlp.down),
+                 (from_file.layers[1].attn.qkv, at_load.layers[1].attn.qkv)):
+        assert torch.equal(a.weight, b.weight)
+    f = gguf.GGUFReader(str(out))
+    raw = next(t for t in f.tensors if t.name == "blk.0.ffn_down.weight")
+    assert np.array_equal(from_file.layers[0].mlp.down.weight.numpy().reshape(raw.data.shape), raw.data)
+    ids = list(range(3, 30))
+    assert greedy(from_file, ids, 12) == greedy(at_load, ids, 12)
+
+
+def test_weights_flag_is_validated():
+    with pytest.raises(TurboSpecError, match="--weights"):
+        EngineConfig(weights="q3_k")
+    assert EngineConfig(weights="Q4_K").weights == "q4_k"

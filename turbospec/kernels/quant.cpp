@@ -1,0 +1,663 @@
+// Packed ggml weight blocks (Q8_0, Q4_0, Q4_K) multiplied without unpacking the matrix (included by gemv.cpp).
+//
+// A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
+// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K). Products for few rows quantize
+// the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for Q4_K, as llama.cpp's Q8_0 / Q8_K) and sum
+// int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
+// depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
+// (prefill) dequantize tiles of weight rows to float32 and use torch's GEMM. `dequantize_packed` equals the gguf
+// package's dequantization bit for bit (no fused multiply-add where it multiplies then subtracts).
+
+namespace packed {
+
+enum class Fmt { Q8_0, Q4_0, Q4_K };
+
+inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
+
+inline Fmt fmt_of(const torch::Tensor& w) {
+  switch (w.size(2)) {
+    case 34: return Fmt::Q8_0;
+    case 18: return Fmt::Q4_0;
+    case 144: return Fmt::Q4_K;
+    default: TORCH_CHECK(false, "packed weight: unknown block size ", w.size(2));
+  }
+  return Fmt::Q8_0;
+}
+
+inline int64_t block_values(Fmt f) { return f == Fmt::Q4_K ? 256 : 32; }
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes.
+inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One input row quantized to int8: q[in], one float scale per `qk` values, and the sum of q per 32 values.
+struct QRow {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum32;
+  std::vector<int16_t> sum16;  // the same sums as int16 (|sum| <= 32 * 127)
+  std::vector<int8_t> qp;      // Q4_0 on AVX-512: q with each pair of blocks reordered (row_dot_q8q4_avx512)
+  std::vector<int32_t> off;    // ... and -8 x the sum of each 4 values of qp
+};
+
+// The AVX-512 Q4_0 input layout of a quantized row (whole pairs of blocks; the rest is read from q).
+inline void pair_layout(QRow& r, int64_t in) {
+  r.qp.assign(in, 0);
+  r.off.assign(in / 4, 0);
+  for (int64_t b = 0; b + 2 <= in / 32; b += 2)
+    for (int h = 0; h < 2; ++h)      // values 0..15, then 16..31
+      for (int k = 0; k < 2; ++k)    // block b, then b + 1
+        std::memcpy(&r.qp[b * 32 + h * 32 + k * 16], &r.q[(b + k) * 32 + h * 16], 16);
+  for (int64_t i = 0; i < in / 4; ++i)
+    r.off[i] = -8 * (r.qp[4 * i] + r.qp[4 * i + 1] + r.qp[4 * i + 2] + r.qp[4 * i + 3]);
+}
+
+inline void quantize_row(const float* x, int64_t in, int64_t qk, QRow& r) {
+  r.q.resize(in);
+  r.d.resize(in / qk);
+  r.sum32.resize(in / 32);
+  r.sum16.resize(in / 32);
+  for (int64_t b = 0; b < in / qk; ++b) {
+    const float* xb = x + b * qk;
+    float amax = 0.f;
+    for (int64_t i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    r.d[b] = d;
+    for (int64_t i = 0; i < qk; ++i) r.q[b * qk + i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+  }
+  for (int64_t s = 0; s < in / 32; ++s) {
+    int32_t t = 0;
+    for (int i = 0; i < 32; ++i) t += r.q[s * 32 + i];
+    r.sum32[s] = t;
+    r.sum16[s] = static_cast<int16_t>(t);
+  }
+}
+
+inline int32_t hsum_i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline int32_t hsum4(__m128i s) {
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline __m128i load_sums(const int16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 8 int32 lanes summing u[i] * s[i] (u unsigned bytes, s signed bytes, |u * s| pairs within int16).
+inline __m256i dot_us(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// 32 4-bit values of 16 bytes: low nibbles then high nibbles (Q4_0's element order).
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+inline void unpack_scales(const uint8_t* s, uint32_t u[4]);
+
+// Lane k of the result = the sum of the 8 lanes of v[k].
+inline __m256i sum_lanes8(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+// int32 products of one Q8_0 / Q4_0 block (at w) with 32 int8 inputs; Q4_0's are of q (0..15), its -8 comes later.
+template <Fmt F>
+inline __m256i block_int(const uint8_t* w, const int8_t* x) {
+  if constexpr (F == Fmt::Q8_0) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+    return dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(load32(x), q));
+  } else {
+    return dot_us(nibbles(w + 2), load32(x));
+  }
+}
+
+// out[j] = w_row . x_j for j < nx (1 or 2) input rows; w_row holds `nb` blocks. Q8_0 / Q4_0 go 8 blocks at a
+// time: the 8 blocks' int32 sums in one vector, scaled by the 8 products of scales in one multiply-add.
+template <Fmt F>
+void row_dot(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int nx, float* out) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float c0 = 0.f, c1 = 0.f;  // terms outside the int8 products (Q4_K's mins)
+  if constexpr (F == Fmt::Q8_0 || F == Fmt::Q4_0) {
+    constexpr int64_t BB = F == Fmt::Q8_0 ? 34 : 18;
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      __m256i s0[8], s1[8];
+      alignas(16) uint16_t dh[8];
+      for (int k = 0; k < 8; ++k) {
+        const uint8_t* blk = w + (b + k) * BB;
+        std::memcpy(&dh[k], blk, 2);
+        s0[k] = block_int<F>(blk, &x0->q[(b + k) * 32]);
+        if (nx > 1) s1[k] = block_int<F>(blk, &x1->q[(b + k) * 32]);
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+      __m256i i0 = sum_lanes8(s0);
+      if constexpr (F == Fmt::Q4_0)  // q - 8: subtract 8 x the block's input sum
+        i0 = _mm256_sub_epi32(i0, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x0->sum32[b])), 3));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dw, _mm256_loadu_ps(&x0->d[b])), acc0);
+      if (nx > 1) {
+        __m256i i1 = sum_lanes8(s1);
+        if constexpr (F == Fmt::Q4_0)
+          i1 = _mm256_sub_epi32(i1, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x1->sum32[b])), 3));
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw, _mm256_loadu_ps(&x1->d[b])), acc1);
+      }
+    }
+    float t0 = 0.f, t1 = 0.f;
+    for (; b < nb; ++b) {  // the last blocks of a row that is not a multiple of 256 values
+      const uint8_t* blk = w + b * BB;
+      const float d = f16(blk);
+      const int32_t off0 = F == Fmt::Q4_0 ? 8 * x0->sum32[b] : 0;
+      t0 += d * x0->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x0->q[b * 32])) - off0);
+      if (nx > 1) {
+        const int32_t off1 = F == Fmt::Q4_0 ? 8 * x1->sum32[b] : 0;
+        t1 += d * x1->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x1->q[b * 32])) - off1);
+      }
+    }
+    c0 = -t0;
+    c1 = -t1;
+  } else {  // Q4_K: 256 values = 8 sub-blocks of 32, weight d * sc_j * q - dmin * m_j
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b, w += 144) {
+      const float d = f16(w), dmin = f16(w + 2);
+      uint32_t u[4];
+      unpack_scales(w + 4, u);
+      const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
+      const uint8_t* qs = w + 16;
+      __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {  // 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high ones
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]), s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+        const int8_t* q0 = &x0->q[b * 256 + 64 * j];
+        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(q0)), s_lo));
+        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(q0 + 32)), s_hi));
+        if (nx > 1) {
+          const int8_t* q1 = &x1->q[b * 256 + 64 * j];
+          i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(q1)), s_lo));
+          i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(q1 + 32)), s_hi));
+        }
+      }
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d * x0->d[b]), acc0);
+      c0 += dmin * x0->d[b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(&x0->sum16[b * 8]))));
+      if (nx > 1) {
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d * x1->d[b]), acc1);
+        c1 += dmin * x1->d[b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(&x1->sum16[b * 8]))));
+      }
+    }
+  }
+  out[0] = hsum(acc0) - c0;
+  if (nx > 1) out[1] = hsum(acc1) - c1;
+}
+
+// Q4_K's 12 scale bytes unpacked: bytes 0..7 of u the 6-bit scales, 8..15 the mins (as scale_min).
+inline void unpack_scales(const uint8_t* s, uint32_t u[4]) {
+  std::memcpy(u, s, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
+  u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  u[2] = mins_lo;
+  u[0] &= 0x3f3f3f3fu;
+}
+
+// Q4_K with AVX-512 (BW + VNNI), where the CPU has it: 64 values (two sub-blocks) per multiply, the scales
+// applied by int16 dot products (the same integers as the AVX2 path; the float sums differ in order only).
+#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+TS_AVX512 void row_dot_q4k_avx512(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int nx,
+                                   float* out) {
+  const __m512i low = _mm512_set1_epi8(15);
+  alignas(64) static const int16_t lanes[4][32] = {  // sub-block pair j: 16 int16 lanes each of scales 2j, 2j+1
+      {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+      {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
+      {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  float c0 = 0.f, c1 = 0.f;
+  for (int64_t b = 0; b < nb; ++b, w += 144) {
+    const float d = f16(w), dmin = f16(w + 2);
+    uint32_t u[4];
+    unpack_scales(w + 4, u);
+    const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
+    const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
+      const __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+      const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[j]), sc16);
+      i0 = _mm512_dpwssd_epi32(i0, _mm512_maddubs_epi16(q, _mm512_loadu_si512(&x0->q[b * 256 + 64 * j])), s);
+      if (nx > 1) i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(q, _mm512_loadu_si512(&x1->q[b * 256 + 64 * j])), s);
+    }
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
+    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(d * x0->d[b]), acc0);
+    c0 += dmin * x0->d[b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(&x0->sum16[b * 8]))));
+    if (nx > 1) {
+      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(d * x1->d[b]), acc1);
+      c1 += dmin * x1->d[b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(&x1->sum16[b * 8]))));
+    }
+  }
+  out[0] = _mm512_reduce_add_ps(acc0) - c0;
+  if (nx > 1) out[1] = _mm512_reduce_add_ps(acc1) - c1;
+}
+
+// Q8_0 / Q4_0 with AVX-512 VNNI: two blocks (64 values) per multiply, 8 blocks' scales in one vector. Q4_0 reads
+// its inputs from `QRow::qp` (each pair of blocks reordered as the nibbles unpack: [b 0..15, b+1 0..15,
+// b 16..31, b+1 16..31]) and starts every lane at -8 x the lane's input sum (`QRow::off`) for the weights' q - 8.
+template <Fmt F>
+TS_AVX512 void row_dot_q8q4_avx512(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int nx,
+                                   float* out) {
+  constexpr int64_t BB = F == Fmt::Q8_0 ? 34 : 18;
+  const __m512i low = _mm512_set1_epi8(15);
+  // lanes of pair p's products -> which of the 8 scales they take (Q8_0: 8 lanes per block; Q4_0: 4, twice)
+  alignas(64) static const int32_t lanes[2][4][16] = {
+      {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+       {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}},
+      {{0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
+       {4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7}}};
+  const int32_t (*idx_of)[16] = lanes[F == Fmt::Q8_0 ? 0 : 1];
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    alignas(16) uint16_t dh[8];
+    for (int k = 0; k < 8; ++k) std::memcpy(&dh[k], w + (b + k) * BB, 2);
+    const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m512 s0 = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(&x0->d[b])));
+    const __m512 s1 = nx > 1 ? _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(&x1->d[b]))) : s0;
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* blk = w + (b + 2 * p) * BB;
+      __m512i q, i0, i1 = _mm512_setzero_si512();
+      if constexpr (F == Fmt::Q8_0) {
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BB + 2)), 1);
+        q = _mm512_abs_epi8(v);
+        const __mmask64 neg = _mm512_movepi8_mask(v);
+        const __m512i xa = _mm512_loadu_si512(&x0->q[(b + 2 * p) * 32]);
+        i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_mask_sub_epi8(xa, neg, _mm512_setzero_si512(), xa));
+        if (nx > 1) {
+          const __m512i xb = _mm512_loadu_si512(&x1->q[(b + 2 * p) * 32]);
+          i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb));
+        }
+      } else {
+        const __m256i v = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + BB + 2),
+                                              reinterpret_cast<const __m128i*>(blk + 2));
+        q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+        const int64_t o = (b + 2 * p) * 32;
+        i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(&x0->off[o / 4]), q, _mm512_loadu_si512(&x0->qp[o]));
+        if (nx > 1) i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(&x1->off[o / 4]), q, _mm512_loadu_si512(&x1->qp[o]));
+      }
+      const __m512i idx = _mm512_load_si512(idx_of[p]);
+      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(idx, s0), acc0);
+      if (nx > 1) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(idx, s1), acc1);
+    }
+  }
+  float t0 = _mm512_reduce_add_ps(acc0), t1 = nx > 1 ? _mm512_reduce_add_ps(acc1) : 0.f;
+  for (; b < nb; ++b) {  // the last blocks of a row that is not a multiple of 256 values
+    const uint8_t* blk = w + b * BB;
+    const float d = f16(blk);
+    const int32_t off0 = F == Fmt::Q4_0 ? 8 * x0->sum32[b] : 0;
+    t0 += d * x0->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x0->q[b * 32])) - off0);
+    if (nx > 1) {
+      const int32_t off1 = F == Fmt::Q4_0 ? 8 * x1->sum32[b] : 0;
+      t1 += d * x1->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x1->q[b * 32])) - off1);
+    }
+  }
+  out[0] = t0;
+  if (nx > 1) out[1] = t1;
+}
+
+// AVX-512 paths when the CPU has AVX-512 BW + VL + VNNI, unless TURBOSPEC_NO_AVX512 is set.
+inline bool use_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                          !std::getenv("TURBOSPEC_NO_AVX512");
+  return yes;
+}
+
+// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y).
+template <Fmt F>
+void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
+         int64_t out) {
+  const bool avx512 = use_avx512();
+  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      const uint8_t* wr = w + o * row_bytes;
+      for (int64_t r = 0; r < m; r += 2) {
+        float t[2];
+        const int nx = r + 1 < m ? 2 : 1;
+        const QRow* x1 = nx > 1 ? &xq[r + 1] : nullptr;
+        if (!avx512)
+          row_dot<F>(wr, nb, &xq[r], x1, nx, t);
+        else if constexpr (F == Fmt::Q4_K)
+          row_dot_q4k_avx512(wr, nb, &xq[r], x1, nx, t);
+        else
+          row_dot_q8q4_avx512<F>(wr, nb, &xq[r], x1, nx, t);
+
+        y[r * out + o] = t[0];
+        if (nx > 1) y[(r + 1) * out + o] = t[1];
+      }
+    }
+  });
+}
+
+void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
+  const Fmt f = fmt_of(w);
+  const int64_t nb = w.size(1), out = w.size(0), qk = block_values(f), in = nb * qk, row_bytes = nb * w.size(2);
+  std::vector<QRow> xq(m);
+  const bool pairs = f == Fmt::Q4_0 && use_avx512();
+  for (int64_t r = 0; r < m; ++r) {
+    quantize_row(x + r * in, in, qk, xq[r]);
+    if (pairs) pair_layout(xq[r], in);
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  switch (f) {
+    case Fmt::Q8_0: run<Fmt::Q8_0>(wp, nb, row_bytes, xq, y, m, out); break;
+    case Fmt::Q4_0: run<Fmt::Q4_0>(wp, nb, row_bytes, xq, y, m, out); break;
+    case Fmt::Q4_K: run<Fmt::Q4_K>(wp, nb, row_bytes, xq, y, m, out); break;
+  }
+}
+
+// Weight rows [r0, r1) of packed w as float32, into y (row-major, in values per row). The arithmetic is the gguf
+// package's: Q8_0 d * q, Q4_0 d * (q - 8), Q4_K (d * sc) * q - (dmin * m), each product rounded to float32.
+void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y) {
+  const Fmt f = fmt_of(w);
+  const int64_t nb = w.size(1), bb = w.size(2), in = nb * block_values(f);
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r) {
+      const uint8_t* p = base + r * nb * bb;
+      float* yr = y + (r - r0) * in;
+      for (int64_t b = 0; b < nb; ++b, p += bb) {
+        if (f == Fmt::Q8_0) {
+          const __m256 d = _mm256_set1_ps(f16(p));
+          for (int i = 0; i < 32; i += 8) {
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + i));
+            _mm256_storeu_ps(yr + b * 32 + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+          }
+        } else if (f == Fmt::Q4_0) {
+          const float d = f16(p);
+          for (int i = 0; i < 16; ++i) {
+            yr[b * 32 + i] = d * static_cast<float>((p[2 + i] & 15) - 8);
+            yr[b * 32 + 16 + i] = d * static_cast<float>((p[2 + i] >> 4) - 8);
+          }
+        } else {
+          const float d = f16(p), dmin = f16(p + 2);
+          for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            scale_min(p + 4, j, sc, m);
+            const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc)), dm = _mm256_set1_ps(dmin * static_cast<float>(m));
+            const uint8_t* qs = p + 16 + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int i = 0; i < 32; i += 8) {
+              alignas(32) int32_t q[8];
+              for (int k = 0; k < 8; ++k) q[k] = (qs[i + k] >> shift) & 15;
+              const __m256 v = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(q))));
+              _mm256_storeu_ps(yr + b * 256 + 32 * j + i, _mm256_sub_ps(v, dm));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace packed
+
+// Columns of a weight: its second size, or blocks x values per block when packed.
+inline int64_t in_features(const torch::Tensor& w) {
+  return packed::is_packed(w) ? w.size(1) * packed::block_values(packed::fmt_of(w)) : w.size(1);
+}
+
+torch::Tensor dequantize_packed(torch::Tensor w, int64_t r0, int64_t r1) {
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && 0 <= r0 && r0 <= r1 && r1 <= w.size(0), "bad packed weight");
+  auto y = torch::empty({r1 - r0, in_features(w)}, torch::kFloat);
+  packed::dequantize_rows(w, r0, r1, y.data_ptr<float>());
+  return y;
+}
+
+// x [.., in] . W^T (+ b) for a packed W and any number of rows: the int8 kernel for up to `skinny` rows, else
+// float32 tiles of weight rows times torch's GEMM.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t skinny) {
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
+  const int64_t in = in_features(w), out = w.size(0);
+  TORCH_CHECK(x.size(-1) == in, "shape mismatch");
+  auto xs = x.reshape({-1, in}).to(torch::kFloat).contiguous();
+  const int64_t m = xs.size(0);
+  torch::Tensor y;
+  if (m <= skinny) {
+    y = torch::empty({m, out}, xs.options());
+    packed::product(w, xs.data_ptr<float>(), y.data_ptr<float>(), m);
+    if (bias.has_value()) y.add_(bias->to(torch::kFloat));
+  } else {
+    y = torch::empty({m, out}, xs.options());
+    const int64_t tile = std::max<int64_t>(64, (int64_t(4) << 20) / (4 * in));  // ~4 MB of float32 rows
+    auto buf = torch::empty({std::min(tile, out), in}, torch::kFloat);
+    for (int64_t o = 0; o < out; o += tile) {
+      const int64_t n = std::min(tile, out - o);
+      auto t = buf.narrow(0, 0, n);
+      packed::dequantize_rows(w, o, o + n, t.data_ptr<float>());
+      y.narrow(1, o, n).copy_(at::mm(xs, t.t()));
+    }
+    if (bias.has_value()) y.add_(bias->to(torch::kFloat));
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = out;
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+// Rows `ids` of a packed table (an embedding) as float32 [n, in].
+torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
+  auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
+  const int64_t n = idc.size(0), in = in_features(w);
+  auto y = torch::empty({n, in}, torch::kFloat);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= ip[i] && ip[i] < w.size(0), "index out of range");
+    packed::dequantize_rows(w, ip[i], ip[i] + 1, y.data_ptr<float>() + i * in);
+  }
+  return y;
+}
+
+// ---- Quantization of float rows into ggml blocks, as llama.cpp's reference quantizers (quantize_row_*_ref):
+// the same weights give the same bytes. Every step is written out (no fused multiply-add), as the C reference.
+
+namespace packed {
+
+inline uint16_t to_f16(float v) { return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+inline void put_f16(uint8_t* p, float v) {
+  const uint16_t h = to_f16(v);
+  std::memcpy(p, &h, 2);
+}
+inline int nearest_int(float v) { return static_cast<int>(std::nearbyint(v)); }  // ties to even, as ggml's trick
+
+void quant_q8_0(const float* x, uint8_t* y) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  put_f16(y, d);
+  for (int i = 0; i < 32; ++i) y[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::round(x[i] * id)));
+}
+
+__attribute__((optimize("fp-contract=off")))
+void quant_q4_0(const float* x, uint8_t* y) {
+  float amax = 0.f, max = 0.f;
+  for (int i = 0; i < 32; ++i)
+    if (amax < std::fabs(x[i])) { amax = std::fabs(x[i]); max = x[i]; }
+  const float d = max / -8.f, id = d != 0.f ? 1.f / d : 0.f;
+  put_f16(y, d);
+  for (int j = 0; j < 16; ++j) {
+    const float x0 = x[j] * id, x1 = x[16 + j] * id;
+    const int q0 = std::min(15, static_cast<int>(static_cast<int8_t>(x0 + 8.5f)));
+    const int q1 = std::min(15, static_cast<int>(static_cast<int8_t>(x1 + 8.5f)));
+    y[2 + j] = static_cast<uint8_t>(q0 | (q1 << 4));
+  }
+}
+
+// ggml's make_qkx2_quants for 32 values (nmax 15, rmin -1, rdelta 0.1, 20 steps, squared error): the scale,
+// with -min in *the_min and the levels in L.
+__attribute__((optimize("fp-contract=off")))
+float make_qkx2(const float* x, const float* w, uint8_t* L, float* the_min) {
+  constexpr int n = 32, nmax = 15, nstep = 20;
+  constexpr float rmin = -1.f, rdelta = 0.1f;
+  uint8_t Laux[32];
+  float min = x[0], max = x[0], sum_w = w[0], sum_x = sum_w * x[0];
+  for (int i = 1; i < n; ++i) {
+    if (x[i] < min) min = x[i];
+    if (x[i] > max) max = x[i];
+    sum_w += w[i];
+    sum_x += w[i] * x[i];
+  }
+  if (min > 0) min = 0;
+  if (max == min) {
+    for (int i = 0; i < n; ++i) L[i] = 0;
+    *the_min = -min;
+    return 0.f;
+  }
+  float iscale = nmax / (max - min), scale = 1 / iscale, best = 0;
+  for (int i = 0; i < n; ++i) {
+    const int l = nearest_int(iscale * (x[i] - min));
+    L[i] = static_cast<uint8_t>(std::max(0, std::min(nmax, l)));
+    float diff = scale * L[i] + min - x[i];
+    diff = diff * diff;
+    best += w[i] * diff;
+  }
+  for (int is = 0; is <= nstep; ++is) {
+    iscale = (rmin + rdelta * is + nmax) / (max - min);
+    float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+    for (int i = 0; i < n; ++i) {
+      int l = nearest_int(iscale * (x[i] - min));
+      l = std::max(0, std::min(nmax, l));
+      Laux[i] = static_cast<uint8_t>(l);
+      sum_l += w[i] * l;
+      sum_l2 += w[i] * l * l;
+      sum_xl += w[i] * l * x[i];
+    }
+    const float D = sum_w * sum_l2 - sum_l * sum_l;
+    if (D > 0) {
+      float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
+      float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+      if (this_min > 0) {
+        this_min = 0;
+        this_scale = sum_xl / sum_l2;
+      }
+      float cur = 0;
+      for (int i = 0; i < n; ++i) {
+        float diff = this_scale * Laux[i] + this_min - x[i];
+        diff = diff * diff;
+        cur += w[i] * diff;
+      }
+      if (cur < best) {
+        for (int i = 0; i < n; ++i) L[i] = Laux[i];
+        best = cur;
+        scale = this_scale;
+        min = this_min;
+      }
+    }
+  }
+  *the_min = -min;
+  return scale;
+}
+
+__attribute__((optimize("fp-contract=off")))
+void quant_q4_k(const float* x, uint8_t* y) {
+  uint8_t L[256];
+  float wts[32], mins[8], scales[8], max_scale = 0, max_min = 0;
+  for (int j = 0; j < 8; ++j) {
+    float sum_x2 = 0;
+    for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
+    const float av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) wts[l] = av_x + std::fabs(x[32 * j + l]);
+    scales[j] = make_qkx2(x + 32 * j, wts, L + 32 * j, &mins[j]);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  uint8_t* sc = y + 4;
+  std::memset(sc, 0, 12);
+  const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f, inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t ls = static_cast<uint8_t>(std::min(63, static_cast<int>(static_cast<uint8_t>(nearest_int(inv_scale * scales[j])))));
+    const uint8_t lm = static_cast<uint8_t>(std::min(63, static_cast<int>(static_cast<uint8_t>(nearest_int(inv_min * mins[j])))));
+    if (j < 4) {
+      sc[j] = ls;
+      sc[j + 4] = lm;
+    } else {
+      sc[j + 4] = static_cast<uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
+      sc[j - 4] |= static_cast<uint8_t>((ls >> 4) << 6);
+      sc[j] |= static_cast<uint8_t>((lm >> 4) << 6);
+    }
+  }
+  put_f16(y, max_scale / 63.f);
+  put_f16(y + 2, max_min / 63.f);
+  const float d_all = f16(y), dmin_all = f16(y + 2);
+  for (int j = 0; j < 8; ++j) {
+    int s, m;
+    scale_min(sc, j, s, m);
+    const float d = d_all * s;
+    if (d == 0.f) continue;
+    const float dm = dmin_all * m;
+    for (int i = 0; i < 32; ++i) {
+      const int l = nearest_int((x[32 * j + i] + dm) / d);
+      L[32 * j + i] = static_cast<uint8_t>(std::max(0, std::min(15, l)));
+    }
+  }
+  uint8_t* q = y + 16;
+  for (int j = 0; j < 256; j += 64, q += 32)
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(L[j + l] | (L[j + l + 32] << 4));
+}
+
+}  // namespace packed
+
+// w [out, in] (float32 / bfloat16 / float16) as packed blocks of `block_bytes` (34: Q8_0, 18: Q4_0, 144: Q4_K);
+// one float32 row at a time, rows in parallel.
+torch::Tensor quantize_packed(torch::Tensor w, int64_t block_bytes) {
+  TORCH_CHECK(w.dim() == 2, "quantize: 2-D weight expected");
+  auto wc = w.contiguous();
+  const int64_t out = wc.size(0), in = wc.size(1);
+  const int64_t qk = block_bytes == 144 ? 256 : 32;
+  TORCH_CHECK(block_bytes == 34 || block_bytes == 18 || block_bytes == 144, "quantize: unknown block size");
+  TORCH_CHECK(in % qk == 0, "quantize: ", in, " columns are not a multiple of the block size ", qk);
+  const int64_t nb = in / qk;
+  auto y = torch::empty({out, nb, block_bytes}, torch::kByte);
+  uint8_t* yp = y.data_ptr<uint8_t>();
+  by_dtype(wc.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);  // by_dtype: gemv.cpp's float32 / bfloat16 / float16 dispatch
+    const T* wp = wc.data_ptr<T>();
+    at::parallel_for(0, out, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> row(in);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < in; ++i) row[i] = static_cast<float>(wp[r * in + i]);
+        uint8_t* dst = yp + r * nb * block_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          if (block_bytes == 34) packed::quant_q8_0(&row[b * qk], dst + b * block_bytes);
+          else if (block_bytes == 18) packed::quant_q4_0(&row[b * qk], dst + b * block_bytes);
+          else packed::quant_q4_k(&row[b * qk], dst + b * block_bytes);
+        }
+      }
+    });
+  });
+  return y;
+}

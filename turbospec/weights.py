@@ -1,0 +1,90 @@
+"""Weight formats: a matrix stays float (the model dtype) or is packed in ggml's blocks (Q8_0, Q4_0, Q4_K).
+
+A packed matrix is a uint8 tensor [out, blocks per row, block bytes], each row the ggml blocks of one output row
+(the bytes a GGUF file holds for it, so GGUF tensors map without conversion). The block size names the format.
+`Linear` multiplies packed matrices with the fused kernels in turbospec/kernels/quant.cpp; `quantize` writes
+llama.cpp's reference blocks (the same weights give the same bytes as `llama-quantize`); `dequantize` equals the
+gguf package's dequantization bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turbospec.errors import TurboSpecError
+from turbospec.kernels.gemv import load_kernel
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    block_values: int  # values per block
+    block_bytes: int
+    gguf_type: str  # gguf.GGMLQuantizationType member
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8 * self.block_bytes / self.block_values
+
+
+PACKED = {f.name: f for f in (WeightFormat("q8_0", 32, 34, "Q8_0"), WeightFormat("q4_0", 32, 18, "Q4_0"),
+                              WeightFormat("q4_k", 256, 144, "Q4_K"))}
+BY_BLOCK_BYTES = {f.block_bytes: f for f in PACKED.values()}
+BY_GGUF_TYPE = {f.gguf_type: f for f in PACKED.values()}
+WEIGHT_CHOICES = ("auto", "q8_0", "q4_0", "q4_k")  # --weights: auto = as stored (float: the model dtype)
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    return w.dtype == torch.uint8 and w.dim() == 3
+
+
+def format_of(w: torch.Tensor) -> WeightFormat | None:
+    """The packed format of `w`, None for a float matrix."""
+    return BY_BLOCK_BYTES[w.shape[2]] if is_packed(w) else None
+
+
+def in_features(w: torch.Tensor) -> int:
+    f = format_of(w)
+    return w.shape[1] * f.block_values if f else w.shape[1]
+
+
+def packable(fmt: WeightFormat, shape: tuple[int, ...]) -> bool:
+    """Whether a 2-D matrix of `shape` can be packed in `fmt` (whole blocks per row)."""
+    return len(shape) == 2 and shape[1] % fmt.block_values == 0
+
+
+def _kernel():
+    k = load_kernel()
+    if k is None:
+        raise TurboSpecError("packed weights need the AVX2 kernel, which is not available on this machine "
+                             "(unset TURBOSPEC_NO_KERNEL, or install a C++ compiler)")
+    return k
+
+
+def quantize(w: torch.Tensor, fmt: WeightFormat | str) -> torch.Tensor:
+    """Float matrix [out, in] -> packed blocks, as llama.cpp's reference quantizer (rows in parallel, one float32
+    row at a time: no float32 copy of the matrix)."""
+    f = PACKED[fmt] if isinstance(fmt, str) else fmt
+    if not packable(f, tuple(w.shape)):
+        raise TurboSpecError(f"cannot pack a {tuple(w.shape)} matrix as {f.name}: rows must be whole "
+                             f"{f.block_values}-value blocks")
+    return _kernel().quantize_packed(w, f.block_bytes)
+
+
+def dequantize(w: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    """Packed matrix (or a slice of its rows) -> float32 [rows, in]."""
+    r = rows or slice(0, w.shape[0])
+    return _kernel().dequantize_packed(w, r.start or 0, w.shape[0] if r.stop is None else r.stop)
+
+
+def rows_of(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table, float or packed, in `dtype` ([*ids.shape, in])."""
+    if not is_packed(table):
+        return torch.nn.functional.embedding(ids, table).to(dtype)
+    return _kernel().packed_rows(table, ids).to(dtype).reshape(*ids.shape, in_features(table))
+
+
+def nbytes(w: torch.Tensor) -> int:
+    return w.numel() * w.element_size()
