@@ -9,6 +9,7 @@ keys, llama's q/k rows permuted for its RoPE layout); by hand, F32 and Q8_0 file
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,40 @@ def test_export_refuses_what_it_cannot_write(hf_models, tmp_path):
         export_gguf(hf_models["qwen3"], tmp_path / "k.gguf", "q6_k")
     with pytest.raises(TurboSpecError, match="RoPE scaling"):
         export_gguf(hf_models["qwen3_yarn"], tmp_path / "y.gguf", "f32")
+
+
+def test_lean_reader_equals_gguf_reader(tmp_path):
+    """turbospec's GGUF reader (metadata as python values, tensors as map views) against gguf.GGUFReader on a
+    file with every value kind and several tensor types; a cut-off file is a ValueError."""
+    from turbospec.model.gguf_reader import GGUFContents
+    from turbospec.tokenizer import gguf_metadata
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_uint32("a.u32", 7)
+    w.add_int64("a.i64", -5)
+    w.add_float32("a.f32", 0.25)
+    w.add_float64("a.f64", 1e-300)
+    w.add_bool("a.bool", True)
+    w.add_string("a.str", "héllo")
+    w.add_array("a.ints", [1, -2, 3])
+    w.add_array("a.floats", [0.5, 1.5])
+    w.add_array("a.strs", ["x", "", "yz"])
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    w.add_tensor("q8", gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("q4k", k_quant_bytes(2, 512, Q.Q4_K, rng), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, ref = GGUFContents(path), gguf.GGUFReader(str(path))
+    assert ours.meta == gguf_metadata(ref)
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes) == (b.name, b.tensor_type, b.n_elements, b.n_bytes)
+        assert list(a.shape) == list(b.shape) and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data, b.data)
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:200])
+    with pytest.raises((ValueError, struct.error)):
+        GGUFContents(tmp_path / "cut.gguf")

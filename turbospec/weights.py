@@ -86,5 +86,16 @@ def rows_of(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch
     return _kernel().packed_rows(table, ids).to(dtype).reshape(*ids.shape, in_features(table))
 
 
-def nbytes(w: torch.Tensor) -> int:
-    return w.numel() * w.element_size()
+def release(t: torch.Tensor) -> None:
+    """Drop the pages of a memory-mapped checkpoint tensor that has been copied, converted or quantized, so that
+    loading holds one copy of the weights (no-op without the kernel or for tensors not in a file mapping)."""
+    k = load_kernel()
+    if k is not None:
+        k.release_file_pages(t)
+
+
+def trim_heap() -> None:
+    """Return the heap's free memory (load-time conversion buffers) to the system."""
+    k = load_kernel()
+    if k is not None:
+        k.trim_heap()

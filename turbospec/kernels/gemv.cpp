@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <malloc.h>
 #include <sys/mman.h>
 #include <algorithm>
 #include <cmath>
@@ -597,7 +598,8 @@ std::shared_ptr<Arena> new_arena(size_t need) {
   return a;
 }
 
-// True when [p, p + n) lies in a mapping of a file (e.g. a memory-mapped checkpoint), from /proc/self/maps.
+// True when [p, p + n) lies in a private or read-only mapping of a file (a memory-mapped checkpoint: safetensors
+// maps files private, numpy / gguf read-only), from /proc/self/maps.
 bool in_file_mapping(const void* p, size_t n) {
   FILE* f = std::fopen("/proc/self/maps", "r");
   if (!f) return false;
@@ -609,7 +611,7 @@ bool in_file_mapping(const void* p, size_t n) {
     char perms[8] = {0}, path[256] = {0};
     if (std::sscanf(line, "%lx-%lx %7s %*s %*s %lu %255s", &lo, &hi, perms, &ino, path) < 4) continue;
     if (a >= lo && e <= hi) {
-      file = ino != 0 && path[0] == '/' && perms[1] == '-';  // read-only mapping of a file
+      file = ino != 0 && path[0] == '/' && (perms[1] == '-' || perms[3] == 'p');
       break;
     }
   }
@@ -618,6 +620,24 @@ bool in_file_mapping(const void* p, size_t n) {
 }
 
 }  // namespace
+
+// Drop the whole pages of `t` from this process when it lies in a file mapping (see in_file_mapping): the file
+// still holds them, a later read faults them back in. For weights that were copied or converted elsewhere, so
+// that loading holds one copy of the weights, not two. Never for tensors written in place (their private pages
+// would revert to the file's bytes). True when pages were dropped.
+bool release_file_pages(torch::Tensor t) {
+  if (!t.is_contiguous() || t.device().type() != torch::kCPU) return false;
+  const size_t n = t.nbytes();
+  const char* src = static_cast<const char*>(t.data_ptr());
+  if (n < 4096 || !in_file_mapping(src, n)) return false;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(src) + 4095) / 4096 * 4096;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(src) + n) / 4096 * 4096;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+  return hi > lo;
+}
+
+// Give the heap's free memory back to the system (after loading: the freed conversion buffers).
+void trim_heap() { malloc_trim(0); }
 
 // A copy of `t` in huge-page memory. When `t` lies in a read-only file mapping (a memory-mapped checkpoint), its
 // whole pages are dropped from this process (MADV_DONTNEED: the file still holds them), so loading holds one
@@ -636,12 +656,7 @@ torch::Tensor hugepage_copy(torch::Tensor t) {
   char* dst = arena->base + arena->used;
   arena->used += need;
   std::memcpy(dst, c.data_ptr(), n);
-  const char* src = static_cast<const char*>(c.data_ptr());
-  if (n >= 4096 && in_file_mapping(src, n)) {
-    const uintptr_t lo = (reinterpret_cast<uintptr_t>(src) + 4095) / 4096 * 4096;
-    const uintptr_t hi = (reinterpret_cast<uintptr_t>(src) + n) / 4096 * 4096;
-    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-  }
+  release_file_pages(c);
   return torch::from_blob(dst, c.sizes(), [arena](void*) {}, c.options());
 }
 
@@ -664,6 +679,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");
+  m.def("release_file_pages", &release_file_pages, "drop a file-mapped tensor's pages from this process");
+  m.def("trim_heap", &trim_heap, "malloc_trim(0)");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");
   m.def("norm_linear", &norm_linear, "RMSNorm then product");
   m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from turbospec import env
 from turbospec.kernels.gemv import load_kernel
-from turbospec.weights import dequantize, format_of, in_features, is_packed
+from turbospec.weights import dequantize, format_of, in_features, is_packed, release
 
 # env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
 # than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
@@ -46,6 +46,9 @@ class Linear:
             to = dtype or next(w.dtype for w in weights if not is_packed(w))
             weights = [dequantize(w).to(to) if is_packed(w) else w.to(to) for w in weights]
         w = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
+        if len(weights) > 1:
+            for part in weights:
+                release(part)  # a memory-mapped part: its pages are in the concatenation now
         if all(b is None for b in biases):
             return cls(w, None)
         bt = next(b.dtype for b in biases if b is not None)

@@ -24,6 +24,10 @@ class DenseModel:
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
         self.embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        tied = cfg.tie_word_embeddings and not ws.has("lm_head.weight")
+        if tied:  # one matrix for both, placed now (a converted embedding is not held through the layers' loading)
+            self.lm_head = Linear(self.embed)
+            self.embed = self.lm_head.weight
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"{prefix}.layers.{i}"
@@ -33,10 +37,7 @@ class DenseModel:
                 ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
             ))
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
-        if cfg.tie_word_embeddings and not ws.has("lm_head.weight"):
-            self.lm_head = Linear(self.embed)
-            self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
-        else:
+        if not tied:
             self.lm_head = Linear(ws.matrix("lm_head.weight", dtype, (cfg.vocab_size, h)))
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp: MTPModule | None = None

@@ -22,7 +22,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
 from turbospec.kernels.gemv import load_kernel
 from turbospec.model.loader import IndexedSource, _one_line
-from turbospec.weights import BY_GGUF_TYPE, packable
+from turbospec.weights import BY_GGUF_TYPE, packable, release
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen35")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
@@ -99,23 +99,21 @@ class GGUFFile:
     """One GGUF file: its metadata, config and tensors (read lazily through a memory map)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
-        from turbospec.tokenizer import gguf_metadata
+        from turbospec.model.gguf_reader import GGUFContents
 
         self.path = Path(path)
         if not self.path.is_file():
             raise TurboSpecError(f"{self.path}: no such GGUF file")
         try:
-            self.reader = GGUFReader(str(self.path))
-        except Exception as e:  # noqa: BLE001 -- gguf raises ValueError/IndexError/struct errors on bad files
+            contents = GGUFContents(self.path)
+        except Exception as e:  # noqa: BLE001 -- ValueError / IndexError / struct.error / OSError on bad files
             raise TurboSpecError(f"{self.path.name}: corrupt or truncated GGUF file ({_one_line(e)})") from None
-        self.meta = gguf_metadata(self.reader)
+        self.meta = contents.meta
         self.arch = self.meta.get("general.architecture")
         if self.arch not in ARCHS:
             raise TurboSpecError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported "
                                  f"(supported: {', '.join(ARCHS)})")
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in contents.tensors}
 
     def key(self, name: str, default: Any = None) -> Any:
         """The architecture's metadata value `name` (e.g. "block_count" -> qwen3.block_count)."""
@@ -245,6 +243,7 @@ class GGUFWeights(IndexedSource):
         except (ValueError, IndexError) as e:  # a truncated file maps fewer bytes than the tensor needs
             raise TurboSpecError(f"{self.f.path.name}: cannot read tensor {t.name} ({_one_line(e)})") from None
         out = self._reorder(name, torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x)))
+        _release(t.data)  # off the map now: drop the file's pages
         if shape is not None and tuple(out.shape) != tuple(shape):
             raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {tuple(out.shape)}, the config "
                                  f"implies {tuple(shape)}")
@@ -285,6 +284,14 @@ class GGUFWeights(IndexedSource):
         if name.endswith("out_proj.weight"):
             return untile_v_heads(x, 1, nk, r, dv // col_unit)
         return x
+
+
+def _release(data: np.ndarray) -> None:
+    """`turbospec.weights.release` for a tensor's memory-mapped bytes."""
+    if data.flags.c_contiguous and data.size:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            release(torch.from_numpy(data))
 
 
 def _values(data: np.ndarray, qtype) -> np.ndarray:

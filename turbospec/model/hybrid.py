@@ -243,6 +243,9 @@ class HybridModel:
         self.prefix = prefix
         self.layer_types = cfg.layer_types()
         self.embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
+        if not ws.has("lm_head.weight") and cfg.tie_word_embeddings:  # one matrix for both, placed now
+            self.lm_head = Linear(self.embed)
+            self.embed = self.lm_head.weight
         self.layers: list[HybridLayer] = []
         n_attn = n_gdn = 0
         for i, kind in enumerate(self.layer_types):
@@ -273,10 +276,7 @@ class HybridModel:
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
         if ws.has("lm_head.weight"):
             self.lm_head = Linear(ws.matrix("lm_head.weight", dtype, (cfg.vocab_size, h)))
-        elif cfg.tie_word_embeddings:
-            self.lm_head = Linear(self.embed)
-            self.embed = self.lm_head.weight  # one matrix for both (Linear may have moved it)
-        else:
+        elif not cfg.tie_word_embeddings:
             raise TurboSpecError(f"missing tensor 'lm_head.weight' in {ws.dir}")
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp_names = [n for n in ws.names() if n.startswith("mtp.")]

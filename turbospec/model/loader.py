@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
-from turbospec.weights import WeightFormat, packable, quantize
+from turbospec.weights import WeightFormat, packable, quantize, release
 
 
 class TensorSource(Protocol):
@@ -46,7 +46,10 @@ class IndexedSource:
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         if self.pack is not None and packable(self.pack, shape):
-            return quantize(self.get(name, None, shape), self.pack)  # from the stored dtype, row by row
+            stored = self.get(name, None, shape)
+            out = quantize(stored, self.pack)  # from the stored dtype, row by row
+            release(stored)
+            return out
         return self.get(name, dtype, shape)
 
 
@@ -97,7 +100,8 @@ class WeightSource(IndexedSource):
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies {shape}")
         if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
+            stored, t = t, t.to(dtype)
+            release(stored)  # the file's pages: only the converted copy stays
         return t
 
 

@@ -13,7 +13,7 @@ from turbospec.model.base import Model
 from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
 from turbospec.model.gguf import GGUFFile, is_gguf
 from turbospec.model.loader import IndexedSource, TensorSource, WeightSource, load_config
-from turbospec.weights import PACKED, WEIGHT_CHOICES
+from turbospec.weights import PACKED, WEIGHT_CHOICES, trim_heap
 
 Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
 
@@ -45,7 +45,9 @@ def build_model(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model
 def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = "auto") -> Model:
     """Build the model of an opened GGUF file (`weights`: as `load_model`)."""
     cfg = f.config()
-    return build_model(cfg, _packing(f.weights(cfg), weights), parse_dtype(dtype))
+    model = build_model(cfg, _packing(f.weights(cfg), weights), parse_dtype(dtype))
+    trim_heap()
+    return model
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto") -> Model:
@@ -55,7 +57,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: 
     if is_gguf(path):
         return load_gguf(GGUFFile(path), dtype, weights)
     cfg = load_config(path)
-    return build_model(cfg, _packing(WeightSource(path), weights), parse_dtype(dtype))
+    model = build_model(cfg, _packing(WeightSource(path), weights), parse_dtype(dtype))
+    trim_heap()
+    return model
 
 
 def _packing(ws: IndexedSource, weights: str) -> IndexedSource:

@@ -193,25 +193,15 @@ def arch_from_dir(path: Path) -> Arch:
 
 
 def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        v = f.contents()
-    except Exception:  # noqa: BLE001  older gguf packages: decode the last part
-        v = f.parts[f.data[0]].tolist() if f.data else default
-        v = v[0] if isinstance(v, list) and len(v) == 1 else v
-    return v
+    return reader.meta.get(key, default)
 
 
 def arch_from_gguf(path: Path) -> Arch:
-    """Metadata + tensor sizes of a GGUF file (gguf.GGUFReader maps the file; no tensor is read)."""
+    """Metadata + tensor sizes of a GGUF file (the file is mapped; no tensor is read)."""
+    from turbospec.model.gguf_reader import GGUFContents
+
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise TurboSpecError("reading GGUF needs the `gguf` package (pip install gguf)") from None
-    try:
-        r = GGUFReader(str(path))
+        r = GGUFContents(path)
     except Exception as e:  # noqa: BLE001  (the reader raises ValueError, struct.error, OSError, ...)
         why = " ".join(str(e).split())[:200]
         raise TurboSpecError(f"{path.name}: not a readable GGUF file ({why})") from None
