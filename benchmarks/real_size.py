@@ -141,6 +141,14 @@ def llama_bench(binary: str, gguf: Path, prompt: int, gen: int) -> dict:
     return {**res, "peak_rss": rss, "wall_s": wall}
 
 
+def fit_load_peak(path: Path, dtype: str, weights: str) -> int:
+    """`turbospec fit`'s prediction of the load peak above the import baseline (weights, MTP block, transient)."""
+    from turbospec.lab.fit import Setup, estimate, load_arch
+
+    e = estimate(load_arch(path), Setup(dtype=dtype, weights=weights, import_overhead=0), 64, "bf16", "bf16", "mtp")
+    return e.load_peak or e.weights + e.mtp_weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/real2b")
@@ -175,10 +183,11 @@ def main() -> None:
                                          "--weights q8_0": (ckpt, "bfloat16", "q8_0"),
                                          "--weights q4_k": (ckpt, "bfloat16", "q4_k"),
                                          "q4_k GGUF": (gguf, "bfloat16", "auto")}.items():
-        memory[name] = turbospec(path, dtype, weights, a.prompt, 0)
-        m = memory[name]
+        memory[name] = m = turbospec(path, dtype, weights, a.prompt, 0)
+        m["fit_load_peak"] = fit_load_peak(path, dtype, weights)
         print(f"memory {name}: weights {m['weight_bytes'] / 1e9:.3f} GB, load peak RSS {m['load_peak_rss'] / 1e9:.3f} GB"
-              f" ({m['load_peak_rss'] / m['weight_bytes']:.3f}x), load {m['load_s']:.1f} s", flush=True)
+              f" ({m['load_peak_rss'] / m['weight_bytes']:.3f}x; fit predicts {m['fit_load_peak'] / 1e9:.3f} GB), "
+              f"load {m['load_s']:.1f} s", flush=True)
 
     def med(key: str, name: str):
         vals = [r[key] for r in rows[name] if key in r]

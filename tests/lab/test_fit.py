@@ -205,3 +205,43 @@ def test_cpu_mtp_counts_prompt_window_rows_and_draft_head():
         assert b.draft_head == arch.vocab * arch.hidden * 2
     assert estimate(arch, Setup(dtype="bfloat16"), 1000, "f16", "f16", "mtp").draft_head == 0
     assert estimate(arch, Setup(dtype="float32"), 1000, "f16", "f16").draft_head == 0
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
+def test_packed_weight_bytes_match_the_loaded_model(models, fmt):
+    """`--weights` in fit: every matrix whose rows are whole blocks packed, the rest (q4_k: 384-wide rows) in the
+    dtype, exactly as the loader packs them; the bundled hybrid (MTP block included) within 1%."""
+    from pathlib import Path
+
+    from turbospec.model import load_model
+
+    arch = load_arch(models["medium"])
+    b = estimate(arch, Setup(weights=fmt), 256, "f32", "f32")
+    norms = 4 * (2 * 384 + 2 * 64) + 384
+    assert b.weights == load_model(models["medium"], "float32", fmt).weight_bytes + 4 * norms
+    hybrid = Path(__file__).resolve().parents[2] / "models" / "turbospec-tiny-hybrid"
+    m = load_model(hybrid, "bfloat16", fmt)
+    e = estimate(load_arch(hybrid), Setup(dtype="bfloat16", weights=fmt), 256, "bf16", "bf16", "mtp")
+    assert abs(e.weights + e.mtp_weights - m.weight_bytes - m.mtp.nbytes) / (e.weights + e.mtp_weights) < 0.01
+
+
+def test_gguf_packed_matrices_counted_as_stored(tmp_path):
+    """A GGUF file on the CPU: Q8_0 matrices at their file bytes, F16 ones in the run dtype."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for add, v in ((w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
+                   (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_key_length, 16)):
+        add(v)
+    w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float16))
+    q8 = gguf.quants.quantize(np.ones((64, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    arch = arch_from_gguf(path)
+    assert estimate(arch, Setup(dtype="float32"), 64, "f32", "f32").weights == 100 * 64 * 4 + 64 * 2 * 34
+    assert estimate(arch, Setup(dtype="bfloat16"), 64, "f32", "f32").weights == 100 * 64 * 2 + 64 * 2 * 34

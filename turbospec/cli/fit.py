@@ -32,6 +32,9 @@ def register(sub) -> argparse.ArgumentParser:
     w = p.add_mutually_exclusive_group()
     w.add_argument("--weights-bpw", type=float, default=None, help="bits per weight, e.g. 4.85 for Q4_K_M")
     w.add_argument("--weight-dtype", default=None, help=f"weight format: {', '.join(fit.WEIGHT_BPW)}")
+    w.add_argument("--weights", default="auto", choices=("auto", "q8_0", "q4_0", "q4_k"),
+                   help="cpu: as `turbospec run --weights` (matrices packed at load; default auto: as stored, a "
+                        "GGUF file's Q8_0/Q4_0/Q4_K matrices packed)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="ubatch (default 512)")
     p.add_argument("--mtp", dest="mtp", action="store_true", default=None, help="include MTP rows")
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="no MTP rows")
@@ -69,7 +72,7 @@ def run(a: argparse.Namespace) -> int:
         raise TurboSpecError(f"unknown --dtype {a.dtype!r} (float32, bfloat16, float16)")
     runtime, imp = fit.runtime_baseline(a.runtime_overhead, a.backend)
     setup = fit.Setup(backend=a.backend, dtype=a.dtype, weights_bpw=bpw, ubatch=a.ubatch_size, n_max=a.n_max,
-                      logits_rows=a.logits_rows, runtime_overhead=runtime, import_overhead=imp,
+                      weights=a.weights, logits_rows=a.logits_rows, runtime_overhead=runtime, import_overhead=imp,
                       spec_state=a.spec_state)
     mem = fit.parse_mem(a.mem)
     draft = fit.load_arch(a.draft_model) if a.draft_model else None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
+from turbospec.weights import BY_GGUF_TYPE
 
 # bytes per value of the safetensors dtypes that are not float types of turbospec.dtypes (F32, F16, BF16)
 _OTHER_ST_BYTES = {"F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
@@ -61,6 +62,10 @@ class Arch:
     trunk_params_counted: int | None = None  # from a tensor table (None: computed from the config)
     mtp_params_counted: int | None = None
     preset_bpw: float | None = None  # a preset's assumed bits per weight
+    # a GGUF file on the CPU: bytes of the Q8_0 / Q4_0 / Q4_K matrices (kept packed) and parameters of the other
+    # tensors (dequantized to --dtype), (trunk, MTP); None for other sources
+    gguf_packed_bytes: tuple[int, int] | None = None
+    gguf_float_params: tuple[int, int] = (0, 0)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -84,6 +89,21 @@ class Arch:
         emb = self.vocab * self.hidden * (1 if self.tied else 2)
         return (emb + self.hidden + self.n_attn * self.attn_layer_params()
                 + self.n_gdn * self.gdn_layer_params() + self.n_layers * self.mlp_params())
+
+    def matrices(self, mtp: bool = False) -> list[tuple[int, int, int]]:
+        """(rows, columns, how many) of the matrices turbospec multiplies (fused as it fuses them) and the
+        embedding, of the trunk or of the MTP block."""
+        h, q, kv = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        vd = self.gdn_v_heads * self.gdn_v_dim
+        attn = [(q * (2 if self.gated_attn else 1) + 2 * kv, h), (h, q)]
+        mlp = [(2 * self.intermediate, h), (h, self.intermediate)]
+        if mtp:
+            if not self.mtp_layers:
+                return []
+            return [(h, 2 * h, 1)] + [(r, c, self.mtp_layers) for r, c in attn + mlp]
+        gdn = [(self.conv_dim + vd + 2 * self.gdn_v_heads, h), (h, vd)]
+        return ([(self.vocab, h, 1 if self.tied else 2)] + [(r, c, self.n_attn) for r, c in attn]
+                + [(r, c, self.n_gdn) for r, c in gdn if self.n_gdn] + [(r, c, self.n_layers) for r, c in mlp])
 
     def mtp_params(self) -> int:
         if not self.mtp_layers:
@@ -238,14 +258,22 @@ def arch_from_gguf(path: Path) -> Arch:
         arch.gdn_v_dim = int(g("ssm.inner_size", arch.gdn_v_heads * 128)) // max(arch.gdn_v_heads, 1)
         arch.conv_kernel = int(g("ssm.conv_kernel", 4))
     trunk = mtp_b = 0
+    packed, floats = [0, 0], [0, 0]
     for t in r.tensors:
         m = re.match(r"blk\.(\d+)\.", t.name)
-        if m and int(m.group(1)) >= n_trunk:
+        part = 1 if m and int(m.group(1)) >= n_trunk else 0
+        if part:
             mtp_b += int(t.n_bytes)
         else:
             trunk += int(t.n_bytes)
+        if len(t.shape) == 2 and t.tensor_type.name in BY_GGUF_TYPE:  # stays packed on the CPU
+            packed[part] += int(t.n_bytes)
+        else:
+            floats[part] += int(t.n_elements)
         arch.largest_tensor_params = max(arch.largest_tensor_params, int(t.n_elements))
     arch.trunk_bytes, arch.mtp_bytes = trunk, (mtp_b if mtp else 0)
+    arch.gguf_packed_bytes = (packed[0], packed[1] if mtp else 0)
+    arch.gguf_float_params = (floats[0], floats[1] if mtp else 0)
     arch.file_bytes = path.stat().st_size
     return arch
 

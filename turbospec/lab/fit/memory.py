@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
 from turbospec.lab.fit.arch import Arch
+from turbospec.weights import PACKED, WeightFormat
 
 # CPU baselines measured on the development box (Python 3.11, torch 2.13, Linux x86-64, 2 cores) with
 # `measure_runtime_overhead()`: the resident size after importing turbospec + torch and loading the gemv
@@ -30,6 +31,7 @@ class Setup:
     backend: str = "cpu"  # cpu (turbospec engine) | cuda (llama.cpp-style GPU run)
     dtype: str = "float32"  # CPU compute/weight dtype (turbospec run --dtype)
     weights_bpw: float | None = None
+    weights: str = "auto"  # cpu: matrices packed at load (turbospec run --weights q8_0 | q4_0 | q4_k)
     ubatch: int = 512
     n_max: int = 3
     runtime_overhead: int | None = None
@@ -42,7 +44,7 @@ def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
     """True when turbospec's CPU loader keeps the checkpoint mmapped: every tensor is already in --dtype, so
     safetensors hands out tensors backed by the file (no conversion copy); only fused projections are
     copied."""
-    return (setup.backend == "cpu" and setup.weights_bpw is None and bool(arch.src_dtypes)
+    return (setup.backend == "cpu" and setup.weights_bpw is None and setup.weights == "auto" and bool(arch.src_dtypes)
             and dtypes.is_dtype_name(setup.dtype)
             and arch.src_dtypes == [dtypes.short_name(setup.dtype).upper()])  # safetensors: F32, F16, BF16
 
@@ -59,8 +61,27 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, k_type: st
     return n_layers * n_kv_heads * (kb + vb)
 
 
+def packed_bytes(arch: Arch, fmt: WeightFormat, dtype_bytes: int, mtp: bool) -> int:
+    """Bytes of the trunk (or MTP block) with its matrices packed in `fmt` where their rows are whole blocks (the
+    rest, and every vector, in the model dtype), as `--weights` loads it."""
+    mats = arch.matrices(mtp)
+    total = arch.mtp_params() if mtp else arch.trunk_params()
+    n = (total - sum(r * c * k for r, c, k in mats)) * dtype_bytes
+    for r, c, k in mats:
+        n += k * (r * (c // fmt.block_values) * fmt.block_bytes if c % fmt.block_values == 0 else r * c * dtype_bytes)
+    return n
+
+
 def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     """(trunk bytes, MTP bytes) as held in memory."""
+    if setup.backend == "cpu" and setup.weights_bpw is None:
+        db = dtypes.nbytes(setup.dtype)
+        if setup.weights in PACKED:
+            fmt = PACKED[setup.weights]
+            return packed_bytes(arch, fmt, db, False), (packed_bytes(arch, fmt, db, True) if mtp else 0)
+        if arch.gguf_packed_bytes is not None:  # a GGUF file: Q8_0 / Q4_0 / Q4_K stay packed, the rest -> dtype
+            (pt, pm), (ft, fm) = arch.gguf_packed_bytes, arch.gguf_float_params
+            return pt + ft * db, (pm + fm * db if mtp else 0)
     bpw = setup.weights_bpw
     if bpw is None and setup.backend == "cpu":
         bpw = 8.0 * dtypes.nbytes(setup.dtype)
@@ -70,9 +91,9 @@ def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     trunk_p = counted_trunk if counted_trunk is not None else arch.trunk_params()
     mtp_p = counted_mtp if counted_mtp is not None else arch.mtp_params()
     if bpw is not None and cpu_mmap_weights(arch, setup):
-        # the whole file becomes resident as the model runs (an untied embedding table only for the rows
-        # seen: counted in full, an upper bound) + anonymous copies of the fused projections
-        trunk = int((trunk_p + arch.fused_params) * bpw / 8)
+        # the layers' matrices are copied out of the mapped file (whose pages are then dropped); an untied
+        # embedding table stays mapped (resident for the rows seen: counted in full, an upper bound)
+        trunk = int(trunk_p * bpw / 8)
         mtp_b = int(mtp_p * bpw / 8)
     elif bpw is not None:
         trunk = int(trunk_p * bpw / 8)
@@ -190,7 +211,10 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
                                                     dv_type)
         b.draft_kv += recurrent_bytes(draft, setup, chain)[0]
     cpu = setup.backend == "cpu"
-    if cpu and setup.weights_bpw is None and dtypes.nbytes(setup.dtype) == 2:
+    if cpu and setup.weights_bpw is None and (setup.weights in PACKED or arch.gguf_packed_bytes):
+        # packed matrices in prefill: a ~4 MB float32 tile of weight rows and its bfloat16 copy
+        b.upcast_scratch = 6 * 2**20 if rows > 16 else 0
+    elif cpu and setup.weights_bpw is None and dtypes.nbytes(setup.dtype) == 2:
         # Linear's prefill path ("upcast") converts the weight of a layer projection to float32 per call (the
         # lm_head only ever sees <= 1 + n_max rows, which take the skinny kernel instead)
         q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
@@ -225,13 +249,14 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     b.runtime = setup.runtime_overhead if setup.runtime_overhead is not None else (
         CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
     if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
-        # loading with conversion: safetensors hands out tensors backed by the mmapped file, `.to(dtype)`
-        # makes the converted copy; every page read stays resident until the file is closed after loading, so
-        # the peak holds the whole file next to all converted weights. Transient on top: one layer's
-        # converted q/k/v (gate/up) pieces while they are concatenated into the fused matrix.
-        transient = arch.fused_layer_max * dtypes.nbytes(setup.dtype)
+        # loading with conversion (or packing): safetensors hands out tensors backed by the mmapped file; the
+        # converted (quantized) copy is made and the file's pages are dropped (turbospec.weights.release), so
+        # the weights are held once. Transient on top: one layer's converted q/k/v (gate/up) pieces next to
+        # their concatenation, or the stored tensor being quantized.
+        db = dtypes.nbytes(setup.dtype)
+        transient = max(2 * arch.fused_layer_max * db, int(arch.largest_tensor_params * arch.src_dtype_bytes))
         base = setup.import_overhead if setup.import_overhead is not None else CPU_IMPORT_OVERHEAD
-        b.load_peak = base + b.weights + b.mtp_weights + arch.file_bytes + transient
+        b.load_peak = base + b.weights + b.mtp_weights + transient
         if draft is not None and mode == "draft":
             b.load_peak += b.draft_weights
     return b
