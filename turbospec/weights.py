@@ -9,10 +9,12 @@ gguf package's dequantization bit for bit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.kernels.gemv import load_kernel
 
@@ -84,6 +86,31 @@ def rows_of(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch
     if not is_packed(table):
         return torch.nn.functional.embedding(ids, table).to(dtype)
     return _kernel().packed_rows(table, ids).to(dtype).reshape(*ids.shape, in_features(table))
+
+
+CHUNK_BYTES = 8 << 20  # source bytes converted per step while loading (`consume`)
+BIG_BYTES = 32 << 20  # results this large get their own huge-page mapping (the kernel's ARENA_MIN / 2)
+
+
+def consume(stored: torch.Tensor, fmt: WeightFormat | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A memory-mapped checkpoint tensor quantized to `fmt` (or converted to `dtype`), in row chunks of about
+    `CHUNK_BYTES`, each chunk's file pages dropped as soon as it is converted: loading holds the converted
+    weights plus one chunk, never the whole stored tensor."""
+    rows = stored.shape[0]
+    step = max(1, CHUNK_BYTES // max(1, stored[0].numel() * stored.element_size())) if rows else 1
+    shape = (rows, stored.shape[1] // fmt.block_values, fmt.block_bytes) if fmt is not None else tuple(stored.shape)
+    out_dtype = torch.uint8 if fmt is not None else dtype
+    # a large result goes straight into its own huge-page mapping (Linear keeps it there: no second copy; freed
+    # with the tensor), a small one to the heap (Linear copies it into a shared huge-page arena)
+    k = load_kernel()
+    big = math.prod(shape) * torch.empty((), dtype=out_dtype).element_size() >= BIG_BYTES
+    out = (k.hugepage_empty(list(shape), out_dtype) if big and k is not None and env.HUGEPAGES
+           else torch.empty(shape, dtype=out_dtype))
+    for a in range(0, rows, step):
+        part = stored[a:a + step]
+        out[a:a + step] = quantize(part, fmt) if fmt is not None else part
+        release(part)
+    return out
 
 
 def release(t: torch.Tensor) -> None:

@@ -580,6 +580,11 @@ struct Arena {
   }
 };
 
+std::vector<std::weak_ptr<Arena>>& all_arenas() {
+  static std::vector<std::weak_ptr<Arena>> v;
+  return v;
+}
+
 std::shared_ptr<Arena>& current_arena() {
   static std::shared_ptr<Arena> a;
   return a;
@@ -595,7 +600,24 @@ std::shared_ptr<Arena> new_arena(size_t need) {
   a->size = size;
   const uintptr_t b = reinterpret_cast<uintptr_t>(p);
   a->used = (b + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE - b;  // start on a huge-page boundary
+  all_arenas().push_back(a);
   return a;
+}
+
+// n bytes (4 KB aligned) of huge-page memory and the arena that owns them.
+std::pair<char*, std::shared_ptr<Arena>> arena_alloc(size_t n) {
+  const size_t need = (n + 4095) / 4096 * 4096;
+  auto& cur = current_arena();
+  std::shared_ptr<Arena> arena;
+  if (need > ARENA_MIN / 2) {
+    arena = new_arena(need);  // a large matrix gets its own mapping, unmapped when it dies
+  } else {
+    if (!cur || cur->used + need > cur->size) cur = new_arena(need);
+    arena = cur;
+  }
+  char* dst = arena->base + arena->used;
+  arena->used += need;
+  return {dst, arena};
 }
 
 // True when [p, p + n) lies in a private or read-only mapping of a file (a memory-mapped checkpoint: safetensors
@@ -644,20 +666,42 @@ void trim_heap() { malloc_trim(0); }
 // copy of the weights, not two.
 torch::Tensor hugepage_copy(torch::Tensor t) {
   auto c = t.contiguous();
-  const size_t n = c.nbytes(), need = (n + 4095) / 4096 * 4096;
-  auto& cur = current_arena();
-  std::shared_ptr<Arena> arena;
-  if (need > ARENA_MIN / 2) {
-    arena = new_arena(need);  // a large matrix gets its own mapping, unmapped when it dies
-  } else {
-    if (!cur || cur->used + need > cur->size) cur = new_arena(need);
-    arena = cur;
+  const size_t n = c.nbytes();
+  auto [dst, arena] = arena_alloc(n);
+  // chunk by chunk, dropping a file-mapped source's pages as they are copied: one copy of the weights at a time
+  constexpr size_t CHUNK = size_t(16) << 20;
+  const bool mapped = n >= 4096 && in_file_mapping(c.data_ptr(), n);
+  const char* src = static_cast<const char*>(c.data_ptr());
+  for (size_t off = 0; off < n; off += CHUNK) {
+    const size_t len = std::min(CHUNK, n - off);
+    std::memcpy(dst + off, src + off, len);
+    if (mapped) {
+      const uintptr_t lo = (reinterpret_cast<uintptr_t>(src + off) + 4095) / 4096 * 4096;
+      const uintptr_t hi = (reinterpret_cast<uintptr_t>(src + off + len)) / 4096 * 4096;
+      if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+    }
   }
-  char* dst = arena->base + arena->used;
-  arena->used += need;
-  std::memcpy(dst, c.data_ptr(), n);
-  release_file_pages(c);
   return torch::from_blob(dst, c.sizes(), [arena](void*) {}, c.options());
+}
+
+// An uninitialised tensor in huge-page memory (weights converted or quantized straight into their final place).
+torch::Tensor hugepage_empty(std::vector<int64_t> sizes, at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (auto d : sizes) numel *= d;
+  const size_t n = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  if (n == 0) return torch::empty(sizes, torch::TensorOptions().dtype(dtype));
+  auto [dst, arena] = arena_alloc(n);
+  return torch::from_blob(dst, sizes, [arena](void*) {}, torch::TensorOptions().dtype(dtype));
+}
+
+// True when t's memory is in a huge-page arena (hugepage_copy / hugepage_empty / hugepage_zeros).
+bool in_arena(torch::Tensor t) {
+  const char* p = static_cast<const char*>(t.data_ptr());
+  auto& v = all_arenas();
+  v.erase(std::remove_if(v.begin(), v.end(), [](const std::weak_ptr<Arena>& w) { return w.expired(); }), v.end());
+  for (auto& w : v)
+    if (auto a = w.lock(); a && p >= a->base && p < a->base + a->size) return true;
+  return false;
 }
 
 // Zero-filled tensor in its own huge-page mapping (KV caches: attention at depth streams them like weights). The
@@ -679,6 +723,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");
+  m.def("hugepage_empty", &hugepage_empty, "uninitialised tensor in transparent-huge-page memory");
+  m.def("in_arena", &in_arena, "whether a tensor lies in huge-page memory of this module");
   m.def("release_file_pages", &release_file_pages, "drop a file-mapped tensor's pages from this process");
   m.def("trim_heap", &trim_heap, "malloc_trim(0)");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");

@@ -31,7 +31,7 @@ class Linear:
         self.kernel = load_kernel()
         self.weight = weight.contiguous()
         if (hugepages and self.kernel is not None and env.HUGEPAGES and self.weight.device.type == "cpu"
-                and not self.weight.requires_grad):
+                and not self.weight.requires_grad and not self.kernel.in_arena(self.weight)):
             self.weight = self.kernel.hugepage_copy(self.weight)
         self.bias = bias
         self.out_features, self.in_features = self.weight.shape[0], in_features(self.weight)

@@ -22,7 +22,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
 from turbospec.kernels.gemv import load_kernel
 from turbospec.model.loader import IndexedSource, _one_line
-from turbospec.weights import BY_GGUF_TYPE, packable, release
+from turbospec.weights import BY_GGUF_TYPE, packable, release, trim_heap
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen35")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
@@ -216,6 +216,7 @@ class GGUFWeights(IndexedSource):
         """The file's blocks [out, blocks, block bytes] for a Q8_0 / Q4_0 / Q4_K matrix (a view of the memory
         map unless rows had to be reordered), else `get` (float, or packed per `pack`)."""
         t = self._tensor(name)
+        trim_heap()
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
         if fmt is None or load_kernel() is None or not packable(fmt, shape):
             return super().matrix(name, dtype, shape)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
-from turbospec.weights import WeightFormat, packable, quantize, release
+from turbospec.weights import WeightFormat, consume, packable, trim_heap
 
 
 class TensorSource(Protocol):
@@ -45,11 +45,9 @@ class IndexedSource:
         return name in self.index
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        trim_heap()  # the previous matrix's conversion buffers (freed, but held by the heap) back to the system
         if self.pack is not None and packable(self.pack, shape):
-            stored = self.get(name, None, shape)
-            out = quantize(stored, self.pack)  # from the stored dtype, row by row
-            release(stored)
-            return out
+            return consume(self.get(name, None, shape), self.pack)  # from the stored dtype, chunk by chunk
         return self.get(name, dtype, shape)
 
 
@@ -100,8 +98,7 @@ class WeightSource(IndexedSource):
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies {shape}")
         if dtype is not None and t.dtype != dtype:
-            stored, t = t, t.to(dtype)
-            release(stored)  # the file's pages: only the converted copy stays
+            t = consume(t, None, dtype) if t.dim() >= 1 and t.is_contiguous() else t.to(dtype)
         return t
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
 from turbospec.lab.fit.arch import Arch
-from turbospec.weights import PACKED, WeightFormat
+from turbospec.weights import CHUNK_BYTES, PACKED, WeightFormat
 
 # CPU baselines measured on the development box (Python 3.11, torch 2.13, Linux x86-64, 2 cores) with
 # `measure_runtime_overhead()`: the resident size after importing turbospec + torch and loading the gemv
@@ -250,11 +250,10 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
     if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
         # loading with conversion (or packing): safetensors hands out tensors backed by the mmapped file; the
-        # converted (quantized) copy is made and the file's pages are dropped (turbospec.weights.release), so
-        # the weights are held once. Transient on top: one layer's converted q/k/v (gate/up) pieces next to
-        # their concatenation, or the stored tensor being quantized.
-        db = dtypes.nbytes(setup.dtype)
-        transient = max(2 * arch.fused_layer_max * db, int(arch.largest_tensor_params * arch.src_dtype_bytes))
+        # converted (quantized) copy is made in chunks and the file's pages are dropped chunk by chunk
+        # (turbospec.weights.consume), so the weights are held once. Transient on top: one layer's converted
+        # q/k/v (gate/up) pieces next to their concatenation, and one chunk.
+        transient = 2 * arch.fused_layer_max * dtypes.nbytes(setup.dtype) + CHUNK_BYTES
         base = setup.import_overhead if setup.import_overhead is not None else CPU_IMPORT_OVERHEAD
         b.load_peak = base + b.weights + b.mtp_weights + transient
         if draft is not None and mode == "draft":
