@@ -173,7 +173,12 @@ def main() -> int:
     from turbospec.tokenizer import Tokenizer
 
     prompts = list(load_prompts(a.categories).values())
-    tok = Tokenizer(a.model)
+    if a.model.endswith(".gguf"):  # the tokenizer from the file's metadata
+        from turbospec.model.gguf import GGUFFile
+
+        tok = Tokenizer.from_gguf(GGUFFile(a.model).meta)
+    else:
+        tok = Tokenizer(a.model)
     configs = [c.split("=", 1) for c in (a.config or ["plain="])]
     rows: list[dict] = []
     for name, flag_text in configs:
