@@ -28,6 +28,7 @@ from turbospec.config import parse_tree
 from turbospec.errors import TurboSpecError
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
+from turbospec.weights import dequantize, is_packed
 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
@@ -243,6 +244,7 @@ def make_medusa_drafter(target, path: str | Path, tree_spec: str | list | None =
 
     Hybrid targets verify trees too (every node's Gated DeltaNet state follows its own root path), up to the
     cache's rollback_limit nodes per step (16 by default)."""
-    heads = load_heads(path, target.cfg.hidden_size, target.cfg.vocab_size, target.lm_head.weight)
+    lm = target.lm_head.weight
+    heads = load_heads(path, target.cfg.hidden_size, target.cfg.vocab_size, dequantize(lm) if is_packed(lm) else lm)
     tree = MedusaTree(parse_tree(tree_spec)) if tree_spec else MedusaTree(parse_tree(None)).limit(heads.num_heads)
     return MedusaDrafter(heads, target, tree)
