@@ -2,9 +2,13 @@
 llama.cpp's `llama-quantize --pure` (K-quants), loaded back by turbospec (dequantized to float32), and compared with
 the float32 checkpoint on the shipped prose text the llama-perplexity way (chunks of --ctx tokens, the second half
 of each scored): mean / p99 KL divergence, top-1 agreement and perplexity, with the file's bits per weight.
+With `--llama-server PATH`, llama.cpp runs each file too, and the top-1 token of both engines on the same file is
+compared at `--llama-positions` positions per chunk of the scored halves (llama-server's greedy next token after
+the prefix, prompts as token ids).
 
     python benchmarks/weight_quality.py -m models/turbospec-tiny-hybrid --types f16 bf16 q8_0 q4_0 q6_k q5_k q4_k \\
-        --llama-quantize <llama.cpp>/build/bin/llama-quantize --json docs/results/weight_quality_hybrid.json
+        --llama-quantize <llama.cpp>/build/bin/llama-quantize [--llama-server <llama.cpp>/build/bin/llama-server] \\
+        --json docs/results/weight_quality_hybrid.json
 """
 
 from __future__ import annotations
@@ -20,6 +24,41 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def llama_top1(server: str, path: Path, prefixes: list[list[int]], ctx: int) -> list[int]:
+    """llama-server's greedy next token after each prefix (token ids), on the GGUF file `path`."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([server, "-m", str(path), "--port", str(port), "-c", str(ctx + 16), "-np", "1",
+                             "--no-webui", "-t", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline or proc.poll() is not None:
+                raise SystemExit(f"llama-server did not start on {path}")
+            time.sleep(0.3)
+        out = []
+        for ids in prefixes:
+            r = httpx.post(f"{url}/completion", json={"prompt": ids, "n_predict": 1, "temperature": 0, "top_k": 1,
+                                                      "cache_prompt": True, "return_tokens": True}, timeout=120)
+            out.append(int(r.json()["tokens"][0]))
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 K_QUANTS = {"q4_k": "Q4_K_M", "q5_k": "Q5_K_M", "q6_k": "Q6_K"}  # llama-quantize names; --pure: every tensor it can
 
 
@@ -30,13 +69,14 @@ def main() -> int:
     ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize, for the K-quant types")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server: top-1 agreement on each file")
+    ap.add_argument("--llama-positions", type=int, default=16, help="positions per chunk for --llama-server")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from gguf import GGUFReader
-
     from turbospec.lab.quality import EVAL_DIR, chunk_logprobs, kld_stats, read_text
     from turbospec.model.gguf_export import export_gguf
+    from turbospec.model.gguf_reader import GGUFContents
     from turbospec.model.registry import load_model
     from turbospec.tokenizer import Tokenizer
 
@@ -59,13 +99,18 @@ def main() -> int:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             else:
                 export_gguf(a.model, path, kind)
-            r = GGUFReader(str(path))
+            r = GGUFContents(path)
             weights = sum(int(t.n_elements) for t in r.tensors)
             types = sorted({t.tensor_type.name for t in r.tensors if len(t.shape) == 2})
             model = load_model(path, "float32")
             kl, same, nll, n = [], 0, 0.0, 0
+            prefixes, ours = [], []  # for llama-server: positions of the scored halves, turbospec's top-1 there
             for ids, base in zip(chunks, refs):
                 lp = chunk_logprobs(model, ids, "f32", "f32", a.ctx)
+                step = max(1, lp.shape[0] // a.llama_positions)
+                for i in range(0, lp.shape[0], step)[:a.llama_positions]:
+                    prefixes.append(ids[:a.ctx // 2 + 1 + i].tolist())
+                    ours.append(int(lp[i].argmax()))
                 kl.append((base.exp() * (base - lp)).sum(-1).clamp_min(0))
                 same += int((lp.argmax(-1) == base.argmax(-1)).sum())
                 targets = ids[a.ctx // 2 + 1:]
@@ -75,9 +120,15 @@ def main() -> int:
             row = {"type": kind, "matrix_types": types, "bits_per_weight": path.stat().st_size * 8 / weights,
                    "kld_mean": st["kld_mean"], "kld_p99": st["kld_p99"], "top1_agreement": same / n,
                    "ppl": math.exp(nll / n)}
+            if a.llama_server:
+                theirs = llama_top1(a.llama_server, path, prefixes, a.ctx)
+                row["llama_cpp_top1_agreement"] = sum(x == y for x, y in zip(ours, theirs)) / len(ours)
+                row["llama_cpp_positions"] = len(ours)
             rows.append(row)
             print(f"{kind:5s} {'/'.join(types):16s} {row['bits_per_weight']:5.2f} bpw  KLD mean {row['kld_mean']:.6f}"
-                  f"  p99 {row['kld_p99']:.6f}  top-1 {row['top1_agreement']:.4f}  ppl {row['ppl']:.3f}", flush=True)
+                  f"  p99 {row['kld_p99']:.6f}  top-1 {row['top1_agreement']:.4f}  ppl {row['ppl']:.3f}"
+                  + (f"  top-1 = llama.cpp's on the file {row['llama_cpp_top1_agreement']:.4f}"
+                     f" ({row['llama_cpp_positions']} positions)" if a.llama_server else ""), flush=True)
     nll = sum(-base.gather(1, ids[a.ctx // 2 + 1:][:, None]).sum().item() for ids, base in zip(chunks, refs))
     ref_ppl = math.exp(nll / sum(ids[a.ctx // 2 + 1:].numel() for ids in chunks))
     print(f"float32 checkpoint ppl {ref_ppl:.3f} ({n_chunks} chunks of {a.ctx}, second halves scored)")

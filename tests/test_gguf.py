@@ -309,3 +309,11 @@ def test_lean_reader_equals_gguf_reader(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:200])
     with pytest.raises((ValueError, struct.error)):
         GGUFContents(tmp_path / "cut.gguf")
+
+
+def test_hybrid_export_keeps_the_conv1d_in_f32(tmp_path):
+    """llama.cpp's ssm_conv needs an F32 kernel: every export type writes it so (an F16 one aborts llama.cpp)."""
+    root = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny-hybrid"
+    out = export_gguf(root, tmp_path / "h.gguf", "f16")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["blk.0.ssm_conv1d.weight"] == Q.F32 and types["blk.0.ffn_up.weight"] == Q.F16

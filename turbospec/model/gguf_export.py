@@ -171,11 +171,14 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
         if hybrid:
             x = _convert_qwen35(hf, g, x, lin)
         a = x.numpy()
-        if a.ndim == 2 and kind == "q4_k" and a.shape[1] % 256 == 0:
+        # matrices in the chosen type; vectors and the conv1d kernel (llama.cpp's ssm_conv needs F32) in F32
+        matrix = a.ndim == 2 and kind != "f32" and not g.endswith("ssm_conv1d.weight")
+        q5_0 = gguf.GGMLQuantizationType.Q5_0
+        if matrix and kind == "q4_k" and a.shape[1] % 256 == 0:
             w.add_tensor(g, quantize(x, "q4_k").numpy().reshape(a.shape[0], -1), raw_dtype=qtype)
-        elif a.ndim == 2 and kind == "q4_k" and a.shape[1] % 32 == 0:
-            w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q5_0), raw_dtype=gguf.GGMLQuantizationType.Q5_0)
-        elif a.ndim == 2 and kind != "f32" and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        elif matrix and kind == "q4_k" and a.shape[1] % 32 == 0:  # llama-quantize's fallback
+            w.add_tensor(g, gguf.quants.quantize(a, q5_0), raw_dtype=q5_0)
+        elif matrix and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(g, a)
