@@ -117,15 +117,106 @@ def test_linear_and_embedding_rows():
         W.quantize(torch.zeros(4, 100), "q4_k")
 
 
-def test_fused_parts_of_different_formats_widen_to_the_dtype():
+def test_fused_parts_of_different_formats_stay_packed_apart():
+    """q/k/v (gate/up) parts in different formats (a Q4_K_M file's Q6_K attn_v) are not widened: a SplitLinear
+    multiplies each packed part and concatenates; parts in one format are concatenated into one matrix."""
+    from turbospec.layers.linear import SplitLinear
+
     a, b = W.quantize(matrix(32, 256), "q8_0"), W.quantize(matrix(16, 256, 1), "q4_0")
     lin = Linear.fused([a, b], [None, None], torch.float32)
-    assert not lin.packed and lin.weight.shape == (48, 256)
-    assert torch.equal(lin.weight[32:], W.dequantize(b))
+    assert isinstance(lin, SplitLinear) and lin.out_features == 48 and lin.nbytes == a.numel() + b.numel()
+    x = torch.randn(3, 256)
+    assert torch.equal(lin(x), torch.cat([Linear(a)(x), Linear(b)(x)], -1))
     same = Linear.fused([a, W.quantize(matrix(8, 256, 2), "q8_0")], [None, None], torch.float32)
-    assert same.packed and same.weight.shape == (40, 8, 34)
+    assert isinstance(same, Linear) and same.packed and same.weight.shape == (40, 8, 34)
 
 
+def q6_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    raw[..., -2:] = rng.uniform(1e-3, 2e-2, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+def test_q6_k_blocks_multiply_packed():
+    """Q6_K as GGUF files hold it: dequantization bit-exact with the gguf package, products as the float ones."""
+    raw = q6_k_blocks(24, 512)
+    p = torch.from_numpy(raw)
+    ref = gguf.quants.dequantize(raw.reshape(24, -1), gguf.GGMLQuantizationType.Q6_K)
+    assert W.format_of(p).name == "q6_k" and np.array_equal(W.dequantize(p).numpy(), ref)
+    x = torch.randn(3, 512)
+    want = x @ torch.from_numpy(ref).T
+    got = load_kernel().packed_linear(x, p, None, 16)
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert torch.equal(got[1:2], load_kernel().packed_linear(x[1:2], p, None, 16))
+
+
+def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
+    """A qwen3 file laid out like Q4_K_M (Q4_K q/k/gate/up/o, Q6_K v/down/output): every matrix stays packed in
+    its file type, the split q/k/v layer runs op by op, and greedy decoding equals the same model with every
+    matrix dequantized to float32 (up to the int8 rounding of the inputs: compared on logits)."""
+    from turbospec.kv.plan import AttentionPlan
+
+    rng = np.random.default_rng(0)
+    h, inter, heads, kvh, hd, vocab, layers = 256, 512, 4, 2, 64, 300, 2
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for add, v in ((w.add_context_length, 512), (w.add_embedding_length, h), (w.add_block_count, layers),
+                   (w.add_feed_forward_length, inter), (w.add_head_count, heads), (w.add_head_count_kv, kvh),
+                   (w.add_key_length, hd), (w.add_value_length, hd), (w.add_layer_norm_rms_eps, 1e-6),
+                   (w.add_rope_freq_base, 10000.0)):
+        add(v)
+    Q = gguf.GGMLQuantizationType
+
+    def q4k(rows, cols):
+        return W.quantize(torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05),
+                          "q4_k").numpy().reshape(rows, -1)
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, h)).astype(np.float32) * 0.05)
+    w.add_tensor("output.weight", q6_k_blocks(vocab, h, 1).reshape(vocab, -1), raw_dtype=Q.Q6_K)
+    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_q.weight", q4k(heads * hd, h), raw_dtype=Q.Q4_K)
+        w.add_tensor(f"blk.{i}.attn_k.weight", q4k(kvh * hd, h), raw_dtype=Q.Q4_K)
+        w.add_tensor(f"blk.{i}.attn_v.weight", q6_k_blocks(kvh * hd, h, 2 + i).reshape(kvh * hd, -1),
+                     raw_dtype=Q.Q6_K)
+        w.add_tensor(f"blk.{i}.attn_output.weight", q4k(h, heads * hd), raw_dtype=Q.Q4_K)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", q4k(inter, h), raw_dtype=Q.Q4_K)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", q4k(inter, h), raw_dtype=Q.Q4_K)
+        w.add_tensor(f"blk.{i}.ffn_down.weight", q6_k_blocks(h, inter, 9 + i).reshape(h, -1), raw_dtype=Q.Q6_K)
+        for g, n in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            w.add_tensor(f"blk.{i}.{g}.weight", np.ones(n, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from turbospec.layers.linear import SplitLinear
+
+    m = load_model(path, "float32")
+    assert isinstance(m.layers[0].attn.qkv, SplitLinear) and m.layers[0].mlp.down.packed and m.lm_head.packed
+    assert W.format_of(m.layers[0].mlp.down.weight).name == "q6_k"
+    ids = list(range(3, 40))
+
+    def logits(model):
+        cache = model.new_cache(64)
+        out = [model.logits(model.forward(torch.tensor(ids), AttentionPlan.causal(0, len(ids)), cache))]
+        cache.commit()
+        for j, t in enumerate((7, 8, 9)):  # decode steps: the packed products
+            out.append(model.logits(model.forward(torch.tensor([t]), AttentionPlan.causal(len(ids) + j, 1), cache)))
+            cache.commit()
+        return torch.cat(out)
+
+    got = logits(m)
+    for layer in m.layers:  # the same weights as float32
+        parts = layer.attn.qkv.parts
+        layer.attn.qkv = Linear(torch.cat([W.dequantize(p.weight) for p in parts]))
+        for name in ("o",):
+            setattr(layer.attn, name, Linear(W.dequantize(getattr(layer.attn, name).weight)))
+        layer.mlp.gate_up = Linear(W.dequantize(layer.mlp.gate_up.weight))
+        layer.mlp.down = Linear(W.dequantize(layer.mlp.down.weight))
+    m.lm_head = Linear(W.dequantize(m.lm_head.weight))
+    want = logits(m)
+    assert float((got - want).norm() / want.norm()) < 2e-2
 def greedy(model, ids, n=24, spec=None):
     from turbospec.config import SpecConfig
     from turbospec.speculative.registry import make_drafter

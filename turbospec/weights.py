@@ -1,4 +1,5 @@
-"""Weight formats: a matrix stays float (the model dtype) or is packed in ggml's blocks (Q8_0, Q4_0, Q4_K).
+"""Weight formats: a matrix stays float (the model dtype) or is packed in ggml's blocks (Q8_0, Q4_0, Q4_K, and
+Q6_K as GGUF files hold it).
 
 A packed matrix is a uint8 tensor [out, blocks per row, block bytes], each row the ggml blocks of one output row
 (the bytes a GGUF file holds for it, so GGUF tensors map without conversion). The block size names the format.
@@ -32,9 +33,10 @@ class WeightFormat:
 
 
 PACKED = {f.name: f for f in (WeightFormat("q8_0", 32, 34, "Q8_0"), WeightFormat("q4_0", 32, 18, "Q4_0"),
-                              WeightFormat("q4_k", 256, 144, "Q4_K"))}
-BY_BLOCK_BYTES = {f.block_bytes: f for f in PACKED.values()}
-BY_GGUF_TYPE = {f.gguf_type: f for f in PACKED.values()}
+                              WeightFormat("q4_k", 256, 144, "Q4_K"))}  # what `quantize` writes (--weights)
+Q6_K = WeightFormat("q6_k", 256, 210, "Q6_K")  # multiplied packed as GGUF files hold it; no quantizer here
+BY_BLOCK_BYTES = {f.block_bytes: f for f in (*PACKED.values(), Q6_K)}
+BY_GGUF_TYPE = {f.gguf_type: f for f in (*PACKED.values(), Q6_K)}
 WEIGHT_CHOICES = ("auto", "q8_0", "q4_0", "q4_k")  # --weights: auto = as stored (float: the model dtype)
 
 

@@ -10,7 +10,7 @@
 
 namespace packed {
 
-enum class Fmt { Q8_0, Q4_0, Q4_K };
+enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K };
 
 inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
 
@@ -19,12 +19,13 @@ inline Fmt fmt_of(const torch::Tensor& w) {
     case 34: return Fmt::Q8_0;
     case 18: return Fmt::Q4_0;
     case 144: return Fmt::Q4_K;
+    case 210: return Fmt::Q6_K;
     default: TORCH_CHECK(false, "packed weight: unknown block size ", w.size(2));
   }
   return Fmt::Q8_0;
 }
 
-inline int64_t block_values(Fmt f) { return f == Fmt::Q4_K ? 256 : 32; }
+inline int64_t block_values(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q6_K ? 256 : 32; }
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -49,6 +50,7 @@ struct QRow {
   std::vector<float> d;
   std::vector<int32_t> sum32;
   std::vector<int16_t> sum16;  // the same sums as int16 (|sum| <= 32 * 127)
+  std::vector<int16_t> half16;  // the sum of each 16 q (Q6_K's 16-value scales)
   std::vector<int8_t> qp;      // Q4_0 on AVX-512: q reordered as the nibbles unpack (q4_0_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
 };
@@ -103,6 +105,7 @@ inline void quantize_row(const float* x, int64_t in, int64_t qk, QRow& r) {
   r.d.resize(in / qk);
   r.sum32.resize(in / 32);
   r.sum16.resize(in / 32);
+  r.half16.resize(in / 16);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < in / qk; ++b) {
@@ -121,6 +124,8 @@ inline void quantize_row(const float* x, int64_t in, int64_t qk, QRow& r) {
       const int32_t t = hsum_i(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
       r.sum32[(b * qk + i) / 32] = t;
       r.sum16[(b * qk + i) / 32] = static_cast<int16_t>(t);
+      r.half16[(b * qk + i) / 16] = static_cast<int16_t>(hsum_i(_mm256_add_epi32(v[0], v[1])));
+      r.half16[(b * qk + i) / 16 + 1] = static_cast<int16_t>(hsum_i(_mm256_add_epi32(v[2], v[3])));
     }
   }
 }
@@ -140,6 +145,23 @@ inline __m256i nibbles(const uint8_t* p) {
 }
 
 inline void unpack_scales(const uint8_t* s, uint32_t u[4]);
+
+// Q6_K: the 4 x 32 six-bit values (0..63) of one 128-value half from its 64 low-nibble bytes and 32 high-bit bytes,
+// in value order (ggml's layout: values 0..31 low nibbles of ql[0..32) + bits 0-1 of qh, 32..63 low nibbles of
+// ql[32..64) + bits 2-3, 64..95 high nibbles of ql[0..32) + bits 4-5, 96..127 high nibbles of ql[32..64) + bits 6-7).
+inline void q6_unpack(const uint8_t* ql, const uint8_t* qh, __m256i q[4]) {
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const auto hi = [&](int shift) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), m2), 4);
+  };
+  q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), hi(0));
+  q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), hi(2));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(4));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(6));
+}
 
 // Lane k of the result = the sum of the 8 lanes of v[k].
 inline __m256i sum_lanes8(const __m256i* v) {
@@ -200,6 +222,33 @@ void row_dot(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int n
         const int32_t off1 = F == Fmt::Q4_0 ? 8 * x1->sum32[b] : 0;
         t1 += d * x1->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x1->q[b * 32])) - off1);
       }
+    }
+    c0 = -t0;
+    c1 = -t1;
+  } else if constexpr (F == Fmt::Q6_K) {  // 256 values: weight d * sc_j * (q - 32), 16 values per int8 scale
+    float t0 = 0.f, t1 = 0.f;
+    for (int64_t b = 0; b < nb; ++b, w += 210) {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      const float d = f16(w + 208);
+      __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[4];
+        q6_unpack(w + 64 * h, w + 128 + 32 * h, q);
+        for (int g = 0; g < 4; ++g) {
+          const int v0 = 128 * h + 32 * g;
+          const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[v0 / 16 + 1]), _mm_set1_epi16(sc[v0 / 16]));
+          i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], load32(&x0->q[b * 256 + v0])), s));
+          if (nx > 1)
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], load32(&x1->q[b * 256 + v0])), s));
+        }
+      }
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      const auto half = [&](const QRow* x) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x->half16[b * 16]));
+      };
+      t0 += d * x0->d[b] * static_cast<float>(hsum_i(i0) - 32 * hsum_i(_mm256_madd_epi16(sc16, half(x0))));
+      if (nx > 1)
+        t1 += d * x1->d[b] * static_cast<float>(hsum_i(i1) - 32 * hsum_i(_mm256_madd_epi16(sc16, half(x1))));
     }
     c0 = -t0;
     c1 = -t1;
@@ -433,13 +482,13 @@ void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow
         float t[2];
         const int nx = r + 1 < m ? 2 : 1;
         const QRow* x1 = nx > 1 ? &xq[r + 1] : nullptr;
-        if (!avx512)
+        if (!avx512 || F == Fmt::Q6_K)
           row_dot<F>(wr, nb, &xq[r], x1, nx, t);
         else if constexpr (F == Fmt::Q4_K)
           row_dot_q4k_avx512(wr, nb, &xq[r], x1, nx, t);
         else if constexpr (F == Fmt::Q8_0)
           row_dot_q8_0_avx512(wr, nb, &xq[r], x1, nx, t);
-        else
+        else if constexpr (F == Fmt::Q4_0)
           row_dot_q4_0_avx512(wr, nb, &xq[r], x1, nx, t);
 
         y[r * out + o] = t[0];
@@ -464,6 +513,7 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
     case Fmt::Q8_0: run<Fmt::Q8_0>(wp, nb, row_bytes, xq, y, m, out); break;
     case Fmt::Q4_0: run<Fmt::Q4_0>(wp, nb, row_bytes, xq, y, m, out); break;
     case Fmt::Q4_K: run<Fmt::Q4_K>(wp, nb, row_bytes, xq, y, m, out); break;
+    case Fmt::Q6_K: run<Fmt::Q6_K>(wp, nb, row_bytes, xq, y, m, out); break;
   }
 }
 
@@ -493,6 +543,24 @@ void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y) {
             const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight);
             _mm256_storeu_ps(yr + b * 32 + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
             _mm256_storeu_ps(yr + b * 32 + 16 + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+          }
+        } else if (f == Fmt::Q6_K) {  // (d * sc) * (q - 32), as the gguf package
+          const float d = f16(p + 208);
+          const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+          for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            q6_unpack(p + 64 * h, p + 128 + 32 * h, q);
+            for (int g = 0; g < 4; ++g) {
+              alignas(32) uint8_t v[32];
+              _mm256_store_si256(reinterpret_cast<__m256i*>(v), q[g]);
+              const int v0 = 128 * h + 32 * g;
+              for (int i = 0; i < 32; i += 8) {
+                const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[(v0 + i) / 16]));
+                const __m256i qi = _mm256_sub_epi32(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + i))), _mm256_set1_epi32(32));
+                _mm256_storeu_ps(yr + b * 256 + v0 + i, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(qi)));
+              }
+            }
           }
         } else {
           const float d = f16(p), dmin = f16(p + 2);

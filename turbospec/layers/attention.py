@@ -11,14 +11,14 @@ from turbospec.kernels import attention as fused
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, SplitLinear
 from turbospec.layers.norm import rms_norm
 
 
 class Attention:
     def __init__(
         self,
-        qkv: Linear,
+        qkv: Linear | SplitLinear,
         o: Linear,
         num_heads: int,
         num_kv_heads: int,
@@ -35,6 +35,9 @@ class Attention:
         self.eps, self.gated, self.zc = eps, gated, zero_centred
         self.q_width = num_heads * head_dim * (2 if gated else 1)
         self.kv_width = num_kv_heads * head_dim
+
+    def linears(self) -> tuple:
+        return self.qkv, self.o
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
                  cache, layer: int, out_rows: int | None = None) -> torch.Tensor:
@@ -120,9 +123,12 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 class MLP:
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one matrix."""
 
-    def __init__(self, gate_up: Linear, down: Linear):
+    def __init__(self, gate_up: Linear | SplitLinear, down: Linear):
         self.gate_up, self.down = gate_up, down
         self.inter = down.in_features
+
+    def linears(self) -> tuple:
+        return self.gate_up, self.down
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)

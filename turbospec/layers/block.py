@@ -20,6 +20,7 @@ from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.attention import MLP, Attention
+from turbospec.layers.linear import Linear
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENABLED = env.FUSED  # read once (TURBOSPEC_NO_FUSED): this is checked per layer per token
@@ -34,9 +35,12 @@ def kernel_for(x: torch.Tensor, norm: torch.Tensor):
     return load_kernel()
 
 
-def fusable(x: torch.Tensor, mlp, norm: torch.Tensor):
-    """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE), else None."""
-    return kernel_for(x, norm) if isinstance(mlp, MLP) else None
+def fusable(x: torch.Tensor, mlp, norm: torch.Tensor, mixer):
+    """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE) and whose projections are
+    single matrices (no `SplitLinear`: the one-call kernels take one matrix each), else None."""
+    if not isinstance(mlp, MLP) or not all(isinstance(m, Linear) for m in (*mlp.linears(), *mixer.linears())):
+        return None
+    return kernel_for(x, norm)
 
 
 def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor,

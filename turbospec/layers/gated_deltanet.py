@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from turbospec import env
 from turbospec.kernels.gemv import load_extension
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, SplitLinear
 
 _CHAIN = torch.empty(0, dtype=torch.int64)  # "no parents": the step's tokens are a chain
 
@@ -155,7 +155,7 @@ class GatedDeltaNet:
 
     def __init__(
         self,
-        proj: Linear,
+        proj: Linear | SplitLinear,
         conv_weight: torch.Tensor,
         a_log: torch.Tensor,
         dt_bias: torch.Tensor,
@@ -180,6 +180,9 @@ class GatedDeltaNet:
         self.eps = eps
         if num_v_heads % num_k_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    def linears(self) -> tuple:
+        return self.proj, self.out
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from turbospec import env
 from turbospec.kernels.gemv import load_kernel
-from turbospec.weights import dequantize, format_of, in_features, is_packed, release
+from turbospec.weights import format_of, in_features, is_packed, release
 
 # env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
 # than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
@@ -39,12 +39,15 @@ class Linear:
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-              dtype: torch.dtype | None = None) -> Linear:
-        """One Linear for several projections' rows. Parts of different formats (a GGUF file that mixes types)
-        are all widened to `dtype`."""
-        if len({format_of(w) for w in weights}) > 1 or len({w.dtype for w in weights}) > 1:
-            to = dtype or next(w.dtype for w in weights if not is_packed(w))
-            weights = [dequantize(w).to(to) if is_packed(w) else w.to(to) for w in weights]
+              dtype: torch.dtype | None = None) -> Linear | SplitLinear:
+        """One Linear for several projections' rows. Parts in different packed formats (a Q4_K_M GGUF file's
+        Q6_K `attn_v` beside Q4_K `attn_q`), or packed beside float, stay as they are in a `SplitLinear`; float
+        parts of different dtypes are widened to `dtype`."""
+        if len({format_of(w) for w in weights}) > 1:
+            return SplitLinear([cls(w, b) for w, b in zip(weights, biases)])
+        if len({w.dtype for w in weights}) > 1:
+            to = dtype or weights[0].dtype
+            weights = [w.to(to) for w in weights]
         w = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
         if len(weights) > 1:
             for part in weights:
@@ -72,11 +75,32 @@ class Linear:
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
-def exact_bf16(lin: Linear) -> Linear:
+class SplitLinear:
+    """Projections that could not be fused into one matrix (parts in different weight formats): each part is
+    multiplied on its own and the outputs concatenated. The decoder layers' one-call kernels take single
+    matrices, so a layer with a SplitLinear runs op by op (`turbospec.layers.block.fusable`)."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.packed = any(p.packed for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def exact_bf16(lin: Linear | SplitLinear) -> Linear | SplitLinear:
     """`lin` with its weights stored in bfloat16 when that loses nothing (float32 weights that are all bf16
     values, as when a bf16 checkpoint is loaded in float32): the skinny kernel widens bf16 to float32 exactly and
     accumulates in the same order, so the outputs are bit-identical while half the bytes are read. Otherwise
     `lin` itself."""
+    if not isinstance(lin, Linear):
+        return lin
     w = lin.weight
     if w.dtype != torch.float32:
         return lin

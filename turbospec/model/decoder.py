@@ -28,7 +28,7 @@ class DecoderLayer:
             h = self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer, out_rows)
             x = x[-out_rows:] + h
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
-        k = block.fusable(x, self.mlp, self.in_norm)
+        k = block.fusable(x, self.mlp, self.in_norm, self.attn)
         if k is not None:  # decode / verification: two C++ calls around the attention
             return block.attention_layer(k, x, self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc,
                                          rope, plan, cache, layer)

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from turbospec.errors import TurboSpecError
-from turbospec.model.config import ModelConfig
 from turbospec.kernels.gemv import load_kernel
+from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
 from turbospec.weights import BY_GGUF_TYPE, packable, release, trim_heap
 

@@ -29,13 +29,13 @@ from turbospec.layers import block
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
 from turbospec.layers.linear import Linear
-from turbospec.weights import rows_of
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
 from turbospec.model.decoder import load_attention, load_mlp
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
+from turbospec.weights import rows_of
 
 log = logging.getLogger("turbospec")
 
@@ -193,7 +193,7 @@ class HybridLayer:
             h = self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, out_rows)
             x = x[-out_rows:] + h
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
-        k = block.fusable(x, self.mlp, self.in_norm)
+        k = block.fusable(x, self.mlp, self.in_norm, self.mixer)
         if k is not None and self.kind == "full_attention":  # decode / verification: fused C++ calls
             return block.attention_layer(k, x, self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True,
                                          rope, plan, cache.kv, self.slot)
