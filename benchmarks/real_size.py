@@ -179,10 +179,11 @@ def main() -> None:
         print(f"round {r + 1}/{a.rounds}: turbospec {rows['turbospec_q4_k_gguf'][-1]}"
               + (f"; llama.cpp {rows['llama_cpp_q4_k_gguf'][-1]}" if a.llama_bench else ""), flush=True)
     memory = {}
-    for name, (path, dtype, weights) in {"bf16 checkpoint": (ckpt, "bfloat16", "auto"),
-                                         "--weights q8_0": (ckpt, "bfloat16", "q8_0"),
-                                         "--weights q4_k": (ckpt, "bfloat16", "q4_k"),
-                                         "q4_k GGUF": (gguf, "bfloat16", "auto")}.items():
+    rows_mem = {"bf16 checkpoint": (ckpt, "bfloat16", "auto"), "--dtype float16": (ckpt, "float16", "auto"),
+                "--dtype float32": (ckpt, "float32", "auto"), "--weights q8_0": (ckpt, "bfloat16", "q8_0"),
+                "--weights q4_0": (ckpt, "bfloat16", "q4_0"), "--weights q4_k": (ckpt, "bfloat16", "q4_k"),
+                "q4_k GGUF": (gguf, "bfloat16", "auto")}
+    for name, (path, dtype, weights) in rows_mem.items():
         memory[name] = m = turbospec(path, dtype, weights, a.prompt, 0)
         m["fit_load_peak"] = fit_load_peak(path, dtype, weights)
         print(f"memory {name}: weights {m['weight_bytes'] / 1e9:.3f} GB, load peak RSS {m['load_peak_rss'] / 1e9:.3f} GB"
