@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -62,7 +63,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: 
     return model
 
 
-def _packing(ws: IndexedSource, weights: str) -> IndexedSource:
+Source = TypeVar("Source", bound=IndexedSource)
+
+
+def _packing(ws: Source, weights: str) -> Source:
+    """`ws` with `--weights` set: the format float matrices are packed to as they load (None for auto)."""
     if weights not in WEIGHT_CHOICES:
         raise TurboSpecError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
     ws.pack = PACKED.get(weights)
