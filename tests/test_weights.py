@@ -96,7 +96,7 @@ def test_avx2_and_avx512_paths_agree():
         path = f"{os.environ.get('TMPDIR', '/tmp')}/avx_{flag}_{os.getpid()}.pt"
         env = {**os.environ, "TURBOSPEC_NO_AVX512": "1"} if flag == "1" else dict(os.environ)
         env.pop("TURBOSPEC_NO_AVX512", None) if flag == "0" else None
-        subprocess.run([sys.executable, "-c", code, path], env=env, check=True)
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, cwd=Path(__file__).parents[1])
         got[flag] = torch.load(path, weights_only=True)
         os.unlink(path)
     for a, b in zip(got["0"], got["1"]):

@@ -4,7 +4,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#ifdef __GLIBC__
 #include <malloc.h>
+#endif
 #include <sys/mman.h>
 #include <algorithm>
 #include <cmath>
@@ -659,7 +661,11 @@ bool release_file_pages(torch::Tensor t) {
 }
 
 // Give the heap's free memory back to the system (after loading: the freed conversion buffers).
-void trim_heap() { malloc_trim(0); }
+void trim_heap() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+}
 
 // A copy of `t` in huge-page memory. When `t` lies in a read-only file mapping (a memory-mapped checkpoint), its
 // whole pages are dropped from this process (MADV_DONTNEED: the file still holds them), so loading holds one

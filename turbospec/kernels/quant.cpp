@@ -450,12 +450,17 @@ TS_VBMI void row_dot_q4_0_avx512(const uint8_t* w, int64_t nb, const QRow* x0, c
   }
 }
 
-// AVX-512 paths when the CPU has AVX-512 BW + VL + VNNI + VBMI (Ice Lake, Zen 4 and later), unless
-// TURBOSPEC_NO_AVX512 is set; AVX2 otherwise.
+// AVX-512 paths when the CPU has AVX-512 BW + VL + VNNI (Cascade Lake, Ice Lake, Zen 4 and later; Q4_0's also
+// VBMI), unless TURBOSPEC_NO_AVX512 is set; AVX2 otherwise.
 inline bool use_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                          __builtin_cpu_supports("avx512vbmi") && !std::getenv("TURBOSPEC_NO_AVX512");
+                          !std::getenv("TURBOSPEC_NO_AVX512");
+  return yes;
+}
+
+inline bool use_vbmi() {
+  static const bool yes = use_avx512() && __builtin_cpu_supports("avx512vbmi");
   return yes;
 }
 
@@ -469,7 +474,7 @@ const int64_t PACKED_PREFETCH = [] {
 template <Fmt F>
 void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
          int64_t out) {
-  const bool avx512 = use_avx512();
+  const bool avx512 = use_avx512(), vbmi = use_vbmi();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
     const uint8_t* end = w + o1 * row_bytes;
     for (int64_t o = o0; o < o1; ++o) {
@@ -482,7 +487,7 @@ void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow
         float t[2];
         const int nx = r + 1 < m ? 2 : 1;
         const QRow* x1 = nx > 1 ? &xq[r + 1] : nullptr;
-        if (!avx512 || F == Fmt::Q6_K)
+        if (!avx512 || F == Fmt::Q6_K || (F == Fmt::Q4_0 && !vbmi))
           row_dot<F>(wr, nb, &xq[r], x1, nx, t);
         else if constexpr (F == Fmt::Q4_K)
           row_dot_q4k_avx512(wr, nb, &xq[r], x1, nx, t);
@@ -503,7 +508,7 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
   const int64_t nb = w.size(1), out = w.size(0), qk = block_values(f), in = nb * qk, row_bytes = nb * w.size(2);
   thread_local std::vector<QRow> xq;  // reused: no allocation per product once warm
   if (static_cast<int64_t>(xq.size()) < m) xq.resize(m);
-  const bool pairs = f == Fmt::Q4_0 && use_avx512();
+  const bool pairs = f == Fmt::Q4_0 && use_vbmi();
   for (int64_t r = 0; r < m; ++r) {
     quantize_row(x + r * in, in, qk, xq[r]);
     if (pairs) q4_0_layout(xq[r], in);
@@ -519,6 +524,7 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
 
 // Weight rows [r0, r1) of packed w as float32, into y (row-major, in values per row). The arithmetic is the gguf
 // package's: Q8_0 d * q, Q4_0 d * (q - 8), Q4_K (d * sc) * q - (dmin * m), each product rounded to float32.
+__attribute__((optimize("fp-contract=off")))  // multiply, then subtract: two roundings, as numpy
 void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y) {
   const Fmt f = fmt_of(w);
   const int64_t nb = w.size(1), bb = w.size(2), in = nb * block_values(f);

@@ -225,6 +225,9 @@ class GGUFWeights(IndexedSource):
         if (name.endswith("out_proj.weight") and lin and lin["num_v_heads"] != lin["num_k_heads"]
                 and lin["v_head_dim"] % col_unit):
             return super().matrix(name, dtype, shape)  # value heads reordered within blocks: dequantize
+        if (int(t.shape[1]), int(t.shape[0])) != tuple(shape):
+            raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {(int(t.shape[1]), int(t.shape[0]))}"
+                                 f", the config implies {tuple(shape)}")
         packed_shape = (shape[0], shape[1] // fmt.block_values, fmt.block_bytes)
         try:
             data = t.data.reshape(packed_shape)

@@ -66,6 +66,7 @@ class Arch:
     # tensors (dequantized to --dtype), (trunk, MTP); None for other sources
     gguf_packed_bytes: tuple[int, int] | None = None
     gguf_float_params: tuple[int, int] = (0, 0)
+    gguf_float_matrices: bool = False  # some matrix is dequantized (float or an unpacked type)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -266,10 +267,16 @@ def arch_from_gguf(path: Path) -> Arch:
             mtp_b += int(t.n_bytes)
         else:
             trunk += int(t.n_bytes)
-        if len(t.shape) == 2 and t.tensor_type.name in BY_GGUF_TYPE:  # stays packed on the CPU
+        fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
+        # qwen35's ssm_out with more value than key heads: its columns are reordered at load, which whole blocks
+        # allow only when a value head is a whole number of blocks (else it is dequantized)
+        reordered = (t.name.endswith("ssm_out.weight") and arch.gdn_v_heads != arch.gdn_k_heads
+                     and fmt is not None and arch.gdn_v_dim % fmt.block_values != 0)
+        if len(t.shape) == 2 and fmt is not None and not reordered:  # stays packed on the CPU
             packed[part] += int(t.n_bytes)
         else:
             floats[part] += int(t.n_elements)
+            arch.gguf_float_matrices |= len(t.shape) == 2
         arch.largest_tensor_params = max(arch.largest_tensor_params, int(t.n_elements))
     arch.trunk_bytes, arch.mtp_bytes = trunk, (mtp_b if mtp else 0)
     arch.gguf_packed_bytes = (packed[0], packed[1] if mtp else 0)

@@ -76,12 +76,15 @@ def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     """(trunk bytes, MTP bytes) as held in memory."""
     if setup.backend == "cpu" and setup.weights_bpw is None:
         db = dtypes.nbytes(setup.dtype)
+        if arch.gguf_packed_bytes is not None:
+            # a GGUF file: Q8_0 / Q4_0 / Q4_K / Q6_K matrices stay packed at their file bytes; the other tensors
+            # go to the dtype, or to --weights' format (float matrices only; counted as if all were packable)
+            (pt, pm), (ft, fm) = arch.gguf_packed_bytes, arch.gguf_float_params
+            per = PACKED[setup.weights].bits_per_value / 8 if setup.weights in PACKED else db
+            return int(pt + ft * per), (int(pm + fm * per) if mtp else 0)
         if setup.weights in PACKED:
             fmt = PACKED[setup.weights]
             return packed_bytes(arch, fmt, db, False), (packed_bytes(arch, fmt, db, True) if mtp else 0)
-        if arch.gguf_packed_bytes is not None:  # a GGUF file: Q8_0 / Q4_0 / Q4_K stay packed, the rest -> dtype
-            (pt, pm), (ft, fm) = arch.gguf_packed_bytes, arch.gguf_float_params
-            return pt + ft * db, (pm + fm * db if mtp else 0)
     bpw = setup.weights_bpw
     if bpw is None and setup.backend == "cpu":
         bpw = 8.0 * dtypes.nbytes(setup.dtype)
@@ -211,17 +214,20 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
                                                     dv_type)
         b.draft_kv += recurrent_bytes(draft, setup, chain)[0]
     cpu = setup.backend == "cpu"
-    if cpu and setup.weights_bpw is None and (setup.weights in PACKED or arch.gguf_packed_bytes):
-        # packed matrices in prefill: a ~4 MB float32 tile of weight rows and its bfloat16 copy
+    gguf = arch.gguf_packed_bytes is not None
+    packed_mats = setup.weights in PACKED or (gguf and sum(arch.gguf_packed_bytes or (0,)) > 0)
+    float_mats = setup.weights not in PACKED and (not gguf or arch.gguf_float_matrices)
+    if cpu and setup.weights_bpw is None and packed_mats:
+        # prefill of packed matrices: a ~4 MB float32 tile of weight rows and its bfloat16 copy
         b.upcast_scratch = 6 * 2**20 if rows > 16 else 0
-    elif cpu and setup.weights_bpw is None and dtypes.nbytes(setup.dtype) == 2:
+    if cpu and setup.weights_bpw is None and float_mats and dtypes.nbytes(setup.dtype) == 2:
         # Linear's prefill path ("upcast") converts the weight of a layer projection to float32 per call (the
         # lm_head only ever sees <= 1 + n_max rows, which take the skinny kernel instead)
         q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
         biggest = max(arch.hidden * 2 * arch.intermediate,
                       arch.hidden * (q + 2 * arch.n_kv_heads * arch.head_dim),
                       arch.hidden * (arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim))
-        b.upcast_scratch = biggest * 4 if rows > 16 else 0
+        b.upcast_scratch = max(b.upcast_scratch, biggest * 4 if rows > 16 else 0)
     if mode == "mtp":
         if cpu:
             # turbospec's MTP drafter reads the trunk's hidden rows of its prompt window (auto: a quarter of
