@@ -110,6 +110,8 @@ def test_linear_and_embedding_rows():
     assert (lin.out_features, lin.in_features, lin.nbytes) == (64, 256, 64 * 144)
     x = torch.randn(2, 256)
     assert torch.allclose(lin(x), x @ W.dequantize(p).T, rtol=0, atol=0.05 * float((x @ w.T).abs().max()))
+    x40 = torch.randn(40, 256)  # a 40-node verification step: every row as a single-token step gives it
+    assert torch.equal(lin(x40), torch.cat([lin(x40[i:i + 1]) for i in range(40)]))
     ids = torch.tensor([[3, 0], [63, 3]])
     rows = W.rows_of(p, ids, torch.float32)
     assert rows.shape == (2, 2, 256) and torch.equal(rows[0, 0], W.dequantize(p)[3])

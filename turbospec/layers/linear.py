@@ -20,6 +20,13 @@ from turbospec.weights import format_of, in_features, is_packed, release
 # "native" uses torch's bf16/fp16 GEMM. Which is faster depends on the CPU (AVX-512 BF16 vs AVX2); docs/speed.md.
 
 
+# Packed matrices multiply up to this many rows with the int8 kernel, whose per-row results do not depend on the
+# batch: verification steps (trees of up to 64 nodes) then give each node exactly the logits a single-token step
+# would, so greedy speculation over packed weights stays token-for-token plain decoding. More rows (prefill
+# chunks) take dequantized tiles.
+PACKED_ROW_LIMIT = 64
+
+
 class Linear:
     """y = x W^T + b. Several HF projections can be fused into one (rows concatenated). W is a float matrix or
     packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K), multiplied by the kernel without unpacking the matrix
@@ -61,7 +68,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.packed:
-            return self.kernel.packed_linear(x, self.weight, self.bias, env.SKINNY_MAX_ROWS)
+            return self.kernel.packed_linear(x, self.weight, self.bias, max(env.SKINNY_MAX_ROWS, PACKED_ROW_LIMIT))
         if self.kernel is not None and rows <= env.SKINNY_MAX_ROWS:
             return self.kernel.skinny_linear(x, self.weight, self.bias)
         if env.PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):
