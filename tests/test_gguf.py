@@ -21,6 +21,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+from tests.gguf_files import qwen3_gguf  # noqa: E402
 from tests.hf_tiny import hf_logits  # noqa: E402
 from turbospec.errors import TurboSpecError  # noqa: E402
 from turbospec.kv.plan import AttentionPlan  # noqa: E402
@@ -131,26 +132,8 @@ def k_quant_bytes(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> n
 def test_k_quant_tensors_load_as_the_reference_dequantization(tmp_path, qtype):
     """A qwen3-shaped file whose matrices are K-quant blocks (256 values a block: every matrix is 256 wide)."""
     rng = np.random.default_rng(0)
-    h, layers, vocab, heads, hd = 256, 2, 64, 4, 64
-    path = tmp_path / "k.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    for add, v in ((w.add_context_length, 256), (w.add_embedding_length, h), (w.add_block_count, layers),
-                   (w.add_feed_forward_length, 256), (w.add_head_count, heads), (w.add_head_count_kv, 2),
-                   (w.add_key_length, hd), (w.add_value_length, hd), (w.add_layer_norm_rms_eps, 1e-6),
-                   (w.add_rope_freq_base, 10000.0)):
-        add(v)
-    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, h)).astype(np.float32))
-    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    for i in range(layers):
-        for g, rows in (("attn_q", heads * hd), ("attn_k", 2 * hd), ("attn_v", 2 * hd), ("attn_output", h),
-                        ("ffn_gate", 256), ("ffn_up", 256), ("ffn_down", h)):
-            w.add_tensor(f"blk.{i}.{g}.weight", k_quant_bytes(rows, 256, qtype, rng), raw_dtype=qtype)
-        for g, n in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
-            w.add_tensor(f"blk.{i}.{g}.weight", np.ones(n, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = qwen3_gguf(tmp_path / "k.gguf", lambda i, name, rows, cols: (k_quant_bytes(rows, cols, qtype, rng), qtype),
+                      hidden=256, ffn=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=64)
     f = GGUFFile(path)
     ws = f.weights(f.config())
     for hf_name in ws.names():

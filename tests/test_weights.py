@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gguf_files import qwen3_gguf
 from turbospec import weights as W
 from turbospec.config import EngineConfig
 from turbospec.engine import Engine
@@ -160,38 +161,17 @@ def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
     from turbospec.kv.plan import AttentionPlan
 
     rng = np.random.default_rng(0)
-    h, inter, heads, kvh, hd, vocab, layers = 256, 512, 4, 2, 64, 300, 2
-    path = tmp_path / "m.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    for add, v in ((w.add_context_length, 512), (w.add_embedding_length, h), (w.add_block_count, layers),
-                   (w.add_feed_forward_length, inter), (w.add_head_count, heads), (w.add_head_count_kv, kvh),
-                   (w.add_key_length, hd), (w.add_value_length, hd), (w.add_layer_norm_rms_eps, 1e-6),
-                   (w.add_rope_freq_base, 10000.0)):
-        add(v)
+    h, vocab = 256, 300
+
+    def matrix(i, name, rows, cols):  # Q6_K for v and down (as Q4_K_M does in half the layers), Q4_K otherwise
+        if name in ("attn_v", "ffn_down"):
+            return q6_k_blocks(rows, cols, 2 + i + 10 * (name == "ffn_down")).reshape(rows, -1), Q.Q6_K
+        x = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
+        return W.quantize(x, "q4_k").numpy().reshape(rows, -1), Q.Q4_K
+
     Q = gguf.GGMLQuantizationType
-
-    def q4k(rows, cols):
-        return W.quantize(torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05),
-                          "q4_k").numpy().reshape(rows, -1)
-
-    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, h)).astype(np.float32) * 0.05)
-    w.add_tensor("output.weight", q6_k_blocks(vocab, h, 1).reshape(vocab, -1), raw_dtype=Q.Q6_K)
-    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_q.weight", q4k(heads * hd, h), raw_dtype=Q.Q4_K)
-        w.add_tensor(f"blk.{i}.attn_k.weight", q4k(kvh * hd, h), raw_dtype=Q.Q4_K)
-        w.add_tensor(f"blk.{i}.attn_v.weight", q6_k_blocks(kvh * hd, h, 2 + i).reshape(kvh * hd, -1),
-                     raw_dtype=Q.Q6_K)
-        w.add_tensor(f"blk.{i}.attn_output.weight", q4k(h, heads * hd), raw_dtype=Q.Q4_K)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", q4k(inter, h), raw_dtype=Q.Q4_K)
-        w.add_tensor(f"blk.{i}.ffn_up.weight", q4k(inter, h), raw_dtype=Q.Q4_K)
-        w.add_tensor(f"blk.{i}.ffn_down.weight", q6_k_blocks(h, inter, 9 + i).reshape(h, -1), raw_dtype=Q.Q6_K)
-        for g, n in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
-            w.add_tensor(f"blk.{i}.{g}.weight", np.ones(n, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = qwen3_gguf(tmp_path / "m.gguf", matrix, hidden=h, ffn=512, layers=2, heads=4, kv_heads=2, head_dim=64,
+                      vocab=vocab, output=(q6_k_blocks(vocab, h, 1).reshape(vocab, -1), Q.Q6_K))
     from turbospec.layers.linear import SplitLinear
 
     m = load_model(path, "float32")
