@@ -53,12 +53,13 @@ VARIANTS = {
 }
 
 
-def build(name: str, out: Path) -> Path:
+def build(name: str, out: Path, **over) -> Path:
+    """`over`: config fields changed from the variant's (sizes)."""
     import transformers
 
     cfg_cls, model_cls, extra = VARIANTS[name]
     torch.manual_seed(sum(map(ord, name)))
-    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **over})
     model = getattr(transformers, model_cls)(cfg).eval()
     with (
         torch.no_grad()

@@ -303,3 +303,39 @@ def test_hybrid_export_keeps_the_conv1d_in_f32(tmp_path):
     out = export_gguf(root, tmp_path / "h.gguf", "f16")
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
     assert types["blk.0.ssm_conv1d.weight"] == Q.F32 and types["blk.0.ffn_up.weight"] == Q.F16
+
+
+def test_qwen35_q4_k_output_projection_stays_packed_in_file_order(tmp_path):
+    """More value than key heads and a value head of 64 values (a quarter of a Q4_K block): the Gated DeltaNet
+    output projection cannot be reordered to the checkpoint's columns, so it stays packed in llama.cpp's tiled
+    order and the layer permutes its activations instead; logits equal the reordered float weights."""
+    from tests.hf_hybrid import build
+    from turbospec import weights as W
+    from turbospec.kv.plan import AttentionPlan
+    from turbospec.layers.linear import Linear
+    from turbospec.model.gguf import untile_v_heads
+
+    src = build("qwen3_5", tmp_path, hidden_size=256, intermediate_size=256, linear_key_head_dim=64,
+                linear_value_head_dim=64, num_attention_heads=4, head_dim=64)
+    f = GGUFFile(export_gguf(src, tmp_path / "h.gguf", "q4_k"))
+    m = load_model(f.path, "float32")
+    gdns = [layer.mixer for layer in m.layers if layer.kind == "linear_attention"]
+    assert gdns and all(g.out_tiling == 2 and g.out.packed for g in gdns)
+    ids = torch.arange(3, 3 + 80) % 200  # 80 prompt rows: exact float32 tiles, then one decode row
+
+    def run(model):
+        cache = model.new_cache(128)
+        a = model.logits(model.forward(ids, AttentionPlan.causal(0, len(ids)), cache))
+        cache.commit()
+        b = model.logits(model.forward(torch.tensor([5]), AttentionPlan.causal(len(ids), 1), cache))
+        return a, b
+
+    got = run(m)
+    for g in gdns:  # the checkpoint's column order, float32, as the loader used to do
+        g.out = Linear(untile_v_heads(W.dequantize(g.out.weight), 1, g.nk, g.out_tiling, g.dv).contiguous())
+        g.out_tiling = 1
+    want = run(m)
+    assert torch.allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
+    # the decode row: int8 inputs to the packed projection against float ones (~5% through 4 random layers; a
+    # wrong head order is ~100%)
+    assert float((got[1] - want[1]).norm() / want[1].norm()) < 0.15

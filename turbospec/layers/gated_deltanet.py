@@ -168,6 +168,7 @@ class GatedDeltaNet:
         eps: float,
     ):
         self.proj, self.out = proj, out_proj
+        self.out_tiling = 1  # see out_order
         self.nk, self.nv, self.dk, self.dv = num_k_heads, num_v_heads, k_head_dim, v_head_dim
         self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -204,7 +205,17 @@ class GatedDeltaNet:
         every node's conv inputs and recurrent state follow its own root path (needs `all_states`).
         """
         o, window, states = self.mix(self.proj(x), conv_state, ssm_state, all_states, parents)
-        return self.out(o), window, states
+        return self.out(self.out_order(o)), window, states
+
+    def out_order(self, o: torch.Tensor) -> torch.Tensor:
+        """o [N, value heads x Dv] in the order `out` expects: the checkpoint's (grouped by key head), or
+        llama.cpp's tiled order when the output projection was kept packed in a GGUF file's column order
+        (`out_tiling` r > 1: value head g*r + j goes to position j*nk + g)."""
+        r = self.out_tiling
+        if r == 1:
+            return o
+        n = o.shape[0]
+        return o.reshape(n, self.nk, r, self.dv).transpose(1, 2).reshape(n, self.value_dim)
 
     def mix(
         self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, all_states: bool,

@@ -187,6 +187,7 @@ class GGUFWeights(IndexedSource):
     def __init__(self, f: GGUFFile, cfg: ModelConfig):
         self.f, self.cfg = f, cfg
         self.index: dict[str, str] = {}
+        self.tiled: dict[str, int] = {}  # value_tiling
         for hf, g in GLOBAL_NAMES.items():
             if g in f.tensors:
                 self.index[hf] = g
@@ -222,9 +223,8 @@ class GGUFWeights(IndexedSource):
             return super().matrix(name, dtype, shape)
         col_unit = fmt.block_values
         lin = self.cfg.linear_dims() if self.f.arch == "qwen35" else {}
-        if (name.endswith("out_proj.weight") and lin and lin["num_v_heads"] != lin["num_k_heads"]
-                and lin["v_head_dim"] % col_unit):
-            return super().matrix(name, dtype, shape)  # value heads reordered within blocks: dequantize
+        tiled = (name.endswith("out_proj.weight") and bool(lin) and lin["num_v_heads"] != lin["num_k_heads"]
+                 and lin["v_head_dim"] % col_unit != 0)  # a value head is not whole blocks: keep the file's order
         if (int(t.shape[1]), int(t.shape[0])) != tuple(shape):
             raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {(int(t.shape[1]), int(t.shape[0]))}"
                                  f", the config implies {tuple(shape)}")
@@ -237,7 +237,13 @@ class GGUFWeights(IndexedSource):
         with warnings.catch_warnings():  # a read-only map: nothing writes to weights
             warnings.simplefilter("ignore", UserWarning)
             out = torch.from_numpy(data)
+        if tiled:
+            self.tiled[name] = lin["num_v_heads"] // lin["num_k_heads"]
+            return out
         return self._reorder(name, out, col_unit)
+
+    def value_tiling(self, name: str) -> int:
+        return self.tiled.get(name, 1)
 
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         t = self._tensor(name)

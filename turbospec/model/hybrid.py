@@ -155,7 +155,7 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
             b.reshape(-1, h),
             a.reshape(-1, h),
         ]
-    return GatedDeltaNet(
+    gdn = GatedDeltaNet(
         Linear.fused(rows, [None] * 4, dtype),
         ws.get(f"{p}.conv1d.weight", dtype, (conv_dim, 1, kern)),
         ws.get(f"{p}.A_log", torch.float32, (nv,)),
@@ -168,6 +168,8 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
         dv,
         cfg.rms_norm_eps,
     )
+    gdn.out_tiling = ws.value_tiling(f"{p}.out_proj.weight")
+    return gdn
 
 
 def _is_moe_layer(cfg: ModelConfig, i: int) -> bool:
@@ -202,7 +204,8 @@ class HybridLayer:
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
         conv, ssm = cache.gdn_state(self.slot)
         gdn = self.mixer
-        if k is not None and cache.track_all_states and load_gdn_kernel() is not None:  # the layer in one call
+        if (k is not None and cache.track_all_states and load_gdn_kernel() is not None
+                and gdn.out_tiling == 1):  # the layer in one call
             par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
             x, window, states = k.gdn_layer(
                 x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,
@@ -215,7 +218,7 @@ class HybridLayer:
             proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
             o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
             cache.gdn_stash(self.slot, window, states)
-            return block.out_mlp(k, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
+            return block.out_mlp(k, x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         y, window, states = gdn(rms_norm(x, self.in_norm, self.eps, True), conv, ssm, cache.track_all_states,
                                 cache.tree_parents)
         cache.gdn_stash(self.slot, window, states)

@@ -30,6 +30,12 @@ class TensorSource(Protocol):
         stores them packed or `pack` asks for a format, else a float matrix in `dtype`."""
         ...
 
+    def value_tiling(self, name: str) -> int:
+        """r > 1 when `matrix(name)` (a Gated DeltaNet output projection) came with its columns in llama.cpp's
+        tiled value-head order (r value heads per key head) because packed blocks could not be reordered: the
+        layer then permutes its activations instead. 1: the checkpoint's order."""
+        ...
+
 
 class IndexedSource:
     """A `TensorSource` whose `index` maps each Hugging Face name to where the tensor lives. `pack`: the weight
@@ -43,6 +49,9 @@ class IndexedSource:
 
     def has(self, name: str) -> bool:
         return name in self.index
+
+    def value_tiling(self, name: str) -> int:
+        return 1
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         trim_heap()  # the previous matrix's conversion buffers (freed, but held by the heap) back to the system

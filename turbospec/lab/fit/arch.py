@@ -268,11 +268,7 @@ def arch_from_gguf(path: Path) -> Arch:
         else:
             trunk += int(t.n_bytes)
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
-        # qwen35's ssm_out with more value than key heads: its columns are reordered at load, which whole blocks
-        # allow only when a value head is a whole number of blocks (else it is dequantized)
-        reordered = (t.name.endswith("ssm_out.weight") and arch.gdn_v_heads != arch.gdn_k_heads
-                     and fmt is not None and arch.gdn_v_dim % fmt.block_values != 0)
-        if len(t.shape) == 2 and fmt is not None and not reordered:  # stays packed on the CPU
+        if len(t.shape) == 2 and fmt is not None:  # stays packed on the CPU
             packed[part] += int(t.n_bytes)
         else:
             floats[part] += int(t.n_elements)
