@@ -26,39 +26,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def llama_top1(server: str, path: Path, prefixes: list[list[int]], ctx: int) -> list[int]:
+def llama_top1(binary: str, path: Path, prefixes: list[list[int]], ctx: int) -> list[int]:
     """llama-server's greedy next token after each prefix (token ids), on the GGUF file `path`."""
-    import socket
-    import time
-
     import httpx
+    from served_speed import free_port, server  # this folder's llama-server start-up and readiness wait
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    proc = subprocess.Popen([server, "-m", str(path), "--port", str(port), "-c", str(ctx + 16), "-np", "1",
-                             "--no-webui", "-t", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline or proc.poll() is not None:
-                raise SystemExit(f"llama-server did not start on {path}")
-            time.sleep(0.3)
+    port = free_port()
+    cmd = [binary, "-m", str(path), "--port", str(port), "-c", str(ctx + 16), "-np", "1", "--no-webui", "-t", "2"]
+    with server(cmd, port) as url:
         out = []
         for ids in prefixes:
             r = httpx.post(f"{url}/completion", json={"prompt": ids, "n_predict": 1, "temperature": 0, "top_k": 1,
                                                       "cache_prompt": True, "return_tokens": True}, timeout=120)
             out.append(int(r.json()["tokens"][0]))
         return out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+
+
 K_QUANTS = {"q4_k": "Q4_K_M", "q5_k": "Q5_K_M", "q6_k": "Q6_K"}  # llama-quantize names; --pure: every tensor it can
 
 

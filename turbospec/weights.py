@@ -37,7 +37,7 @@ PACKED = {f.name: f for f in (WeightFormat("q8_0", 32, 34, "Q8_0"), WeightFormat
 Q6_K = WeightFormat("q6_k", 256, 210, "Q6_K")  # multiplied packed as GGUF files hold it; no quantizer here
 BY_BLOCK_BYTES = {f.block_bytes: f for f in (*PACKED.values(), Q6_K)}
 BY_GGUF_TYPE = {f.gguf_type: f for f in (*PACKED.values(), Q6_K)}
-WEIGHT_CHOICES = ("auto", "q8_0", "q4_0", "q4_k")  # --weights: auto = as stored (float: the model dtype)
+WEIGHT_CHOICES = ("auto", *PACKED)  # --weights: auto = as stored (float: the model dtype)
 
 
 def is_packed(w: torch.Tensor) -> bool:

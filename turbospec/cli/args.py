@@ -8,12 +8,13 @@ import argparse
 from turbospec.config import EngineConfig, SpecConfig
 from turbospec.errors import TurboSpecError
 from turbospec.sampling import SamplingParams
+from turbospec.weights import WEIGHT_CHOICES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument("--weights", default="auto", choices=("auto", "q8_0", "q4_0", "q4_k"),
+    p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="matrices: auto = as stored (float in --dtype; a GGUF file's Q8_0/Q4_0/Q4_K blocks stay "
                         "packed), or quantize float matrices at load to q8_0 | q4_0 | q4_k (default auto)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")

@@ -9,6 +9,7 @@ import sys
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
 from turbospec.lab import fit
+from turbospec.weights import WEIGHT_CHOICES
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -32,7 +33,7 @@ def register(sub) -> argparse.ArgumentParser:
     w = p.add_mutually_exclusive_group()
     w.add_argument("--weights-bpw", type=float, default=None, help="bits per weight, e.g. 4.85 for Q4_K_M")
     w.add_argument("--weight-dtype", default=None, help=f"weight format: {', '.join(fit.WEIGHT_BPW)}")
-    w.add_argument("--weights", default="auto", choices=("auto", "q8_0", "q4_0", "q4_k"),
+    w.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="cpu: as `turbospec run --weights` (matrices packed at load; default auto: as stored, a "
                         "GGUF file's Q8_0/Q4_0/Q4_K matrices packed)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="ubatch (default 512)")

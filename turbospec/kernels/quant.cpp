@@ -182,6 +182,19 @@ inline __m256i block_int(const uint8_t* w, const int8_t* x) {
   }
 }
 
+// t plus the products of blocks [b, nb) of a Q8_0 / Q4_0 row with input row x, one block at a time (the blocks
+// after a row's last whole group of 8).
+template <Fmt F>
+inline float tail_blocks(const uint8_t* w, int64_t b, int64_t nb, const QRow* x, float t) {
+  constexpr int64_t BB = F == Fmt::Q8_0 ? 34 : 18;
+  for (; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    const int32_t off = F == Fmt::Q4_0 ? 8 * x->sum32[b] : 0;
+    t += f16(blk) * x->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x->q[b * 32])) - off);
+  }
+  return t;
+}
+
 // out[j] = w_row . x_j for j < nx (1 or 2) input rows; w_row holds `nb` blocks. Q8_0 / Q4_0 go 8 blocks at a
 // time: the 8 blocks' int32 sums in one vector, scaled by the 8 products of scales in one multiply-add.
 template <Fmt F>
@@ -212,19 +225,8 @@ void row_dot(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int n
         acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dw, _mm256_loadu_ps(&x1->d[b])), acc1);
       }
     }
-    float t0 = 0.f, t1 = 0.f;
-    for (; b < nb; ++b) {  // the last blocks of a row that is not a multiple of 256 values
-      const uint8_t* blk = w + b * BB;
-      const float d = f16(blk);
-      const int32_t off0 = F == Fmt::Q4_0 ? 8 * x0->sum32[b] : 0;
-      t0 += d * x0->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x0->q[b * 32])) - off0);
-      if (nx > 1) {
-        const int32_t off1 = F == Fmt::Q4_0 ? 8 * x1->sum32[b] : 0;
-        t1 += d * x1->d[b] * static_cast<float>(hsum_i(block_int<F>(blk, &x1->q[b * 32])) - off1);
-      }
-    }
-    c0 = -t0;
-    c1 = -t1;
+    c0 = -tail_blocks<F>(w, b, nb, x0, 0.f);
+    if (nx > 1) c1 = -tail_blocks<F>(w, b, nb, x1, 0.f);
   } else if constexpr (F == Fmt::Q6_K) {  // 256 values: weight d * sc_j * (q - 32), 16 values per int8 scale
     float t0 = 0.f, t1 = 0.f;
     for (int64_t b = 0; b < nb; ++b, w += 210) {
@@ -372,15 +374,8 @@ TS_AVX512 void row_dot_q8_0_avx512(const uint8_t* w, int64_t nb, const QRow* x0,
       }
     }
   }
-  float t0 = _mm512_reduce_add_ps(acc0), t1 = nx > 1 ? _mm512_reduce_add_ps(acc1) : 0.f;
-  for (; b < nb; ++b) {  // the last blocks of a row that is not a multiple of 256 values
-    const uint8_t* blk = w + b * BB;
-    const float d = f16(blk);
-    t0 += d * x0->d[b] * static_cast<float>(hsum_i(block_int<Fmt::Q8_0>(blk, &x0->q[b * 32])));
-    if (nx > 1) t1 += d * x1->d[b] * static_cast<float>(hsum_i(block_int<Fmt::Q8_0>(blk, &x1->q[b * 32])));
-  }
-  out[0] = t0;
-  if (nx > 1) out[1] = t1;
+  out[0] = tail_blocks<Fmt::Q8_0>(w, b, nb, x0, _mm512_reduce_add_ps(acc0));
+  if (nx > 1) out[1] = tail_blocks<Fmt::Q8_0>(w, b, nb, x1, _mm512_reduce_add_ps(acc1));
 }
 
 // Q4_0 with AVX-512 VBMI + VNNI: 8 blocks (144 bytes) per step. Byte permutes gather the nibbles of 4 + 4 blocks
@@ -439,15 +434,7 @@ TS_VBMI void row_dot_q4_0_avx512(const uint8_t* w, int64_t nb, const QRow* x0, c
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(lb, s), acc[r]);
     }
   }
-  for (int r = 0; r < nx; ++r) {
-    float t = _mm512_reduce_add_ps(acc[r]);
-    for (int64_t k = b; k < nb; ++k) {  // the last blocks of a row that is not a multiple of 256 values
-      const uint8_t* blk = w + k * 18;
-      t += f16(blk) * xs[r]->d[k] *
-           static_cast<float>(hsum_i(block_int<Fmt::Q4_0>(blk, &xs[r]->q[k * 32])) - 8 * xs[r]->sum32[k]);
-    }
-    out[r] = t;
-  }
+  for (int r = 0; r < nx; ++r) out[r] = tail_blocks<Fmt::Q4_0>(w, b, nb, xs[r], _mm512_reduce_add_ps(acc[r]));
 }
 
 // AVX-512 paths when the CPU has AVX-512 BW + VL + VNNI (Cascade Lake, Ice Lake, Zen 4 and later; Q4_0's also

@@ -182,7 +182,7 @@ class GGUFFile:
 
 
 class GGUFWeights(IndexedSource):
-    """The file's tensors under Hugging Face names (a `TensorSource`: names / has / get)."""
+    """The file's tensors under Hugging Face names (a `TensorSource`)."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig):
         self.f, self.cfg = f, cfg
@@ -214,13 +214,13 @@ class GGUFWeights(IndexedSource):
         return t
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        """The file's blocks [out, blocks, block bytes] for a Q8_0 / Q4_0 / Q4_K matrix (a view of the memory
-        map unless rows had to be reordered), else `get` (float, or packed per `pack`)."""
+        """The file's blocks [out, blocks, block bytes] for a Q8_0 / Q4_0 / Q4_K / Q6_K matrix (a view of the
+        memory map unless rows had to be reordered), else `get` (float, or packed per `pack`)."""
         t = self._tensor(name)
-        trim_heap()
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
         if fmt is None or load_kernel() is None or not packable(fmt, shape):
-            return super().matrix(name, dtype, shape)
+            return super().matrix(name, dtype, shape)  # (trims the heap itself)
+        trim_heap()
         col_unit = fmt.block_values
         lin = self.cfg.linear_dims() if self.f.arch == "qwen35" else {}
         tiled = (name.endswith("out_proj.weight") and bool(lin) and lin["num_v_heads"] != lin["num_k_heads"]
@@ -234,9 +234,7 @@ class GGUFWeights(IndexedSource):
         except (ValueError, IndexError) as e:
             raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has {t.data.size} bytes, a {shape} "
                                  f"{fmt.name} matrix needs {int(np.prod(packed_shape))} ({_one_line(e)})") from None
-        with warnings.catch_warnings():  # a read-only map: nothing writes to weights
-            warnings.simplefilter("ignore", UserWarning)
-            out = torch.from_numpy(data)
+        out = _mapped(data)
         if tiled:
             self.tiled[name] = lin["num_v_heads"] // lin["num_k_heads"]
             return out
@@ -296,12 +294,18 @@ class GGUFWeights(IndexedSource):
         return x
 
 
+def _mapped(data: np.ndarray) -> torch.Tensor:
+    """A tensor sharing the read-only memory map's bytes (torch warns that it is not writable: nothing writes
+    to weights)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
 def _release(data: np.ndarray) -> None:
     """`turbospec.weights.release` for a tensor's memory-mapped bytes."""
     if data.flags.c_contiguous and data.size:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            release(torch.from_numpy(data))
+        release(_mapped(data))
 
 
 def _values(data: np.ndarray, qtype) -> np.ndarray:
