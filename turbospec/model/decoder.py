@@ -62,3 +62,16 @@ def load_mlp(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
     gb = [ws.get(f"{p}.{n}.bias", dtype, (i,)) if bias else None for n in ("gate_proj", "up_proj")]
     down_b = ws.get(f"{p}.down_proj.bias", dtype, (h,)) if bias else None
     return MLP(Linear.fused([gate, up], gb, dtype), Linear(ws.matrix(f"{p}.down_proj.weight", dtype, (h, i)), down_b))
+
+
+def load_embedding(ws: TensorSource, prefix: str, cfg: ModelConfig, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, Linear]:
+    """The token embedding and the LM head. Tied (no `lm_head.weight` and `tie_word_embeddings`): one matrix for
+    both, placed as the head at once, so a converted embedding is not held through the layers' loading. Untied
+    without `lm_head.weight`: the source's one-line missing-tensor error."""
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, shape)
+    if cfg.tie_word_embeddings and not ws.has("lm_head.weight"):
+        head = Linear(embed)
+        return head.weight, head
+    return embed, Linear(ws.matrix("lm_head.weight", dtype, shape))

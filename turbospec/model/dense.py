@@ -7,11 +7,10 @@ import torch
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
-from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
-from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
+from turbospec.model.decoder import DecoderLayer, load_attention, load_embedding, load_mlp
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
 from turbospec.weights import rows_of
@@ -23,11 +22,7 @@ class DenseModel:
     def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype, prefix: str = "model"):
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
-        self.embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
-        tied = cfg.tie_word_embeddings and not ws.has("lm_head.weight")
-        if tied:  # one matrix for both, placed now (a converted embedding is not held through the layers' loading)
-            self.lm_head = Linear(self.embed)
-            self.embed = self.lm_head.weight
+        self.embed, self.lm_head = load_embedding(ws, prefix, cfg, dtype)
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"{prefix}.layers.{i}"
@@ -37,8 +32,6 @@ class DenseModel:
                 ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
             ))
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
-        if not tied:
-            self.lm_head = Linear(ws.matrix("lm_head.weight", dtype, (cfg.vocab_size, h)))
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp: MTPModule | None = None
         if ws.has("mtp.fc.weight"):

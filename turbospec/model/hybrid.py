@@ -32,7 +32,7 @@ from turbospec.layers.linear import Linear
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
-from turbospec.model.decoder import load_attention, load_mlp
+from turbospec.model.decoder import load_attention, load_embedding, load_mlp
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
 from turbospec.weights import rows_of
@@ -245,10 +245,7 @@ class HybridModel:
             prefix = "model"
         self.prefix = prefix
         self.layer_types = cfg.layer_types()
-        self.embed = ws.matrix(f"{prefix}.embed_tokens.weight", dtype, (cfg.vocab_size, h))
-        if not ws.has("lm_head.weight") and cfg.tie_word_embeddings:  # one matrix for both, placed now
-            self.lm_head = Linear(self.embed)
-            self.embed = self.lm_head.weight
+        self.embed, self.lm_head = load_embedding(ws, prefix, cfg, dtype)
         self.layers: list[HybridLayer] = []
         n_attn = n_gdn = 0
         for i, kind in enumerate(self.layer_types):
@@ -277,10 +274,6 @@ class HybridModel:
             )
         self.num_attn_layers, self.num_gdn_layers = n_attn, n_gdn
         self.norm = ws.get(f"{prefix}.norm.weight", dtype, (h,))
-        if ws.has("lm_head.weight"):
-            self.lm_head = Linear(ws.matrix("lm_head.weight", dtype, (cfg.vocab_size, h)))
-        elif not cfg.tie_word_embeddings:
-            raise TurboSpecError(f"missing tensor 'lm_head.weight' in {ws.dir}")
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp_names = [n for n in ws.names() if n.startswith("mtp.")]
         self.mtp: MTPModule | None = None
