@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory rows (speed rounds only)")
     ap.add_argument("--out", default="docs/results/real_size_q4k.json")
     a = ap.parse_args()
     d = Path(a.dir)
@@ -183,7 +184,7 @@ def main() -> None:
                 "--dtype float32": (ckpt, "float32", "auto"), "--weights q8_0": (ckpt, "bfloat16", "q8_0"),
                 "--weights q4_0": (ckpt, "bfloat16", "q4_0"), "--weights q4_k": (ckpt, "bfloat16", "q4_k"),
                 "q4_k GGUF": (gguf, "bfloat16", "auto")}
-    for name, (path, dtype, weights) in rows_mem.items():
+    for name, (path, dtype, weights) in ({} if a.no_memory else rows_mem).items():
         memory[name] = m = turbospec(path, dtype, weights, a.prompt, 0)
         m["fit_load_peak"] = fit_load_peak(path, dtype, weights)
         print(f"memory {name}: weights {m['weight_bytes'] / 1e9:.3f} GB, load peak RSS {m['load_peak_rss'] / 1e9:.3f} GB"

@@ -451,25 +451,14 @@ inline bool use_vbmi() {
   return yes;
 }
 
-// Bytes ahead of the current row that `run` prefetches (TURBOSPEC_PACKED_PREFETCH overrides, for tuning).
-const int64_t PACKED_PREFETCH = [] {
-  const char* e = std::getenv("TURBOSPEC_PACKED_PREFETCH");
-  return e ? std::atoll(e) : int64_t(4096);
-}();
-
 // y[m, out] = x[m, in] . W^T for a packed W (float32 x and y).
 template <Fmt F>
 void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
          int64_t out) {
   const bool avx512 = use_avx512(), vbmi = use_vbmi();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-    const uint8_t* end = w + o1 * row_bytes;
     for (int64_t o = o0; o < o1; ++o) {
       const uint8_t* wr = w + o * row_bytes;
-      // software prefetch of this thread's rows a fixed distance ahead (the hardware prefetcher alone leaves
-      // decode-sized matrices well below copy bandwidth; see PREFETCH_BYTES)
-      for (const uint8_t* p = wr + PACKED_PREFETCH; p < wr + PACKED_PREFETCH + row_bytes && p < end; p += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
       for (int64_t r = 0; r < m; r += 2) {
         float t[2];
         const int nx = r + 1 < m ? 2 : 1;
