@@ -371,6 +371,85 @@ struct AccPick { static constexpr AccFn fn = accumulate4<K, B>; };
 
 }  // namespace
 
+namespace {
+
+// One tile of the flash-decoding split: scores of rows4 query rows (qh [rows4, Dk], qsum their per-K-block sums
+// for offset kinds) against positions [s0, s1) of head h, softmax partial m / l [rows4] and the unnormalized
+// accumulator acc [rows4, Dv]. sc (rows4 * tile) and pn (4 * tile) are scratch.
+inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccFn accumulate, int64_t h, int64_t s0,
+                         int64_t s1, const float* qh, const float* qsum, int64_t qsum_step, int64_t rows4, int64_t dk,
+                         int64_t tile, float* sc, float* pn, float* m, float* l, float* acc) {
+  const int64_t len = s1 - s0, dv = vs.width;
+  for (int64_t r0 = 0; r0 < rows4; r0 += 4)
+    score(ks, h, s0, s1, qh + r0 * dk, qsum + (r0 / 4) * qsum_step, sc + r0 * tile, tile);
+  for (int64_t r = 0; r < rows4; ++r) {
+    float* row = sc + r * tile;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < len; ++i) mx = std::max(mx, row[i]);
+    __m256 sum8 = _mm256_setzero_ps();
+    const __m256 mx8 = _mm256_set1_ps(mx);
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+      __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(row + i), mx8));
+      _mm256_storeu_ps(row + i, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    for (; i < len; ++i) {
+      row[i] = std::exp(row[i] - mx);
+      sum += row[i];
+    }
+    m[r] = mx;
+    l[r] = sum;
+  }
+  for (int64_t r0 = 0; r0 < rows4; r0 += 4) accumulate(vs, h, s0, s1, sc + r0 * tile, tile, acc + r0 * dv, pn);
+}
+
+// Merges `tiles` partials (m, l [rows4], acc [rows4, Dv] each, `stride` floats apart for m/l and stride * Dv
+// for acc) of row r, in tile order, into m_out / l_out / a_out (acc [Dv], unnormalized).
+inline void merge_row(const float* pm, const float* pl, const float* pacc, int64_t tiles, int64_t stride, int64_t r,
+                      int64_t dv, float* m_out, float* l_out, float* a_out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < tiles; ++j) mx = std::max(mx, pm[j * stride + r]);
+  *l_out = 0.0f;
+  std::fill(a_out, a_out + dv, 0.0f);
+  *m_out = std::isfinite(mx) ? mx : -std::numeric_limits<float>::infinity();
+  if (!std::isfinite(mx)) return;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < tiles; ++j) {
+    const float w = std::exp(pm[j * stride + r] - mx);
+    sum += w * pl[j * stride + r];
+    const float* pa = pacc + (j * stride + r) * dv;
+    for (int64_t c = 0; c < dv; ++c) a_out[c] += w * pa[c];
+  }
+  *l_out = sum;
+}
+
+// Per (head, group of 4 rows, K block): the 4 rows' sums of q over the block, for the raw-value offset of q4_0 /
+// tbq4_0 keys (score4 reads them only for those kinds). q [heads, rows4, dk]; returns the table (size >= 4).
+std::vector<float> block_sums(const float* q, int64_t heads, int64_t rows4, int64_t dk, int64_t k_kind) {
+  const bool k_offset = k_kind == Q4_0 || k_kind == TBQ4_0;
+  const int64_t kblock = k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64 : dk;
+  TORCH_CHECK(dk % kblock == 0, "K width is not a multiple of its block");
+  const int64_t kblocks = dk / kblock, groups = rows4 / 4;
+  std::vector<float> qsum(k_offset ? heads * groups * kblocks * 4 : 4, 0.0f);
+  if (k_offset)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < rows4; ++r)
+        for (int64_t j = 0; j < dk; ++j)
+          qsum[((h * groups + r / 4) * kblocks + j / kblock) * 4 + r % 4] += q[(h * rows4 + r) * dk + j];
+  return qsum;
+}
+
+// The step between two (head, group) entries of block_sums' table, and between groups (0: no offset).
+inline int64_t qsum_group_step(int64_t k_kind, int64_t dk) {
+  if (k_kind == Q4_0) return dk / 32 * 4;
+  if (k_kind == TBQ4_0) return dk / 64 * 4;
+  return 0;
+}
+
+}  // namespace
+
 // The attention of `rows` query rows per KV head over positions [start, end) of two sources, on raw buffers:
 // q [KVH, rows, Dk] float32 (already scaled, rotated where K is rotated); writes m_out / l_out [KVH, rows] and
 // acc_out [KVH, rows, Dv]: per row the max score, sum of exp(score - m) and sum of exp(score - m) * v.
@@ -390,18 +469,8 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
   const int64_t tasks = kvh * tiles;
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   const float* qp = qp4.data();
-  // per (head, group of 4 rows, K block): the 4 rows' sums of q over the block, for the raw-value offset of
-  // q4_0 / tbq4_0 keys (score4 reads them only for those kinds)
-  const bool k_offset = k_kind == Q4_0 || k_kind == TBQ4_0;
-  const int64_t kblock = k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64 : dk;
-  TORCH_CHECK(dk % kblock == 0, "K width is not a multiple of its block");
-  const int64_t kblocks = dk / kblock, groups = rows4 / 4;
-  std::vector<float> qsum(k_offset ? kvh * groups * kblocks * 4 : 4, 0.0f);
-  if (k_offset)
-    for (int64_t h = 0; h < kvh; ++h)
-      for (int64_t r = 0; r < rows4; ++r)
-        for (int64_t j = 0; j < dk; ++j)
-          qsum[((h * groups + r / 4) * kblocks + j / kblock) * 4 + r % 4] += qp[(h * rows4 + r) * dk + j];
+  const std::vector<float> qsum = block_sums(qp, kvh, rows4, dk, k_kind);
+  const int64_t qstep = qsum_group_step(k_kind, dk), groups = rows4 / 4;
 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     // flush denormals: tiny softmax weights times small values would otherwise hit the slow denormal path
@@ -410,59 +479,98 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
     std::vector<float> sc(rows4 * tile), pn(4 * tile);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task / tiles, s0 = start + (task % tiles) * tile;
-      const int64_t s1 = std::min(end, s0 + tile), len = s1 - s0;
-      const float* qh = qp + h * rows4 * dk;
-      for (int64_t r0 = 0; r0 < rows4; r0 += 4)
-        score(ks, h, s0, s1, qh + r0 * dk, qsum.data() + (k_offset ? (h * groups + r0 / 4) * kblocks * 4 : 0),
-              sc.data() + r0 * tile, tile);
-      float* m = pm.data() + task * rows4;
-      float* l = pl.data() + task * rows4;
-      for (int64_t r = 0; r < rows4; ++r) {
-        float* row = sc.data() + r * tile;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < len; ++i) mx = std::max(mx, row[i]);
-        __m256 sum8 = _mm256_setzero_ps();
-        const __m256 mx8 = _mm256_set1_ps(mx);
-        int64_t i = 0;
-        for (; i + 8 <= len; i += 8) {
-          __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(row + i), mx8));
-          _mm256_storeu_ps(row + i, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum(sum8);
-        for (; i < len; ++i) {
-          row[i] = std::exp(row[i] - mx);
-          sum += row[i];
-        }
-        m[r] = mx;
-        l[r] = sum;
-      }
-      float* acc = pacc.data() + task * rows4 * dv;
-      for (int64_t r0 = 0; r0 < rows4; r0 += 4) accumulate(vs, h, s0, s1, sc.data() + r0 * tile, tile, acc + r0 * dv, pn.data());
+      const int64_t s1 = std::min(end, s0 + tile);
+      tile_partial(ks, vs, score, accumulate, h, s0, s1, qp + h * rows4 * dk, qsum.data() + h * groups * qstep, qstep,
+                   rows4, dk, tile, sc.data(), pn.data(), pm.data() + task * rows4, pl.data() + task * rows4,
+                   pacc.data() + task * rows4 * dv);
     }
     _mm_setcsr(csr);
   });
 
-  for (int64_t h = 0; h < kvh; ++h) {
-    for (int64_t r = 0; r < rows; ++r) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < tiles; ++j) mx = std::max(mx, pm[(h * tiles + j) * rows4 + r]);
-      lo[h * rows + r] = 0.0f;
-      float* a = ao + (h * rows + r) * dv;
-      std::fill(a, a + dv, 0.0f);
-      mo[h * rows + r] = std::isfinite(mx) ? mx : -std::numeric_limits<float>::infinity();
-      if (!std::isfinite(mx)) continue;
-      float sum = 0.0f;
-      for (int64_t j = 0; j < tiles; ++j) {
-        const int64_t task = h * tiles + j;
-        const float w = std::exp(pm[task * rows4 + r] - mx);
-        sum += w * pl[task * rows4 + r];
-        const float* pa = pacc.data() + (task * rows4 + r) * dv;
-        for (int64_t c = 0; c < dv; ++c) a[c] += w * pa[c];
-      }
-      lo[h * rows + r] = sum;
-    }
+  for (int64_t h = 0; h < kvh; ++h)
+    for (int64_t r = 0; r < rows; ++r)
+      merge_row(pm.data() + h * tiles * rows4, pl.data() + h * tiles * rows4, pacc.data() + h * tiles * rows4 * dv,
+                tiles, rows4, r, dv, mo + h * rows + r, lo + h * rows + r, ao + (h * rows + r) * dv);
+}
+
+// Paged attention for many sequences in one call: q float32 [S, KVH, R, Dk] (R query rows per KV head of each
+// sequence: scaled, rotated where K is rotated); the fields hold positions of fixed-size blocks, [KVH, blocks *
+// block, ...]; sequence s attends to its first lens[s] positions, which lie in blocks tables[s, 0..]. One tile per
+// block, tiles of all sequences and heads in one parallel loop, each sequence's tiles merged in order: a row's
+// result does not depend on the other sequences in the call, and with block = 256 it equals attend_partial's
+// over the same positions stored contiguously. Returns acc / l, [S, KVH, R, Dv] float32.
+torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std::vector<torch::Tensor> k_fields,
+                           torch::Tensor k_cent, int64_t v_kind, int64_t v_bits, int64_t v_width,
+                           std::vector<torch::Tensor> v_fields, torch::Tensor v_cent, torch::Tensor tables,
+                           torch::Tensor lens, int64_t block) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4, "q must be float32 [S, KVH, R, D]");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt && tables.dim() == 2 && tables.size(0) == q.size(0),
+              "tables must be int32 [S, blocks]");
+  TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.numel() == q.size(0), "lens must be int64 [S]");
+  TORCH_CHECK(block >= 1, "block size must be >= 1");
+  q = q.contiguous();
+  tables = tables.contiguous();
+  const int64_t ns = q.size(0), kvh = q.size(1), rows = q.size(2), dk = q.size(3);
+  const Source ks = make_source(k_kind, k_bits, dk, k_fields, k_cent);
+  const Source vs = make_source(v_kind, v_bits, v_width, v_fields, v_cent);
+  const int64_t dv = vs.width, rows4 = (rows + 3) / 4 * 4, groups = rows4 / 4;
+  const int64_t capacity = k_fields[0].size(1);
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  // tasks: (sequence, head, tile) in that order; first[s] = index of sequence s's first task
+  std::vector<int64_t> first(ns + 1, 0), ntiles(ns);
+  for (int64_t s = 0; s < ns; ++s) {
+    TORCH_CHECK(len[s] >= 0 && len[s] <= tables.size(1) * block, "a sequence attends past its block table");
+    ntiles[s] = (len[s] + block - 1) / block;
+    for (int64_t j = 0; j < ntiles[s]; ++j)
+      TORCH_CHECK(tab[s * tables.size(1) + j] >= 0 && (tab[s * tables.size(1) + j] + 1) * block <= capacity,
+                  "block id out of range");
+    first[s + 1] = first[s] + kvh * ntiles[s];
   }
+  const int64_t tasks = first[ns];
+  std::vector<float> qp4(ns * kvh * rows4 * dk, 0.0f);
+  const float* qsrc = q.data_ptr<float>();
+  for (int64_t sh = 0; sh < ns * kvh; ++sh)
+    std::copy(qsrc + sh * rows * dk, qsrc + (sh + 1) * rows * dk, qp4.begin() + sh * rows4 * dk);
+  const ScoreFn score = pick<ScorePick>(k_kind, k_bits);
+  const AccFn accumulate = pick<AccPick>(v_kind, v_bits);
+  const std::vector<float> qsum = block_sums(qp4.data(), ns * kvh, rows4, dk, k_kind);
+  const int64_t qstep = qsum_group_step(k_kind, dk);
+  std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
+    std::vector<float> sc(rows4 * block), pn(4 * block);
+    int64_t s = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
+    for (int64_t task = t0; task < t1; ++task) {
+      while (task >= first[s + 1]) ++s;
+      const int64_t local = task - first[s], h = local / ntiles[s], j = local % ntiles[s];
+      const int64_t p0 = static_cast<int64_t>(tab[s * tables.size(1) + j]) * block;
+      const int64_t n = std::min(block, len[s] - j * block);
+      const int64_t sh = s * kvh + h;
+      tile_partial(ks, vs, score, accumulate, h, p0, p0 + n, qp4.data() + sh * rows4 * dk,
+                   qsum.data() + sh * groups * qstep, qstep, rows4, dk, block, sc.data(), pn.data(),
+                   pm.data() + task * rows4, pl.data() + task * rows4, pacc.data() + task * rows4 * dv);
+    }
+    _mm_setcsr(csr);
+  });
+  auto out = torch::empty({ns, kvh, rows, dv}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, ns * kvh, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> acc(dv);
+    for (int64_t sh = a; sh < b; ++sh) {
+      const int64_t s = sh / kvh, h = sh % kvh, t = first[s] + h * ntiles[s];
+      for (int64_t r = 0; r < rows; ++r) {
+        float m, l;
+        float* dst = o + (sh * rows + r) * dv;
+        merge_row(pm.data() + t * rows4, pl.data() + t * rows4, pacc.data() + t * rows4 * dv, ntiles[s], rows4, r, dv,
+                  &m, &l, dst);
+        (void)m;
+        for (int64_t c = 0; c < dv; ++c) dst[c] = l > 0.0f ? dst[c] / l : 0.0f;
+      }
+    }
+  });
+  return out;
 }
 
 // q: float32 [KVH, R, Dk] (already scaled, rotated where K is rotated). Attends to positions [start, end) of
@@ -568,5 +676,6 @@ torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc,
 #ifndef TURBOSPEC_EMBED_ATTENTION  // gemv.cpp includes this file for its one-call decoder layer
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_partial", &attend_partial, "partial softmax attention over a (packed) KV cache");
+  m.def("attend_paged", &attend_paged, "attention of many sequences over a paged (packed) KV cache");
 }
 #endif

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from turbospec.kernels import attention as fused
 from turbospec.kernels.gemv import load_kernel
+from turbospec.kv.paged import PagedBatch
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.linear import Linear, SplitLinear
@@ -89,8 +90,9 @@ class Attention:
         """Store the step's k/v and attend: q [N, H, D] (normed, rotated), k/v [N, KVH, D] -> [N, H*D]."""
         n = q.shape[0]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if isinstance(cache, QuantKVCache):  # packed KV formats: block-wise attention inside the cache
-            out = cache.attend(layer, q, k, v, plan, 1.0 / math.sqrt(self.hd))
+        if isinstance(cache, (QuantKVCache, PagedBatch)):  # packed KV formats / many sequences: the cache attends
+            out = (cache.attend(layer, q, k, v, plan, 1.0 / math.sqrt(self.hd)) if isinstance(cache, QuantKVCache)
+                   else cache.attend(layer, q, k, v, 1.0 / math.sqrt(self.hd)))
         else:
             keys, values = cache.write(layer, k, v)
             if n == 1 and plan.mask is None:

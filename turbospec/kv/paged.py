@@ -1,0 +1,294 @@
+"""Paged KV: one pool of fixed-size blocks of positions shared by many sequences, a block table per sequence.
+
+`BlockPool` holds K and V of every layer for `num_blocks * block` positions in any KV format (plain f16/bf16/f32
+or packed q8_0/q4_0/tbq4_0/turbo*, K and V independently), a free list and per-block reference counts.
+`PagedSequence` is one sequence's positions in the pool: the cache contract of `kv.base.Cache` (begin / commit(keep)
+/ reset / truncate / length) over a block table instead of one preallocated buffer. `PagedBatch` is one step's rows
+from many sequences: it stores their K/V and runs their attention, decode rows of every sequence in one kernel call
+(`kernels.attention.paged`, which reads the block tables) and multi-row segments (prefill chunks) one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.errors import TurboSpecError
+from turbospec.kernels import attention as fused
+from turbospec.kv import kernel_args
+from turbospec.kv.formats import KVFormat, Packed, get_format
+from turbospec.kv.plan import AttentionPlan
+
+BLOCK = 256  # positions per block; equal to the attention kernel's tile, so a decode row's arithmetic is the same
+# whether its positions are paged or contiguous
+
+
+class OutOfBlocks(TurboSpecError):
+    """The pool has fewer free blocks than a sequence needs (the scheduler preempts or waits)."""
+
+
+class BlockPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, *, k_type: str,
+                 v_type: str, block: int = BLOCK):
+        if num_blocks < 1 or block < 1:
+            raise TurboSpecError("a KV pool needs at least one block of at least one position")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block = num_blocks, block
+        self.k_fmt: KVFormat = get_format(k_type)
+        self.v_fmt: KVFormat = get_format(v_type)
+        lead = (num_layers, num_kv_heads, num_blocks * block)
+        self.k: Packed = self.k_fmt.allocate(head_dim, lead)
+        self.v: Packed = self.v_fmt.allocate(head_dim, lead)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids go out first
+        self.refs = [0] * num_blocks
+
+    # ---- blocks -----------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"KV pool exhausted: {n} blocks needed, {len(self._free)} of {self.num_blocks} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self.refs[b] = 1
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free.append(b)
+            elif self.refs[b] < 0:
+                raise RuntimeError(f"block {b} released more often than allocated")
+
+    # ---- storage ----------------------------------------------------------------------------------------
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Encode k, v [KVH, N, D] into the physical positions `slots` (int64 [N]) of `layer`."""
+        for fmt, buf, x in ((self.k_fmt, self.k, k), (self.v_fmt, self.v, v)):
+            for name, t in fmt.encode(x).items():
+                buf[name][layer].index_copy_(1, slots, t.to(buf[name].dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at physical positions `slots` [T] of `layer`, [KVH, T, D]: the stored tensors for plain formats
+        (their dtype), decoded float32 otherwise."""
+        out = []
+        for fmt, buf in ((self.k_fmt, self.k), (self.v_fmt, self.v)):
+            fields = Packed({name: t[layer].index_select(1, slots) for name, t in buf.items()}, dim=self.head_dim)
+            out.append(fields["data"] if len(fields) == 1 and "data" in fields else fmt.decode(fields, self.head_dim))
+        return out[0], out[1]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy physical positions src -> dst (int64 [n]) in every layer (commit of a draft tree's path)."""
+        for buf in (*self.k.values(), *self.v.values()):
+            buf.index_copy_(2, dst, buf.index_select(2, src))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
+    # ---- the decode kernel ------------------------------------------------------------------------------
+    @cached_property
+    def kernel_specs(self):
+        """(K spec, V spec) of the paged attention kernel, or None (no kernel here, or a format it cannot read)."""
+        ks = kernel_args.attention_spec(self.k_fmt, self.head_dim)
+        vs = kernel_args.attention_spec(self.v_fmt, self.head_dim)
+        return (ks, vs) if ks is not None and vs is not None and fused.load() is not None else None
+
+    def __repr__(self) -> str:
+        return (f"<BlockPool K {self.k_fmt.name} V {self.v_fmt.name}: {self.num_blocks} blocks x {self.block} "
+                f"positions, {self.nbytes / 2**20:.1f} MiB>")
+
+
+class PagedSequence:
+    """One sequence's committed positions (then `pending` scratch positions) in a `BlockPool`."""
+
+    prefix_reusable = True
+
+    def __init__(self, pool: BlockPool, max_len: int):
+        self.pool = pool
+        self.max_len = max_len
+        self.blocks: list[int] = []
+        self.length = 0
+        self.pending = 0
+
+    def can_grow(self, n: int) -> bool:
+        """Whether `begin(n)` would find enough free blocks."""
+        return self.pool.blocks_for(self.length + n) - len(self.blocks) <= self.pool.num_free
+
+    def begin(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise TurboSpecError(
+                f"context full: {self.length} cached + {n} new tokens > context size {self.max_len} (raise -c)")
+        need = self.pool.blocks_for(self.length + n) - len(self.blocks)
+        if need > 0:
+            self.blocks += self.pool.allocate(need)
+        self.pending = n
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Physical positions of logical positions [start, end), int64."""
+        pos = torch.arange(start, end, dtype=torch.int64)
+        table = torch.tensor(self.blocks, dtype=torch.int64)
+        b = self.pool.block
+        return table[pos // b] * b + pos % b
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        if keep is None:
+            self.length += self.pending
+        else:
+            if keep != list(range(len(keep))):
+                src = self.slots(self.length, self.length + self.pending)[torch.tensor(keep, dtype=torch.int64)]
+                self.pool.move(src, self.slots(self.length, self.length + len(keep)))
+            self.length += len(keep)
+        self.pending = 0
+        self._trim()
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+        self.pending = 0
+        self._trim()
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def _trim(self) -> None:
+        """Give back the blocks past the committed positions."""
+        keep = self.pool.blocks_for(self.length)
+        if len(self.blocks) > keep:
+            self.pool.release(self.blocks[keep:])
+            del self.blocks[keep:]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.bytes_per_block
+
+    def bytes_per_token(self) -> int:
+        return self.pool.bytes_per_block // self.pool.block
+
+
+@dataclass
+class Segment:
+    """Rows [row, row + n) of a step belong to `seq`, placed by `plan` (after seq.length committed positions)."""
+
+    seq: PagedSequence
+    row: int
+    n: int
+    plan: AttentionPlan
+
+
+class PagedBatch:
+    """One forward's rows from many sequences (the `cache` a model's forward gets; `plan` is `self.plan`).
+
+    Every segment's sequence is begun here (blocks allocated for its new rows); `commit()` commits them all.
+    Segments of one row with a causal plan (decode) attend in one paged-kernel call; the others (prefill chunks,
+    verification steps) one by one over their gathered positions."""
+
+    def __init__(self, pool: BlockPool, segments: list[Segment]):
+        self.pool = pool
+        self.segments = segments
+        self.n = sum(s.n for s in segments)
+        for s in segments:
+            if s.plan.start != s.seq.length or s.plan.n != s.n:
+                raise ValueError("a segment's plan does not match its sequence")
+            s.seq.begin(s.n)
+        positions = torch.cat([s.plan.positions for s in segments])
+        self.plan = AttentionPlan(positions, 0)
+        self.slots = torch.cat([s.seq.slots(s.seq.length, s.seq.length + s.n) for s in segments])
+        one = [s for s in segments if s.n == 1 and s.plan.mask is None]
+        self.decode_rows = torch.tensor([s.row for s in one], dtype=torch.int64)
+        self.others = [s for s in segments if not (s.n == 1 and s.plan.mask is None)]
+        if one:
+            width = max(len(s.seq.blocks) for s in one)
+            table = torch.full((len(one), width), -1, dtype=torch.int32)
+            for i, s in enumerate(one):
+                table[i, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks, dtype=torch.int32)
+            self.tables = table
+            self.lens = torch.tensor([s.seq.length + 1 for s in one], dtype=torch.int64)
+
+    # the Cache protocol, as far as a model's forward uses it
+    def begin(self, n: int) -> None:
+        if n != self.n:
+            raise ValueError(f"the batch has {self.n} rows, the forward {n}")
+
+    def commit(self) -> None:
+        for s in self.segments:
+            s.seq.commit()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Store the rows' k/v [KVH, N, D] and attend q [H, N, D] -> [H, N, D] in q's dtype."""
+        pool = self.pool
+        pool.store(layer, k, v, self.slots)
+        h, n, d = q.shape
+        kvh = k.shape[0]
+        g = h // kvh
+        out = torch.empty_like(q)
+        if self.decode_rows.numel():
+            out[:, self.decode_rows] = self._decode(layer, q[:, self.decode_rows], kvh, g, d, scale).to(q.dtype)
+        for s in self.others:
+            rows = slice(s.row, s.row + s.n)
+            keys, values = pool.gather(layer, s.seq.slots(0, s.seq.length + s.n))
+            qs = q[:, rows]
+            if not keys.dtype == values.dtype == qs.dtype:
+                qs, keys, values = qs.float(), keys.float(), values.float()
+            mask, causal = s.plan.sdpa_mask()
+            o = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                               attn_mask=mask, is_causal=causal, enable_gqa=g > 1, scale=scale)[0]
+            out[:, rows] = o.to(q.dtype)
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, kvh: int, g: int, d: int, scale: float) -> torch.Tensor:
+        """q [H, S, D] (one row per sequence) -> [H, S, D] float32 through the paged kernel (torch without it)."""
+        pool = self.pool
+        s = q.shape[1]
+        qf = q.to(torch.float32).reshape(kvh, g, s, d).permute(2, 0, 1, 3)  # [S, KVH, G, D]
+        specs = pool.kernel_specs
+        if specs is None:
+            return self._decode_torch(layer, qf * scale, d)
+        kf, vf = pool.k_fmt, pool.v_fmt
+        if kf.rotated:
+            qf = kernel_args.rotate_fast(qf.contiguous())
+        qf = qf * scale
+        kw, vw = kf.padded_dim(d), vf.padded_dim(d)
+        if qf.shape[-1] != kw:
+            qf = F.pad(qf, (0, kw - qf.shape[-1]))
+        ks, vs = specs
+        o = fused.paged(qf.contiguous(), ks, [pool.k[f][layer] for f in ks[2]], vs, [pool.v[f][layer] for f in vs[2]],
+                        vw, self.tables, self.lens, pool.block)
+        if vf.rotated:
+            o = kernel_args.rotate_fast(o, inverse=True, dim=d)
+        elif vw != d:
+            o = o[..., :d]
+        return o.permute(1, 2, 0, 3).reshape(kvh * g, s, d)
+
+    def _decode_torch(self, layer: int, qf: torch.Tensor, d: int) -> torch.Tensor:
+        outs = []
+        segs = [s for s in self.segments if s.n == 1 and s.plan.mask is None]
+        for i, s in enumerate(segs):
+            keys, values = self.pool.gather(layer, s.seq.slots(0, s.seq.length + 1))
+            sc = torch.matmul(qf[i], keys.float().transpose(-1, -2).unsqueeze(1))  # [KVH, G, T]
+            outs.append(torch.matmul(torch.softmax(sc, -1), values.float().unsqueeze(1)))
+        kvh, g = qf.shape[1], qf.shape[2]
+        return torch.stack(outs).permute(1, 2, 0, 3).reshape(kvh * g, len(segs), d)
+
+
+def pool_for(model, positions: int, k_type: str | None, v_type: str | None, block: int = BLOCK) -> BlockPool:
+    """A pool with room for `positions` positions (rounded up to blocks) for a dense model; K/V formats by name
+    (None: the model's dtype)."""
+    from turbospec.dtypes import short_name
+
+    c = model.cfg
+    dt = short_name(model.dtype)
+    return BlockPool(c.num_layers, c.num_kv_heads, c.head_dim, max(1, math.ceil(positions / block)),
+                     k_type=k_type or dt, v_type=v_type or dt, block=block)
