@@ -10,7 +10,7 @@ import torch
 
 from turbospec.config import EngineConfig
 from turbospec.engine.stats import Chunk, GenStats, peak_rss_bytes
-from turbospec.engine.stops import find_stop, safe_prefix_len
+from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model.base import Model
@@ -19,7 +19,7 @@ from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
 from turbospec.speculative.verify import verify
-from turbospec.tokenizer import StreamDecoder, Tokenizer
+from turbospec.tokenizer import Tokenizer
 
 
 class Aborted(Exception):
@@ -149,9 +149,7 @@ class Engine:
         sampler = Sampler(params)
         sampler.accept(tokens)
         eos = set() if params.ignore_eos else self._eos_ids()
-        dec = StreamDecoder(self.tokenizer) if self.tokenizer else None
-        stops = [s for s in params.stop if s]
-        held = ""  # text withheld because it may be the start of a stop string
+        texts = TextStream(self.tokenizer, params.stop)
         drafter = self.drafter
         t0 = time.perf_counter()
         want: int | None = 1  # prompt rows whose hidden states are needed (None: all)
@@ -201,19 +199,13 @@ class Engine:
                         stats.finish_reason = "stop"
                         done = True
                         break
-                    text = dec.push(tok) if dec else ""
-                    if stops:
-                        held += text
-                        cut = find_stop(held, stops)
-                        if cut is not None:
-                            if held[:cut]:
-                                yield Chunk([tok], held[:cut], lp)
-                            held = ""
-                            stats.finish_reason = "stop"
-                            done = True
-                            break
-                        safe = safe_prefix_len(held, stops)
-                        text, held = held[:safe], held[safe:]
+                    text, stopped = texts.push(tok)
+                    if stopped:
+                        if text:
+                            yield Chunk([tok], text, lp)
+                        stats.finish_reason = "stop"
+                        done = True
+                        break
                     yield Chunk([tok], text, lp)
                     if stats.gen_tokens >= params.max_tokens:
                         stats.finish_reason = "length"
@@ -245,6 +237,7 @@ class Engine:
                 pending = accepted + [nxt]
                 if want_lp:
                     pending_lp = sampler.take_logprobs()
+            held = texts.flush()
             if held:
                 yield Chunk([], held)
             stats.finish_reason = stats.finish_reason or "length"

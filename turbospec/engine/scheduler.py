@@ -1,0 +1,266 @@
+"""Continuous batching: many sequences share one forward per step over a paged KV pool.
+
+A `Sequence` is one request's state (tokens, sampler, block table, text and stats). `Scheduler.step()` picks the
+rows of the next forward — one decode row for every running sequence past its prompt, then prompt chunks of
+running and newly admitted sequences up to the token budget (`ubatch`) — runs the model once over all of them,
+samples, and returns what each sequence produced. Admission needs free blocks for the whole remaining prompt;
+when a running sequence cannot grow, the most recently admitted one is preempted (its blocks freed, recomputed
+from its tokens later, as vLLM does). `abort()` marks a sequence; its blocks are freed at the next step and it is
+never computed again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from turbospec.engine.stats import Chunk, GenStats
+from turbospec.engine.stops import TextStream
+from turbospec.errors import TurboSpecError
+from turbospec.kv.paged import BlockPool, PagedBatch, PagedSequence, Segment
+from turbospec.kv.plan import AttentionPlan
+from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    prompt_len: int
+    tokens: list[int]  # prompt + generated; the KV of tokens[:cache.length] is in the pool
+    params: SamplingParams
+    sampler: Sampler
+    cache: PagedSequence
+    text: TextStream
+    status: str = WAITING
+    stats: GenStats = field(default_factory=GenStats)
+    arrived: float = field(default_factory=time.perf_counter)
+    aborted: bool = False
+    prompt_logprobs: list[TokenLogprob] | None = None  # collected chunk by chunk when asked for
+    t_first: float | None = None
+
+    @property
+    def todo(self) -> int:
+        """Tokens whose KV is not computed yet (1 while decoding: the last sampled token)."""
+        return len(self.tokens) - self.cache.length
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+
+@dataclass
+class Output:
+    """What one step produced for one sequence: a chunk (tokens and text, maybe empty) and whether it ended."""
+
+    seq: Sequence
+    chunk: Chunk | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, model, pool: BlockPool, *, max_seqs: int = 8, max_step_tokens: int = 512, ctx: int = 4096,
+                 tokenizer=None, eos: set[int] | None = None):
+        if max_seqs < 1 or max_step_tokens < 1:
+            raise TurboSpecError("the scheduler needs at least one sequence and one token per step")
+        self.model, self.pool, self.tokenizer = model, pool, tokenizer
+        self.max_seqs, self.max_step_tokens, self.ctx = max_seqs, max_step_tokens, ctx
+        self.eos = set(eos or ())
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+        self.preemptions = 0
+        self.steps = 0
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add(self, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if not tokens:
+            raise TurboSpecError("empty prompt")
+        limit = min(self.ctx, self.pool.num_blocks * self.pool.block)
+        if len(tokens) + params.max_tokens > limit:
+            raise TurboSpecError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds context "
+                                 f"size {limit}")
+        vocab = self.model.cfg.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise TurboSpecError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        sampler = Sampler(params)
+        sampler.accept(tokens)
+        seq = Sequence(next(self._ids), len(tokens), list(tokens), params, sampler, PagedSequence(self.pool, limit),
+                       TextStream(self.tokenizer, params.stop))
+        seq.stats.prompt_tokens = len(tokens)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = []
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence: it is dropped (and its blocks freed) at the next step."""
+        seq.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        """Schedule, run one forward over every scheduled row, sample; the outputs of this step."""
+        outputs = self._drop_aborted()
+        decode = self._schedule_decode()
+        chunks = self._schedule_prefill(self.max_step_tokens - len(decode))
+        work = [(s, 1) for s in decode] + chunks
+        if not work:
+            return outputs
+        self.steps += 1
+        segments, rows = [], 0
+        for s, n in work:
+            segments.append(Segment(s.cache, rows, n, AttentionPlan.causal(s.cache.length, n)))
+            rows += n
+        ids = torch.tensor([t for s, n in work for t in s.tokens[s.cache.length:s.cache.length + n]],
+                           dtype=torch.int64)
+        batch = PagedBatch(self.pool, segments)
+        hidden = self.model.forward(ids, batch.plan, batch)
+        batch.commit()
+        for (s, n), seg in zip(work, segments):
+            if s.prompt_logprobs is not None and s.cache.length <= s.prompt_len:
+                self._collect_prompt_logprobs(s, hidden[seg.row:seg.row + n], s.cache.length - n)
+        done = [(s, seg.row + n - 1) for (s, n), seg in zip(work, segments) if s.todo == 0]
+        if done:
+            logits = self.model.logits(hidden[[r for _, r in done]])
+            for i, (s, _) in enumerate(done):
+                outputs.append(self._sample(s, logits[i]))
+        return outputs
+
+    def _drop_aborted(self) -> list[Output]:
+        out = []
+        for s in [s for s in self.running if s.aborted] + [s for s in self.waiting if s.aborted]:
+            s.stats.finish_reason = "abort"
+            self._finish(s)
+            out.append(Output(s, None, True))
+        return out
+
+    def _schedule_decode(self) -> list[Sequence]:
+        """Running sequences past their prompt, each with room for one more position (preempting the newest
+        sequences until there is)."""
+        decode = []
+        for s in list(self.running):
+            if s.status != RUNNING or s.todo != 1:
+                continue
+            while not s.cache.can_grow(1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is s:
+                    break
+            if s.status == RUNNING:
+                decode.append(s)
+        return decode
+
+    def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Prompt chunks up to `budget` tokens: running sequences mid-prompt first, then admitted ones."""
+        chunks = []
+        for s in self.running:
+            if budget <= 0:
+                return chunks
+            if s.todo > 1:
+                n = min(s.todo, budget)
+                if not s.cache.can_grow(n):
+                    continue
+                chunks.append((s, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            s = self.waiting[0]
+            if self.pool.blocks_for(len(s.tokens)) > self.pool.num_free:
+                break  # the whole prompt must fit before it starts
+            self.waiting.popleft()
+            s.status = RUNNING
+            self.running.append(s)
+            n = min(s.todo, budget)
+            chunks.append((s, n))
+            budget -= n
+        return chunks
+
+    def _preempt(self, s: Sequence) -> None:
+        """Free a running sequence's blocks; it waits (first in line) and recomputes its tokens when readmitted."""
+        self.running.remove(s)
+        s.cache.reset()
+        s.status = WAITING
+        if s.prompt_logprobs:  # collected again from the start
+            s.prompt_logprobs = []
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+
+    def _finish(self, s: Sequence) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
+        s.cache.reset()
+        s.status = FINISHED
+        now = time.perf_counter()
+        if s.t_first is not None:
+            s.stats.decode_s = now - s.t_first
+        elif not s.stats.prefill_s:
+            s.stats.prefill_s = now - s.arrived
+
+    def _collect_prompt_logprobs(self, s: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """Logprobs of the prompt tokens after positions [start, start + rows) (raw logits), 64 rows at a time."""
+        end = min(start + hidden.shape[0], s.prompt_len - 1)
+        for a in range(start, end, 64):
+            b = min(a + 64, end)
+            s.prompt_logprobs += logprobs_of(self.model.logits(hidden[a - start:b - start]), s.tokens[a + 1:b + 1],
+                                             s.params.prompt_logprobs)
+
+    def _sample(self, s: Sequence, logits: torch.Tensor) -> Output:
+        """Sample the sequence's next token, apply the stop rules, and say what goes out."""
+        st, params = s.stats, s.params
+        now = time.perf_counter()
+        first = s.t_first is None
+        prompt_lp = None
+        if first:
+            st.prefill_s = now - s.arrived
+            if s.prompt_logprobs is not None:
+                prompt_lp = [None, *s.prompt_logprobs]
+                s.prompt_logprobs = None
+            if params.max_tokens == 0:
+                st.finish_reason = "length"
+                self._finish(s)
+                return Output(s, Chunk([], "", prompt_logprobs=prompt_lp) if prompt_lp else None, True)
+        tok = s.sampler.sample(logits)
+        lp = s.sampler.take_logprobs() if params.logprobs is not None else None
+        st.gen_tokens += 1
+        if first:
+            s.t_first = now
+            st.ttft_s = now - s.arrived
+        s.tokens.append(tok)
+        text, reason = "", None
+        if tok in self.eos and not params.ignore_eos:
+            reason = "stop"
+            chunk = Chunk([], "", prompt_logprobs=prompt_lp) if prompt_lp else None
+        else:
+            text, stopped = s.text.push(tok)
+            if stopped:
+                reason = "stop"
+                chunk = Chunk([tok], text, lp, prompt_lp) if text or prompt_lp else None
+            else:
+                chunk = Chunk([tok], text, lp, prompt_lp)
+                if st.gen_tokens >= params.max_tokens or s.cache.length + 1 >= s.cache.max_len:
+                    reason = "length"
+        if reason is None:
+            return Output(s, chunk, False)
+        held = s.text.flush()  # text held back for a stop string that did not come
+        if held:
+            chunk = chunk or Chunk([], "")
+            chunk.text += held
+        st.finish_reason = reason
+        self._finish(s)
+        return Output(s, chunk, True)
