@@ -175,12 +175,22 @@ void add_residual(float* x, const float* d, int64_t n) {
 }
 
 #include "quant.cpp"
+#include "bf16dot.cpp"
 
-// y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype or packed format.
-void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m) {
+// Whether products of bf16 weights with bf16-valued rows use AVX-512 BF16 dot products (turbospec/kernels/
+// bf16dot.cpp): then every row count costs about the same per row as a few, and the fused layers take more rows.
+bool bf16_dot() { return bf16dot::available(); }
+
+// y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype or packed format. `x_bf16`: the
+// rows hold bf16 values (a bf16 model's activations), so bf16 weights may use the bf16 dot-product path.
+void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m,
+             bool x_bf16) {
   const int64_t in = in_features(w), out = w.size(0);
   if (packed::is_packed(w))
     packed::product(w, x, y, m);
+  else if (x_bf16 && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
+    bf16dot::run(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bf16dot::to_bits(x, m * in).data(),
+                 y, m, in, out);
   else
     by_dtype(w.scalar_type(), [&](auto tag) { run(w.data_ptr<decltype(tag)>(), x, y, m, in, out); });
   if (b.has_value()) {
@@ -261,7 +271,7 @@ std::vector<float> norm_product(const torch::Tensor& x, const torch::Tensor& nor
   const int64_t d = x.size(-1), m = x.numel() / d;
   std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * w.size(0));
   for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
-  product(w, b, xn.data(), y.data(), m);
+  product(w, b, xn.data(), y.data(), m, std::is_same<T, at::BFloat16>::value);
   return y;
 }
 
@@ -272,7 +282,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   const int64_t m = xs.size(0), in = xs.size(1), out = w.size(0);
   TORCH_CHECK(in_features(w) == in, "shape mismatch");
   auto y = torch::empty({m, out}, xs.options());
-  product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m);
+  product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m, out_dtype == torch::kBFloat16);
   auto shape = x.sizes().vec();
   shape.back() = out;
   return y.to(out_dtype).reshape(shape);
@@ -401,7 +411,7 @@ torch::Tensor mtp_in_t(const torch::Tensor& e, const torch::Tensor& ne, const to
     rms_row<T>(&ef[r * d], ne.data_ptr<T>(), &xn[r * 2 * d], d, static_cast<float>(eps), zc);
     rms_row<T>(&hf[r * d], nh.data_ptr<T>(), &xn[r * 2 * d + d], d, static_cast<float>(eps), zc);
   }
-  product(w, b, xn.data(), y.data(), m);
+  product(w, b, xn.data(), y.data(), m, std::is_same<T, at::BFloat16>::value);
   return from_floats<T>(y, m, out, e);
 }
 
@@ -440,13 +450,13 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
     }
   }
   std::vector<float> x1 = to_floats<T>(x), o(m * d), xn(m * d), gu(m * 2 * inter), hbuf(m * inter), dn(m * d);
-  product(w_o, b_o, af.data(), o.data(), m);
+  product(w_o, b_o, af.data(), o.data(), m, std::is_same<T, at::BFloat16>::value);
   add_residual<T>(x1.data(), o.data(), m * d);
   for (int64_t r = 0; r < m; ++r) rms_row<T>(&x1[r * d], post_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
-  product(w_gu, b_gu, xn.data(), gu.data(), m);
+  product(w_gu, b_gu, xn.data(), gu.data(), m, std::is_same<T, at::BFloat16>::value);
   round_all<T>(gu.data(), m * 2 * inter);
   for (int64_t r = 0; r < m; ++r) swiglu_row<T>(&gu[r * 2 * inter], &hbuf[r * inter], inter);
-  product(w_dn, b_dn, hbuf.data(), dn.data(), m);
+  product(w_dn, b_dn, hbuf.data(), dn.data(), m, std::is_same<T, at::BFloat16>::value);
   add_residual<T>(x1.data(), dn.data(), m * d);
   return from_floats<T>(x1, m, d, x);
 }
@@ -738,6 +748,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
+  m.def("bf16_dot", &bf16_dot, "whether bf16 products use AVX-512 BF16 dot products");
   m.def("packed_linear", &packed_linear, "x W^T for a packed (Q8_0 / Q4_0 / Q4_K) W, any number of rows");
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");

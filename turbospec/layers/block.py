@@ -20,7 +20,7 @@ from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.attention import MLP, Attention
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, skinny_rows
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENABLED = env.FUSED  # read once (TURBOSPEC_NO_FUSED): this is checked per layer per token
@@ -29,7 +29,7 @@ ENABLED = env.FUSED  # read once (TURBOSPEC_NO_FUSED): this is checked per layer
 def kernel_for(x: torch.Tensor, norm: torch.Tensor):
     """The kernel module when rows x [N, hidden] can go through the fused calls (few rows, matching dtypes),
     else None."""
-    if (not ENABLED or x.dim() != 2 or x.shape[0] > env.SKINNY_MAX_ROWS or x.dtype not in _DTYPES
+    if (not ENABLED or x.dim() != 2 or x.shape[0] > skinny_rows(x.dtype) or x.dtype not in _DTYPES
             or norm.dtype != x.dtype):
         return None
     return load_kernel()

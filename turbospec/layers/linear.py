@@ -6,6 +6,8 @@ the kernel in turbospec/kernels/gemv.cpp reads each weight once per step for up 
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,22 @@ from turbospec.weights import format_of, in_features, is_packed, release
 # would, so greedy speculation over packed weights stays token-for-token plain decoding. More rows (prefill
 # chunks) take dequantized tiles.
 PACKED_ROW_LIMIT = 64
+# bf16 rows over bf16 weights, on CPUs with AVX-512 BF16 dot products (kernels/bf16dot.cpp), stay memory-bound to
+# dozens of rows: the skinny kernel and the fused layers take up to this many (continuous batching's decode rows).
+BF16_DOT_ROWS = 64
+
+
+def skinny_rows(dtype: torch.dtype) -> int:
+    """Most rows of activations in `dtype` that the skinny kernel (and the fused decoder layers) take per call."""
+    if dtype == torch.bfloat16 and _bf16_dot():
+        return max(env.SKINNY_MAX_ROWS, BF16_DOT_ROWS)
+    return env.SKINNY_MAX_ROWS
+
+
+@cache
+def _bf16_dot() -> bool:
+    k = load_kernel()
+    return k is not None and k.bf16_dot()
 
 
 class Linear:
@@ -69,7 +87,7 @@ class Linear:
         rows = x.numel() // self.in_features
         if self.packed:
             return self.kernel.packed_linear(x, self.weight, self.bias, max(env.SKINNY_MAX_ROWS, PACKED_ROW_LIMIT))
-        if self.kernel is not None and rows <= env.SKINNY_MAX_ROWS:
+        if self.kernel is not None and rows <= skinny_rows(x.dtype):
             return self.kernel.skinny_linear(x, self.weight, self.bias)
         if env.PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):
             b = self.bias.float() if self.bias is not None else None

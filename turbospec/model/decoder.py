@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from turbospec import env
 from turbospec.kv.cache import KVCache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP, Attention
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, skinny_rows
 from turbospec.layers.norm import rms_norm
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import TensorSource
@@ -22,7 +21,7 @@ class DecoderLayer:
         self.in_norm, self.post_norm, self.eps, self.zc = in_norm, post_norm, eps, zero_centred
 
     def __call__(self, x, rope, plan, cache, layer, out_rows: int | None = None):
-        if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > env.SKINNY_MAX_ROWS and plan.mask is None
+        if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None
                 and isinstance(cache, KVCache)):
             # prefill's last layer: only the last rows go on (K/V of every row are still stored)
             h = self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer, out_rows)

@@ -18,7 +18,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.kv.base import Cache
 from turbospec.kv.cache import KVCache
@@ -28,7 +27,7 @@ from turbospec.kv.quant_cache import make_kv_cache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, skinny_rows
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
@@ -190,7 +189,7 @@ class HybridLayer:
     def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache, out_rows: int | None = None
                  ) -> torch.Tensor:
         if (out_rows is not None and out_rows < x.shape[0] and self.kind == "full_attention"
-                and x.shape[0] > env.SKINNY_MAX_ROWS and plan.mask is None and isinstance(cache.kv, KVCache)):
+                and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None and isinstance(cache.kv, KVCache)):
             # prefill's last layer: only the last rows are wanted
             h = self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, out_rows)
             x = x[-out_rows:] + h

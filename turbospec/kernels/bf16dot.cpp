@@ -1,0 +1,98 @@
+// bf16 weights times bf16-valued rows with AVX-512 BF16 dot products (vdpbf16ps: 32 products per instruction,
+// accumulated in float32), for CPUs that have them (Cooper Lake, Sapphire Rapids, Zen 4 and later). The AVX2 path
+// converts every weight to float32 and does 8 products per instruction: compute-bound from a few rows on, where
+// this one stays memory-bound to dozens of rows (continuous batching, verification trees).
+// Every output (o, r) is the same chain of instructions whatever the number of rows in the call: acc = 0, one
+// vdpbf16ps per 32 values in order, then a fixed reduction; so a row's result does not depend on its batch.
+// Included by gemv.cpp (after quant.cpp, for use_avx512).
+
+namespace bf16dot {
+
+#define TS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+inline bool available() {
+  static const bool yes = packed::use_avx512() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// NO weight rows x NR input rows over `in` values (full 32-value chunks, then a masked tail).
+// While the tile runs, pf_step bytes per chunk of a later block of weight rows are prefetched from pf (the
+// hardware prefetcher alone leaves a one-row product at half the copy bandwidth, as in gemv.cpp's run).
+template <int NO, int NR>
+TS_BF16 inline void tile(const uint16_t* w, const uint16_t* x, int64_t in, int64_t full, __mmask32 tail,
+                         float* y, int64_t out, const char* pf, int64_t pf_step) {
+  __m512 acc[NO][NR];
+  for (int q = 0; q < NO; ++q)
+    for (int r = 0; r < NR; ++r) acc[q][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < full; i += 32) {
+    const char* pp = pf + (i / 32) * pf_step;
+    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
+    __m512bh wv[NO];
+    for (int q = 0; q < NO; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * in + i);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * in + i);
+      for (int q = 0; q < NO; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], wv[q], xv);
+    }
+  }
+  if (tail) {
+    __m512bh wv[NO];
+    for (int q = 0; q < NO; ++q) wv[q] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + q * in + full);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + r * in + full);
+      for (int q = 0; q < NO; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], wv[q], xv);
+    }
+  }
+  for (int q = 0; q < NO; ++q)
+    for (int r = 0; r < NR; ++r) y[r * out + q] = _mm512_reduce_add_ps(acc[q][r]);
+}
+
+// All m rows against NO weight rows, 4 input rows per pass; each pass prefetches its share of the block at pf.
+template <int NO>
+TS_BF16 inline void rows(const uint16_t* w, const uint16_t* x, int64_t m, int64_t in, int64_t full, __mmask32 tail,
+                         float* y, int64_t out, const char* pf) {
+  const int64_t passes = (m + 3) / 4, chunks = std::max<int64_t>(1, full / 32);
+  const int64_t share = NO * in * 2 / passes, step = (share / chunks + 63) / 64 * 64;
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) tile<NO, 4>(w, x + r * in, in, full, tail, y + r * out, out, pf + (r / 4) * share, step);
+  const char* p = pf + (r / 4) * share;
+  switch (m - r) {
+    case 3: tile<NO, 3>(w, x + r * in, in, full, tail, y + r * out, out, p, step); break;
+    case 2: tile<NO, 2>(w, x + r * in, in, full, tail, y + r * out, out, p, step); break;
+    case 1: tile<NO, 1>(w, x + r * in, in, full, tail, y + r * out, out, p, step); break;
+    default: break;
+  }
+}
+
+// y[m, out] = x[m, in] . W^T for bf16 W [out, in] and x given as bf16 bits [m, in].
+TS_BF16 void run(const uint16_t* w, const uint16_t* x, float* y, int64_t m, int64_t in, int64_t out) {
+  const int64_t full = in / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << (in - full)) - 1);
+  const int64_t nblk = (out + 3) / 4, blk_bytes = 4 * in * 2;
+  const int64_t ahead = std::max<int64_t>(1, (4 * PREFETCH_BYTES + blk_bytes - 1) / blk_bytes);
+  at::parallel_for(0, nblk, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o = b * 4;
+      const uint16_t* wb = w + o * in;
+      const char* pf = reinterpret_cast<const char*>(w + std::max<int64_t>(0, std::min(o + 4 * ahead, out - 4)) * in);
+      switch (std::min<int64_t>(4, out - o)) {
+        case 4: rows<4>(wb, x, m, in, full, tail, y + o, out, pf); break;
+        case 3: rows<3>(wb, x, m, in, full, tail, y + o, out, pf); break;
+        case 2: rows<2>(wb, x, m, in, full, tail, y + o, out, pf); break;
+        default: rows<1>(wb, x, m, in, full, tail, y + o, out, pf); break;
+      }
+    }
+  });
+}
+
+// float32 rows (bf16 values: the fused layers round their products' inputs to the model dtype) as bf16 bits,
+// rounded to nearest even (exact for bf16 values).
+TS_BF16 inline std::vector<uint16_t> to_bits(const float* x, int64_t n) {
+  std::vector<uint16_t> out(n);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&out[i]), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) out[i] = c10::BFloat16(x[i]).x;
+  return out;
+}
+
+}  // namespace bf16dot
