@@ -177,8 +177,10 @@ void add_residual(float* x, const float* d, int64_t n) {
 #include "quant.cpp"
 #include "bf16dot.cpp"
 
-// Whether products of bf16 weights with bf16-valued rows use AVX-512 BF16 dot products (turbospec/kernels/
-// bf16dot.cpp): then every row count costs about the same per row as a few, and the fused layers take more rows.
+// Whether products of bf16 weights with more than BF16_DOT_MIN_ROWS - 1 bf16-valued rows use AVX-512 BF16 dot
+// products (turbospec/kernels/bf16dot.cpp; then the fused layers take up to 64 rows). Fewer rows keep the AVX2
+// path: one row streams faster there, and decode (1 row) and verification (up to 16) must share their arithmetic.
+constexpr int64_t BF16_DOT_MIN_ROWS = 17;
 bool bf16_dot() { return bf16dot::available(); }
 
 // y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype or packed format. `x_bf16`: the
@@ -188,7 +190,7 @@ void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, cons
   const int64_t in = in_features(w), out = w.size(0);
   if (packed::is_packed(w))
     packed::product(w, x, y, m);
-  else if (x_bf16 && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
+  else if (x_bf16 && m >= BF16_DOT_MIN_ROWS && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
     bf16dot::run(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bf16dot::to_bits(x, m * in).data(),
                  y, m, in, out);
   else

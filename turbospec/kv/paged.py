@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
 from turbospec.kv import kernel_args
-from turbospec.kv.formats import KVFormat, Packed, get_format
+from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
 
 BLOCK = 256  # positions per block; equal to the attention kernel's tile, so a decode row's arithmetic is the same
@@ -72,8 +72,12 @@ class BlockPool:
 
     # ---- storage ----------------------------------------------------------------------------------------
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Encode k, v [KVH, N, D] into the physical positions `slots` (int64 [N]) of `layer`."""
+        """Encode k, v [KVH, N, D] into the physical positions `slots` (int64 [N]) of `layer` (plain formats: a copy,
+        as the contiguous `KVCache` stores them)."""
         for fmt, buf, x in ((self.k_fmt, self.k, k), (self.v_fmt, self.v, v)):
+            if isinstance(fmt, PlainFormat):
+                buf["data"][layer].index_copy_(1, slots, x.to(buf["data"].dtype))
+                continue
             for name, t in fmt.encode(x).items():
                 buf[name][layer].index_copy_(1, slots, t.to(buf[name].dtype))
 
@@ -137,8 +141,15 @@ class PagedSequence:
             self.blocks += self.pool.allocate(need)
         self.pending = n
 
+    def slot(self, position: int) -> int:
+        """The physical position of logical `position`."""
+        b = self.pool.block
+        return self.blocks[position // b] * b + position % b
+
     def slots(self, start: int, end: int) -> torch.Tensor:
         """Physical positions of logical positions [start, end), int64."""
+        if end - start == 1:
+            return torch.tensor([self.slot(start)], dtype=torch.int64)
         pos = torch.arange(start, end, dtype=torch.int64)
         table = torch.tensor(self.blocks, dtype=torch.int64)
         b = self.pool.block
@@ -205,7 +216,10 @@ class PagedBatch:
             s.seq.begin(s.n)
         positions = torch.cat([s.plan.positions for s in segments])
         self.plan = AttentionPlan(positions, 0)
-        self.slots = torch.cat([s.seq.slots(s.seq.length, s.seq.length + s.n) for s in segments])
+        if all(s.n == 1 for s in segments):
+            self.slots = torch.tensor([s.seq.slot(s.seq.length) for s in segments], dtype=torch.int64)
+        else:
+            self.slots = torch.cat([s.seq.slots(s.seq.length, s.seq.length + s.n) for s in segments])
         one = [s for s in segments if s.n == 1 and s.plan.mask is None]
         self.decode_rows = torch.tensor([s.row for s in one], dtype=torch.int64)
         self.others = [s for s in segments if not (s.n == 1 and s.plan.mask is None)]
