@@ -45,6 +45,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name served in the API (default: the model directory name)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"largest accepted request body (default {DEFAULT_MAX_BODY})")
+    p.add_argument("-np", "--parallel", type=int, default=1,
+                   help="sequences decoded together (continuous batching over a paged KV pool of -c positions "
+                        "shared by all of them; dense models, no speculation yet) (default 1: one at a time)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the generation worker; more get 503 (default 64)")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -96,7 +99,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                          limit_concurrency=4 * a.max_connections, timeout_keep_alive=30,
                                          access_log=False, timeout_graceful_shutdown=10))
     return serve_on_main_thread(http, app.state.worker, f"model '{name}' on http://{a.host}:{a.port} "
-                                f"(ctx {engine.ctx}, queue {a.max_queue}"
+                                f"(ctx {engine.ctx}, parallel {a.parallel}, queue {a.max_queue}"
                                 f"{f', {len(keys)} api key(s) accepted' if keys else ''})")
 
 

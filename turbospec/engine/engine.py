@@ -12,6 +12,7 @@ from turbospec.config import EngineConfig
 from turbospec.engine.stats import Chunk, GenStats, peak_rss_bytes
 from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
+from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model.base import Model
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
@@ -38,7 +39,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path  # the checkpoint directory, when loaded from one
-        self.cache = model.new_cache(config.ctx, k_type=config.cache_type_k, v_type=config.cache_type_v)
+        self._cache: Cache | None = None  # allocated on first use (a server with --parallel never uses it)
         self.drafter = drafter
         self.cached_tokens: list[int] = []
         self.reused_tokens = 0
@@ -46,6 +47,14 @@ class Engine:
         # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
         # a decode step allocates enough small objects to trigger collections that would traverse them all.
         gc.freeze()
+
+    @property
+    def cache(self) -> Cache:
+        """The one sequence's cache (`ctx` positions), allocated on first use."""
+        if self._cache is None:
+            c = self.config
+            self._cache = self.model.new_cache(c.ctx, k_type=c.cache_type_k, v_type=c.cache_type_v)
+        return self._cache
 
     @property
     def ctx(self) -> int:
@@ -148,7 +157,7 @@ class Engine:
             stats.spec = spec
         sampler = Sampler(params)
         sampler.accept(tokens)
-        eos = set() if params.ignore_eos else self._eos_ids()
+        eos = set() if params.ignore_eos else self.eos_ids()
         texts = TextStream(self.tokenizer, params.stop)
         drafter = self.drafter
         t0 = time.perf_counter()
@@ -269,7 +278,8 @@ class Engine:
             out += logprobs_of(self.model.logits(hidden[s:e]), tokens[s + 1:e + 1], k)
         return out
 
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
+        """End-of-sequence ids: the model config's and the tokenizer's."""
         ids = set(self.model.cfg.eos_token_ids)
         if self.tokenizer is not None:
             ids |= self.tokenizer.eos_ids

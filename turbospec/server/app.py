@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from turbospec.errors import TurboSpecError
 from turbospec.sampling import SamplingParams
 from turbospec.server import protocol, security, tools
+from turbospec.server.batch_worker import BatchWorker
 from turbospec.server.metrics import Metrics, endpoint_label
 from turbospec.server.protocol import DEFAULT_MAX_BODY, SSE_DONE, APIError, Reply, sse
 from turbospec.server.worker import Channel, Job, Worker
@@ -175,7 +176,8 @@ class Server:
         self.defaults = cfg.defaults or SamplingParams()
         # the worker runs in a thread started by the app's lifespan, or (worker_thread=False) in the thread that
         # calls `worker.run()`: `turbospec serve` runs it on the main thread (see Worker)
-        self.worker = Worker(engine, cfg.max_queue, self.metrics, thread=False)
+        worker = BatchWorker if engine.config.parallel > 1 else Worker
+        self.worker = worker(engine, cfg.max_queue, self.metrics, thread=False)
         self.worker_thread = worker_thread
         self.created = int(time.time())
         if isinstance(cfg.api_keys, str) or any(not k for k in cfg.api_keys):
