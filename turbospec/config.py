@@ -148,14 +148,11 @@ class EngineConfig:
     cache_type_k: str | None = None  # KV formats (-ctk/-ctv): f16, q8_0, tbq4_0, turbo3, ...; None: the dtype
     cache_type_v: str | None = None
     prefix_cache: bool = True  # reuse the KV of a prompt's common prefix with the previous request
-    parallel: int = 1  # sequences decoded together (-np); above 1, continuous batching over a paged KV pool of ctx
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.ctx <= 0 or self.ubatch <= 0 or self.batch <= 0:
             raise TurboSpecError("context, batch and ubatch sizes must be positive")
-        if self.parallel <= 0:
-            raise TurboSpecError("--parallel must be positive")
         if self.threads is not None and self.threads <= 0:
             raise TurboSpecError("--threads must be positive")
         _set(self, "dtype", dtypes.long_name(self.dtype))

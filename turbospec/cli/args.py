@@ -97,7 +97,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, dtype=a.dtype, weights=a.weights, threads=a.threads, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
         cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, spec=spec_config(a),
-        prefix_cache=not a.no_prefix_cache, parallel=getattr(a, "parallel", 1),
+        prefix_cache=not a.no_prefix_cache,
     )
 
 

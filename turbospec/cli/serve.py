@@ -75,6 +75,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             or a.max_connections <= 0:
         raise TurboSpecError("--max-body-bytes, --max-queue, --max-connections, --timeout and --body-timeout "
                              "must be positive")
+    if a.parallel <= 0:
+        raise TurboSpecError("--parallel must be positive")
     if a.max_concurrent_per_key < 0 or not (0 <= a.stream_interval_ms <= 1000):
         raise TurboSpecError("--max-concurrent-per-key must be >= 0 and --stream-interval-ms in 0..1000")
     if not (0 < a.port < 65536):
@@ -91,7 +93,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
                        max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,
                        max_per_key=a.max_concurrent_per_key, max_connections=a.max_connections,
-                       stream_interval=a.stream_interval_ms / 1e3)
+                       stream_interval=a.stream_interval_ms / 1e3, parallel=a.parallel)
     app = create_app(engine, cfg, worker_thread=False)
     # the app answers past --max-connections itself (OpenAI JSON); uvicorn's own limit (plain text) stays a
     # backstop for idle keep-alive connections far beyond it

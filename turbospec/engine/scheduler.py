@@ -82,20 +82,20 @@ class Scheduler:
         self.steps = 0
 
     @classmethod
-    def for_engine(cls, engine) -> Scheduler:
+    def for_engine(cls, engine, parallel: int) -> Scheduler:
         """A scheduler over `engine`'s model, tokenizer and settings: a pool of `ctx` positions in its KV formats,
         `parallel` sequences at most, `ubatch` tokens per step. One-line errors for what it cannot run yet."""
         from turbospec.model.dense import DenseModel
 
         c = engine.config
         if not isinstance(engine.model, DenseModel):
-            raise TurboSpecError(f"--parallel {c.parallel}: continuous batching runs dense models (Qwen3 / Qwen2 / "
+            raise TurboSpecError(f"--parallel {parallel}: continuous batching runs dense models (Qwen3 / Qwen2 / "
                                  f"Llama) for now, not {engine.model.cfg.arch}; use --parallel 1")
         if engine.drafter is not None:
-            raise TurboSpecError(f"--parallel {c.parallel}: speculative decoding is not batched yet; drop --spec-type "
+            raise TurboSpecError(f"--parallel {parallel}: speculative decoding is not batched yet; drop --spec-type "
                                  "or use --parallel 1")
         pool = pool_for(engine.model, c.ctx, c.cache_type_k, c.cache_type_v)
-        return cls(engine.model, pool, max_seqs=c.parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
+        return cls(engine.model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
                    tokenizer=engine.tokenizer, eos=engine.eos_ids())
 
     # ---- requests -------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class ServerConfig:
     max_per_key: int = 0  # concurrent generation requests per API key (0: no limit)
     max_connections: int = 256  # requests in flight at once; more get a 503 (OpenAI JSON)
     stream_interval: float = 0.05  # seconds between two writes of a stream (the first token goes out at once)
+    parallel: int = 1  # sequences generated together (continuous batching) when above 1, else one at a time
 
 
 class ClientGone(Exception):
@@ -176,8 +177,10 @@ class Server:
         self.defaults = cfg.defaults or SamplingParams()
         # the worker runs in a thread started by the app's lifespan, or (worker_thread=False) in the thread that
         # calls `worker.run()`: `turbospec serve` runs it on the main thread (see Worker)
-        worker = BatchWorker if engine.config.parallel > 1 else Worker
-        self.worker = worker(engine, cfg.max_queue, self.metrics, thread=False)
+        if cfg.parallel > 1:
+            self.worker: Worker = BatchWorker(engine, cfg.max_queue, cfg.parallel, self.metrics, thread=False)
+        else:
+            self.worker = Worker(engine, cfg.max_queue, self.metrics, thread=False)
         self.worker_thread = worker_thread
         self.created = int(time.time())
         if isinstance(cfg.api_keys, str) or any(not k for k in cfg.api_keys):

@@ -19,8 +19,8 @@ from turbospec.server.worker import Job, Worker
 
 
 class BatchWorker(Worker):
-    def __init__(self, engine, max_queue: int, metrics=None, thread: bool = True):
-        self.scheduler = Scheduler.for_engine(engine)
+    def __init__(self, engine, max_queue: int, parallel: int, metrics=None, thread: bool = True):
+        self.scheduler = Scheduler.for_engine(engine, parallel)
         self.active: dict[Sequence, Job] = {}
         self._ended: dict[Sequence, str] = {}  # sequences aborted by the worker: the finish reason it reports
         super().__init__(engine, max_queue, metrics, thread)
