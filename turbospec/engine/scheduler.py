@@ -80,6 +80,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.preemptions = 0
         self.steps = 0
+        self._spare = 0  # free blocks not yet promised to a row of the step being scheduled
 
     @classmethod
     def for_engine(cls, engine, parallel: int) -> Scheduler:
@@ -166,43 +167,59 @@ class Scheduler:
             out.append(Output(s, None, True))
         return out
 
+    def _need(self, s: Sequence, n: int) -> int:
+        """New blocks sequence `s` needs for n more positions."""
+        return max(0, self.pool.blocks_for(s.cache.length + n) - len(s.cache.blocks))
+
     def _schedule_decode(self) -> list[Sequence]:
         """Running sequences past their prompt, each with room for one more position (preempting the newest
-        sequences until there is)."""
-        decode = []
+        sequences until there is). Sets `self._spare`: the free blocks left for prompt chunks."""
+        decode: list[Sequence] = []
+        spare = self.pool.num_free
         for s in list(self.running):
             if s.status != RUNNING or s.todo != 1:
                 continue
-            while not s.cache.can_grow(1):
+            need = self._need(s, 1)
+            while need > spare:
                 victim = self.running[-1]
+                if victim in decode:  # a victim scheduled already: its blocks (and reservation) come back
+                    decode.remove(victim)
+                    spare += self._need(victim, 1)
+                spare += len(victim.cache.blocks)
                 self._preempt(victim)
                 if victim is s:
                     break
             if s.status == RUNNING:
                 decode.append(s)
+                spare -= need
+        self._spare = spare
         return decode
 
     def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
-        """Prompt chunks up to `budget` tokens: running sequences mid-prompt first, then admitted ones."""
+        """Prompt chunks up to `budget` tokens and the free blocks left by the decode rows: running sequences
+        mid-prompt first, then newly admitted ones (whose whole remaining prompt must fit)."""
         chunks = []
+        spare = self._spare
         for s in self.running:
             if budget <= 0:
                 return chunks
             if s.todo > 1:
                 n = min(s.todo, budget)
-                if not s.cache.can_grow(n):
+                if self._need(s, n) > spare:
                     continue
                 chunks.append((s, n))
+                spare -= self._need(s, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             s = self.waiting[0]
-            if self.pool.blocks_for(len(s.tokens)) > self.pool.num_free:
+            if self.pool.blocks_for(len(s.tokens)) > spare:
                 break  # the whole prompt must fit before it starts
             self.waiting.popleft()
             s.status = RUNNING
             self.running.append(s)
             n = min(s.todo, budget)
             chunks.append((s, n))
+            spare -= self._need(s, n)
             budget -= n
         return chunks
 

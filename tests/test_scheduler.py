@@ -1,0 +1,240 @@
+"""Continuous batching: the paged KV pool and kernel, and the scheduler against one-sequence-at-a-time decoding.
+
+Every sequence's greedy output in a batch (mixed prompt lengths, arrival times, KV formats, preemption, aborts)
+must equal the same request run alone through `Engine` (float32)."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from turbospec.config import EngineConfig
+from turbospec.engine.engine import Engine
+from turbospec.engine.scheduler import Scheduler
+from turbospec.errors import TurboSpecError
+from turbospec.kernels import attention as fused
+from turbospec.kv.formats import get_format
+from turbospec.kv.kernel_args import attention_spec
+from turbospec.kv.paged import BlockPool, OutOfBlocks, PagedSequence, pool_for
+from turbospec.model.registry import load_model
+from turbospec.sampling import SamplingParams
+from turbospec.tokenizer import Tokenizer
+
+TINY = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+pytestmark = pytest.mark.skipif(not (TINY / "config.json").exists(), reason="no bundled model")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(str(TINY), torch.float32)
+
+
+def _solo(model, prompts, params, kv=None, tokenizer=None):
+    eng = Engine(model, tokenizer, EngineConfig(ctx=2048, cache_type_k=kv, cache_type_v=kv, prefix_cache=False))
+    out = []
+    for p, sp in zip(prompts, params):
+        chunks = list(eng.stream(p, sp))
+        out.append(([t for c in chunks for t in c.tokens], "".join(c.text for c in chunks),
+                    eng.last_stats.finish_reason))
+    return out
+
+
+def _drive(sch, arrivals):
+    """Run the scheduler; arrivals[i] = (step at which request i is added, prompt, params). Returns per request
+    (tokens, text, finish reason, chunks)."""
+    seqs: dict[int, object] = {}
+    got: dict[int, list] = {}
+    step = 0
+    pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
+    while pending or sch.has_work:
+        while pending and arrivals[pending[0]][0] <= step:
+            i = pending.pop(0)
+            seqs[i] = sch.add(arrivals[i][1], arrivals[i][2])
+            got[i] = []
+        for o in sch.step():
+            i = next(k for k, s in seqs.items() if s is o.seq)
+            if o.chunk is not None:
+                got[i].append(o.chunk)
+        step += 1
+    return {i: ([t for c in got[i] for t in c.tokens], "".join(c.text for c in got[i]), seqs[i].stats.finish_reason,
+                got[i]) for i in seqs}
+
+
+def _requests(seed, n, vocab=900):
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(3, vocab) for _ in range(rnd.choice([2, 9, 40, 300, 700]))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rnd.randrange(1, 40), temperature=0, ignore_eos=True) for _ in range(n)]
+    steps = [rnd.randrange(0, 30) for _ in range(n)]
+    return prompts, params, steps
+
+
+# ---- the paged kernel ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(fused.load() is None, reason="attention kernel not available on this machine")
+@pytest.mark.parametrize("name", ["f32", "bf16", "f16", "q8_0", "q4_0", "tbq4_0", "turbo3", "turbo4"])
+def test_paged_kernel_equals_contiguous_attention(name):
+    """Sequences scattered over shuffled blocks give exactly what the contiguous kernel gives (block = tile)."""
+    g = torch.Generator().manual_seed(1)
+    fmt, d, kvh, rows, block = get_format(name), 64, 2, 3, 256
+    spec = attention_spec(fmt, d)
+    lens = [1, 255, 256, 700]
+    nblocks = sum(-(-n // block) for n in lens) + 2
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    width = fmt.padded_dim(d)
+    kbuf = fmt.allocate(d, (kvh, nblocks * block))
+    vbuf = fmt.allocate(d, (kvh, nblocks * block))
+    tables, qs, refs, used = [], [], [], 0
+    for n in lens:
+        nb = -(-n // block)
+        blocks = perm[used:used + nb]
+        used += nb
+        k, v = torch.randn(kvh, n, d, generator=g), torch.randn(kvh, n, d, generator=g)
+        kp, vp = fmt.encode(k), fmt.encode(v)
+        for j, b in enumerate(blocks):
+            s, e = j * block, min(n, (j + 1) * block)
+            for f in kp:
+                kbuf[f][:, b * block:b * block + e - s] = kp[f][:, s:e]
+                vbuf[f][:, b * block:b * block + e - s] = vp[f][:, s:e]
+        q = torch.randn(kvh, rows, width, generator=g) * 0.3
+        m, lsum, acc = fused.partial(q, spec, [kp[f] for f in spec[2]], spec, [vp[f] for f in spec[2]], width, 0, n)
+        refs.append(acc / lsum.unsqueeze(-1))
+        qs.append(q)
+        tables.append(blocks + [-1] * (4 - nb))
+    out = fused.paged(torch.stack(qs), spec, [kbuf[f] for f in spec[2]], spec, [vbuf[f] for f in spec[2]], width,
+                      torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int64), block)
+    for i, ref in enumerate(refs):
+        assert torch.equal(out[i], ref), f"sequence {i} ({lens[i]} positions)"
+
+
+# ---- blocks ----------------------------------------------------------------------------------------------------
+def test_pool_blocks_are_allocated_freed_and_refused():
+    pool = BlockPool(2, 1, 8, 3, k_type="f32", v_type="f32", block=4)
+    a, b = PagedSequence(pool, 100), PagedSequence(pool, 100)
+    a.begin(5)  # two blocks
+    a.commit()
+    assert len(a.blocks) == 2 and pool.num_free == 1
+    assert b.can_grow(4) and not b.can_grow(5)
+    with pytest.raises(OutOfBlocks):
+        b.begin(5)
+    assert pool.num_free == 1 and b.blocks == []
+    a.truncate(3)
+    assert len(a.blocks) == 1 and pool.num_free == 2
+    a.reset()
+    assert pool.num_free == 3 and a.length == 0
+    with pytest.raises(TurboSpecError, match="context full"):
+        PagedSequence(pool, 4).begin(5)
+
+
+def test_commit_keep_moves_the_accepted_positions():
+    pool = BlockPool(1, 1, 8, 4, k_type="f32", v_type="f32", block=4)
+    s = PagedSequence(pool, 16)
+    s.begin(3)
+    slots = s.slots(0, 3)
+    pool.store(0, torch.arange(24.0).view(1, 3, 8), -torch.arange(24.0).view(1, 3, 8), slots)
+    s.commit()
+    s.begin(4)  # a tree step of 4 nodes at positions 3..6, keep nodes 1 and 3
+    vals = 100 + torch.arange(32.0).view(1, 4, 8)
+    pool.store(0, vals, -vals, s.slots(3, 7))
+    s.commit([1, 3])
+    assert s.length == 5 and len(s.blocks) == 2
+    k, v = pool.gather(0, s.slots(0, 5))
+    assert torch.equal(k[0, 3], vals[0, 1]) and torch.equal(k[0, 4], vals[0, 3]) and torch.equal(v[0, 4], -vals[0, 3])
+    assert torch.equal(k[0, :3], torch.arange(24.0).view(3, 8))
+
+
+# ---- the scheduler against solo decoding ------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", [None, "q8_0", "q4_0", "tbq4_0", "turbo3"])
+def test_batched_greedy_equals_solo(model, kv):
+    prompts, params, steps = _requests(0 if kv is None else 1, 8)
+    want = _solo(model, prompts, params, kv)
+    pool = pool_for(model, 4096, kv, kv)
+    sch = Scheduler(model, pool, max_seqs=4, max_step_tokens=96, ctx=2048)
+    got = _drive(sch, list(zip(steps, prompts, params)))
+    for i, w in enumerate(want):
+        assert got[i][0] == w[0], f"request {i}: prompt {len(prompts[i])} tokens"
+    assert pool.num_free == pool.num_blocks  # every block back
+
+
+def test_preemption_recomputes_without_changing_outputs(model):
+    rnd = random.Random(2)
+    # four prompts that fill a block each, then grow past it: a 4-block pool must preempt to go on
+    prompts = [[rnd.randrange(3, 900) for _ in range(250 - i)] for i in range(4)] + [[7, 8, 9]]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 5
+    want = _solo(model, prompts, params)
+    pool = pool_for(model, 1024, None, None)
+    sch = Scheduler(model, pool, max_seqs=6, max_step_tokens=64, ctx=1024)
+    got = _drive(sch, [(0, p, sp) for p, sp in zip(prompts, params)])
+    assert sch.preemptions > 0
+    for i, w in enumerate(want):
+        assert got[i][0] == w[0]
+    assert pool.num_free == pool.num_blocks
+
+
+def test_abort_frees_blocks_and_leaves_the_others_alone(model):
+    prompts, params, _ = _requests(3, 3)
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3
+    want = _solo(model, prompts, params)
+    pool = pool_for(model, 4096, None, None)
+    sch = Scheduler(model, pool, max_seqs=3, max_step_tokens=4096, ctx=2048)
+    seqs = [sch.add(p, sp) for p, sp in zip(prompts, params)]
+    toks: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for _ in range(5):
+        for o in sch.step():
+            toks[seqs.index(o.seq)] += o.chunk.tokens if o.chunk else []
+    held = len(seqs[1].cache.blocks)
+    assert held > 0
+    sch.abort(seqs[1])
+    free_before = pool.num_free
+    outs = sch.step()
+    for o in outs:
+        if o.seq is not seqs[1] and o.chunk:
+            toks[seqs.index(o.seq)] += o.chunk.tokens
+    ended = [o for o in outs if o.seq is seqs[1]]
+    assert ended and ended[0].finished and ended[0].chunk is None and seqs[1].stats.finish_reason == "abort"
+    assert pool.num_free >= free_before + held - 2  # its blocks are back (the others may have grown by one each)
+    n1 = len(toks[1])
+    while sch.has_work:
+        for o in sch.step():
+            assert o.seq is not seqs[1]
+            toks[seqs.index(o.seq)] += o.chunk.tokens if o.chunk else []
+    assert len(toks[1]) == n1 < 30
+    assert toks[0] == want[0][0] and toks[2] == want[2][0]
+    assert pool.num_free == pool.num_blocks
+
+
+def test_text_stops_and_logprobs_match_solo(model):
+    tok = Tokenizer(str(TINY))
+    texts = ["Once upon a time", "def add(a, b):", "The quick brown fox", "1, 2, 3, 4,"]
+    prompts = [tok.encode(t) for t in texts]
+    params = [SamplingParams(max_tokens=24, temperature=0),
+              SamplingParams(max_tokens=24, temperature=0, stop=["\n", "  "]),
+              SamplingParams(max_tokens=24, temperature=0, logprobs=2),
+              SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=1)]
+    eng = Engine(model, tok, EngineConfig(ctx=2048, prefix_cache=False))
+    want = [list(eng.stream(p, sp)) + [eng.last_stats.finish_reason] for p, sp in zip(prompts, params)]
+    sch = Scheduler(model, pool_for(model, 2048, None, None), max_seqs=4, max_step_tokens=8, ctx=2048, tokenizer=tok,
+                    eos=eng.eos_ids())
+    got = _drive(sch, [(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+    for i, w in enumerate(want):
+        chunks, reason = w[:-1], w[-1]
+        assert got[i][1] == "".join(c.text for c in chunks), texts[i]
+        assert got[i][2] == reason
+        assert [t for c in chunks for t in c.tokens] == got[i][0]
+    lp_want = [lp for c in want[2][:-1] for lp in (c.logprobs or [])]
+    lp_got = [lp for c in got[2][3] for lp in (c.logprobs or [])]
+    assert [x.token for x in lp_got] == [x.token for x in lp_want]
+    assert [x.logprob for x in lp_got] == pytest.approx([x.logprob for x in lp_want], abs=1e-5)
+    pl_want, pl_got = want[3][0].prompt_logprobs, got[3][3][0].prompt_logprobs
+    assert pl_got[0] is None and len(pl_got) == len(pl_want) == len(prompts[3])
+    assert [x.logprob for x in pl_got[1:]] == pytest.approx([x.logprob for x in pl_want[1:]], abs=1e-5)
+
+
+def test_requests_that_cannot_run_get_one_line_errors(model):
+    sch = Scheduler(model, pool_for(model, 512, None, None), max_seqs=2, ctx=2048)
+    with pytest.raises(TurboSpecError, match="exceeds context size 512"):
+        sch.add([5] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(TurboSpecError, match="empty prompt"):
+        sch.add([], SamplingParams())
+    with pytest.raises(TurboSpecError, match="outside the vocabulary"):
+        sch.add([5], SamplingParams(logit_bias={10**6: 1.0}))
+    assert not sch.has_work

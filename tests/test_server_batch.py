@@ -1,0 +1,111 @@
+"""The server with --parallel N: concurrent requests are generated together and give the answers they get one at a
+time; a client that leaves is aborted at the next step; a model the scheduler cannot run is refused at start-up."""
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from tests.test_server_cancel import _free_port, live, settle  # noqa: E402
+from turbospec.config import EngineConfig  # noqa: E402
+from turbospec.engine.engine import Engine  # noqa: E402
+from turbospec.errors import TurboSpecError  # noqa: E402
+from turbospec.model.registry import load_model  # noqa: E402
+from turbospec.tokenizer import Tokenizer  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+pytestmark = pytest.mark.skipif(not (TINY / "config.json").exists(), reason="no bundled model")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(load_model(str(TINY), torch.float32), Tokenizer(str(TINY)), EngineConfig(ctx=4096))
+
+
+def _ask(base, prompts, out, stream=False):
+    def one(i, p):
+        r = httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0},
+                       timeout=120)
+        out[i] = r.json()
+
+    ts = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def test_concurrent_requests_equal_one_at_a_time(engine):
+    prompts = ["Once upon a time", "def add(a, b):", "The quick brown fox", "1, 2, 3, 4,", "Hello"]
+    alone: dict[int, dict] = {}
+    together: dict[int, dict] = {}
+    with live(engine) as base:
+        _ask(base, prompts, alone)
+    with live(engine, parallel=3) as base:
+        _ask(base, prompts, together)
+        assert settle(base) == {"status": "ok", "running": 0, "waiting": 0}
+        m = httpx.get(base + "/metrics").text
+        assert 'turbospec:request_success_total{finished_reason="length"} 5.0' in m
+    for i in range(len(prompts)):
+        assert together[i]["choices"][0]["text"] == alone[i]["choices"][0]["text"]
+        assert together[i]["usage"] == alone[i]["usage"]
+
+
+@contextlib.contextmanager
+def live_app(engine, **cfg):
+    """`live`, also yielding the app (its worker's scheduler)."""
+    import uvicorn
+
+    from turbospec.server import ServerConfig, create_app
+
+    port = _free_port()
+    app = create_app(engine, ServerConfig(model_name="m", **cfg))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        srv.should_exit = True
+        t.join(15)
+
+
+def test_client_that_leaves_is_aborted_and_nothing_more_is_computed(engine):
+    with live_app(engine, parallel=2) as (base, app):
+        with httpx.Client(timeout=30) as h, h.stream("POST", base + "/v1/completions",
+                                                      json={"prompt": [1, 2, 3], "max_tokens": 3000,
+                                                            "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            next(lines)  # generating
+        assert settle(base) == {"status": "ok", "running": 0, "waiting": 0}
+        worker_sched = app.state.worker.scheduler
+        steps = worker_sched.steps
+        assert 0 < steps < 3000  # stopped long before the 3000 tokens
+        time.sleep(0.2)
+        assert worker_sched.steps == steps and not worker_sched.has_work
+        assert worker_sched.pool.num_free == worker_sched.pool.num_blocks
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_parallel_refuses_what_it_cannot_batch(engine):
+    from turbospec.server import ServerConfig, create_app
+
+    class WithDrafter:
+        model, tokenizer, config, drafter = engine.model, engine.tokenizer, engine.config, object()
+
+        def eos_ids(self):
+            return set()
+
+    with pytest.raises(TurboSpecError, match="speculative decoding is not batched yet"):
+        create_app(WithDrafter(), ServerConfig(model_name="m", parallel=2))
