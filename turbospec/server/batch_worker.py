@@ -23,6 +23,7 @@ class BatchWorker(Worker):
         self.scheduler = Scheduler.for_engine(engine, parallel)
         self.active: dict[Sequence, Job] = {}
         self._ended: dict[Sequence, str] = {}  # sequences aborted by the worker: the finish reason it reports
+        self._preemptions_seen = 0
         super().__init__(engine, max_queue, metrics, thread)
 
     @property
@@ -52,12 +53,23 @@ class BatchWorker(Worker):
             self._check_jobs()
             self._step()
             self._gauges()
+            self._kv_metrics()
         for seq, job in list(self.active.items()):
             self.scheduler.abort(seq)
             job.emit(("done", seq.stats, "abort"), last=True)
         self.active.clear()
         self.scheduler.step()  # frees the aborted sequences' blocks
         self.stop_soon()
+
+    def _kv_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        pool = self.scheduler.pool
+        self.metrics.kv_usage.set(1.0 - pool.num_free / pool.num_blocks)
+        new = self.scheduler.preemptions - self._preemptions_seen
+        if new:
+            self.metrics.preemptions.inc(new)
+            self._preemptions_seen = self.scheduler.preemptions
 
     def _admit(self, job: Job) -> None:
         now = time.perf_counter()

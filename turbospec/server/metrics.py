@@ -49,6 +49,10 @@ class Metrics:
                               buckets=tok, registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting in the queue", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests being generated", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Share of the paged KV pool's blocks in use (--parallel)",
+                              registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Sequences preempted for KV blocks (--parallel)",
+                                   registry=r)
         self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verification steps that carried a draft",
                                    registry=r)
         self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed",
