@@ -58,7 +58,7 @@ def _drive(sch, arrivals):
                 got[i].append(o.chunk)
         step += 1
     return {i: ([t for c in got[i] for t in c.tokens], "".join(c.text for c in got[i]), seqs[i].stats.finish_reason,
-                got[i]) for i in seqs}
+                got[i], seqs[i]) for i in seqs}
 
 
 def _requests(seed, n, vocab=900):
@@ -227,6 +227,34 @@ def test_text_stops_and_logprobs_match_solo(model):
     pl_want, pl_got = want[3][0].prompt_logprobs, got[3][3][0].prompt_logprobs
     assert pl_got[0] is None and len(pl_got) == len(pl_want) == len(prompts[3])
     assert [x.logprob for x in pl_got[1:]] == pytest.approx([x.logprob for x in pl_want[1:]], abs=1e-5)
+
+
+def test_prefix_cache_reuses_blocks_and_gives_the_cold_output(model):
+    """A follow-up turn (the previous prompt + answer + more) starts from the cached blocks and decodes exactly
+    what a cold run does; blocks no one holds stay cached and are evicted (least recently used) under pressure."""
+    rnd = random.Random(5)
+    first = [rnd.randrange(3, 900) for _ in range(600)]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pool = pool_for(model, 2048, None, None)  # 8 blocks
+    sch = Scheduler(model, pool, max_seqs=4, max_step_tokens=256, ctx=2048)
+    a = _drive(sch, [(0, first, sp)])[0][0]
+    assert pool.num_cached == 2 and pool.num_free == pool.num_blocks  # 2 full blocks cached, none held
+    second = first + a + [rnd.randrange(3, 900) for _ in range(100)]
+    other = [rnd.randrange(3, 900) for _ in range(300)]
+    want = _solo(model, [second, other], [sp, sp])
+    got = _drive(sch, [(0, second, sp), (0, other, sp)])
+    assert got[0][4].stats.cached_tokens == 512 and got[1][4].stats.cached_tokens == 0
+    assert sch.prefix_hits == 512 and sch.prefix_queries == len(first) + len(second) + len(other)
+    assert [got[0][0], got[1][0]] == [want[0][0], want[1][0]]
+    again = _drive(sch, [(0, second, sp)])[0]
+    assert again[4].stats.cached_tokens == 512
+    assert again[0] == want[0][0]
+    # pressure: prompts that need every block evict the cached ones, and still decode correctly
+    big = [[rnd.randrange(3, 900) for _ in range(1000)] for _ in range(2)]
+    want_big = _solo(model, big, [sp, sp])
+    got_big = _drive(Scheduler(model, pool, max_seqs=2, max_step_tokens=512, ctx=2048), [(0, b, sp) for b in big])
+    assert [got_big[i][0] for i in range(2)] == [w[0] for w in want_big]
+    assert pool.num_free == pool.num_blocks
 
 
 def test_requests_that_cannot_run_get_one_line_errors(model):

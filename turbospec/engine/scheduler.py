@@ -42,6 +42,7 @@ class Sequence:
     arrived: float = field(default_factory=time.perf_counter)
     aborted: bool = False
     prompt_logprobs: list[TokenLogprob] | None = None  # collected chunk by chunk when asked for
+    keys: list = field(default_factory=list)  # prefix-cache keys of its full blocks, computed as they fill
     t_first: float | None = None
 
     @property
@@ -69,7 +70,7 @@ class Output:
 
 class Scheduler:
     def __init__(self, model, pool: BlockPool, *, max_seqs: int = 8, max_step_tokens: int = 512, ctx: int = 4096,
-                 tokenizer=None, eos: set[int] | None = None):
+                 tokenizer=None, eos: set[int] | None = None, prefix_cache: bool = True):
         if max_seqs < 1 or max_step_tokens < 1:
             raise TurboSpecError("the scheduler needs at least one sequence and one token per step")
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
@@ -80,7 +81,10 @@ class Scheduler:
         self._ids = itertools.count()
         self.preemptions = 0
         self.steps = 0
-        self._spare = 0  # free blocks not yet promised to a row of the step being scheduled
+        self._promised = 0  # blocks the rows scheduled so far in this step will allocate
+        self.prefix_cache = prefix_cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of them, found cached
 
     @classmethod
     def for_engine(cls, engine, parallel: int) -> Scheduler:
@@ -97,7 +101,7 @@ class Scheduler:
                                  "or use --parallel 1")
         pool = pool_for(engine.model, c.ctx, c.cache_type_k, c.cache_type_v)
         return cls(engine.model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
-                   tokenizer=engine.tokenizer, eos=engine.eos_ids())
+                   tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -134,9 +138,16 @@ class Scheduler:
     def step(self) -> list[Output]:
         """Schedule, run one forward over every scheduled row, sample; the outputs of this step."""
         outputs = self._drop_aborted()
-        decode = self._schedule_decode()
-        chunks = self._schedule_prefill(self.max_step_tokens - len(decode))
-        work = [(s, 1) for s in decode] + chunks
+        while True:
+            self._promised = 0
+            decode = self._schedule_decode()
+            chunks = self._schedule_prefill(self.max_step_tokens - len(decode))
+            work = [(s, 1) for s in decode] + chunks
+            if work or not self.running:
+                break
+            # every running sequence is mid-prompt and none has the blocks for its next chunk (they were admitted
+            # against the same free blocks): the newest one gives its blocks back
+            self._preempt(self.running[-1])
         if not work:
             return outputs
         self.steps += 1
@@ -149,6 +160,9 @@ class Scheduler:
         batch = PagedBatch(self.pool, segments)
         hidden = self.model.forward(ids, batch.plan, batch)
         batch.commit()
+        if self.prefix_cache:
+            for s, _ in work:
+                self._remember(s)
         for (s, n), seg in zip(work, segments):
             if s.prompt_logprobs is not None and s.cache.length <= s.prompt_len:
                 self._collect_prompt_logprobs(s, hidden[seg.row:seg.row + n], s.cache.length - n)
@@ -171,57 +185,96 @@ class Scheduler:
         """New blocks sequence `s` needs for n more positions."""
         return max(0, self.pool.blocks_for(s.cache.length + n) - len(s.cache.blocks))
 
+    def _available(self) -> int:
+        """Blocks not yet promised to a row of the step being scheduled."""
+        return self.pool.num_free - self._promised
+
     def _schedule_decode(self) -> list[Sequence]:
         """Running sequences past their prompt, each with room for one more position (preempting the newest
-        sequences until there is). Sets `self._spare`: the free blocks left for prompt chunks."""
+        sequences until there is)."""
         decode: list[Sequence] = []
-        spare = self.pool.num_free
         for s in list(self.running):
             if s.status != RUNNING or s.todo != 1:
                 continue
             need = self._need(s, 1)
-            while need > spare:
+            while need > self._available():
                 victim = self.running[-1]
-                if victim in decode:  # a victim scheduled already: its blocks (and reservation) come back
+                if victim in decode:  # scheduled already: its promise goes with it
                     decode.remove(victim)
-                    spare += self._need(victim, 1)
-                spare += len(victim.cache.blocks)
+                    self._promised -= self._need(victim, 1)
                 self._preempt(victim)
                 if victim is s:
                     break
             if s.status == RUNNING:
                 decode.append(s)
-                spare -= need
-        self._spare = spare
+                self._promised += need
         return decode
 
     def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
-        """Prompt chunks up to `budget` tokens and the free blocks left by the decode rows: running sequences
-        mid-prompt first, then newly admitted ones (whose whole remaining prompt must fit)."""
+        """Prompt chunks up to `budget` tokens within the blocks left: running sequences mid-prompt first, then
+        newly admitted ones (their prompt's cached blocks shared, the rest of it must fit in the free blocks)."""
         chunks = []
-        spare = self._spare
         for s in self.running:
             if budget <= 0:
                 return chunks
             if s.todo > 1:
                 n = min(s.todo, budget)
-                if self._need(s, n) > spare:
+                if self._need(s, n) > self._available():
                     continue
                 chunks.append((s, n))
-                spare -= self._need(s, n)
+                self._promised += self._need(s, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             s = self.waiting[0]
-            if self.pool.blocks_for(len(s.tokens)) > spare:
+            cached = self._cached_prefix(s)
+            held = sum(1 for b in cached if self.pool.refs[b] == 0)  # sharing these takes them off the free list
+            if self.pool.blocks_for(len(s.tokens)) - len(cached) + held > self._available():
                 break  # the whole prompt must fit before it starts
             self.waiting.popleft()
+            for b in cached:
+                self.pool.share(b)
+            s.cache.blocks = list(cached)
+            s.cache.length = len(cached) * self.pool.block
+            if s.t_first is None:  # (a preempted sequence keeps its first admission's numbers)
+                s.stats.cached_tokens = s.cache.length
+                self.prefix_queries += len(s.tokens)
+                self.prefix_hits += s.cache.length
             s.status = RUNNING
             self.running.append(s)
             n = min(s.todo, budget)
             chunks.append((s, n))
-            spare -= self._need(s, n)
+            self._promised += self._need(s, n)
             budget -= n
         return chunks
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def _keys(self, s: Sequence, full: int) -> list:
+        """Keys of the sequence's first `full` blocks of tokens: each names its tokens and (by hash) everything
+        before them."""
+        b = self.pool.block
+        while len(s.keys) < full:
+            j = len(s.keys)
+            s.keys.append((hash(s.keys[-1]) if j else 0, tuple(s.tokens[j * b:(j + 1) * b])))
+        return s.keys[:full]
+
+    def _cached_prefix(self, s: Sequence) -> list[int]:
+        """Cached blocks holding the longest run of the prompt's full blocks (at least one token is left to
+        compute, for the next token's logits)."""
+        if not (self.prefix_cache and s.params.cache_prompt) or s.prompt_logprobs is not None:
+            return []
+        out = []
+        for key in self._keys(s, (len(s.tokens) - 1) // self.pool.block):
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def _remember(self, s: Sequence) -> None:
+        """Offer the sequence's newly filled blocks to the prefix cache."""
+        full = s.cache.length // self.pool.block
+        for j, key in enumerate(self._keys(s, full)):
+            self.pool.remember(s.cache.blocks[j], key)
 
     def _preempt(self, s: Sequence) -> None:
         """Free a running sequence's blocks; it waits (first in line) and recomputes its tokens when readmitted."""

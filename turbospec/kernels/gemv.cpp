@@ -85,6 +85,39 @@ void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_
   }
 }
 
+// 4 weight rows x 4 input rows: each weight chunk is loaded and widened once for four rows (16 accumulators). Every
+// output is the same chain of FMAs, sum and tail as in block_4x2, so results do not depend on the blocking.
+template <typename W>
+void block_4x4(const W* w, int64_t ldw, const float* x, int64_t in, float* out, int64_t ldo, const char* pf,
+               int64_t pf_step) {
+  __m256 a[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= in; i += 8) {
+    const char* pp = pf + (i / 8) * pf_step;
+    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + in + i);
+    const __m256 v2 = _mm256_loadu_ps(x + 2 * in + i), v3 = _mm256_loadu_ps(x + 3 * in + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 wr = load8(w + r * ldw + i);
+      a[r][0] = _mm256_fmadd_ps(wr, v0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(wr, v1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(wr, v2, a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(wr, v3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    float s[4];
+    for (int j = 0; j < 4; ++j) s[j] = hsum(a[r][j]);
+    for (int64_t t = i; t < in; ++t) {
+      const float wv = to_f(w[r * ldw + t]);
+      for (int j = 0; j < 4; ++j) s[j] += wv * x[j * in + t];
+    }
+    for (int j = 0; j < 4; ++j) out[j * ldo + r] = s[j];
+  }
+}
+
 template <typename W>
 void block_1x2(const W* w, const float* x0, const float* x1, int64_t in, float* out0, float* out1, bool two) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -115,7 +148,18 @@ void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t ou
   at::parallel_for(0, nblk, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t o = b * 4;
-      for (int64_t r = 0; r < m; r += 2) {
+      const int64_t quads = o + 4 <= out ? m / 4 * 4 : 0;  // rows taken four at a time (full weight blocks)
+      if (quads) {
+        const int64_t blk_bytes = 4 * in * static_cast<int64_t>(sizeof(W));
+        const int64_t ahead = std::max<int64_t>(1, (PREFETCH_BYTES + blk_bytes - 1) / blk_bytes);
+        const int64_t passes = (m + 3) / 4, share = blk_bytes / passes;
+        const int64_t step = std::max<int64_t>(1, share / std::max<int64_t>(1, in / 8));
+        for (int64_t r = 0; r < quads; r += 4) {
+          const char* pf = reinterpret_cast<const char*>(w + std::min(o + 4 * ahead, out - 4) * in) + (r / 4) * share;
+          block_4x4(w + o * in, in, x + r * in, in, y + r * out + o, out, pf, step);
+        }
+      }
+      for (int64_t r = quads; r < m; r += 2) {
         const bool two = r + 1 < m;
         const float* x0 = x + r * in;
         const float* x1 = two ? x0 + in : x0;

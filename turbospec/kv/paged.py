@@ -11,6 +11,7 @@ from many sequences: it stores their K/V and runs their attention, decode rows o
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,30 +46,65 @@ class BlockPool:
         self.v: Packed = self.v_fmt.allocate(head_dim, lead)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids go out first
         self.refs = [0] * num_blocks
+        # prefix cache: full blocks known by the key of their tokens (and of everything before them); a cached block
+        # no sequence holds stays readable until it is evicted (least recently released first)
+        self._by_key: dict[object, int] = {}
+        self._key_of: dict[int, object] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     # ---- blocks -----------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be allocated now: free ones and cached ones no sequence holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Full blocks known to the prefix cache (held by sequences or not)."""
+        return len(self._by_key)
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"KV pool exhausted: {n} blocks needed, {len(self._free)} of {self.num_blocks} free")
-        out = [self._free.pop() for _ in range(n)]
-        for b in out:
+        if n > self.num_free:
+            raise OutOfBlocks(f"KV pool exhausted: {n} blocks needed, {self.num_free} of {self.num_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # evict the least recently released cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._by_key[self._key_of.pop(b)]
             self.refs[b] = 1
+            out.append(b)
         return out
 
     def release(self, blocks: list[int]) -> None:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self._free.append(b)
+                if b in self._key_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
             elif self.refs[b] < 0:
                 raise RuntimeError(f"block {b} released more often than allocated")
+
+    def remember(self, block: int, key: object) -> None:
+        """Block `block` is full and holds the positions that `key` names: later prompts may share it."""
+        if key not in self._by_key and block not in self._key_of:
+            self._by_key[key] = block
+            self._key_of[block] = key
+
+    def lookup(self, key: object) -> int | None:
+        return self._by_key.get(key)
+
+    def share(self, block: int) -> None:
+        """One more sequence holds cached block `block`."""
+        if self.refs[block] == 0:
+            del self._evictable[block]
+        self.refs[block] += 1
 
     # ---- storage ----------------------------------------------------------------------------------------
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
