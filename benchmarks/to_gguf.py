@@ -2,7 +2,7 @@
 llama.cpp loads, so that `llama-bench` can decode *the same weights* side by side with turbospec.
 
 The tokenizer is a placeholder (a gpt2-style vocabulary of `<t{i}>` strings without merges): llama-bench feeds
-token ids and never detokenizes, so speed is unaffected. Tensors are written in f32 or f16 (`--type`).
+token ids and never detokenizes, so speed is unaffected. Tensors are written in f32, f16 or bf16 (`--type`).
 
     python benchmarks/to_gguf.py --model <checkpoint dir> --type f16 --out /tmp/bench-f16.gguf
 """
@@ -49,10 +49,12 @@ def convert(model: Path, out: Path, wtype: str) -> None:
     w.add_value_length(cfg["head_dim"])
     w.add_rope_freq_base(float(cfg.get("rope_theta", 1e6)))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if wtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}.get(
+        wtype, gguf.LlamaFileType.ALL_F32))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    # ("<", "t" and "<t" are in the vocabulary so that the merge below is a valid BPE rule for tokenizers too)
+    w.add_token_list(["<t0>", "<t1>", "<", "t", "<t"] + [f"<t{i}>" for i in range(5, vocab)])
     w.add_token_types([gguf.TokenType.NORMAL] * vocab)
     w.add_token_merges(["< t"])  # llama.cpp requires the key; never used
     w.add_bos_token_id(0)
@@ -60,6 +62,10 @@ def convert(model: Path, out: Path, wtype: str) -> None:
 
     def put(name: str, arr: np.ndarray) -> None:
         # matrices in the requested type, norms (1-D) in f32 as llama.cpp's converter does
+        if wtype == "bf16" and arr.ndim == 2:
+            qt = gguf.GGMLQuantizationType.BF16
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), qt), raw_dtype=qt)
+            return
         arr = arr.astype(np.float16 if wtype == "f16" and arr.ndim == 2 else np.float32)
         w.add_tensor(name, arr)
 
@@ -80,7 +86,7 @@ def convert(model: Path, out: Path, wtype: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--type", choices=["f32", "f16"], default="f16")
+    ap.add_argument("--type", choices=["f32", "f16", "bf16"], default="f16")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     convert(Path(a.model), Path(a.out), a.type)

@@ -23,6 +23,7 @@ from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
 from turbospec.kv.paged import BlockPool, PagedBatch, PagedSequence, Segment, pool_for
 from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.linear import batch_products
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -158,7 +159,8 @@ class Scheduler:
         ids = torch.tensor([t for s, n in work for t in s.tokens[s.cache.length:s.cache.length + n]],
                            dtype=torch.int64)
         batch = PagedBatch(self.pool, segments)
-        hidden = self.model.forward(ids, batch.plan, batch)
+        with batch_products():
+            hidden = self.model.forward(ids, batch.plan, batch)
         batch.commit()
         if self.prefix_cache:
             for s, _ in work:
@@ -168,7 +170,8 @@ class Scheduler:
                 self._collect_prompt_logprobs(s, hidden[seg.row:seg.row + n], s.cache.length - n)
         done = [(s, seg.row + n - 1) for (s, n), seg in zip(work, segments) if s.todo == 0]
         if done:
-            logits = self.model.logits(hidden[[r for _, r in done]])
+            with batch_products():
+                logits = self.model.logits(hidden[[r for _, r in done]])
             for i, (s, _) in enumerate(done):
                 outputs.append(self._sample(s, logits[i]))
         return outputs

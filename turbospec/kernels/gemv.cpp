@@ -221,11 +221,18 @@ void add_residual(float* x, const float* d, int64_t n) {
 #include "quant.cpp"
 #include "bf16dot.cpp"
 
-// Whether products of bf16 weights with more than BF16_DOT_MIN_ROWS - 1 bf16-valued rows use AVX-512 BF16 dot
-// products (turbospec/kernels/bf16dot.cpp; then the fused layers take up to 64 rows). Fewer rows keep the AVX2
-// path: one row streams faster there, and decode (1 row) and verification (up to 16) must share their arithmetic.
-constexpr int64_t BF16_DOT_MIN_ROWS = 17;
+// Products of bf16 weights with at least `bf16_dot_rows` bf16-valued rows use AVX-512 BF16 dot products
+// (turbospec/kernels/bf16dot.cpp; then the fused layers take up to 64 rows). Fewer rows keep the AVX2 path: one
+// row streams faster there, and one sequence's decode (1 row) and verification (up to 16) must share their
+// arithmetic, so the default is 17. The continuous-batching scheduler lowers it to 2 around its forwards (rows of
+// different sequences: only the rows of one call must agree, and dot products are ~2x faster from 2 rows on).
+int64_t bf16_dot_rows = 17;
 bool bf16_dot() { return bf16dot::available(); }
+int64_t set_bf16_dot_rows(int64_t rows) {
+  const int64_t old = bf16_dot_rows;
+  bf16_dot_rows = std::max<int64_t>(1, rows);
+  return old;
+}
 
 // y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype or packed format. `x_bf16`: the
 // rows hold bf16 values (a bf16 model's activations), so bf16 weights may use the bf16 dot-product path.
@@ -234,7 +241,7 @@ void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, cons
   const int64_t in = in_features(w), out = w.size(0);
   if (packed::is_packed(w))
     packed::product(w, x, y, m);
-  else if (x_bf16 && m >= BF16_DOT_MIN_ROWS && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
+  else if (x_bf16 && m >= bf16_dot_rows && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
     bf16dot::run(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bf16dot::to_bits(x, m * in).data(),
                  y, m, in, out);
   else
@@ -794,7 +801,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
-  m.def("bf16_dot", &bf16_dot, "whether bf16 products use AVX-512 BF16 dot products");
+  m.def("bf16_dot", &bf16_dot, "whether bf16 products can use AVX-512 BF16 dot products");
+  m.def("set_bf16_dot_rows", &set_bf16_dot_rows, "fewest rows for bf16 dot products; returns the previous value");
   m.def("packed_linear", &packed_linear, "x W^T for a packed (Q8_0 / Q4_0 / Q4_K) W, any number of rows");
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");

@@ -6,6 +6,7 @@ the kernel in turbospec/kernels/gemv.cpp reads each weight once per step for up 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -43,6 +44,21 @@ def skinny_rows(dtype: torch.dtype) -> int:
 def _bf16_dot() -> bool:
     k = load_kernel()
     return k is not None and k.bf16_dot()
+
+
+@contextmanager
+def batch_products():
+    """Within: bf16 products of 2 or more rows use AVX-512 BF16 dot products (about twice the AVX2 path's speed
+    from 2 rows on). For forwards over rows of many sequences (continuous batching), where only the rows of one call
+    must agree; one sequence's decode and verification keep the default (dot products from 17 rows), so that
+    its 1 and k+1 rows share their arithmetic."""
+    k = load_kernel() if _bf16_dot() else None
+    old = k.set_bf16_dot_rows(2) if k is not None else None
+    try:
+        yield
+    finally:
+        if k is not None:
+            k.set_bf16_dot_rows(old)
 
 
 class Linear:
