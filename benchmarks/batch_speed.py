@@ -4,7 +4,8 @@ weights, in interleaved rounds.
 
 Each load sends S streamed greedy completions at once (distinct random token-id prompts of --prompt tokens,
 --gen tokens each, `ignore_eos`); aggregate t/s = all completion tokens / (last token received - first request
-sent); per stream: TTFT (request sent -> first token) and decode t/s ((tokens - 1) / (last - first token)). The
+sent), prefill included; per stream: TTFT (request sent -> first token) and decode t/s ((tokens - 1) / (last -
+first token)), and their sum (aggregate decode speed while the streams decode together). The
 single-stream reference is `turbospec serve` with -np 1 (the one-sequence engine) at S = 1. Servers run one at a
 time between loads only in the sense of load: they all stay up (idle servers cost nothing), and the loads of one
 round alternate between them.
@@ -72,7 +73,7 @@ async def load(url: str, prompts: list[list[int]], n: int) -> dict:
         raise RuntimeError(f"a stream returned {[r['tokens'] for r in rows]} tokens, expected {n} each")
     ttft = sorted(r["ttft_ms"] for r in rows)
     dec = sorted(r["decode_tps"] for r in rows)
-    return {"aggregate_tps": total / (end - start), "ttft_p50_ms": statistics.median(ttft),
+    return {"aggregate_tps": total / (end - start), "decode_tps_sum": sum(dec), "ttft_p50_ms": statistics.median(ttft),
             "ttft_p90_ms": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
             "stream_tps_p50": statistics.median(dec), "stream_tps_p10": dec[int(0.1 * len(dec))]}
 
@@ -145,12 +146,12 @@ def main() -> int:
         ll = by.get(("llama.cpp", r["streams"]))
         if ll and r["engine"] == "turbospec":
             r["vs_llama_cpp"] = r["aggregate_tps"] / ll["aggregate_tps"]
-    print(f"\n{'engine':18s} {'S':>3s} {'agg t/s':>9s} {'x single':>8s} {'x llama':>8s} {'ttft p50':>9s} "
-          f"{'ttft p90':>9s} {'stream p50':>10s} {'p10':>7s}")
+    print(f"\n{'engine':18s} {'S':>3s} {'agg t/s':>9s} {'x single':>8s} {'x llama':>8s} {'decode sum':>10s} "
+          f"{'ttft p50':>9s} {'ttft p90':>9s} {'stream p50':>10s} {'p10':>7s}")
     for r in rows:
         print(f"{r['engine']:18s} {r['streams']:3d} {r['aggregate_tps']:9.1f} {r.get('vs_single_stream', 0):8.2f} "
-              f"{r.get('vs_llama_cpp', 0):8.2f} {r['ttft_p50_ms']:9.0f} {r['ttft_p90_ms']:9.0f} "
-              f"{r['stream_tps_p50']:10.1f} {r['stream_tps_p10']:7.1f}")
+              f"{r.get('vs_llama_cpp', 0):8.2f} {r['decode_tps_sum']:10.1f} {r['ttft_p50_ms']:9.0f} "
+              f"{r['ttft_p90_ms']:9.0f} {r['stream_tps_p50']:10.1f} {r['stream_tps_p10']:7.1f}")
     if a.json:
         out = {"command": " ".join(["python", "benchmarks/batch_speed.py", *sys.argv[1:]]), "rounds": a.rounds,
                "prompt_tokens": a.prompt, "gen_tokens": a.gen, "rows": rows}

@@ -53,6 +53,7 @@ def test_concurrent_requests_equal_one_at_a_time(engine):
         m = httpx.get(base + "/metrics").text
         assert 'turbospec:request_success_total{finished_reason="length"} 5.0' in m
         assert "turbospec:kv_cache_usage_perc 0.0" in m and "turbospec:num_preemptions_total 0.0" in m
+        assert "turbospec:prefix_cache_queries_total" in m and "turbospec:prefix_cache_hits_total" in m
     for i in range(len(prompts)):
         assert together[i]["choices"][0]["text"] == alone[i]["choices"][0]["text"]
         assert together[i]["usage"] == alone[i]["usage"]

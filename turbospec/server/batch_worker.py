@@ -23,7 +23,7 @@ class BatchWorker(Worker):
         self.scheduler = Scheduler.for_engine(engine, parallel)
         self.active: dict[Sequence, Job] = {}
         self._ended: dict[Sequence, str] = {}  # sequences aborted by the worker: the finish reason it reports
-        self._preemptions_seen = 0
+        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}  # scheduler counters in /metrics
         super().__init__(engine, max_queue, metrics, thread)
 
     @property
@@ -66,10 +66,13 @@ class BatchWorker(Worker):
             return
         pool = self.scheduler.pool
         self.metrics.kv_usage.set(1.0 - pool.num_free / pool.num_blocks)
-        new = self.scheduler.preemptions - self._preemptions_seen
-        if new:
-            self.metrics.preemptions.inc(new)
-            self._preemptions_seen = self.scheduler.preemptions
+        sch, seen = self.scheduler, self._seen
+        for name, counter in (("preemptions", self.metrics.preemptions), ("prefix_queries", self.metrics.prefix_queries),
+                              ("prefix_hits", self.metrics.prefix_hits)):
+            now = getattr(sch, name)
+            if now > seen[name]:
+                counter.inc(now - seen[name])
+                seen[name] = now
 
     def _admit(self, job: Job) -> None:
         now = time.perf_counter()

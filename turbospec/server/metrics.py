@@ -53,6 +53,10 @@ class Metrics:
                               registry=r)
         self.preemptions = Counter(p + "num_preemptions", "Sequences preempted for KV blocks (--parallel)",
                                    registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(--parallel)", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache (--parallel)",
+                                   registry=r)
         self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verification steps that carried a draft",
                                    registry=r)
         self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed",
