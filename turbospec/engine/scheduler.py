@@ -216,7 +216,7 @@ class Scheduler:
     def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
         """Prompt chunks up to `budget` tokens within the blocks left: running sequences mid-prompt first, then
         newly admitted ones (their prompt's cached blocks shared, the rest of it must fit in the free blocks)."""
-        chunks = []
+        chunks: list[tuple[Sequence, int]] = []
         for s in self.running:
             if budget <= 0:
                 return chunks
@@ -304,11 +304,13 @@ class Scheduler:
 
     def _collect_prompt_logprobs(self, s: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Logprobs of the prompt tokens after positions [start, start + rows) (raw logits), 64 rows at a time."""
+        k, got = s.params.prompt_logprobs, s.prompt_logprobs
+        if k is None or got is None:
+            return
         end = min(start + hidden.shape[0], s.prompt_len - 1)
         for a in range(start, end, 64):
             b = min(a + 64, end)
-            s.prompt_logprobs += logprobs_of(self.model.logits(hidden[a - start:b - start]), s.tokens[a + 1:b + 1],
-                                             s.params.prompt_logprobs)
+            got += logprobs_of(self.model.logits(hidden[a - start:b - start]), s.tokens[a + 1:b + 1], k)
 
     def _sample(self, s: Sequence, logits: torch.Tensor) -> Output:
         """Sample the sequence's next token, apply the stop rules, and say what goes out."""
