@@ -1,7 +1,6 @@
 """The server with --parallel N: concurrent requests are generated together and give the answers they get one at a
 time; a client that leaves is aborted at the next step; a model the scheduler cannot run is refused at start-up."""
 
-import contextlib
 import threading
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from tests.test_server_cancel import _free_port, live, settle  # noqa: E402
+from tests.test_server_cancel import live, live_app, settle  # noqa: E402
 from turbospec.config import EngineConfig  # noqa: E402
 from turbospec.engine.engine import Engine  # noqa: E402
 from turbospec.errors import TurboSpecError  # noqa: E402
@@ -57,29 +56,6 @@ def test_concurrent_requests_equal_one_at_a_time(engine):
     for i in range(len(prompts)):
         assert together[i]["choices"][0]["text"] == alone[i]["choices"][0]["text"]
         assert together[i]["usage"] == alone[i]["usage"]
-
-
-@contextlib.contextmanager
-def live_app(engine, **cfg):
-    """`live`, also yielding the app (its worker's scheduler)."""
-    import uvicorn
-
-    from turbospec.server import ServerConfig, create_app
-
-    port = _free_port()
-    app = create_app(engine, ServerConfig(model_name="m", **cfg))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        srv.should_exit = True
-        t.join(15)
 
 
 def test_client_that_leaves_is_aborted_and_nothing_more_is_computed(engine):

@@ -66,6 +66,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def live(engine, **cfg):
+    with live_app(engine, **cfg) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def live_app(engine, **cfg):
+    """`live`, also yielding the app."""
     from turbospec.server import ServerConfig, create_app
 
     port = _free_port()
@@ -78,7 +85,7 @@ def live(engine, **cfg):
         assert time.time() < deadline, "server did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app
     finally:
         srv.should_exit = True
         t.join(15)
