@@ -64,46 +64,26 @@ TS_BF16 inline void rows(const uint16_t* w, const uint16_t* x, int64_t m, int64_
   }
 }
 
-// Blocks of BLK weight rows in parallel (each block against all m rows).
-template <int BLK>
-TS_BF16 void run_blocks(const uint16_t* w, const uint16_t* x, float* y, int64_t m, int64_t in, int64_t out) {
+// y[m, out] = x[m, in] . W^T for bf16 W [out, in] and x given as bf16 bits [m, in]: blocks of 4 weight rows in
+// parallel, each against all m rows in 4 x 4 tiles.
+TS_BF16 void run(const uint16_t* w, const uint16_t* x, float* y, int64_t m, int64_t in, int64_t out) {
   const int64_t full = in / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((1ull << (in - full)) - 1);
-  const int64_t nblk = (out + BLK - 1) / BLK, blk_bytes = BLK * in * 2;
+  const int64_t nblk = (out + 3) / 4, blk_bytes = 4 * in * 2;
   const int64_t ahead = std::max<int64_t>(1, (2 * PREFETCH_BYTES + blk_bytes - 1) / blk_bytes);
-  at::parallel_for(0, nblk, 64 / BLK, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, nblk, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t o = b * BLK;
+      const int64_t o = b * 4;
       const uint16_t* wb = w + o * in;
-      const char* pf = reinterpret_cast<const char*>(w + std::max<int64_t>(0, std::min(o + BLK * ahead, out - BLK)) * in);
-      int64_t q = 0;
-      for (; q + 4 <= std::min<int64_t>(BLK, out - o); q += 4) {
-        if constexpr (BLK == 8) {
-          if (q == 0 && o + 8 <= out) {
-            rows<8>(wb, x, m, in, full, tail, y + o, out, pf);
-            q = 8;
-            break;
-          }
-        }
-        rows<4>(wb + q * in, x, m, in, full, tail, y + o + q, out, pf + q * in);
-      }
-      switch (std::min<int64_t>(BLK, out - o) - q) {
-        case 3: rows<3>(wb + q * in, x, m, in, full, tail, y + o + q, out, pf); break;
-        case 2: rows<2>(wb + q * in, x, m, in, full, tail, y + o + q, out, pf); break;
-        case 1: rows<1>(wb + q * in, x, m, in, full, tail, y + o + q, out, pf); break;
-        default: break;
+      const char* pf = reinterpret_cast<const char*>(w + std::max<int64_t>(0, std::min(o + 4 * ahead, out - 4)) * in);
+      switch (std::min<int64_t>(4, out - o)) {
+        case 4: rows<4>(wb, x, m, in, full, tail, y + o, out, pf); break;
+        case 3: rows<3>(wb, x, m, in, full, tail, y + o, out, pf); break;
+        case 2: rows<2>(wb, x, m, in, full, tail, y + o, out, pf); break;
+        default: rows<1>(wb, x, m, in, full, tail, y + o, out, pf); break;
       }
     }
   });
-}
-
-// y[m, out] = x[m, in] . W^T for bf16 W [out, in] and x given as bf16 bits [m, in]. One row: 8 weight rows per
-// tile (more loads in flight); more rows: 4 x 4 tiles. Each output's arithmetic is the same either way.
-TS_BF16 void run(const uint16_t* w, const uint16_t* x, float* y, int64_t m, int64_t in, int64_t out) {
-  if (m == 1)
-    run_blocks<8>(w, x, y, m, in, out);
-  else
-    run_blocks<4>(w, x, y, m, in, out);
 }
 
 // float32 rows (bf16 values: the fused layers round their products' inputs to the model dtype) as bf16 bits,

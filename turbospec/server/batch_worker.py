@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from turbospec.engine.scheduler import Scheduler, Sequence
 from turbospec.errors import TurboSpecError
-from turbospec.server.protocol import APIError
 from turbospec.server.worker import Job, Worker
 
 
@@ -75,15 +74,7 @@ class BatchWorker(Worker):
                 seen[name] = now
 
     def _admit(self, job: Job) -> None:
-        now = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.queue_time.observe(now - job.enqueued)
-        if job.cancelled.is_set():
-            job.emit(("done", None, "abort"), last=True)
-            return
-        if now > job.deadline:
-            job.emit(("error", APIError(503, "request timed out waiting in the queue (--timeout)",
-                                        "server_overloaded", None, "queue_timeout")), last=True)
+        if not self._dequeued(job):
             return
         try:
             seq = self.scheduler.add(job.tokens, job.params)

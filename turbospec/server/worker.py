@@ -210,16 +210,23 @@ class Worker:
                 self._gauges()
         self.stop_soon()  # (also when `alive` said no) whatever is still queued gets its answer
 
-    def _run(self, job: Job) -> None:
-        start = time.perf_counter()
+    def _dequeued(self, job: Job) -> bool:
+        """A job leaves the queue: record its wait; answer it here (False) when it was cancelled meanwhile or its
+        deadline passed, else True (generate it)."""
+        now = time.perf_counter()
         if self.metrics is not None:
-            self.metrics.queue_time.observe(start - job.enqueued)
+            self.metrics.queue_time.observe(now - job.enqueued)
         if job.cancelled.is_set():
             job.emit(("done", None, "abort"), last=True)
-            return
-        if start > job.deadline:
+            return False
+        if now > job.deadline:
             job.emit(("error", APIError(503, "request timed out waiting in the queue (--timeout)",
                                         "server_overloaded", None, "queue_timeout")), last=True)
+            return False
+        return True
+
+    def _run(self, job: Job) -> None:
+        if not self._dequeued(job):
             return
         try:
             reason = self._generate(job)
