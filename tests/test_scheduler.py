@@ -22,12 +22,24 @@ from turbospec.sampling import SamplingParams
 from turbospec.tokenizer import Tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+HYBRID = TINY.parent / "turbospec-tiny-hybrid"
 pytestmark = pytest.mark.skipif(not (TINY / "config.json").exists(), reason="no bundled model")
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_model(str(TINY), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return load_model(str(HYBRID), torch.float32)
+
+
+def _hybrid_scheduler(m, positions, kv=None, *, max_seqs=4, step=96, snapshots=8, **kw):
+    pool = pool_for(m, positions, kv, kv, layers=m.num_attn_layers)
+    return Scheduler(m, pool, max_seqs=max_seqs, max_step_tokens=step, ctx=2048,
+                     states=m.new_state_pool(max_seqs, snapshots), **kw)
 
 
 def _solo(model, prompts, params, kv=None, tokenizer=None):
@@ -266,3 +278,73 @@ def test_requests_that_cannot_run_get_one_line_errors(model):
     with pytest.raises(TurboSpecError, match="outside the vocabulary"):
         sch.add([5], SamplingParams(logit_bias={10**6: 1.0}))
     assert not sch.has_work
+
+
+# ---- hybrid models: recurrent states per sequence, snapshots for the prefix cache --------------------------------
+@pytest.mark.parametrize("kv", [None, "q8_0", "tbq4_0"])
+def test_batched_hybrid_greedy_equals_solo(hybrid, kv):
+    prompts, params, steps = _requests(4 if kv is None else 6, 8)
+    want = _solo(hybrid, prompts, params, kv)
+    sch = _hybrid_scheduler(hybrid, 4096, kv)
+    got = _drive(sch, list(zip(steps, prompts, params)))
+    for i, w in enumerate(want):
+        assert got[i][0] == w[0], f"request {i}: prompt {len(prompts[i])} tokens"
+    assert sch.pool.num_free == sch.pool.num_blocks and sch.states.num_free == sch.states.num_slots
+
+
+def test_hybrid_preemption_recomputes_without_changing_outputs(hybrid):
+    rnd = random.Random(7)
+    prompts = [[rnd.randrange(3, 900) for _ in range(250 - i)] for i in range(4)] + [[7, 8, 9]]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 5
+    want = _solo(hybrid, prompts, params)
+    sch = _hybrid_scheduler(hybrid, 1024, max_seqs=6, step=64)
+    got = _drive(sch, [(0, p, sp) for p, sp in zip(prompts, params)])
+    assert sch.preemptions > 0
+    assert [got[i][0] for i in range(5)] == [w[0] for w in want]
+    assert sch.states.num_free == sch.states.num_slots
+
+
+def test_hybrid_prefix_resumes_from_a_snapshot_with_the_cold_output(hybrid):
+    """A follow-up turn starts from the last cached block whose recurrent states were snapshotted, and decodes what
+    a cold run does; without snapshots (--ctx-checkpoints 0) nothing can be reused."""
+    rnd = random.Random(8)
+    first = [rnd.randrange(3, 900) for _ in range(600)]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    sch = _hybrid_scheduler(hybrid, 2048)
+    a = _drive(sch, [(0, first, sp)])[0][0]
+    assert sch.states.num_snapshots == 2  # after 256 and 512 positions
+    second = first + a + [rnd.randrange(3, 900) for _ in range(200)]
+    other = [rnd.randrange(3, 900) for _ in range(300)]
+    want = _solo(hybrid, [second, other], [sp, sp])
+    got = _drive(sch, [(0, second, sp), (0, other, sp)])
+    assert got[0][4].stats.cached_tokens == 512 and got[1][4].stats.cached_tokens == 0
+    assert sch.states.snapshot_hits == 1
+    assert [got[0][0], got[1][0]] == [want[0][0], want[1][0]]
+    # the second turn snapshotted its own boundaries (512 again is known; 768 is new): a third turn resumes later
+    third = second + got[0][0] + [rnd.randrange(3, 900) for _ in range(50)]
+    assert _drive(sch, [(0, third, sp)])[0][4].stats.cached_tokens == 768
+    cold = _hybrid_scheduler(hybrid, 2048, snapshots=0)
+    _drive(cold, [(0, first, sp)])
+    redo = _drive(cold, [(0, second, sp)])[0]
+    assert redo[4].stats.cached_tokens == 0 and redo[0] == want[0][0]
+
+
+def test_state_pool_keeps_each_owners_newest_snapshots_and_the_most_recent():
+    from turbospec.kv.state_pool import StatePool
+
+    sp = StatePool(2, (3, 4), (1, 2, 2), torch.float32, slots=2, snapshots=3)
+    a, b = sp.acquire(), sp.acquire()
+    with pytest.raises(TurboSpecError, match="no free recurrent-state slot"):
+        sp.acquire()
+    for key in ("a1", "a2", "a3"):  # one owner keeps its 2 newest
+        sp.snapshot(key, a, owner=1)
+    assert [sp.has(k) for k in ("a1", "a2", "a3")] == [False, True, True]
+    sp.snapshot("b1", b, owner=2)
+    sp.restore("a2", b)  # used: now the most recent, owned by no one
+    sp.snapshot("b2", b, owner=2)  # the pool is full: the least recently used (a3) goes
+    assert [sp.has(k) for k in ("a2", "a3", "b1", "b2")] == [True, False, True, True]
+    sp.release(a)
+    with pytest.raises(RuntimeError, match="released twice"):
+        sp.release(a)
+    assert sp.nbytes == 5 * 2 * (3 * 4 * 4 + 4 * 4)
+

@@ -40,7 +40,15 @@ def _ask(base, prompts, out, stream=False):
         t.join()
 
 
-def test_concurrent_requests_equal_one_at_a_time(engine):
+@pytest.fixture(scope="module")
+def hybrid_engine():
+    path = TINY.parent / "turbospec-tiny-hybrid"
+    return Engine(load_model(str(path), torch.float32), Tokenizer(str(path)), EngineConfig(ctx=4096))
+
+
+@pytest.mark.parametrize("which", ["engine", "hybrid_engine"])
+def test_concurrent_requests_equal_one_at_a_time(which, request):
+    engine = request.getfixturevalue(which)
     prompts = ["Once upon a time", "def add(a, b):", "The quick brown fox", "1, 2, 3, 4,", "Hello"]
     alone: dict[int, dict] = {}
     together: dict[int, dict] = {}

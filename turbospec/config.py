@@ -148,11 +148,19 @@ class EngineConfig:
     cache_type_k: str | None = None  # KV formats (-ctk/-ctv): f16, q8_0, tbq4_0, turbo3, ...; None: the dtype
     cache_type_v: str | None = None
     prefix_cache: bool = True  # reuse the KV of a prompt's common prefix with the previous request
+    # continuous batching (serve -np N > 1): memory of the paged KV pool in MiB (None: room for `ctx` positions), and
+    # hybrid models' recurrent-state snapshots kept for the prefix cache, per parallel sequence
+    cache_mem: int | None = None
+    ctx_checkpoints: int = 2
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.ctx <= 0 or self.ubatch <= 0 or self.batch <= 0:
             raise TurboSpecError("context, batch and ubatch sizes must be positive")
+        if self.cache_mem is not None and self.cache_mem <= 0:
+            raise TurboSpecError("--cache-mem must be a positive number of MiB")
+        if self.ctx_checkpoints < 0:
+            raise TurboSpecError("--ctx-checkpoints must be >= 0")
         if self.threads is not None and self.threads <= 0:
             raise TurboSpecError("--threads must be positive")
         _set(self, "dtype", dtypes.long_name(self.dtype))

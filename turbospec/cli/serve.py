@@ -47,7 +47,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"largest accepted request body (default {DEFAULT_MAX_BODY})")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sequences decoded together (continuous batching over a paged KV pool of -c positions "
-                        "shared by all of them; dense models, no speculation yet) (default 1: one at a time)")
+                        "shared by all of them; no speculation yet) (default 1: one at a time)")
+    p.add_argument("--cache-mem", type=int, default=None, metavar="MIB",
+                   help="-np > 1: memory of the shared KV pool in MiB, prefix cache and hybrid models' recurrent "
+                        "states included (default: room for -c positions)")
+    p.add_argument("--ctx-checkpoints", type=int, default=2, metavar="N",
+                   help="-np > 1 on hybrid models: recurrent-state snapshots per parallel sequence kept at KV block "
+                        "boundaries, so that a prompt repeating an earlier one resumes there (default 2; 0: off)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the generation worker; more get 503 (default 64)")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -88,7 +94,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"warning: --host {a.host} may be reachable from other machines and no API key is set: anyone who "
               f"can reach port {a.port} can use the server; set --api-key-file (or --api-key)",
               file=sys.stderr, flush=True)
-    engine = build_engine(engine_config(a))
+    engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints))
     name = a.alias or Path(engine.model_path).name
     cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
                        max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,

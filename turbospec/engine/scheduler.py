@@ -23,6 +23,7 @@ from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
 from turbospec.kv.paged import BlockPool, PagedBatch, PagedSequence, Segment, pool_for
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 
@@ -45,6 +46,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None  # collected chunk by chunk when asked for
     keys: list = field(default_factory=list)  # prefix-cache keys of its full blocks, computed as they fill
     t_first: float | None = None
+    slot: int | None = None  # hybrid models: its recurrent-state slot while running
 
     @property
     def todo(self) -> int:
@@ -71,7 +73,8 @@ class Output:
 
 class Scheduler:
     def __init__(self, model, pool: BlockPool, *, max_seqs: int = 8, max_step_tokens: int = 512, ctx: int = 4096,
-                 tokenizer=None, eos: set[int] | None = None, prefix_cache: bool = True):
+                 tokenizer=None, eos: set[int] | None = None, prefix_cache: bool = True,
+                 states: StatePool | None = None):
         if max_seqs < 1 or max_step_tokens < 1:
             raise TurboSpecError("the scheduler needs at least one sequence and one token per step")
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
@@ -86,23 +89,36 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found cached
+        # hybrid models: recurrent states per running sequence (and prefix snapshots at block boundaries)
+        self.states = states
+        if states is not None and states.num_slots < max_seqs:
+            raise TurboSpecError(f"{states.num_slots} recurrent-state slots for {max_seqs} sequences")
 
     @classmethod
     def for_engine(cls, engine, parallel: int) -> Scheduler:
-        """A scheduler over `engine`'s model, tokenizer and settings: a pool of `ctx` positions in its KV formats,
-        `parallel` sequences at most, `ubatch` tokens per step. One-line errors for what it cannot run yet."""
+        """A scheduler over `engine`'s model, tokenizer and settings: a KV pool of `ctx` positions (or of
+        `cache_mem` MiB) in its KV formats, `parallel` sequences at most, `ubatch` tokens per step; on hybrids a
+        recurrent-state slot per sequence and `ctx_checkpoints` snapshots per sequence. One-line errors for what it
+        cannot run yet."""
         from turbospec.model.dense import DenseModel
+        from turbospec.model.hybrid import HybridModel
 
-        c = engine.config
-        if not isinstance(engine.model, DenseModel):
-            raise TurboSpecError(f"--parallel {parallel}: continuous batching runs dense models (Qwen3 / Qwen2 / "
-                                 f"Llama) for now, not {engine.model.cfg.arch}; use --parallel 1")
+        c, model = engine.config, engine.model
+        if not isinstance(model, (DenseModel, HybridModel)):
+            raise TurboSpecError(f"--parallel {parallel}: continuous batching runs dense and hybrid models, not "
+                                 f"{model.cfg.arch}; use --parallel 1")
         if engine.drafter is not None:
             raise TurboSpecError(f"--parallel {parallel}: speculative decoding is not batched yet; drop --spec-type "
                                  "or use --parallel 1")
-        pool = pool_for(engine.model, c.ctx, c.cache_type_k, c.cache_type_v)
-        return cls(engine.model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
-                   tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache)
+        states = None
+        if isinstance(model, HybridModel):
+            snapshots = c.ctx_checkpoints * parallel if c.prefix_cache else 0
+            states = model.new_state_pool(parallel, snapshots)
+        pool = pool_for(model, c.ctx, c.cache_type_k, c.cache_type_v, mem=c.cache_mem,
+                        layers=model.num_attn_layers if isinstance(model, HybridModel) else model.cfg.num_layers,
+                        reserved=states.nbytes if states is not None else 0)
+        return cls(model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
+                   tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache, states=states)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -158,7 +174,8 @@ class Scheduler:
             rows += n
         ids = torch.tensor([t for s, n in work for t in s.tokens[s.cache.length:s.cache.length + n]],
                            dtype=torch.int64)
-        batch = PagedBatch(self.pool, segments)
+        paged = PagedBatch(self.pool, segments)
+        batch = paged if self.states is None else HybridBatch(paged, self.states, [s.slot for s, _ in work])  # type: ignore[misc]
         with batch_products():
             hidden = self.model.forward(ids, batch.plan, batch)
         batch.commit()
@@ -221,7 +238,7 @@ class Scheduler:
             if budget <= 0:
                 return chunks
             if s.todo > 1:
-                n = min(s.todo, budget)
+                n = self._chunk(s, budget)
                 if self._need(s, n) > self._available():
                     continue
                 chunks.append((s, n))
@@ -238,17 +255,30 @@ class Scheduler:
                 self.pool.share(b)
             s.cache.blocks = list(cached)
             s.cache.length = len(cached) * self.pool.block
+            if self.states is not None:
+                s.slot = self.states.acquire()
+                if cached:  # resume from the recurrent states after the last shared block
+                    self.states.restore(self._keys(s, len(cached))[-1], s.slot)
             if s.t_first is None:  # (a preempted sequence keeps its first admission's numbers)
                 s.stats.cached_tokens = s.cache.length
                 self.prefix_queries += len(s.tokens)
                 self.prefix_hits += s.cache.length
             s.status = RUNNING
             self.running.append(s)
-            n = min(s.todo, budget)
+            n = self._chunk(s, budget)
             chunks.append((s, n))
             self._promised += self._need(s, n)
             budget -= n
         return chunks
+
+    def _chunk(self, s: Sequence, budget: int) -> int:
+        """The next prompt chunk of `s`: within the budget and, on a hybrid with the prefix cache, ending at the next
+        block boundary at the latest (the recurrent states there are snapshotted)."""
+        n = min(s.todo, budget)
+        if self.states is not None and self.prefix_cache and self.states.max_snapshots:
+            b = self.pool.block
+            n = min(n, b - s.cache.length % b)
+        return n
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def _keys(self, s: Sequence, full: int) -> list:
@@ -265,24 +295,31 @@ class Scheduler:
         compute, for the next token's logits)."""
         if not (self.prefix_cache and s.params.cache_prompt) or s.prompt_logprobs is not None:
             return []
-        out = []
+        out: list[int] = []
+        usable = 0  # hybrids: the prefix ends at the last block whose recurrent states were snapshotted
         for key in self._keys(s, (len(s.tokens) - 1) // self.pool.block):
             block = self.pool.lookup(key)
             if block is None:
                 break
             out.append(block)
-        return out
+            if self.states is None or self.states.has(key):
+                usable = len(out)
+        return out[:usable]
 
     def _remember(self, s: Sequence) -> None:
         """Offer the sequence's newly filled blocks to the prefix cache."""
         full = s.cache.length // self.pool.block
-        for j, key in enumerate(self._keys(s, full)):
+        keys = self._keys(s, full)
+        for j, key in enumerate(keys):
             self.pool.remember(s.cache.blocks[j], key)
+        if self.states is not None and full and s.cache.length % self.pool.block == 0 and s.slot is not None:
+            self.states.snapshot(keys[-1], s.slot, s.id)  # (a no-op when it has this one)
 
     def _preempt(self, s: Sequence) -> None:
         """Free a running sequence's blocks; it waits (first in line) and recomputes its tokens when readmitted."""
         self.running.remove(s)
         s.cache.reset()
+        self._release_slot(s)
         s.status = WAITING
         if s.prompt_logprobs:  # collected again from the start
             s.prompt_logprobs = []
@@ -295,12 +332,18 @@ class Scheduler:
         elif s in self.waiting:
             self.waiting.remove(s)
         s.cache.reset()
+        self._release_slot(s)
         s.status = FINISHED
         now = time.perf_counter()
         if s.t_first is not None:
             s.stats.decode_s = now - s.t_first
         elif not s.stats.prefill_s:
             s.stats.prefill_s = now - s.arrived
+
+    def _release_slot(self, s: Sequence) -> None:
+        if self.states is not None and s.slot is not None:
+            self.states.release(s.slot)
+            s.slot = None
 
     def _collect_prompt_logprobs(self, s: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Logprobs of the prompt tokens after positions [start, start + rows) (raw logits), 64 rows at a time."""

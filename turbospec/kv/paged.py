@@ -333,12 +333,24 @@ class PagedBatch:
         return torch.stack(outs).permute(1, 2, 0, 3).reshape(kvh * g, len(segs), d)
 
 
-def pool_for(model, positions: int, k_type: str | None, v_type: str | None, block: int = BLOCK) -> BlockPool:
-    """A pool with room for `positions` positions (rounded up to blocks) for a dense model; K/V formats by name
-    (None: the model's dtype)."""
+def pool_for(model, positions: int, k_type: str | None, v_type: str | None, block: int = BLOCK, *,
+             layers: int | None = None, mem: int | None = None, reserved: int = 0) -> BlockPool:
+    """A pool for `model`'s attention layers (`layers`, default all of them) in K/V formats by name (None: the
+    model's dtype): room for `positions` positions (rounded up to blocks), or as many blocks as fit in `mem` MiB
+    after `reserved` bytes (a hybrid's recurrent states)."""
     from turbospec.dtypes import short_name
 
     c = model.cfg
     dt = short_name(model.dtype)
-    return BlockPool(c.num_layers, c.num_kv_heads, c.head_dim, max(1, math.ceil(positions / block)),
-                     k_type=k_type or dt, v_type=v_type or dt, block=block)
+    def make(blocks: int) -> BlockPool:
+        return BlockPool(layers if layers is not None else c.num_layers, c.num_kv_heads, c.head_dim, blocks,
+                         k_type=k_type or dt, v_type=v_type or dt, block=block)
+
+    if mem is None:
+        return make(max(1, math.ceil(positions / block)))
+    per_block = make(1).nbytes
+    n = (mem * 2**20 - reserved) // per_block
+    if n < 1:
+        raise TurboSpecError(f"--cache-mem {mem} MiB leaves no room for a KV block ({per_block / 2**20:.2f} MiB per "
+                             f"{block} positions, {reserved / 2**20:.2f} MiB of recurrent states reserved)")
+    return make(n)

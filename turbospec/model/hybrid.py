@@ -24,6 +24,7 @@ from turbospec.kv.cache import KVCache
 from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers import block
 from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
@@ -201,6 +202,8 @@ class HybridLayer:
         if self.kind == "full_attention":
             x = x + self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot)
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+        if isinstance(cache, HybridBatch):
+            return self._gdn_batch(x, cache, k)
         conv, ssm = cache.gdn_state(self.slot)
         gdn = self.mixer
         if (k is not None and cache.track_all_states and load_gdn_kernel() is not None
@@ -222,6 +225,27 @@ class HybridLayer:
                                 cache.tree_parents)
         cache.gdn_stash(self.slot, window, states)
         x = x + y
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+
+
+    def _gdn_batch(self, x: torch.Tensor, cache: HybridBatch, k) -> torch.Tensor:
+        """A Gated DeltaNet layer over many sequences' rows: the projections and the MLP over all rows at once, the
+        conv and recurrence segment by segment from each sequence's own states."""
+        gdn = self.mixer
+        if k is not None:
+            proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+        else:
+            proj = gdn.proj(rms_norm(x, self.in_norm, self.eps, True))
+        outs = []
+        for i, seg in enumerate(cache.segments):
+            conv, ssm = cache.gdn_state(i, self.slot)
+            o, window, states = gdn.mix(proj[seg.row:seg.row + seg.n], conv, ssm, cache.all_states(i))
+            cache.gdn_stash(i, self.slot, window, states)
+            outs.append(o)
+        o = gdn.out_order(torch.cat(outs) if len(outs) > 1 else outs[0])
+        if k is not None:
+            return block.out_mlp(k, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
+        x = x + gdn.out(o)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
 
@@ -291,16 +315,24 @@ class HybridModel:
         return HybridCache(self.num_attn_layers, c.num_kv_heads, c.head_dim, self.num_gdn_layers, self._conv_shape,
                            self._ssm_shape, max_len, self.dtype, rollback_limit=rollback_limit, kv=kv)
 
+    def new_state_pool(self, slots: int, snapshots: int, rollback_limit: int = 16) -> StatePool:
+        """Recurrent states for `slots` sequences batched together and `snapshots` prefix-cache snapshots."""
+        return StatePool(self.num_gdn_layers, self._conv_shape, self._ssm_shape, self.dtype, slots, snapshots,
+                         rollback_limit=rollback_limit)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: Cache, out_rows: int | None = None
                 ) -> torch.Tensor:
         """Final-normed hidden rows [N, H] (the last `out_rows` of them, as DenseModel.forward)."""
-        if not isinstance(cache, HybridCache):
+        if isinstance(cache, HybridBatch):  # many sequences' causal rows (continuous batching)
+            cache.begin(tokens.numel())
+        elif not isinstance(cache, HybridCache):
             raise TurboSpecError("hybrid models need the cache from HybridModel.new_cache()")
-        if plan.mask is not None and plan.parents is None:
-            raise TurboSpecError("hybrid models need tree steps as AttentionPlan.tree(...) (with parents)")
-        cache.begin(tokens.numel())
-        cache.set_tree(plan.parents)
+        else:
+            if plan.mask is not None and plan.parents is None:
+                raise TurboSpecError("hybrid models need tree steps as AttentionPlan.tree(...) (with parents)")
+            cache.begin(tokens.numel())
+            cache.set_tree(plan.parents)
         x = rows_of(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1

@@ -1,0 +1,167 @@
+"""Recurrent states of a hybrid model's Gated DeltaNet layers for continuous batching.
+
+`StatePool` holds one slot per running sequence (the conv state [K-1, C] and the recurrent state [Hv, Dk, Dv]
+float32 of every GDN layer) and a bounded, least-recently-used set of snapshots: the states after a full KV block
+of the prefix cache, so that a prompt that starts with cached blocks resumes from the last one with a snapshot
+instead of re-processing it. A slot holds references to tensors that nothing writes to again (a step's outputs),
+so committing a step and taking a snapshot copy nothing.
+
+`HybridBatch` is the cache of one batched forward of a hybrid model: attention layers see its `kv` (a
+`PagedBatch`), Gated DeltaNet layers run segment by segment over `segments` and stash each segment's window and
+states; `commit()` commits both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from turbospec.errors import TurboSpecError
+from turbospec.kv.paged import PagedBatch, Segment
+
+States = tuple[list[torch.Tensor], list[torch.Tensor]]  # conv and recurrent state of every GDN layer
+
+
+class StatePool:
+    def __init__(self, num_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+                 dtype: torch.dtype, slots: int, snapshots: int, *, rollback_limit: int = 16):
+        if slots < 1 or snapshots < 0:
+            raise TurboSpecError("a state pool needs at least one slot and a non-negative snapshot count")
+        self.num_layers, self.dtype = num_layers, dtype
+        self.conv_shape, self.ssm_shape = tuple(conv_shape), tuple(ssm_shape)
+        self.num_slots, self.max_snapshots = slots, snapshots
+        self.rollback_limit = rollback_limit  # steps up to this many rows use the token-by-token recurrence
+        self._states: list[States | None] = [None] * slots
+        self._free = list(range(slots - 1, -1, -1))
+        self._snapshots: OrderedDict[object, States] = OrderedDict()  # key -> states, least recently used first
+        self._owner: dict[object, int] = {}  # snapshot key -> id of the sequence that took it
+        self.snapshot_hits = 0
+
+    # ---- slots ------------------------------------------------------------------------------------------
+    def acquire(self) -> int:
+        if not self._free:
+            raise TurboSpecError(f"no free recurrent-state slot ({self.num_slots} in use)")
+        slot = self._free.pop()
+        self._states[slot] = self.zeros()
+        return slot
+
+    def release(self, slot: int) -> None:
+        if self._states[slot] is None:
+            raise RuntimeError(f"state slot {slot} released twice")
+        self._states[slot] = None
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def zeros(self) -> States:
+        return ([torch.zeros(self.conv_shape, dtype=self.dtype) for _ in range(self.num_layers)],
+                [torch.zeros(self.ssm_shape, dtype=torch.float32) for _ in range(self.num_layers)])
+
+    def get(self, slot: int) -> States:
+        st = self._states[slot]
+        if st is None:
+            raise RuntimeError(f"state slot {slot} is not in use")
+        return st
+
+    def set(self, slot: int, states: States) -> None:
+        self._states[slot] = states
+
+    # ---- snapshots --------------------------------------------------------------------------------------
+    def snapshot(self, key: object, slot: int, owner: int, per_owner: int = 2) -> None:
+        """Keep slot's states as the states after the block named `key`; an owner keeps its `per_owner` newest
+        snapshots, and the pool its `max_snapshots` most recently used."""
+        if self.max_snapshots == 0 or key in self._snapshots:
+            return
+        mine = [k for k, o in self._owner.items() if o == owner]
+        for k in mine[:max(0, len(mine) - per_owner + 1)]:
+            self._drop(k)
+        while len(self._snapshots) >= self.max_snapshots:
+            self._drop(next(iter(self._snapshots)))
+        conv, ssm = self.get(slot)
+        self._snapshots[key] = (list(conv), list(ssm))
+        self._owner[key] = owner
+
+    def has(self, key: object) -> bool:
+        return key in self._snapshots
+
+    def restore(self, key: object, slot: int) -> None:
+        """Slot's states become the snapshot's (which stays, now the most recently used, owned by no one)."""
+        conv, ssm = self._snapshots[key]
+        self._snapshots.move_to_end(key)
+        self._owner[key] = -1
+        self._states[slot] = (list(conv), list(ssm))
+        self.snapshot_hits += 1
+
+    def _drop(self, key: object) -> None:
+        del self._snapshots[key]
+        del self._owner[key]
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    # ---- memory -----------------------------------------------------------------------------------------
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's conv + recurrent states (all GDN layers)."""
+        return state_bytes(self.num_layers, self.conv_shape, self.ssm_shape, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every slot and snapshot when all are in use (what the budget reserves)."""
+        return (self.num_slots + self.max_snapshots) * self.state_bytes
+
+    def __repr__(self) -> str:
+        return (f"<StatePool {self.num_slots} slots + {self.max_snapshots} snapshots x "
+                f"{self.state_bytes / 2**20:.2f} MiB>")
+
+
+def state_bytes(num_layers: int, conv_shape, ssm_shape, dtype: torch.dtype) -> int:
+    return num_layers * (math.prod(conv_shape) * dtype.itemsize + math.prod(ssm_shape) * 4)
+
+
+class HybridBatch:
+    """One batched forward of a hybrid model: `kv` for the attention layers, per-segment states for the GDN ones."""
+
+    def __init__(self, kv: PagedBatch, states: StatePool, slots: list[int]):
+        if len(slots) != len(kv.segments):
+            raise ValueError("one state slot per segment")
+        self.kv, self.states, self.slots = kv, states, slots
+        self.segments: list[Segment] = kv.segments
+        self.plan = kv.plan
+        n = states.num_layers
+        self._stash: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [[None] * n for _ in slots]
+
+    def begin(self, n: int) -> None:
+        self.kv.begin(n)
+
+    def all_states(self, i: int) -> bool:
+        """Whether segment i's step keeps the state after every row (the token-by-token form, as a lone sequence's
+        step of that many rows does)."""
+        return self.segments[i].n <= self.states.rollback_limit
+
+    def gdn_state(self, i: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, ssm = self.states.get(self.slots[i])
+        return conv[layer], ssm[layer]
+
+    def gdn_stash(self, i: int, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
+        self._stash[i][layer] = (window, states)
+
+    def commit(self) -> None:
+        self.kv.commit()
+        k = self.states.conv_shape[0]
+        for i, slot in enumerate(self.slots):
+            stash = self._stash[i]
+            if any(x is None for x in stash):
+                raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+            n = self.segments[i].n
+            conv = [w[-k:] for w, _ in stash]  # type: ignore[misc]
+            # one row: a view of the step's only state; more: a copy of the last, so the step's others can go
+            ssm = [s[0] if s.shape[0] == 1 else s[-1].clone() for _, s in stash]  # type: ignore[misc]
+            if n > 1:
+                conv = [c.clone() for c in conv]
+            self.states.set(slot, (conv, ssm))
