@@ -348,3 +348,17 @@ def test_state_pool_keeps_each_owners_newest_snapshots_and_the_most_recent():
         sp.release(a)
     assert sp.nbytes == 5 * 2 * (3 * 4 * 4 + 4 * 4)
 
+
+
+def test_cache_mem_sizes_the_pool_after_the_recurrent_states(hybrid):
+    """--cache-mem MiB: as many KV blocks as fit once the state slots and snapshots are reserved; too little is a
+    one-line error."""
+    eng = Engine(hybrid, None, EngineConfig(ctx=2048, cache_mem=8, ctx_checkpoints=2, cache_type_k="q8_0",
+                                            cache_type_v="q8_0"))
+    sch = Scheduler.for_engine(eng, 4)
+    st, pool = sch.states, sch.pool
+    assert (st.num_slots, st.max_snapshots) == (4, 8)
+    assert pool.num_blocks == (8 * 2**20 - st.nbytes) // pool.bytes_per_block
+    assert 10 < pool.num_blocks and pool.num_blocks * pool.bytes_per_block + st.nbytes <= 8 * 2**20
+    with pytest.raises(TurboSpecError, match="leaves no room for a KV block"):
+        Scheduler.for_engine(Engine(hybrid, None, EngineConfig(ctx=2048, cache_mem=1, ctx_checkpoints=8)), 8)

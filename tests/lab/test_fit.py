@@ -250,3 +250,27 @@ def test_gguf_packed_matrices_counted_as_stored(tmp_path):
     # --weights on a GGUF file packs only its float matrices; the Q8_0 one stays as stored
     assert estimate(arch, Setup(dtype="bfloat16", weights="q4_0"), 64, "f32", "f32").weights == \
         100 * 64 * 18 // 32 + 64 * 2 * 34
+
+
+def test_parallel_counts_the_shared_pool_and_every_sequences_states():
+    """serve -np N: the KV pool's whole blocks and, on a hybrid, N state slots + their snapshots + the states of a
+    step in flight, per sequence the bytes of the engine's own StatePool."""
+    from pathlib import Path
+
+    import torch
+
+    from turbospec.kv.paged import pool_for
+    from turbospec.model.registry import load_model
+
+    path = Path(__file__).resolve().parents[2] / "models" / "turbospec-tiny-hybrid"
+    if not (path / "config.json").exists():
+        pytest.skip("no bundled hybrid model")
+    arch, m = load_arch(str(path)), load_model(str(path), torch.float32)
+    one = estimate(arch, Setup(), 1000, "q8_0", "q8_0")
+    par = estimate(arch, Setup(parallel=4, ctx_checkpoints=3), 1000, "q8_0", "q8_0")
+    state = m.new_state_pool(1, 0).state_bytes
+    assert one.recurrent_state == state
+    assert par.recurrent_state == 4 * (2 + 3) * state
+    assert par.attention_kv == pool_for(m, 1000, "q8_0", "q8_0", layers=m.num_attn_layers).nbytes  # 4 blocks
+    with pytest.raises(TurboSpecError, match="not batched"):
+        estimate(arch, Setup(parallel=2), 1000, "q8_0", "q8_0", mode="mtp")

@@ -53,6 +53,11 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--spec-state", choices=("per-position", "checkpoint"), default="per-position",
                    help="GDN rollback for speculation: a state copy per chain position (turbospec, default) "
                         "or one checkpoint copy (llama.cpp speculative checkpointing)")
+    p.add_argument("-np", "--parallel", type=int, default=1,
+                   help="cpu: sequences served together (serve -np): the context is then the positions of the KV "
+                        "pool they share, and hybrids hold a recurrent state per sequence (default 1)")
+    p.add_argument("--ctx-checkpoints", type=int, default=2,
+                   help="with -np > 1 on hybrids: recurrent-state snapshots per sequence (serve's flag; default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
     return p
@@ -67,14 +72,16 @@ def _types(s: str | None) -> list[str]:
 def run(a: argparse.Namespace) -> int:
     arch = fit.load_arch(a.model, a.config, a.preset)
     bpw = fit.weight_bpw(a.weight_dtype) if a.weight_dtype else a.weights_bpw
-    if a.ubatch_size < 1 or a.n_max < 0:
-        raise TurboSpecError("-ub must be >= 1 and --n-max >= 0")
+    if a.ubatch_size < 1 or a.n_max < 0 or a.parallel < 1 or a.ctx_checkpoints < 0:
+        raise TurboSpecError("-ub and -np must be >= 1, --n-max and --ctx-checkpoints >= 0")
+    if a.parallel > 1 and (a.backend != "cpu" or a.mtp or a.draft_model):
+        raise TurboSpecError("-np > 1 plans turbospec's CPU server without speculation (no --mtp, -md, cuda)")
     if not dtypes.is_dtype_name(a.dtype):
         raise TurboSpecError(f"unknown --dtype {a.dtype!r} (float32, bfloat16, float16)")
     runtime, imp = fit.runtime_baseline(a.runtime_overhead, a.backend)
     setup = fit.Setup(backend=a.backend, dtype=a.dtype, weights_bpw=bpw, ubatch=a.ubatch_size, n_max=a.n_max,
                       weights=a.weights, logits_rows=a.logits_rows, runtime_overhead=runtime, import_overhead=imp,
-                      spec_state=a.spec_state)
+                      spec_state=a.spec_state, parallel=a.parallel, ctx_checkpoints=a.ctx_checkpoints)
     mem = fit.parse_mem(a.mem)
     draft = fit.load_arch(a.draft_model) if a.draft_model else None
     info = fit.plan(arch, setup, mem, _types(a.cache_type_k), _types(a.cache_type_v), a.mtp, draft,

@@ -21,6 +21,7 @@ CPU_RUNTIME_OVERHEAD = 250 * 2**20
 # 0.3-0.6 GiB).
 CUDA_RUNTIME_OVERHEAD = 512 * 2**20
 QUANT_BLOCK = 1024  # turbospec.kv.quant_cache.DEFAULT_BLOCK: positions decoded per attention block
+PAGE = 256  # turbospec.kv.paged.BLOCK: positions per block of the paged pool (serve -np > 1)
 ROLLBACK_LIMIT = 16  # HybridCache.rollback_limit: steps up to this many tokens keep every recurrent state
 
 
@@ -38,6 +39,8 @@ class Setup:
     import_overhead: int | None = None  # cpu: base of the load phase
     spec_state: str = "per-position"  # GDN rollback: per-position state copies | checkpoint (one copy)
     logits_rows: int | None = None  # None: 1 + n_max on cpu, ubatch on cuda
+    parallel: int = 1  # cpu: sequences batched together (serve -np): ctx is the shared KV pool's positions
+    ctx_checkpoints: int = 2  # cpu, parallel > 1, hybrids: recurrent-state snapshots per sequence (prefix cache)
 
 
 def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
@@ -141,7 +144,7 @@ def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int) -> int:
         gdn = rows * (arch.conv_dim * 2 + 2 * arch.gdn_v_heads * arch.gdn_v_dim) * f
     residual = rows * 3 * h * f  # x, normed x, sublayer output
     n_logits = setup.logits_rows if setup.logits_rows is not None else (
-        setup.ubatch if setup.backend == "cuda" else 1 + setup.n_max)
+        setup.ubatch if setup.backend == "cuda" else max(1 + setup.n_max, setup.parallel))
     # logits + sampler probabilities
     logits = n_logits * arch.vocab * 4 * (2 if setup.backend == "cpu" else 1)
     return residual + max(attn, mlp, gdn) + logits
@@ -201,6 +204,14 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     b.attention_kv = ctx * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim, k_type, v_type)
     chain = setup.n_max + 1 if spec else 1
     b.recurrent_state, b.spec_state_copies = recurrent_bytes(arch, setup, chain)
+    if setup.parallel > 1:
+        if spec:
+            raise TurboSpecError("speculative decoding is not batched yet (--parallel > 1)")
+        # one pool of whole blocks shared by every sequence; a state slot per sequence, its snapshots, and while
+        # a step runs each sequence's new states next to its committed ones
+        b.attention_kv = -(-ctx // PAGE) * PAGE * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim,
+                                                                      k_type, v_type)
+        b.recurrent_state *= setup.parallel * (2 + setup.ctx_checkpoints)
     if mode == "mtp":
         if not arch.mtp_layers:
             raise TurboSpecError(f"{arch.name} has no MTP module")

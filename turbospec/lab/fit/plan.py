@@ -100,7 +100,7 @@ def plan(arch: Arch, setup: Setup, mem: int, k_types: list[str] | None = None,
     an MTP module), draft (when a draft model is given); K types default to DEFAULT_KV_TYPES, V types to
     K's."""
     modes = ["base"]
-    want_mtp = mtp if mtp is not None else bool(arch.mtp_layers)
+    want_mtp = mtp if mtp is not None else bool(arch.mtp_layers) and setup.parallel == 1
     if want_mtp:
         if not arch.mtp_layers:
             raise TurboSpecError(

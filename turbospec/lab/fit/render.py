@@ -41,6 +41,8 @@ def format_report(info: dict) -> str:
     setup = info["setup"]
     lines = [f"{info['model']}: budget {fmt_bytes(info['mem_bytes'])}, backend {info['backend']}, "
              f"ubatch {setup['ubatch']}, n_max {setup['n_max']}"
+             + (f", parallel {setup['parallel']} (max ctx: positions of the shared KV pool)"
+                if setup.get("parallel", 1) > 1 else "")
              + (f", {info['weights_bpw']} bpw weights" if info["weights_bpw"] else "")]
     lines += [f"note: {n}" for n in info["notes"]]
     lines.append(render_table(info["rows"]))
