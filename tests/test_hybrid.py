@@ -322,3 +322,58 @@ def test_hybrid_checkpoint_as_draft_model_with_draft_kv_types(ckpts, models):
     prompt = [(3 * j) % 128 for j in range(10)]
     assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
     assert eng.last_stats.spec.drafts > 0
+
+
+@pytest.mark.parametrize("spec", [None, "draft-mtp"])
+def test_follow_up_prompts_resume_from_checkpoints_with_the_cold_output(models, spec):
+    """A prompt that repeats the previous one (+ its answer) resumes from the live states or from the last prompt's
+    end (a checkpoint) instead of re-processing it, and generates exactly what a cold engine does."""
+    from pathlib import Path
+
+    bundled = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny-hybrid"
+    if spec and not (bundled / "config.json").exists():
+        pytest.skip("no bundled hybrid model (MTP layer)")
+    model = load_model(str(bundled), "float32") if spec else models("qwen3_5")
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def engine(prefix):
+        return Engine(model, None, EngineConfig(ctx=512, ubatch=32, prefix_cache=prefix, spec=SpecConfig.parse(spec)))
+
+    warm, cold = engine(True), engine(False)
+    prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    for turn in range(4):
+        got = [t for c in warm.stream(prompt, sp) for t in c.tokens]
+        assert got == [t for c in cold.stream(prompt, sp) for t in c.tokens], f"turn {turn}"
+        reused = warm.last_stats.cached_tokens
+        if turn == 0:
+            assert reused == 0
+        elif turn == 1:  # the whole previous context: the live states
+            assert reused == len(prompt) - 5 - 1
+        else:  # the previous answer edited: back to the previous prompt's end
+            assert reused == warm.cache.checkpoints[-2]
+        assert warm.cache.checkpoints[-1] == len(prompt)
+        prompt = prompt + got + [5, 6, 7, 8, 9] if turn == 0 else prompt + got[:-2] + [9, 9, 9]
+
+
+def test_hybrid_cache_goes_back_to_checkpoints_only(models):
+    model = models("qwen3_5")
+    cache = model.new_cache(64, checkpoints=2)
+    ids = torch.arange(3, 30)
+    for a, b in ((0, 10), (10, 20), (20, 27)):
+        model.forward(ids[a:b], AttentionPlan.causal(a, b - a), cache)
+        cache.commit()
+        cache.checkpoint()
+    assert cache.checkpoints == [20, 27]  # the oldest went
+    assert [cache.resume_point(n) for n in (5, 19, 20, 26, 27, 40)] == [0, 0, 20, 20, 27, 27]
+    with pytest.raises(TurboSpecError, match="only at checkpoints"):
+        cache.truncate(10)
+    ref = model.new_cache(64)
+    model.forward(ids[:20], AttentionPlan.causal(0, 20), ref)
+    ref.commit()
+    cache.truncate(20)
+    assert cache.length == 20 and cache.checkpoints == [20]
+    for c in (cache, ref):
+        h = model.forward(ids[20:23], AttentionPlan.causal(20, 3), c)
+        c.commit()
+        c.last = h
+    assert torch.allclose(cache.last, ref.last, atol=TOL)  # (the reference prefilled 20 tokens at once)

@@ -332,7 +332,7 @@ def test_hybrid_prefix_resumes_from_a_snapshot_with_the_cold_output(hybrid):
 def test_state_pool_keeps_each_owners_newest_snapshots_and_the_most_recent():
     from turbospec.kv.state_pool import StatePool
 
-    sp = StatePool(2, (3, 4), (1, 2, 2), torch.float32, slots=2, snapshots=3)
+    sp = StatePool(2, (3, 4), (1, 2, 2), torch.float32, slots=2, snapshots=3, per_owner=2)
     a, b = sp.acquire(), sp.acquire()
     with pytest.raises(TurboSpecError, match="no free recurrent-state slot"):
         sp.acquire()
@@ -357,7 +357,7 @@ def test_cache_mem_sizes_the_pool_after_the_recurrent_states(hybrid):
                                             cache_type_v="q8_0"))
     sch = Scheduler.for_engine(eng, 4)
     st, pool = sch.states, sch.pool
-    assert (st.num_slots, st.max_snapshots) == (4, 8)
+    assert (st.num_slots, st.max_snapshots, st.per_owner) == (4, 8, 2)
     assert pool.num_blocks == (8 * 2**20 - st.nbytes) // pool.bytes_per_block
     assert pool.num_blocks > 10 and pool.num_blocks * pool.bytes_per_block + st.nbytes <= 8 * 2**20
     with pytest.raises(TurboSpecError, match="leaves no room for a KV block"):

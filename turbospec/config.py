@@ -151,7 +151,7 @@ class EngineConfig:
     # continuous batching (serve -np N > 1): memory of the paged KV pool in MiB (None: room for `ctx` positions), and
     # hybrid models' recurrent-state snapshots kept for the prefix cache, per parallel sequence
     cache_mem: int | None = None
-    ctx_checkpoints: int = 2
+    ctx_checkpoints: int = 3
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

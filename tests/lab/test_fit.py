@@ -182,10 +182,10 @@ def test_hybrid_counts_match_hybrid_cache():
     cache = HybridCache(arch.n_attn, arch.n_kv_heads, arch.head_dim, arch.n_gdn,
                         (arch.conv_kernel - 1, arch.conv_dim),
                         (arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim),
-                        300, torch.float32)
+                        300, torch.float32, max_checkpoints=3)
     b = estimate(arch, Setup(n_max=3), 300, "f32", "f32", "base")
     assert b.attention_kv == cache.attention_kv_bytes
-    assert b.recurrent_state == cache.recurrent_state_bytes
+    assert b.recurrent_state == cache.nbytes - cache.attention_kv_bytes == 4 * cache.recurrent_state_bytes
     s = estimate(arch, Setup(n_max=3), 300, "f32", "f32", "draft")
     # HybridCache.scratch_bytes counts the N new rows of each stashed conv window; the window also holds the
     # K-1 rows of the committed conv state ([K-1+N, C], see gdn_stash), which fit counts too
@@ -266,7 +266,7 @@ def test_parallel_counts_the_shared_pool_and_every_sequences_states():
     if not (path / "config.json").exists():
         pytest.skip("no bundled hybrid model")
     arch, m = load_arch(str(path)), load_model(str(path), torch.float32)
-    one = estimate(arch, Setup(), 1000, "q8_0", "q8_0")
+    one = estimate(arch, Setup(ctx_checkpoints=0), 1000, "q8_0", "q8_0")
     par = estimate(arch, Setup(parallel=4, ctx_checkpoints=3), 1000, "q8_0", "q8_0")
     state = m.new_state_pool(1, 0).state_bytes
     assert one.recurrent_state == state

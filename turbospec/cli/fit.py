@@ -56,8 +56,8 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="cpu: sequences served together (serve -np): the context is then the positions of the KV "
                         "pool they share, and hybrids hold a recurrent state per sequence (default 1)")
-    p.add_argument("--ctx-checkpoints", type=int, default=2,
-                   help="with -np > 1 on hybrids: recurrent-state snapshots per sequence (serve's flag; default 2)")
+    p.add_argument("--ctx-checkpoints", type=int, default=3,
+                   help="hybrids: recurrent states kept for prefix reuse, per sequence (serve's flag; default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
     return p

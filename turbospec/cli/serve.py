@@ -51,9 +51,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mem", type=int, default=None, metavar="MIB",
                    help="-np > 1: memory of the shared KV pool in MiB, prefix cache and hybrid models' recurrent "
                         "states included (default: room for -c positions)")
-    p.add_argument("--ctx-checkpoints", type=int, default=2, metavar="N",
-                   help="-np > 1 on hybrid models: recurrent-state snapshots per parallel sequence kept at KV block "
-                        "boundaries, so that a prompt repeating an earlier one resumes there (default 2; 0: off)")
+    p.add_argument("--ctx-checkpoints", type=int, default=3, metavar="N",
+                   help="hybrid models: recurrent states kept so that a prompt repeating an earlier one resumes "
+                        "where it was kept: the end of the last N prompts (-np 1), or N per parallel sequence at KV "
+                        "block boundaries (-np > 1) (default 3; 0: every prompt is processed in full)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the generation worker; more get 503 (default 64)")
     p.add_argument("--timeout", type=float, default=600.0,

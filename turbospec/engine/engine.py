@@ -53,7 +53,8 @@ class Engine:
         """The one sequence's cache (`ctx` positions), allocated on first use."""
         if self._cache is None:
             c = self.config
-            self._cache = self.model.new_cache(c.ctx, k_type=c.cache_type_k, v_type=c.cache_type_v)
+            self._cache = self.model.new_cache(c.ctx, k_type=c.cache_type_k, v_type=c.cache_type_v,
+                                               checkpoints=c.ctx_checkpoints if c.prefix_cache else 0)
         return self._cache
 
     @property
@@ -69,14 +70,16 @@ class Engine:
         Positions reused from the cache have no rows. Each chunk's last layer computes only the rows kept.
 
         Prefix reuse (unless `reuse_prefix` is False): positions whose tokens equal those already in the cache
-        are kept (at least one token is always recomputed), as llama-server's prompt cache does; caches that
-        cannot keep a prefix start over. `abort` is asked between chunks; when it answers True, `Aborted` is
+        are kept (at least one token is always recomputed), as llama-server's prompt cache does, back to the
+        longest prefix the cache can resume from (a hybrid's: its committed length or a checkpoint, see
+        `HybridCache`; the end of every prompt is checkpointed). `abort` is asked between chunks; when it answers True, `Aborted` is
         raised and the cache keeps the chunks already computed."""
         reuse = 0
-        if reuse_prefix and self.config.prefix_cache and self.cache.prefix_reusable:
+        if reuse_prefix and self.config.prefix_cache:
             limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
             while reuse < limit and self.cached_tokens[reuse] == tokens[reuse]:
                 reuse += 1
+            reuse = self.cache.resume_point(reuse)
         if reuse:
             self.cache.truncate(reuse)
         else:
@@ -97,6 +100,7 @@ class Engine:
                                         out_rows=want)
             self.cache.commit()
             out.append(hidden)
+        self.cache.checkpoint()
         hidden = torch.cat(out) if len(out) > 1 else out[0]
         return hidden if rows is None else hidden[-min(rows, n - reuse):]
 

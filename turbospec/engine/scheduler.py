@@ -113,7 +113,7 @@ class Scheduler:
         states = None
         if isinstance(model, HybridModel):
             snapshots = c.ctx_checkpoints * parallel if c.prefix_cache else 0
-            states = model.new_state_pool(parallel, snapshots)
+            states = model.new_state_pool(parallel, snapshots, per_owner=c.ctx_checkpoints)
         pool = pool_for(model, c.ctx, c.cache_type_k, c.cache_type_v, mem=c.cache_mem,
                         layers=model.num_attn_layers if isinstance(model, HybridModel) else model.cfg.num_layers,
                         reserved=states.nbytes if states is not None else 0)

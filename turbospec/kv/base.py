@@ -34,7 +34,16 @@ class Cache(Protocol):
         ...
 
     def truncate(self, n: int) -> None:
-        """Keep only the first n committed positions (requires `prefix_reusable` unless n >= length)."""
+        """Keep only the first n committed positions (n >= length, or n a `resume_point`)."""
+        ...
+
+    def resume_point(self, n: int) -> int:
+        """The longest prefix of at most n committed positions that `truncate` keeps exactly (every n for attention
+        KV; for recurrent states, the committed length or a checkpoint's, else 0)."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Remember the committed positions as a point to resume from later (a no-op where every prefix is one)."""
         ...
 
     @property

@@ -58,6 +58,12 @@ class CachePositions:
         self.pending = 0
         self.base = 0
 
+    def resume_point(self, n: int) -> int:
+        return max(0, min(n, self.length))
+
+    def checkpoint(self) -> None:
+        pass
+
     def truncate(self, n: int) -> None:
         """Drop committed positions >= n (prefix reuse between requests, drafters' own caches)."""
         self.length = min(self.length, n)

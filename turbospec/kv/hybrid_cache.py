@@ -8,11 +8,16 @@ processed, without re-running them. Tree steps (`set_tree(parents)`, verificatio
 same way: every node's state is computed from its parent's, and `commit(keep=path)` keeps the state of the
 path's last node and the conv rows along the path. Steps longer than `rollback_limit` (prefill chunks) keep
 only the final state and can only be committed whole.
+
+Prefix reuse across requests: `checkpoint()` keeps the committed states at the current length (up to
+`max_checkpoints` of them, the newest), and `truncate(n)` goes back to n when n is a checkpoint's length (KV cut
+back, states restored), so that a prompt that repeats an earlier one up to there resumes without re-processing it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -24,7 +29,7 @@ TREE_MESSAGE = "a tree step on a hybrid model must have at most rollback_limit n
 
 
 class HybridCache:
-    prefix_reusable = False  # the recurrent state after a prefix is not kept
+    prefix_reusable = False  # the recurrent state after an arbitrary prefix is not kept (only at checkpoints)
 
     def __init__(
         self,
@@ -39,6 +44,7 @@ class HybridCache:
         *,
         rollback_limit: int = 16,
         kv: KVCache | QuantKVCache | None = None,
+        max_checkpoints: int = 0,
     ):
         # `kv` lets a caller pass another attention-KV store (e.g. a quantized format) with KVCache's
         # interface; only the attention layers ever see it.
@@ -61,6 +67,8 @@ class HybridCache:
         self._states: list[torch.Tensor | None] = [None] * num_gdn_layers
         self._all_states = False
         self._parents: list[int] | None = None
+        self.max_checkpoints = max_checkpoints
+        self._checkpoints: OrderedDict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
 
     def _zero_states(self) -> None:
         self._conv = [torch.zeros(self._conv_shape, dtype=self.dtype) for _ in range(self.num_gdn_layers)]
@@ -157,13 +165,47 @@ class HybridCache:
         self._states = [None] * len(self._states)
 
     def truncate(self, n: int) -> None:
-        """Only the whole context (n >= length) or nothing (n == 0) can be kept: no earlier state is stored."""
-        if n == 0:
+        """Keep the whole context (n >= length), nothing (n == 0), or go back to a checkpoint's length."""
+        if n >= self.length:
+            return
+        if n <= 0:
             self.reset()
-        elif n < self.length:
-            raise TurboSpecError("a hybrid cache cannot be cut back to a prefix (no recurrent state is kept for it)")
+            return
+        if n not in self._checkpoints:
+            raise TurboSpecError(f"a hybrid cache cannot be cut back to {n} positions (recurrent states are kept "
+                                 f"only at checkpoints: {list(self._checkpoints)})")
+        self.kv.truncate(n)
+        conv, ssm = self._checkpoints[n]
+        self._conv, self._ssm = list(conv), list(ssm)
+        for p in [p for p in self._checkpoints if p > n]:  # they continued another context
+            del self._checkpoints[p]
+
+    def resume_point(self, n: int) -> int:
+        if n >= self.length:
+            return self.length
+        return max((p for p in self._checkpoints if p <= n), default=0)
+
+    def checkpoint(self) -> None:
+        """Keep the committed states at this length (compact copies where they are views into a step's
+        per-position states); the oldest checkpoint goes beyond `max_checkpoints`."""
+        if not self.max_checkpoints or not self.length or self.pending:
+            return
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+        self._checkpoints[self.length] = ([own(c) for c in self._conv], [own(s) for s in self._ssm])
+        self._checkpoints.move_to_end(self.length)
+        while len(self._checkpoints) > self.max_checkpoints:
+            self._checkpoints.popitem(last=False)
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """Lengths with kept states, oldest first."""
+        return list(self._checkpoints)
 
     def reset(self) -> None:
+        self._checkpoints.clear()
         self.kv.reset()
         self._zero_states()
         self.pending = 0
@@ -198,7 +240,8 @@ class HybridCache:
 
     @property
     def nbytes(self) -> int:
-        return self.attention_kv_bytes + self.recurrent_state_bytes
+        """Attention KV, the committed states and room for `max_checkpoints` more."""
+        return self.attention_kv_bytes + self.recurrent_state_bytes * (1 + self.max_checkpoints)
 
     def bytes_per_token(self) -> int:
         """Attention KV bytes per context token (the recurrent state does not grow with context)."""

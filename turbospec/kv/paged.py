@@ -210,6 +210,12 @@ class PagedSequence:
     def reset(self) -> None:
         self.truncate(0)
 
+    def resume_point(self, n: int) -> int:
+        return max(0, min(n, self.length))
+
+    def checkpoint(self) -> None:
+        pass
+
     def _trim(self) -> None:
         """Give back the blocks past the committed positions."""
         keep = self.pool.blocks_for(self.length)

@@ -26,12 +26,13 @@ States = tuple[list[torch.Tensor], list[torch.Tensor]]  # conv and recurrent sta
 
 class StatePool:
     def __init__(self, num_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
-                 dtype: torch.dtype, slots: int, snapshots: int, *, rollback_limit: int = 16):
+                 dtype: torch.dtype, slots: int, snapshots: int, *, per_owner: int = 3, rollback_limit: int = 16):
         if slots < 1 or snapshots < 0:
             raise TurboSpecError("a state pool needs at least one slot and a non-negative snapshot count")
         self.num_layers, self.dtype = num_layers, dtype
         self.conv_shape, self.ssm_shape = tuple(conv_shape), tuple(ssm_shape)
         self.num_slots, self.max_snapshots = slots, snapshots
+        self.per_owner = per_owner  # snapshots one sequence keeps (its newest)
         self.rollback_limit = rollback_limit  # steps up to this many rows use the token-by-token recurrence
         self._states: list[States | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))
@@ -71,13 +72,13 @@ class StatePool:
         self._states[slot] = states
 
     # ---- snapshots --------------------------------------------------------------------------------------
-    def snapshot(self, key: object, slot: int, owner: int, per_owner: int = 2) -> None:
-        """Keep slot's states as the states after the block named `key`; an owner keeps its `per_owner` newest
+    def snapshot(self, key: object, slot: int, owner: int) -> None:
+        """Keep slot's states as the states after the tokens `key` names; an owner keeps its `per_owner` newest
         snapshots, and the pool its `max_snapshots` most recently used."""
-        if self.max_snapshots == 0 or key in self._snapshots:
+        if self.max_snapshots == 0 or self.per_owner == 0 or key in self._snapshots:
             return
         mine = [k for k, o in self._owner.items() if o == owner]
-        for k in mine[:max(0, len(mine) - per_owner + 1)]:
+        for k in mine[:max(0, len(mine) - self.per_owner + 1)]:
             self._drop(k)
         while len(self._snapshots) >= self.max_snapshots:
             self._drop(next(iter(self._snapshots)))

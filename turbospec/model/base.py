@@ -22,8 +22,10 @@ class Model(Protocol):
     lm_head: Linear  # the output projection (Medusa heads and MTP drafting share it)
     mtp: MTPModule | None
 
-    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:
-        """A cache for one sequence of up to max_len positions; K/V formats by name (None: the model dtype)."""
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
+                  checkpoints: int = 0) -> Cache:
+        """A cache for one sequence of up to max_len positions; K/V formats by name (None: the model dtype);
+        `checkpoints`: recurrent states kept for prefix reuse (hybrids; attention KV resumes at any prefix)."""
         ...
 
     def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: Cache, out_rows: int | None = None

@@ -37,7 +37,8 @@ class DenseModel:
         if ws.has("mtp.fc.weight"):
             self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
 
-    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
+                  checkpoints: int = 0) -> Cache:
         """Dense `KVCache` in the model dtype by default; a packed `QuantKVCache` when a K or V format
         (`k_type`/`v_type`: f16, q8_0, turbo3, ...) other than the model's own float type is asked."""
         c = self.cfg

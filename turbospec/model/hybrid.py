@@ -308,17 +308,20 @@ class HybridModel:
         self._ssm_shape = gdn.ssm_state_shape if gdn else (1, 1, 1)
 
     def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
-                  rollback_limit: int = 16) -> HybridCache:
-        """KV formats (-ctk/-ctv) apply to the attention layers only; recurrent states stay float32."""
+                  rollback_limit: int = 16, checkpoints: int = 0) -> HybridCache:
+        """KV formats (-ctk/-ctv) apply to the attention layers only; recurrent states stay float32.
+        `checkpoints`: states kept for prefix reuse across requests (`HybridCache.checkpoint`)."""
         c = self.cfg
         kv = make_kv_cache(self.num_attn_layers, c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type)
         return HybridCache(self.num_attn_layers, c.num_kv_heads, c.head_dim, self.num_gdn_layers, self._conv_shape,
-                           self._ssm_shape, max_len, self.dtype, rollback_limit=rollback_limit, kv=kv)
+                           self._ssm_shape, max_len, self.dtype, rollback_limit=rollback_limit, kv=kv,
+                           max_checkpoints=checkpoints)
 
-    def new_state_pool(self, slots: int, snapshots: int, rollback_limit: int = 16) -> StatePool:
-        """Recurrent states for `slots` sequences batched together and `snapshots` prefix-cache snapshots."""
+    def new_state_pool(self, slots: int, snapshots: int, per_owner: int = 3, rollback_limit: int = 16) -> StatePool:
+        """Recurrent states for `slots` sequences batched together and `snapshots` prefix-cache snapshots (at most
+        `per_owner` taken by one sequence)."""
         return StatePool(self.num_gdn_layers, self._conv_shape, self._ssm_shape, self.dtype, slots, snapshots,
-                         rollback_limit=rollback_limit)
+                         per_owner=per_owner, rollback_limit=rollback_limit)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: AttentionPlan, cache: Cache, out_rows: int | None = None

@@ -57,7 +57,8 @@ class MTPModule:
         self._draft_head: Linear | None = None
         self._compacted = False
 
-    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None) -> Cache:
+    def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
+                  checkpoints: int = 0) -> Cache:
         """The MTP layers' own KV cache (formats as the target's `new_cache`)."""
         c = self.cfg
         return make_kv_cache(len(self.layers), c.num_kv_heads, c.head_dim, max_len, self.dtype, k_type, v_type)

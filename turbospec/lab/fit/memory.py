@@ -40,7 +40,7 @@ class Setup:
     spec_state: str = "per-position"  # GDN rollback: per-position state copies | checkpoint (one copy)
     logits_rows: int | None = None  # None: 1 + n_max on cpu, ubatch on cuda
     parallel: int = 1  # cpu: sequences batched together (serve -np): ctx is the shared KV pool's positions
-    ctx_checkpoints: int = 2  # cpu, parallel > 1, hybrids: recurrent-state snapshots per sequence (prefix cache)
+    ctx_checkpoints: int = 3  # cpu, hybrids: recurrent states kept for prefix reuse (per sequence when parallel)
 
 
 def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
@@ -198,12 +198,15 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         raise TurboSpecError("context must be >= 1")
     dk_type, dv_type = dk_type or k_type, dv_type or v_type
     spec = mode in ("mtp", "draft")
+    cpu_engine = setup.backend == "cpu"
     b = Breakdown(kv_type=k_type if k_type == v_type else f"{k_type}/{v_type}", mode=mode, ctx=ctx)
     b.weights, b.mtp_weights = weight_bytes(arch, setup, mode == "mtp")
     cache_len = ctx + (setup.n_max + 1 if spec else 0)  # drafters' caches hold the chain too
     b.attention_kv = ctx * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim, k_type, v_type)
     chain = setup.n_max + 1 if spec else 1
     b.recurrent_state, b.spec_state_copies = recurrent_bytes(arch, setup, chain)
+    if setup.parallel == 1 and cpu_engine:
+        b.recurrent_state *= 1 + setup.ctx_checkpoints  # the states at the end of the last prompts (prefix reuse)
     if setup.parallel > 1:
         if spec:
             raise TurboSpecError("speculative decoding is not batched yet (--parallel > 1)")
