@@ -9,6 +9,7 @@ other on the same conversations (fresh text each round, so no round finds anothe
 
 - `turbospec`: `serve -np C` (continuous batching; prefix cache with recurrent-state snapshots at block boundaries)
 - `turbospec no-snapshots`: the same with `--ctx-checkpoints 0` (the hybrid's prefix cannot be resumed)
+- `turbospec -np 1` (C = 1 only): the one-sequence engine (recurrent states checkpointed at prompt ends)
 - `llama.cpp`: `llama-server -np C` on --gguf (its own prompt cache and context checkpoints, defaults)
 
     python benchmarks/multi_turn.py --gguf /tmp/hybrid-bf16.gguf --flags "--dtype bfloat16" \\
@@ -109,11 +110,13 @@ def main() -> int:
     top = max(a.clients)
     ctx = top * a.ctx
 
-    def ts(extra):
-        return lambda port: ["turbospec", "serve", "-m", src, "-c", str(ctx), "-np", str(top), "-t", str(a.threads),
-                             "--port", str(port), *flags, *extra]
+    def ts(extra, np=top):
+        return lambda port: ["turbospec", "serve", "-m", src, "-c", str(np * a.ctx), "-np", str(np), "-t",
+                             str(a.threads), "--port", str(port), *flags, *extra]
 
     cmds = {"turbospec": ts([]), "turbospec no-snapshots": ts(["--ctx-checkpoints", "0"])}
+    if 1 in a.clients:
+        cmds["turbospec -np 1"] = ts([], 1)  # the one-sequence engine (checkpoints at prompt ends); C = 1 only
     if a.llama_server and a.gguf:
         cmds["llama.cpp"] = lambda port: [a.llama_server, "-m", a.gguf, "-c", str(ctx), "-np", str(top), "-t",
                                           str(a.threads), "-tb", str(a.threads), "--port", str(port), "-fa", "on",
@@ -124,7 +127,7 @@ def main() -> int:
         with server(cmd(port), port) as url:
             asyncio.run(clients(url, 999, 1, argparse.Namespace(**{**vars(a), "turns": 2, "first": 50})))  # warm-up
             for r in range(a.rounds):
-                for c in a.clients:
+                for c in ([1] if name == "turbospec -np 1" else a.clients):
                     got = asyncio.run(clients(url, 10_000 * (r + 1) + 100 * c, c, a))
                     results[name][c] += got
                     last = [conv[-1] for conv in got]
@@ -135,6 +138,8 @@ def main() -> int:
     for name in cmds:
         for c in a.clients:
             convs = results[name][c]
+            if not convs:
+                continue
             for t in range(a.turns):
                 per = [conv[t] for conv in convs]
                 rows.append({"engine": name, "clients": c, "turn": t + 1,
@@ -147,13 +152,16 @@ def main() -> int:
     for name in cmds:
         for c in a.clients:
             line = [r for r in rows if r["engine"] == name and r["clients"] == c]
-            print(f"{name:24s} {c:2d} " + " ".join(f"{r['ttft_ms_p50']:6.0f}" for r in line))
+            if line:
+                print(f"{name:24s} {c:2d} " + " ".join(f"{r['ttft_ms_p50']:6.0f}" for r in line))
     print(f"\n{'engine':24s} {'C':>2s} " + " ".join(f"{'t' + str(t + 1):>11s}" for t in range(a.turns))
           + "   (prompt tokens computed / reused, p50)")
     for name in cmds:
         for c in a.clients:
             line = [r for r in rows if r["engine"] == name and r["clients"] == c]
-            print(f"{name:24s} {c:2d} " + " ".join(f"{r['prompt_n_p50']:5.0f}/{r['cache_n_p50']:<5.0f}" for r in line))
+            if line:
+                print(f"{name:24s} {c:2d} " + " ".join(f"{r['prompt_n_p50']:5.0f}/{r['cache_n_p50']:<5.0f}"
+                                                       for r in line))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
     return 0

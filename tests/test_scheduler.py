@@ -242,25 +242,31 @@ def test_text_stops_and_logprobs_match_solo(model):
 
 
 def test_prefix_cache_reuses_blocks_and_gives_the_cold_output(model):
-    """A follow-up turn (the previous prompt + answer + more) starts from the cached blocks and decodes exactly
-    what a cold run does; blocks no one holds stay cached and are evicted (least recently used) under pressure."""
+    """A follow-up turn (the previous prompt + answer + more) shares the cached full blocks, copies the start of the
+    previous turn's last, partly filled block, and decodes exactly what a cold run does; blocks no one holds stay
+    cached and are evicted (least recently used) under pressure."""
     rnd = random.Random(5)
     first = [rnd.randrange(3, 900) for _ in range(600)]
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     pool = pool_for(model, 2048, None, None)  # 8 blocks
     sch = Scheduler(model, pool, max_seqs=4, max_step_tokens=256, ctx=2048)
     a = _drive(sch, [(0, first, sp)])[0][0]
-    assert pool.num_cached == 2 and pool.num_free == pool.num_blocks  # 2 full blocks cached, none held
+    # 619 positions computed (the last sampled token never is): 2 full blocks and the partial third stay cached
+    assert pool.num_cached == 3 and pool.num_free == pool.num_blocks
     second = first + a + [rnd.randrange(3, 900) for _ in range(100)]
     other = [rnd.randrange(3, 900) for _ in range(300)]
     want = _solo(model, [second, other], [sp, sp])
     got = _drive(sch, [(0, second, sp), (0, other, sp)])
-    assert got[0][4].stats.cached_tokens == 512 and got[1][4].stats.cached_tokens == 0
-    assert sch.prefix_hits == 512 and sch.prefix_queries == len(first) + len(second) + len(other)
+    assert got[0][4].stats.cached_tokens == 619 and got[1][4].stats.cached_tokens == 0
+    assert sch.prefix_hits == 619 and sch.prefix_queries == len(first) + len(second) + len(other)
     assert [got[0][0], got[1][0]] == [want[0][0], want[1][0]]
     again = _drive(sch, [(0, second, sp)])[0]
-    assert again[4].stats.cached_tokens == 512
+    assert again[4].stats.cached_tokens == len(second) - 1  # its own previous run's partial block: all but one
     assert again[0] == want[0][0]
+    edited = second[:700] + [5, 6, 7] + second[700:]  # a change inside the cached partial block: its start is reused
+    want_edited = _solo(model, [edited], [sp])[0][0]
+    got_edited = _drive(sch, [(0, edited, sp)])[0]
+    assert got_edited[4].stats.cached_tokens == 700 and got_edited[0] == want_edited
     # pressure: prompts that need every block evict the cached ones, and still decode correctly
     big = [[rnd.randrange(3, 900) for _ in range(1000)] for _ in range(2)]
     want_big = _solo(model, big, [sp, sp])
@@ -305,24 +311,30 @@ def test_hybrid_preemption_recomputes_without_changing_outputs(hybrid):
 
 
 def test_hybrid_prefix_resumes_from_a_snapshot_with_the_cold_output(hybrid):
-    """A follow-up turn starts from the last cached block whose recurrent states were snapshotted, and decodes what
-    a cold run does; without snapshots (--ctx-checkpoints 0) nothing can be reused."""
+    """A follow-up turn resumes where recurrent states were snapshotted — the previous turn's last computed position
+    when the follow-up repeats all of it, else the previous prompt's end or a block boundary — and decodes what a
+    cold run does; without snapshots (--ctx-checkpoints 0) nothing can be reused."""
     rnd = random.Random(8)
     first = [rnd.randrange(3, 900) for _ in range(600)]
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     sch = _hybrid_scheduler(hybrid, 2048)
     a = _drive(sch, [(0, first, sp)])[0][0]
-    assert sch.states.num_snapshots == 2  # after 256 and 512 positions
+    assert sch.states.num_snapshots == 3  # its newest: after 512 positions, the prompt's end (600), the last (619)
     second = first + a + [rnd.randrange(3, 900) for _ in range(200)]
     other = [rnd.randrange(3, 900) for _ in range(300)]
     want = _solo(hybrid, [second, other], [sp, sp])
     got = _drive(sch, [(0, second, sp), (0, other, sp)])
-    assert got[0][4].stats.cached_tokens == 512 and got[1][4].stats.cached_tokens == 0
+    assert got[0][4].stats.cached_tokens == 619 and got[1][4].stats.cached_tokens == 0
     assert sch.states.snapshot_hits == 1
     assert [got[0][0], got[1][0]] == [want[0][0], want[1][0]]
-    # the second turn snapshotted its own boundaries (512 again is known; 768 is new): a third turn resumes later
-    third = second + got[0][0] + [rnd.randrange(3, 900) for _ in range(50)]
-    assert _drive(sch, [(0, third, sp)])[0][4].stats.cached_tokens == 768
+    # the previous answer edited at its end: back to the previous prompt's end
+    third = second + got[0][0][:-3] + [rnd.randrange(3, 900) for _ in range(50)]
+    want3 = _solo(hybrid, [third], [sp])[0][0]
+    got3 = _drive(sch, [(0, third, sp)])[0]
+    assert got3[4].stats.cached_tokens == len(second) and got3[0] == want3
+    # edited inside the first block: only a block boundary before the edit can be resumed (none here)
+    edited = second[:100] + [5] + second[100:]
+    assert _drive(sch, [(0, edited, sp)])[0][4].stats.cached_tokens == 0
     cold = _hybrid_scheduler(hybrid, 2048, snapshots=0)
     _drive(cold, [(0, first, sp)])
     redo = _drive(cold, [(0, second, sp)])[0]

@@ -21,7 +21,7 @@ import torch
 from turbospec.engine.stats import Chunk, GenStats
 from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
-from turbospec.kv.paged import BlockPool, PagedBatch, PagedSequence, Segment, pool_for
+from turbospec.kv.paged import BlockPool, Key, PagedBatch, PagedSequence, Segment, pool_for
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
@@ -60,6 +60,26 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status == FINISHED
+
+
+@dataclass
+class Hit:
+    """A prompt's cached prefix: full blocks to share, then maybe the first `partial_len` positions of block
+    `partial` to copy; `state`: the snapshot key of the recurrent states where it ends (hybrids)."""
+
+    blocks: list[int]
+    partial: int | None = None
+    partial_len: int = 0
+    state: Key | None = None
+
+
+def _common(a: tuple, b: tuple) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -246,8 +266,10 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             s = self.waiting[0]
-            cached = self._cached_prefix(s)
-            held = sum(1 for b in cached if self.pool.refs[b] == 0)  # sharing these takes them off the free list
+            hit = self._cached_prefix(s)
+            cached = hit.blocks
+            # sharing cached blocks takes them off the free list (the partial one's while it is copied)
+            held = sum(1 for b in cached + ([hit.partial] if hit.partial is not None else []) if self.pool.refs[b] == 0)
             if self.pool.blocks_for(len(s.tokens)) - len(cached) + held > self._available():
                 break  # the whole prompt must fit before it starts
             self.waiting.popleft()
@@ -255,10 +277,17 @@ class Scheduler:
                 self.pool.share(b)
             s.cache.blocks = list(cached)
             s.cache.length = len(cached) * self.pool.block
+            if hit.partial is not None:  # the start of a cached partial block, copied into a block of its own
+                self.pool.share(hit.partial)
+                own = self.pool.allocate(1)[0]
+                self.pool.copy_start(hit.partial, own, hit.partial_len)
+                self.pool.release([hit.partial])
+                s.cache.blocks.append(own)
+                s.cache.length += hit.partial_len
             if self.states is not None:
                 s.slot = self.states.acquire()
-                if cached:  # resume from the recurrent states after the last shared block
-                    self.states.restore(self._keys(s, len(cached))[-1], s.slot)
+                if hit.state is not None:  # resume from the recurrent states where the reused prefix ends
+                    self.states.restore(hit.state, s.slot)
             if s.t_first is None:  # (a preempted sequence keeps its first admission's numbers)
                 s.stats.cached_tokens = s.cache.length
                 self.prefix_queries += len(s.tokens)
@@ -290,21 +319,44 @@ class Scheduler:
             s.keys.append((hash(s.keys[-1]) if j else 0, tuple(s.tokens[j * b:(j + 1) * b])))
         return s.keys[:full]
 
-    def _cached_prefix(self, s: Sequence) -> list[int]:
-        """Cached blocks holding the longest run of the prompt's full blocks (at least one token is left to
-        compute, for the next token's logits)."""
+    def _cached_prefix(self, s: Sequence) -> Hit:
+        """The longest cached prefix of the prompt (at least one token is left to compute, for the next token's
+        logits): shared full blocks, then the start of a cached block that continues them (copied); on hybrids it
+        must end where recurrent states were snapshotted."""
         if not (self.prefix_cache and s.params.cache_prompt) or s.prompt_logprobs is not None:
-            return []
+            return Hit([])
+        b = self.pool.block
         out: list[int] = []
-        usable = 0  # hybrids: the prefix ends at the last block whose recurrent states were snapshotted
-        for key in self._keys(s, (len(s.tokens) - 1) // self.pool.block):
+        usable = 0  # hybrids: the last full block whose recurrent states were snapshotted
+        keys = self._keys(s, (len(s.tokens) - 1) // b)
+        for key in keys:
             block = self.pool.lookup(key)
             if block is None:
                 break
             out.append(block)
             if self.states is None or self.states.has(key):
                 usable = len(out)
-        return out[:usable]
+        m = len(out)
+        prev = hash(keys[m - 1]) if m else 0
+        want = tuple(s.tokens[m * b:min(len(s.tokens) - 1, (m + 1) * b - 1)])
+        best = Hit(out[:usable], state=keys[usable - 1] if usable and self.states is not None else None)
+        for block, toks in self.pool.children(prev):
+            r = _common(toks, want)
+            if self.states is not None:  # the longest snapshotted prefix of those r tokens
+                r = max((len(t) for p, t in self.states.snapshot_keys() if p == prev and len(t) <= r and t == want[:len(t)]),
+                        default=0)
+            if r and m * b + r > len(best.blocks) * b + best.partial_len:
+                best = Hit(out, block, r, (prev, want[:r]) if self.states is not None else None)
+        return best
+
+    def _partial_key(self, s: Sequence) -> Key | None:
+        """The key of the sequence's committed positions in its last, partly filled block (None: no such block)."""
+        b = self.pool.block
+        m, r = divmod(s.cache.length, b)
+        if not r:
+            return None
+        keys = self._keys(s, m)
+        return (hash(keys[-1]) if m else 0, tuple(s.tokens[m * b:m * b + r]))
 
     def _remember(self, s: Sequence) -> None:
         """Offer the sequence's newly filled blocks to the prefix cache."""
@@ -312,8 +364,14 @@ class Scheduler:
         keys = self._keys(s, full)
         for j, key in enumerate(keys):
             self.pool.remember(s.cache.blocks[j], key)
-        if self.states is not None and full and s.cache.length % self.pool.block == 0 and s.slot is not None:
+        if self.states is None or s.slot is None:
+            return
+        if full and s.cache.length % self.pool.block == 0:
             self.states.snapshot(keys[-1], s.slot, s.id)  # (a no-op when it has this one)
+        elif s.cache.length == s.prompt_len:  # the prompt's end: where a follow-up prompt may diverge
+            key = self._partial_key(s)
+            if key is not None:
+                self.states.snapshot(key, s.slot, s.id)
 
     def _preempt(self, s: Sequence) -> None:
         """Free a running sequence's blocks; it waits (first in line) and recomputes its tokens when readmitted."""
@@ -331,6 +389,11 @@ class Scheduler:
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)
+        key = self._partial_key(s) if self.prefix_cache and s.params.cache_prompt else None
+        if key is not None:  # its last, partly filled block stays cached (and, on hybrids, the states there)
+            self.pool.remember(s.cache.blocks[-1], key)
+            if self.states is not None and s.slot is not None:
+                self.states.snapshot(key, s.slot, s.id)
         s.cache.reset()
         self._release_slot(s)
         s.status = FINISHED

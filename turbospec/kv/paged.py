@@ -24,6 +24,7 @@ from turbospec.kv import kernel_args
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
 
+Key = tuple  # (hash of the previous block's key or 0, the block's tokens)
 BLOCK = 256  # positions per block; equal to the attention kernel's tile, so a decode row's arithmetic is the same
 # whether its positions are paged or contiguous
 
@@ -46,10 +47,12 @@ class BlockPool:
         self.v: Packed = self.v_fmt.allocate(head_dim, lead)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids go out first
         self.refs = [0] * num_blocks
-        # prefix cache: full blocks known by the key of their tokens (and of everything before them); a cached block
-        # no sequence holds stays readable until it is evicted (least recently released first)
-        self._by_key: dict[object, int] = {}
-        self._key_of: dict[int, object] = {}
+        # prefix cache: blocks known by the key of their tokens, (hash of the previous block's key, tokens) — full
+        # blocks, and the last, partly filled block of a finished sequence; a cached block no sequence holds stays
+        # readable until it is evicted (least recently released first)
+        self._by_key: dict[Key, int] = {}
+        self._key_of: dict[int, Key] = {}
+        self._children: dict[int, set[int]] = {}  # previous block's key hash -> cached blocks that follow it
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
     # ---- blocks -----------------------------------------------------------------------------------------
@@ -75,7 +78,9 @@ class BlockPool:
                 b = self._free.pop()
             else:  # evict the least recently released cached block
                 b, _ = self._evictable.popitem(last=False)
-                del self._by_key[self._key_of.pop(b)]
+                key = self._key_of.pop(b)
+                del self._by_key[key]
+                self._children[key[0]].discard(b)
             self.refs[b] = 1
             out.append(b)
         return out
@@ -91,14 +96,26 @@ class BlockPool:
             elif self.refs[b] < 0:
                 raise RuntimeError(f"block {b} released more often than allocated")
 
-    def remember(self, block: int, key: object) -> None:
-        """Block `block` is full and holds the positions that `key` names: later prompts may share it."""
+    def remember(self, block: int, key: Key) -> None:
+        """Block `block` holds the positions that `key` names (all of them when full): later prompts may share it
+        (a full block) or copy the start of it (any block)."""
         if key not in self._by_key and block not in self._key_of:
             self._by_key[key] = block
             self._key_of[block] = key
+            self._children.setdefault(key[0], set()).add(block)
 
-    def lookup(self, key: object) -> int | None:
+    def lookup(self, key: Key) -> int | None:
         return self._by_key.get(key)
+
+    def children(self, prev: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(block, its tokens) of the cached blocks that follow the block whose key hashes to `prev` (0: none)."""
+        return [(b, self._key_of[b][1]) for b in self._children.get(prev, ())]
+
+    def copy_start(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n positions of block src into block dst (a sequence continues a cached partial block in
+        a block of its own)."""
+        pos = torch.arange(n, dtype=torch.int64)
+        self.move(src * self.block + pos, dst * self.block + pos)
 
     def share(self, block: int) -> None:
         """One more sequence holds cached block `block`."""

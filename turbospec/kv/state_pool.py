@@ -89,6 +89,9 @@ class StatePool:
     def has(self, key: object) -> bool:
         return key in self._snapshots
 
+    def snapshot_keys(self) -> list:
+        return list(self._snapshots)
+
     def restore(self, key: object, slot: int) -> None:
         """Slot's states become the snapshot's (which stays, now the most recently used, owned by no one)."""
         conv, ssm = self._snapshots[key]
