@@ -374,3 +374,52 @@ def test_cache_mem_sizes_the_pool_after_the_recurrent_states(hybrid):
     assert pool.num_blocks > 10 and pool.num_blocks * pool.bytes_per_block + st.nbytes <= 8 * 2**20
     with pytest.raises(TurboSpecError, match="leaves no room for a KV block"):
         Scheduler.for_engine(Engine(hybrid, None, EngineConfig(ctx=2048, cache_mem=1, ctx_checkpoints=8)), 8)
+
+
+# ---- speculation in the batch -----------------------------------------------------------------------------------
+def _spec_scheduler(m, path, spec, hybrid_model, positions=4096, max_seqs=4, step=96, **cfg):
+    from turbospec.config import SpecConfig
+    from turbospec.speculative.registry import make_drafter
+
+    sc = SpecConfig.parse(spec, **cfg)
+    pool = pool_for(m, positions, None, None, layers=m.num_attn_layers if hybrid_model else None)
+    return Scheduler(m, pool, max_seqs=max_seqs, max_step_tokens=step, ctx=2048,
+                     states=m.new_state_pool(max_seqs, 8) if hybrid_model else None,
+                     drafters=lambda n: make_drafter(sc, m, n, model_path=str(path)), n_max=sc.n_max)
+
+
+@pytest.mark.parametrize("which,spec,cfg", [
+    ("model", "ngram-mod", {}),
+    ("model", "draft-mtp", {}),
+    ("hybrid", "draft-mtp", {}),
+    ("hybrid", "ngram,draft-mtp", {"mtp_topk": 2}),  # chains and trees in one batch
+])
+def test_batched_speculation_equals_plain_greedy(which, spec, cfg, request):
+    """Every sequence drafts with its own drafter and its draft is verified in the step's one forward; each accepts
+    its own length. Greedy outputs equal plain decoding alone, and drafts are accepted."""
+    m = request.getfixturevalue(which)
+    path = HYBRID if which == "hybrid" else TINY
+    prompts, params, steps = _requests(0, 6)
+    prompts = [p[:30] * 4 for p in prompts]  # repeats: the n-gram drafters fire too
+    want = _solo(m, prompts, params)
+    sch = _spec_scheduler(m, path, spec, which == "hybrid", **cfg)
+    got = _drive(sch, list(zip(steps, prompts, params)))
+    for i, w in enumerate(want):
+        assert got[i][0] == w[0], f"request {i}"
+    assert sum(got[i][4].stats.spec.accepted for i in got) > 0
+    assert sch.steps < sum(p.max_tokens for p in params)  # fewer steps than tokens: several per step
+    assert sch.pool.num_free == sch.pool.num_blocks
+
+
+@pytest.mark.parametrize("which", ["model", "hybrid"])
+def test_batched_speculation_survives_preemption(which, request):
+    m = request.getfixturevalue(which)
+    rnd = random.Random(10)
+    prompts = [[rnd.randrange(3, 900) for _ in range(40)] * 5 for _ in range(4)]  # 200 tokens each, 4 blocks
+    params = [SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)] * 4
+    want = _solo(m, prompts, params)
+    sch = _spec_scheduler(m, HYBRID if which == "hybrid" else TINY, "ngram,draft-mtp", which == "hybrid",
+                          positions=1024, step=64, max_seqs=4)
+    got = _drive(sch, [(0, p, sp) for p, sp in zip(prompts, params)])
+    assert sch.preemptions > 0
+    assert [got[i][0] for i in range(4)] == [w[0] for w in want]

@@ -85,13 +85,36 @@ def test_client_that_leaves_is_aborted_and_nothing_more_is_computed(engine):
 
 
 def test_parallel_refuses_what_it_cannot_batch(engine):
+    from turbospec.config import SpecConfig
     from turbospec.server import ServerConfig, create_app
 
-    class WithDrafter:
-        model, tokenizer, config, drafter = engine.model, engine.tokenizer, engine.config, object()
+    class WithMedusa:
+        model, tokenizer, drafter, model_path = engine.model, engine.tokenizer, object(), None
+        config = engine.config.replace(spec=SpecConfig.parse("medusa"))
 
         def eos_ids(self):
             return set()
 
-    with pytest.raises(TurboSpecError, match="speculative decoding is not batched yet"):
-        create_app(WithDrafter(), ServerConfig(model_name="m", parallel=2))
+    with pytest.raises(TurboSpecError, match="medusa is not batched yet"):
+        create_app(WithMedusa(), ServerConfig(model_name="m", parallel=2))
+
+
+def test_speculation_in_the_batch_through_the_server():
+    """-np 3 with MTP drafting on the hybrid: the answers of -np 1 without drafting, and the drafts show in the
+    responses' timings."""
+    from turbospec.config import SpecConfig
+
+    path = TINY.parent / "turbospec-tiny-hybrid"
+    model, tok = load_model(str(path), torch.float32), Tokenizer(str(path))
+    plain = Engine(model, tok, EngineConfig(ctx=4096))
+    spec = Engine(model, tok, EngineConfig(ctx=4096, spec=SpecConfig.parse("draft-mtp")), model_path=str(path))
+    prompts = ["Once upon a time", "def add(a, b):", "The quick brown fox", "1, 2, 3, 4,"]
+    alone: dict[int, dict] = {}
+    together: dict[int, dict] = {}
+    with live(plain) as base:
+        _ask(base, prompts, alone)
+    with live(spec, parallel=3) as base:
+        _ask(base, prompts, together)
+    for i in range(len(prompts)):
+        assert together[i]["choices"][0]["text"] == alone[i]["choices"][0]["text"]
+    assert sum(together[i]["timings"]["draft_n_accepted"] for i in together) > 0

@@ -47,7 +47,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"largest accepted request body (default {DEFAULT_MAX_BODY})")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sequences decoded together (continuous batching over a paged KV pool of -c positions "
-                        "shared by all of them; no speculation yet) (default 1: one at a time)")
+                        "shared by all of them; n-gram and draft-mtp speculation per sequence) (default 1: one at a time)")
     p.add_argument("--cache-mem", type=int, default=None, metavar="MIB",
                    help="-np > 1: memory of the shared KV pool in MiB, prefix cache and hybrid models' recurrent "
                         "states included (default: room for -c positions)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +27,13 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.stats import SpecStats
+from turbospec.speculative.tree import DraftTree
+from turbospec.speculative.verify import verify
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+NOT_BATCHED = ("draft-model", "medusa")  # drafters that load weights of their own: one per sequence is too many
 
 
 @dataclass(eq=False)
@@ -47,6 +53,9 @@ class Sequence:
     keys: list = field(default_factory=list)  # prefix-cache keys of its full blocks, computed as they fill
     t_first: float | None = None
     slot: int | None = None  # hybrid models: its recurrent-state slot while running
+    drafter: Drafter | None = None  # speculation: its own drafter (begun when its prompt is computed)
+    began: bool = False
+    prompt_rows: list[torch.Tensor] = field(default_factory=list)  # hidden rows of the prompt's end, for begin()
 
     @property
     def todo(self) -> int:
@@ -94,7 +103,7 @@ class Output:
 class Scheduler:
     def __init__(self, model, pool: BlockPool, *, max_seqs: int = 8, max_step_tokens: int = 512, ctx: int = 4096,
                  tokenizer=None, eos: set[int] | None = None, prefix_cache: bool = True,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, drafters: Callable[[int], Drafter] | None = None, n_max: int = 3):
         if max_seqs < 1 or max_step_tokens < 1:
             raise TurboSpecError("the scheduler needs at least one sequence and one token per step")
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
@@ -111,6 +120,8 @@ class Scheduler:
         self.prefix_hits = 0  # of them, found cached
         # hybrid models: recurrent states per running sequence (and prefix snapshots at block boundaries)
         self.states = states
+        # speculation: a new drafter per sequence (for its longest length); drafts at most n_max tokens deep
+        self.drafters, self.n_max = drafters, n_max
         if states is not None and states.num_slots < max_seqs:
             raise TurboSpecError(f"{states.num_slots} recurrent-state slots for {max_seqs} sequences")
 
@@ -127,9 +138,18 @@ class Scheduler:
         if not isinstance(model, (DenseModel, HybridModel)):
             raise TurboSpecError(f"--parallel {parallel}: continuous batching runs dense and hybrid models, not "
                                  f"{model.cfg.arch}; use --parallel 1")
-        if engine.drafter is not None:
-            raise TurboSpecError(f"--parallel {parallel}: speculative decoding is not batched yet; drop --spec-type "
-                                 "or use --parallel 1")
+        drafters = None
+        if c.spec.enabled:
+            later = [t for t in c.spec.types if t in NOT_BATCHED]
+            if later:
+                raise TurboSpecError(f"--parallel {parallel}: --spec-type {later[0]} is not batched yet (n-gram "
+                                     "drafters and draft-mtp are); use --parallel 1 for it")
+            from turbospec.speculative.registry import make_drafter
+
+            def drafters(max_len: int) -> Drafter:
+                d = make_drafter(c.spec, model, max_len, model_path=engine.model_path)
+                assert d is not None
+                return d
         states = None
         if isinstance(model, HybridModel):
             snapshots = c.ctx_checkpoints * parallel if c.prefix_cache else 0
@@ -138,7 +158,8 @@ class Scheduler:
                         layers=model.num_attn_layers if isinstance(model, HybridModel) else model.cfg.num_layers,
                         reserved=states.nbytes if states is not None else 0)
         return cls(model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
-                   tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache, states=states)
+                   tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache, states=states,
+                   drafters=drafters, n_max=c.spec.n_max)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -160,6 +181,9 @@ class Scheduler:
         seq.stats.prompt_tokens = len(tokens)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = []
+        if self.drafters is not None:
+            seq.drafter = self._new_drafter(seq)
+            seq.stats.spec = SpecStats()
         self.waiting.append(seq)
         return seq
 
@@ -178,8 +202,9 @@ class Scheduler:
         while True:
             self._promised = 0
             decode = self._schedule_decode()
-            chunks = self._schedule_prefill(self.max_step_tokens - len(decode))
-            work = [(s, 1) for s in decode] + chunks
+            chunks = self._schedule_prefill(self.max_step_tokens - sum(n for _, n, _ in decode))
+            work = decode + [(s, n, None) for s, n in chunks]
+            prefill = {s.id for s, _ in chunks}
             if work or not self.running:
                 break
             # every running sequence is mid-prompt and none has the blocks for its next chunk (they were admitted
@@ -188,30 +213,95 @@ class Scheduler:
         if not work:
             return outputs
         self.steps += 1
-        segments, rows = [], 0
-        for s, n in work:
-            segments.append(Segment(s.cache, rows, n, AttentionPlan.causal(s.cache.length, n)))
+        segments, rows, ids = [], 0, []
+        for s, n, tree in work:
+            start = s.cache.length
+            if tree is None:  # prompt chunk or plain decode row
+                plan = AttentionPlan.causal(start, n)
+                ids += s.tokens[start:start + n]
+            else:  # the last token and its draft
+                plan = (AttentionPlan.causal(start, n) if tree.is_chain
+                        else AttentionPlan.tree(start, [-1] + [p + 1 for p in tree.parents]))
+                ids += [s.tokens[-1], *tree.tokens]
+            segments.append(Segment(s.cache, rows, n, plan))
             rows += n
-        ids = torch.tensor([t for s, n in work for t in s.tokens[s.cache.length:s.cache.length + n]],
-                           dtype=torch.int64)
         paged = PagedBatch(self.pool, segments)
-        batch = paged if self.states is None else HybridBatch(paged, self.states, [s.slot for s, _ in work])  # type: ignore[misc]
+        batch = paged if self.states is None else HybridBatch(paged, self.states, [s.slot for s, _, _ in work])  # type: ignore[misc]
         with batch_products():
-            hidden = self.model.forward(ids, batch.plan, batch)
-        batch.commit()
+            hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64), batch.plan, batch)
+            # logits: every row of a verification step, the last row of a prompt that ends or of a decode row
+            wanted = [list(range(seg.row, seg.row + seg.n)) if tree is not None
+                      else [seg.row + n - 1] if s.cache.length + n == len(s.tokens) else []
+                      for (s, n, tree), seg in zip(work, segments)]
+            flat = [r for w in wanted for r in w]
+            logits = self.model.logits(hidden[flat]) if flat else None
+        at, verified, keeps = 0, {}, {}
+        for i, ((s, _, tree), w) in enumerate(zip(work, wanted)):
+            if tree is not None and logits is not None:  # verification: the accepted path is committed
+                path, nxt = verify(tree, logits[at:at + len(w)], s.sampler)
+                verified[i] = (path, nxt)
+                keeps[i] = [0] + [1 + j for j in path]
+            at += len(w)
+        batch.commit(keeps)
         if self.prefix_cache:
-            for s, _ in work:
+            for s, _, _ in work:
                 self._remember(s)
-        for (s, n), seg in zip(work, segments):
-            if s.prompt_logprobs is not None and s.cache.length <= s.prompt_len:
-                self._collect_prompt_logprobs(s, hidden[seg.row:seg.row + n], s.cache.length - n)
-        done = [(s, seg.row + n - 1) for (s, n), seg in zip(work, segments) if s.todo == 0]
-        if done:
-            with batch_products():
-                logits = self.model.logits(hidden[[r for _, r in done]])
-            for i, (s, _) in enumerate(done):
-                outputs.append(self._sample(s, logits[i]))
+        at = 0
+        for i, ((s, n, tree), seg, w) in enumerate(zip(work, segments, wanted)):
+            rows_of_seq = hidden[seg.row:seg.row + n]
+            if s.id in prefill:
+                self._prompt_rows(s, rows_of_seq, s.cache.length - n)
+            if i in verified:
+                path, nxt = verified[i]
+                outputs.append(self._accept(s, tree, path, nxt, rows_of_seq[keeps[i]]))  # type: ignore[arg-type]
+            elif w and logits is not None:
+                decoding = s.began
+                if s.drafter is not None and not s.began:
+                    self._begin_drafter(s)
+                outputs.append(self._sample(s, logits[at], rows_of_seq if decoding else None))
+            at += len(w)
         return outputs
+
+    def _prompt_rows(self, s: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """A prompt chunk's rows (positions start..): prompt logprobs, and the rows the drafter's begin() reads."""
+        if s.prompt_logprobs is not None and start + hidden.shape[0] <= s.prompt_len:
+            self._collect_prompt_logprobs(s, hidden, start)
+        d = s.drafter
+        if d is not None and d.needs_hidden and not s.began:
+            end = len(s.tokens)  # every token is computed before the next is sampled (a recomputed one's too)
+            want = d.prompt_rows(end)
+            first = 0 if want is None else max(0, end - want)
+            lo = max(first, start)
+            if lo < start + hidden.shape[0]:
+                s.prompt_rows.append(hidden[lo - start:])
+
+    def _begin_drafter(self, s: Sequence) -> None:
+        d = s.drafter
+        assert d is not None
+        rows = torch.cat(s.prompt_rows) if s.prompt_rows else None
+        d.begin(s.tokens[:s.cache.length], rows if d.needs_hidden else None)
+        s.prompt_rows = []
+        s.began = True
+
+    def _new_drafter(self, s: Sequence) -> Drafter:
+        assert self.drafters is not None
+        return self.drafters(s.prompt_len + s.params.max_tokens + self.n_max + 1)
+
+    def _draft(self, s: Sequence) -> DraftTree | None:
+        """The draft to verify after the sequence's last token (None: no drafter, or nothing worth a row)."""
+        d = s.drafter
+        if d is None or not s.began:
+            return None
+        room = min(s.params.max_tokens - s.stats.gen_tokens - 1, self.n_max)
+        slots = s.cache.max_len - s.cache.length - 1
+        if self.states is not None:  # a hybrid keeps every node's recurrent state for at most rollback_limit rows
+            slots = min(slots, self.states.rollback_limit - 1)
+        if min(room, slots) <= 0:
+            return None
+        tree = d.propose(s.tokens, room)
+        if len(tree):
+            tree = tree.limit(room, slots)
+        return tree if len(tree) else None
 
     def _drop_aborted(self) -> list[Output]:
         out = []
@@ -229,24 +319,28 @@ class Scheduler:
         """Blocks not yet promised to a row of the step being scheduled."""
         return self.pool.num_free - self._promised
 
-    def _schedule_decode(self) -> list[Sequence]:
-        """Running sequences past their prompt, each with room for one more position (preempting the newest
-        sequences until there is)."""
-        decode: list[Sequence] = []
+    def _schedule_decode(self) -> list[tuple[Sequence, int, DraftTree | None]]:
+        """Running sequences past their prompt, each with room for its next row and its draft's (the draft is
+        dropped when its rows do not fit; then the newest sequences are preempted until one row does)."""
+        decode: list[tuple[Sequence, int, DraftTree | None]] = []
         for s in list(self.running):
             if s.status != RUNNING or s.todo != 1:
                 continue
-            need = self._need(s, 1)
+            tree = self._draft(s)
+            n = 1 + (len(tree) if tree is not None else 0)
+            if self._need(s, n) > self._available():
+                tree, n = None, 1
+            need = self._need(s, n)
             while need > self._available():
                 victim = self.running[-1]
-                if victim in decode:  # scheduled already: its promise goes with it
-                    decode.remove(victim)
-                    self._promised -= self._need(victim, 1)
+                for item in [x for x in decode if x[0] is victim]:  # scheduled already: its promise goes with it
+                    decode.remove(item)
+                    self._promised -= self._need(victim, item[1])
                 self._preempt(victim)
                 if victim is s:
                     break
             if s.status == RUNNING:
-                decode.append(s)
+                decode.append((s, n, tree))
                 self._promised += need
         return decode
 
@@ -379,6 +473,8 @@ class Scheduler:
         s.cache.reset()
         self._release_slot(s)
         s.status = WAITING
+        if s.drafter is not None:  # begun again when its tokens are recomputed
+            s.drafter, s.began, s.prompt_rows = self._new_drafter(s), False, []
         if s.prompt_logprobs:  # collected again from the start
             s.prompt_logprobs = []
         self.waiting.appendleft(s)
@@ -418,8 +514,9 @@ class Scheduler:
             b = min(a + 64, end)
             got += logprobs_of(self.model.logits(hidden[a - start:b - start]), s.tokens[a + 1:b + 1], k)
 
-    def _sample(self, s: Sequence, logits: torch.Tensor) -> Output:
-        """Sample the sequence's next token, apply the stop rules, and say what goes out."""
+    def _sample(self, s: Sequence, logits: torch.Tensor, row: torch.Tensor | None = None) -> Output:
+        """Sample the sequence's next token, apply the stop rules, and say what goes out (`row`: the hidden row of a
+        decode step, which the sequence's drafter is told with the token, as after a verification)."""
         st, params = s.stats, s.params
         now = time.perf_counter()
         first = s.t_first is None
@@ -434,25 +531,49 @@ class Scheduler:
                 self._finish(s)
                 return Output(s, Chunk([], "", prompt_logprobs=prompt_lp) if prompt_lp else None, True)
         tok = s.sampler.sample(logits)
-        lp = s.sampler.take_logprobs() if params.logprobs is not None else None
-        st.gen_tokens += 1
         if first:
             s.t_first = now
             st.ttft_s = now - s.arrived
-        s.tokens.append(tok)
+        if row is not None and s.drafter is not None:
+            s.drafter.accept([s.tokens[-1]], row if s.drafter.needs_hidden else None, tok)
+        return self._emit(s, [tok], prompt_lp)
+
+    def _accept(self, s: Sequence, tree: DraftTree, path: list[int], nxt: int, hidden: torch.Tensor) -> Output:
+        """After a verification step: the drafter learns what was accepted; the accepted tokens and the next one
+        go out (stop rules token by token)."""
+        accepted = [tree.tokens[i] for i in path]
+        assert s.drafter is not None and s.stats.spec is not None
+        s.stats.spec.record(tree, len(path))
+        s.drafter.accept([s.tokens[-1]] + accepted, hidden if s.drafter.needs_hidden else None, nxt)
+        return self._emit(s, accepted + [nxt], None)
+
+    def _emit(self, s: Sequence, toks: list[int], prompt_lp: list | None) -> Output:
+        """Append sampled tokens and apply the stop rules to each: what goes out, and whether the sequence ended."""
+        st, params = s.stats, s.params
+        lps = s.sampler.take_logprobs() if params.logprobs is not None else None
+        out: list[int] = []
         text, reason = "", None
-        if tok in self.eos and not params.ignore_eos:
-            reason = "stop"
-            chunk = Chunk([], "", prompt_logprobs=prompt_lp) if prompt_lp else None
-        else:
-            text, stopped = s.text.push(tok)
+        for tok in toks:
+            st.gen_tokens += 1
+            s.tokens.append(tok)
+            if tok in self.eos and not params.ignore_eos:
+                reason = "stop"
+                break
+            piece, stopped = s.text.push(tok)
+            text += piece
             if stopped:
                 reason = "stop"
-                chunk = Chunk([tok], text, lp, prompt_lp) if text or prompt_lp else None
-            else:
-                chunk = Chunk([tok], text, lp, prompt_lp)
-                if st.gen_tokens >= params.max_tokens or s.cache.length + 1 >= s.cache.max_len:
-                    reason = "length"
+                if piece:
+                    out.append(tok)
+                break
+            out.append(tok)
+            if st.gen_tokens >= params.max_tokens:
+                reason = "length"
+                break
+        if reason is None and s.cache.length + 1 >= s.cache.max_len:
+            reason = "length"
+        lp = lps[:len(out)] if lps is not None and out else None
+        chunk = Chunk(out, text, lp, prompt_lp) if out or text or prompt_lp else None
         if reason is None:
             return Output(s, chunk, False)
         held = s.text.flush()  # text held back for a stop string that did not come

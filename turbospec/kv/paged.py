@@ -295,9 +295,10 @@ class PagedBatch:
         if n != self.n:
             raise ValueError(f"the batch has {self.n} rows, the forward {n}")
 
-    def commit(self) -> None:
-        for s in self.segments:
-            s.seq.commit()
+    def commit(self, keeps: dict[int, list[int]] | None = None) -> None:
+        """Commit every segment's rows, or for segment i in `keeps` only the listed rows (its accepted path)."""
+        for i, s in enumerate(self.segments):
+            s.seq.commit(keeps.get(i) if keeps else None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Store the rows' k/v [KVH, N, D] and attend q [H, N, D] -> [H, N, D] in q's dtype."""

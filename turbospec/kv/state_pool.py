@@ -148,6 +148,10 @@ class HybridBatch:
         step of that many rows does)."""
         return self.segments[i].n <= self.states.rollback_limit
 
+    def parents(self, i: int) -> list[int] | None:
+        """Segment i's tree (parents of its rows; None: a chain)."""
+        return self.segments[i].plan.parents
+
     def gdn_state(self, i: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         conv, ssm = self.states.get(self.slots[i])
         return conv[layer], ssm[layer]
@@ -155,17 +159,27 @@ class HybridBatch:
     def gdn_stash(self, i: int, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
         self._stash[i][layer] = (window, states)
 
-    def commit(self) -> None:
-        self.kv.commit()
+    def commit(self, keeps: dict[int, list[int]] | None = None) -> None:
+        """Commit every segment, or for segment i in `keeps` only its listed rows (an accepted root path: the
+        states after its last node, the conv rows along it)."""
+        self.kv.commit(keeps)
         k = self.states.conv_shape[0]
         for i, slot in enumerate(self.slots):
             stash = self._stash[i]
             if any(x is None for x in stash):
                 raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
             n = self.segments[i].n
-            conv = [w[-k:] for w, _ in stash]  # type: ignore[misc]
-            # one row: a view of the step's only state; more: a copy of the last, so the step's others can go
-            ssm = [s[0] if s.shape[0] == 1 else s[-1].clone() for _, s in stash]  # type: ignore[misc]
+            keep = keeps.get(i) if keeps else None
+            if keep is None or keep == list(range(n)):
+                conv = [w[-k:] for w, _ in stash]  # type: ignore[misc]
+                last = n - 1
+            else:
+                rows = torch.tensor(keep, dtype=torch.int64) + k
+                conv = [torch.cat([w[:k], w[rows]])[-k:] for w, _ in stash]  # type: ignore[misc]
+                last = keep[-1]
+            # one row: a view of the step's only state; more: a copy of the kept one, so the step's others can go
+            ssm = [s[0] if s.shape[0] == 1 else s[last if s.shape[0] == n else -1].clone()  # type: ignore[misc]
+                   for _, s in stash]
             if n > 1:
                 conv = [c.clone() for c in conv]
             self.states.set(slot, (conv, ssm))

@@ -239,7 +239,8 @@ class HybridLayer:
         outs = []
         for i, seg in enumerate(cache.segments):
             conv, ssm = cache.gdn_state(i, self.slot)
-            o, window, states = gdn.mix(proj[seg.row:seg.row + seg.n], conv, ssm, cache.all_states(i))
+            o, window, states = gdn.mix(proj[seg.row:seg.row + seg.n], conv, ssm, cache.all_states(i),
+                                        cache.parents(i))
             cache.gdn_stash(i, self.slot, window, states)
             outs.append(o)
         o = gdn.out_order(torch.cat(outs) if len(outs) > 1 else outs[0])
