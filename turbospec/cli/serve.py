@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid models: recurrent states kept so that a prompt repeating an earlier one resumes "
                         "where it was kept: the end of the last N prompts (-np 1), or N per parallel sequence at KV "
                         "block boundaries (-np > 1) (default 3; 0: every prompt is processed in full)")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="folder for POST /slots/{id}?action=save|restore files (a slot's context: tokens, K/V, "
+                        "recurrent states); without it those actions answer 501")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for the generation worker; more get 503 (default 64)")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -100,7 +103,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
                        max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,
                        max_per_key=a.max_concurrent_per_key, max_connections=a.max_connections,
-                       stream_interval=a.stream_interval_ms / 1e3, parallel=a.parallel)
+                       stream_interval=a.stream_interval_ms / 1e3, parallel=a.parallel,
+                       slot_save_path=a.slot_save_path)
     app = create_app(engine, cfg, worker_thread=False)
     # the app answers past --max-connections itself (OpenAI JSON); uvicorn's own limit (plain text) stays a
     # backstop for idle keep-alive connections far beyond it

@@ -24,6 +24,7 @@ from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
 from turbospec.kv.paged import BlockPool, Key, PagedBatch, PagedSequence, Segment, pool_for
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.slot_file import SlotData, check_fields
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
@@ -56,6 +57,7 @@ class Sequence:
     drafter: Drafter | None = None  # speculation: its own drafter (begun when its prompt is computed)
     began: bool = False
     prompt_rows: list[torch.Tensor] = field(default_factory=list)  # hidden rows of the prompt's end, for begin()
+    slot_id: int | None = None  # which of the `max_seqs` slots it runs in (its context is the slot's afterwards)
 
     @property
     def todo(self) -> int:
@@ -80,6 +82,22 @@ class Hit:
     partial: int | None = None
     partial_len: int = 0
     state: Key | None = None
+
+
+def block_keys(tokens: list[int], block: int, full: int, keys: list | None = None) -> list:
+    """Keys of the first `full` blocks of tokens (extending `keys`, the ones known): each names its block's tokens
+    and, by hash, everything before them."""
+    keys = [] if keys is None else keys
+    while len(keys) < full:
+        j = len(keys)
+        keys.append((hash(keys[-1]) if j else 0, tuple(tokens[j * block:(j + 1) * block])))
+    return keys[:full]
+
+
+def partial_key(keys: list, tokens: list[int], block: int, n: int) -> Key:
+    """The key of positions [m * block, n) of a last, partly filled block (m = n // block; keys: the full ones)."""
+    m = n // block
+    return (hash(keys[m - 1]) if m else 0, tuple(tokens[m * block:n]))
 
 
 def _common(a: tuple, b: tuple) -> int:
@@ -122,6 +140,10 @@ class Scheduler:
         self.states = states
         # speculation: a new drafter per sequence (for its longest length); drafts at most n_max tokens deep
         self.drafters, self.n_max = drafters, n_max
+        # slots (llama-server's): a running sequence holds one; the context of the last one to finish in it stays
+        # the slot's (its blocks in the prefix cache) for /slots save and restore
+        self.slot_tokens: list[list[int]] = [[] for _ in range(max_seqs)]
+        self._free_slot_ids = list(range(max_seqs - 1, -1, -1))
         if states is not None and states.num_slots < max_seqs:
             raise TurboSpecError(f"{states.num_slots} recurrent-state slots for {max_seqs} sequences")
 
@@ -387,6 +409,7 @@ class Scheduler:
                 self.prefix_queries += len(s.tokens)
                 self.prefix_hits += s.cache.length
             s.status = RUNNING
+            s.slot_id = self._free_slot_ids.pop()
             self.running.append(s)
             n = self._chunk(s, budget)
             chunks.append((s, n))
@@ -405,13 +428,8 @@ class Scheduler:
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def _keys(self, s: Sequence, full: int) -> list:
-        """Keys of the sequence's first `full` blocks of tokens: each names its tokens and (by hash) everything
-        before them."""
-        b = self.pool.block
-        while len(s.keys) < full:
-            j = len(s.keys)
-            s.keys.append((hash(s.keys[-1]) if j else 0, tuple(s.tokens[j * b:(j + 1) * b])))
-        return s.keys[:full]
+        """Keys of the sequence's first `full` blocks of tokens (computed once)."""
+        return block_keys(s.tokens, self.pool.block, full, s.keys)
 
     def _cached_prefix(self, s: Sequence) -> Hit:
         """The longest cached prefix of the prompt (at least one token is left to compute, for the next token's
@@ -419,10 +437,14 @@ class Scheduler:
         must end where recurrent states were snapshotted."""
         if not (self.prefix_cache and s.params.cache_prompt) or s.prompt_logprobs is not None:
             return Hit([])
+        limit = len(s.tokens) - 1
+        return self._find(s.tokens, limit, self._keys(s, limit // self.pool.block))
+
+    def _find(self, tokens: list[int], limit: int, keys: list) -> Hit:
+        """The longest cached prefix of tokens[:limit] (`keys`: its full blocks' keys)."""
         b = self.pool.block
         out: list[int] = []
         usable = 0  # hybrids: the last full block whose recurrent states were snapshotted
-        keys = self._keys(s, (len(s.tokens) - 1) // b)
         for key in keys:
             block = self.pool.lookup(key)
             if block is None:
@@ -432,7 +454,7 @@ class Scheduler:
                 usable = len(out)
         m = len(out)
         prev = hash(keys[m - 1]) if m else 0
-        want = tuple(s.tokens[m * b:min(len(s.tokens) - 1, (m + 1) * b - 1)])
+        want = tuple(tokens[m * b:min(limit, (m + 1) * b - 1)])
         best = Hit(out[:usable], state=keys[usable - 1] if usable and self.states is not None else None)
         for block, toks in self.pool.children(prev):
             r = _common(toks, want)
@@ -445,12 +467,68 @@ class Scheduler:
 
     def _partial_key(self, s: Sequence) -> Key | None:
         """The key of the sequence's committed positions in its last, partly filled block (None: no such block)."""
-        b = self.pool.block
-        m, r = divmod(s.cache.length, b)
-        if not r:
-            return None
-        keys = self._keys(s, m)
-        return (hash(keys[-1]) if m else 0, tuple(s.tokens[m * b:m * b + r]))
+        m, r = divmod(s.cache.length, self.pool.block)
+        return partial_key(self._keys(s, m), s.tokens, self.pool.block, s.cache.length) if r else None
+
+    # ---- slots: save / restore / erase (between steps) ------------------------------------------------------
+    def slot_data(self, i: int) -> SlotData:
+        """Slot i's context as far as the prefix cache still holds it (and, on hybrids, recurrent states there)."""
+        self._check_slot(i)
+        tokens, b = self.slot_tokens[i], self.pool.block
+        hit = self._find(tokens, len(tokens), block_keys(tokens, b, len(tokens) // b))
+        n = len(hit.blocks) * b + hit.partial_len
+        if not n:
+            raise TurboSpecError(f"slot {i} holds no cached context")
+        pos = [blk * b + j for blk in hit.blocks for j in range(b)]
+        pos += [hit.partial * b + j for j in range(hit.partial_len)] if hit.partial is not None else []
+        idx = torch.tensor(pos, dtype=torch.int64)
+        data = SlotData(tokens[:n], {f: t.index_select(2, idx) for f, t in self.pool.k.items()},
+                        {f: t.index_select(2, idx) for f, t in self.pool.v.items()})
+        if self.states is not None:
+            assert hit.state is not None
+            conv, ssm = self.states.states_of(hit.state)
+            data.conv, data.ssm = torch.stack(conv), torch.stack(ssm)
+        return data
+
+    def load_slot(self, i: int, data: SlotData) -> None:
+        """Put a saved context into the prefix cache as slot i's: a prompt that starts with it resumes after it."""
+        self._check_slot(i)
+        check_fields(data, self.pool.k, self.pool.v)
+        pool, b, n = self.pool, self.pool.block, len(data.tokens)
+        if n > min(self.ctx, pool.num_blocks * b):
+            raise TurboSpecError(f"the slot file holds {n} positions, more than the context size")
+        if self.states is not None and (data.conv is None or data.ssm is None):
+            raise TurboSpecError("the slot file has no recurrent states")
+        m, r = divmod(n, b)
+        if m + bool(r) > pool.num_free - self._promised:
+            raise TurboSpecError(f"no room for {n} positions in the KV pool now (busy; try again)")
+        blocks = pool.allocate(m + bool(r))
+        pos = torch.arange(n, dtype=torch.int64)
+        idx = torch.tensor(blocks, dtype=torch.int64)[pos // b] * b + pos % b
+        for mine, got in ((pool.k, data.k), (pool.v, data.v)):
+            for f, t in mine.items():
+                t.index_copy_(2, idx, got[f].to(t.dtype))
+        keys = block_keys(data.tokens, b, m)
+        for j in range(m):
+            pool.remember(blocks[j], keys[j])
+        last = partial_key(keys, data.tokens, b, n) if r else keys[-1]
+        if r:
+            pool.remember(blocks[m], last)
+        if self.states is not None and data.conv is not None and data.ssm is not None:
+            self.states.put(last, ([c.to(self.states.dtype).clone() for c in data.conv],
+                                   [s.float().clone() for s in data.ssm]))
+        pool.release(blocks)  # cached, held by no one
+        self.slot_tokens[i] = list(data.tokens)
+
+    def erase_slot(self, i: int) -> int:
+        """Forget slot i's context (its blocks stay in the prefix cache until evicted); the tokens it had."""
+        self._check_slot(i)
+        n, self.slot_tokens[i] = len(self.slot_tokens[i]), []
+        return n
+
+    def _check_slot(self, i: int) -> None:
+        if not 0 <= i < self.max_seqs:
+            raise TurboSpecError(f"slot {i} does not exist (0..{self.max_seqs - 1}, -np)")
 
     def _remember(self, s: Sequence) -> None:
         """Offer the sequence's newly filled blocks to the prefix cache."""
@@ -472,6 +550,9 @@ class Scheduler:
         self.running.remove(s)
         s.cache.reset()
         self._release_slot(s)
+        self._free_slot_ids.append(s.slot_id)  # type: ignore[arg-type]
+        self._free_slot_ids.sort(reverse=True)
+        s.slot_id = None
         s.status = WAITING
         if s.drafter is not None:  # begun again when its tokens are recomputed
             s.drafter, s.began, s.prompt_rows = self._new_drafter(s), False, []
@@ -490,6 +571,11 @@ class Scheduler:
             self.pool.remember(s.cache.blocks[-1], key)
             if self.states is not None and s.slot is not None:
                 self.states.snapshot(key, s.slot, s.id)
+        if s.slot_id is not None:
+            self.slot_tokens[s.slot_id] = s.tokens[:s.cache.length]
+            self._free_slot_ids.append(s.slot_id)
+            self._free_slot_ids.sort(reverse=True)
+            s.slot_id = None
         s.cache.reset()
         self._release_slot(s)
         s.status = FINISHED

@@ -34,6 +34,22 @@ class CachePositions:
     def buffers(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def fields(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """K and V storage by field name, [layers, kv heads, max_len, ...] (slot files)."""
+        raise NotImplementedError
+
+    def load(self, k: dict[str, torch.Tensor], v: dict[str, torch.Tensor]) -> None:
+        """Replace the context by n positions given as `fields()` slices [layers, kv heads, n, ...]."""
+        n = next(iter(k.values())).shape[2]
+        if n > self.max_len:
+            raise TurboSpecError(f"{n} positions do not fit the context size {self.max_len} (raise -c)")
+        self.reset()
+        mine_k, mine_v = self.fields()
+        for mine, got in ((mine_k, k), (mine_v, v)):
+            for name, t in mine.items():
+                t[:, :, :n].copy_(got[name])
+        self.length = n
+
     def begin(self, n: int) -> None:
         if self.length + n > self.max_len:
             raise TurboSpecError(
@@ -92,6 +108,9 @@ class KVCache(CachePositions):
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.k, self.v)
+
+    def fields(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return {"data": self.k}, {"data": self.v}
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [kv_heads, N, D] in scratch; return views over committed + scratch positions."""

@@ -199,6 +199,14 @@ class HybridCache:
         while len(self._checkpoints) > self.max_checkpoints:
             self._checkpoints.popitem(last=False)
 
+    def set_states(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Committed states of every GDN layer from [layers, K-1, C] and [layers, Hv, Dk, Dv] (a slot file)."""
+        if tuple(conv.shape) != (self.num_gdn_layers, *self._conv_shape) or \
+                tuple(ssm.shape) != (self.num_gdn_layers, *self._ssm_shape):
+            raise TurboSpecError("the recurrent states do not match this model's layers")
+        self._conv = [c.to(self.dtype).clone() for c in conv]
+        self._ssm = [s.float().clone() for s in ssm]
+
     @property
     def checkpoints(self) -> list[int]:
         """Lengths with kept states, oldest first."""

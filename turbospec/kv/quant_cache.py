@@ -61,6 +61,9 @@ class QuantKVCache(CachePositions):
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return (*self.k.values(), *self.v.values())
 
+    def fields(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return dict(self.k), dict(self.v)
+
     # ---- memory accounting ------------------------------------------------------------------------------
     def bytes_per_token_per_layer(self) -> int:
         d = self.head_dim

@@ -80,11 +80,22 @@ class StatePool:
         mine = [k for k, o in self._owner.items() if o == owner]
         for k in mine[:max(0, len(mine) - self.per_owner + 1)]:
             self._drop(k)
+        conv, ssm = self.get(slot)
+        self.put(key, (list(conv), list(ssm)), owner)
+
+    def put(self, key: object, states: States, owner: int = -1) -> None:
+        """Keep `states` as a snapshot (the least recently used goes when the pool is full)."""
+        if self.max_snapshots == 0:
+            return
+        self._snapshots.pop(key, None)
+        self._owner.pop(key, None)
         while len(self._snapshots) >= self.max_snapshots:
             self._drop(next(iter(self._snapshots)))
-        conv, ssm = self.get(slot)
-        self._snapshots[key] = (list(conv), list(ssm))
+        self._snapshots[key] = states
         self._owner[key] = owner
+
+    def states_of(self, key: object) -> States:
+        return self._snapshots[key]
 
     def has(self, key: object) -> bool:
         return key in self._snapshots

@@ -6,6 +6,7 @@ with one JSON body or a server-sent-event stream. A client that disconnects canc
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -45,7 +46,11 @@ class ServerConfig:
     max_connections: int = 256  # requests in flight at once; more get a 503 (OpenAI JSON)
     stream_interval: float = 0.05  # seconds between two writes of a stream (the first token goes out at once)
     parallel: int = 1  # sequences generated together (continuous batching) when above 1, else one at a time
+    slot_save_path: str | None = None  # folder of /slots save and restore files (None: those actions are off)
 
+
+
+SLOT_FILENAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 class ClientGone(Exception):
     """The client disconnected while its request waited or generated."""
@@ -258,6 +263,42 @@ class Server:
 
     async def health(self):
         return {"status": "ok", "waiting": self.worker.waiting, "running": self.worker.running}
+
+    async def slots(self, request: Request, id_slot: int):
+        """POST /slots/{id}?action=save|restore|erase, llama-server's shape: save or restore a slot's context to or
+        from a file (body {"filename": ...}) in --slot-save-path, or forget it."""
+        from functools import partial
+        from pathlib import Path
+
+        from turbospec.engine import slots
+
+        action = request.query_params.get("action")
+        if action not in slots.ACTIONS:
+            raise protocol.bad(f"action must be one of {', '.join(slots.ACTIONS)}", "action")
+        path = None
+        if action != "erase":
+            if not self.cfg.slot_save_path:
+                raise APIError(501, "slot save and restore need --slot-save-path DIR", "not_supported_error")
+            body = protocol.parse_body(await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout))
+            name = body.get("filename")
+            if not isinstance(name, str) or not SLOT_FILENAME.fullmatch(name) or name.startswith("."):
+                raise protocol.bad("filename must be a plain file name (letters, digits, '.', '_', '-')", "filename")
+            path = Path(self.cfg.slot_save_path) / name
+        if not self.worker.has_room():
+            raise self.worker.queue_full()
+        job = Job([], self.defaults, Channel(asyncio.get_running_loop()),
+                  deadline=time.perf_counter() + self.cfg.timeout,
+                  action=partial(slots.run, action, id_slot, path, self.engine, self.worker.scheduler))
+        self.worker.submit(job)
+        while True:
+            for item in await job.channel.take():
+                if item[0] == "result":
+                    return item[1]
+                if item[0] == "error":
+                    e = item[1]
+                    raise e if isinstance(e, APIError) else APIError(500, f"slot {action} failed: {e}", "server_error")
+                if item[0] == "done":  # cancelled or timed out in the queue
+                    raise APIError(503, "the server stopped the request", "server_overloaded")
 
     async def prometheus(self) -> PlainTextResponse:
         text, content_type = self.metrics.render()
@@ -481,4 +522,5 @@ def create_app(engine, cfg: ServerConfig, worker_thread: bool = True) -> FastAPI
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
+    app.add_api_route("/slots/{id_slot}", server.slots, methods=["POST"])
     return app

@@ -19,7 +19,7 @@ from turbospec.server.worker import Job, Worker
 
 class BatchWorker(Worker):
     def __init__(self, engine, max_queue: int, parallel: int, metrics=None, thread: bool = True):
-        self.scheduler = Scheduler.for_engine(engine, parallel)
+        self.scheduler: Scheduler = Scheduler.for_engine(engine, parallel)
         self.active: dict[Sequence, Job] = {}
         self._ended: dict[Sequence, str] = {}  # sequences aborted by the worker: the finish reason it reports
         self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}  # scheduler counters in /metrics
@@ -75,6 +75,9 @@ class BatchWorker(Worker):
 
     def _admit(self, job: Job) -> None:
         if not self._dequeued(job):
+            return
+        if job.action is not None:  # (between two steps)
+            self._act(job)
             return
         try:
             seq = self.scheduler.add(job.tokens, job.params)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from turbospec.server.protocol import APIError
 
 if TYPE_CHECKING:
+    from turbospec.engine.scheduler import Scheduler
     from turbospec.sampling import SamplingParams
     from turbospec.server.metrics import Metrics
 
@@ -89,6 +90,7 @@ class Job:
     channel: Channel
     deadline: float
     key: str | None = None  # the API key label, for per-key limits
+    action: Callable[[], dict] | None = None  # not a generation: run this on the worker's thread, answer its result
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
 
@@ -106,6 +108,8 @@ class Worker:
     brings a second thread pool, libgomp throttles the spinning, and every parallel region then pays a futex
     wake-up: 2.5x slower decoding of the bundled model on 2 cores (`engine.stream` in a thread: ~220 t/s against
     ~600 t/s on the main thread)."""
+
+    scheduler: Scheduler | None = None  # the continuous-batching worker's
 
     def __init__(self, engine, max_queue: int, metrics: Metrics | None = None, thread: bool = True):
         self.engine = engine
@@ -225,8 +229,23 @@ class Worker:
             return False
         return True
 
+    def _act(self, job: Job) -> None:
+        """A job with an action (a slot save / restore / erase): its result, or its one-line error."""
+        from turbospec.errors import TurboSpecError
+
+        try:
+            job.emit(("result", job.action()), last=True)  # type: ignore[misc]
+        except (TurboSpecError, OSError) as e:
+            status = 404 if "not found" in str(e) or "does not exist" in str(e) else 400
+            job.emit(("error", APIError(status, str(e), "invalid_request_error")), last=True)
+        except Exception as e:  # noqa: BLE001 - reported, serving goes on
+            job.emit(("error", e), last=True)
+
     def _run(self, job: Job) -> None:
         if not self._dequeued(job):
+            return
+        if job.action is not None:
+            self._act(job)
             return
         try:
             reason = self._generate(job)

@@ -1,0 +1,86 @@
+"""Slot save / restore / erase (`/slots/{id}?action=...`, llama-server's shape) for the one-sequence engine (slot 0:
+its cache and the tokens in it) and for the continuous-batching scheduler (slots 0..N-1: the context of the last
+sequence that ran in each, as the prefix cache holds it). Files: `turbospec.kv.slot_file`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from turbospec.dtypes import short_name
+from turbospec.errors import TurboSpecError
+from turbospec.kv import slot_file
+from turbospec.kv.hybrid_cache import HybridCache
+from turbospec.kv.slot_file import SlotData
+
+ACTIONS = ("save", "restore", "erase")
+
+
+def kv_formats(engine) -> tuple[str, str]:
+    """The K and V format names of the engine's caches (-ctk/-ctv, default the model dtype)."""
+    c, dt = engine.config, short_name(engine.model.dtype)
+    return c.cache_type_k or dt, c.cache_type_v or dt
+
+
+def engine_data(engine) -> SlotData:
+    """The one-sequence engine's context: the tokens in its cache and their K/V (and recurrent states)."""
+    cache = engine.cache
+    n = cache.length
+    if not n:
+        raise TurboSpecError("slot 0 holds no cached context")
+    kv = cache.kv if isinstance(cache, HybridCache) else cache
+    k, v = kv.fields()
+    data = SlotData(list(engine.cached_tokens[:n]), {f: t[:, :, :n] for f, t in k.items()},
+                    {f: t[:, :, :n] for f, t in v.items()})
+    if isinstance(cache, HybridCache):
+        data.conv, data.ssm = cache.conv, cache.ssm
+    return data
+
+
+def engine_load(engine, data: SlotData) -> None:
+    """Make `data` the engine's context: the next prompt that starts with its tokens resumes after them."""
+    cache = engine.cache
+    hybrid = isinstance(cache, HybridCache)
+    kv = cache.kv if isinstance(cache, HybridCache) else cache
+    k, v = kv.fields()
+    slot_file.check_fields(data, k, v)
+    engine.cached_tokens = []
+    cache.reset()
+    kv.load(data.k, data.v)
+    if hybrid:
+        if data.conv is None or data.ssm is None:
+            raise TurboSpecError("the slot file has no recurrent states")
+        cache.set_states(data.conv, data.ssm)
+        cache.checkpoint()
+    engine.cached_tokens = list(data.tokens)
+
+
+def run(action: str, slot: int, path: Path | None, engine, scheduler=None) -> dict:
+    """Do a slot action on the worker's thread (between requests or steps); llama-server's response fields."""
+    t0 = time.perf_counter()
+    if scheduler is None and slot != 0:
+        raise TurboSpecError(f"slot {slot} does not exist (one sequence at a time: slot 0; -np N for more)")
+    if action == "erase":
+        if scheduler is not None:
+            n = scheduler.erase_slot(slot)
+        else:
+            n = engine.cache.length
+            engine.cache.reset()
+            engine.cached_tokens = []
+        return {"id_slot": slot, "n_erased": n}
+    assert path is not None
+    kt, vt = kv_formats(engine)
+    meta = {"model": slot_file.model_fingerprint(engine.model), "k_type": kt, "v_type": vt}
+    if action == "save":
+        data = scheduler.slot_data(slot) if scheduler is not None else engine_data(engine)
+        size = slot_file.save(path, data, **meta)
+        return {"id_slot": slot, "filename": path.name, "n_saved": len(data.tokens), "n_written": size,
+                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+    hybrid = isinstance(engine.cache, HybridCache) if scheduler is None else scheduler.states is not None
+    data = slot_file.load(path, hybrid=hybrid, **meta)
+    if scheduler is not None:
+        scheduler.load_slot(slot, data)
+    else:
+        engine_load(engine, data)
+    return {"id_slot": slot, "filename": path.name, "n_restored": len(data.tokens), "n_read": path.stat().st_size,
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
