@@ -307,6 +307,8 @@ class PagedBatch:
         h, n, d = q.shape
         kvh = k.shape[0]
         g = h // kvh
+        if not self.others:  # decode rows only (the common step): rows in order, no scatter
+            return self._decode(layer, q, kvh, g, d, scale).to(q.dtype)
         out = torch.empty_like(q)
         if self.decode_rows.numel():
             out[:, self.decode_rows] = self._decode(layer, q[:, self.decode_rows], kvh, g, d, scale).to(q.dtype)
