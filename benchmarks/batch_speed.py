@@ -34,10 +34,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_turn import words as prose  # noqa: E402
 from served_speed import free_port, server  # noqa: E402
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> dict:
+async def one(client: httpx.AsyncClient, url: str, prompt: list[int] | str, n: int) -> dict:
     body = {"prompt": prompt, "max_tokens": n, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -63,7 +64,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) ->
             "decode_tps": (tokens - 1) / (last - first) if first and last and last > first else 0.0}
 
 
-async def load(url: str, prompts: list[list[int]], n: int) -> dict:
+async def load(url: str, prompts: list, n: int) -> dict:
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         rows = await asyncio.gather(*(one(client, url, p, n) for p in prompts))
     start = min(r["t0"] for r in rows)
@@ -90,6 +91,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--text", action="store_true", help="prompts: slices of the shipped prose text (default: random "
+                    "token ids), so that drafts can hit")
+    ap.add_argument("--spec", default=None, help="also serve turbospec with these flags ('turbospec spec'), e.g. "
+                    "'--spec-type draft-mtp'")
     a = ap.parse_args()
     path = Path(a.model)
     if not (path / "config.json").exists():
@@ -98,20 +103,23 @@ def main() -> int:
         make_demo_model(path)
     src = a.gguf or str(path)
     top = max(a.streams)
-    ctx = top * (a.prompt + a.gen + 16)
+    per = (2 if a.text else 1) * a.prompt + a.gen + 16  # (a prose word is 1-2 tokens)
+    ctx = top * per
     flags = shlex.split(a.flags)
     cmds = {
-        "turbospec -np 1": lambda port: ["turbospec", "serve", "-m", src, "-c", str(a.prompt + a.gen + 16),
+        "turbospec -np 1": lambda port: ["turbospec", "serve", "-m", src, "-c", str(per),
                                          "-t", str(a.threads), "--port", str(port), *flags],
         "turbospec": lambda port: ["turbospec", "serve", "-m", src, "-c", str(ctx), "-np", str(top),
                                    "--max-queue", str(4 * top), "-t", str(a.threads), "--port", str(port), *flags],
     }
+    if a.spec:
+        cmds["turbospec spec"] = lambda port: [*cmds["turbospec"](port), *shlex.split(a.spec)]
     if a.llama_server and a.gguf:
         cmds["llama.cpp"] = lambda port: [a.llama_server, "-m", a.gguf, "-c", str(ctx), "-np", str(top), "-t",
                                           str(a.threads), "-tb", str(a.threads), "--port", str(port), "-fa", "on",
                                           "-ub", "512", "-b", "2048"]
     rnd = random.Random(0)
-    vocab = 32000
+    vocab = json.loads((path / "config.json").read_text()).get("vocab_size", 32000)
     results: dict[str, dict[int, list[dict]]] = {k: {s: [] for s in a.streams} for k in cmds}
     with ExitStack() as stack:
         urls = {}
@@ -123,7 +131,8 @@ def main() -> int:
                 for name, url in urls.items():
                     if name == "turbospec -np 1" and s != 1:
                         continue
-                    prompts = [[rnd.randrange(3, vocab) for _ in range(a.prompt)] for _ in range(s)]
+                    prompts = ([prose(rnd.randrange(10**9), a.prompt) for _ in range(s)] if a.text else
+                               [[rnd.randrange(3, vocab) for _ in range(a.prompt)] for _ in range(s)])
                     res = asyncio.run(load(url, prompts, a.gen))
                     if r:
                         results[name][s].append(res)
