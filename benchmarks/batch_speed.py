@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--load-timeout", type=float, default=300.0, help="seconds before a load counts as stuck")
     ap.add_argument("--text", action="store_true", help="prompts: slices of the shipped prose text (default: random "
                     "token ids), so that drafts can hit")
     ap.add_argument("--spec", default=None, help="also serve turbospec with these flags ('turbospec spec'), e.g. "
@@ -121,24 +122,46 @@ def main() -> int:
     rnd = random.Random(0)
     vocab = json.loads((path / "config.json").read_text()).get("vocab_size", 32000)
     results: dict[str, dict[int, list[dict]]] = {k: {s: [] for s in a.streams} for k in cmds}
-    with ExitStack() as stack:
-        urls = {}
-        for name, cmd in cmds.items():
-            port = free_port()
-            urls[name] = stack.enter_context(server(cmd(port), port))
+    servers: dict[str, tuple[ExitStack, str]] = {}
+    restarts = dict.fromkeys(cmds, 0)
+
+    def start(name: str) -> None:
+        stack = ExitStack()
+        port = free_port()
+        servers[name] = (stack, stack.enter_context(server(cmds[name](port), port)))
+
+    def run_load(name: str, prompts: list) -> dict:
+        """One load; a server that does not finish it in --load-timeout seconds is restarted and the load repeated
+        (llama-server 0.3.36 has been seen to stop answering after a few hundred requests)."""
+        for _ in range(3):
+            try:
+                return asyncio.run(asyncio.wait_for(load(servers[name][1], prompts, a.gen), a.load_timeout))
+            except (asyncio.TimeoutError, httpx.HTTPError) as e:
+                print(f"{name}: load not finished ({type(e).__name__}); restarting the server", flush=True)
+                servers[name][0].close()
+                start(name)
+                restarts[name] += 1
+        raise RuntimeError(f"{name} failed the same load three times")
+
+    try:
+        for name in cmds:
+            start(name)
         for r in range(a.rounds + 1):  # round 0 warms up
             for s in a.streams:
-                for name, url in urls.items():
+                for name in cmds:
                     if name == "turbospec -np 1" and s != 1:
                         continue
                     prompts = ([prose(rnd.randrange(10**9), a.prompt) for _ in range(s)] if a.text else
                                [[rnd.randrange(3, vocab) for _ in range(a.prompt)] for _ in range(s)])
-                    res = asyncio.run(load(url, prompts, a.gen))
+                    res = run_load(name, prompts)
                     if r:
                         results[name][s].append(res)
                     print(f"round {r} S={s:2d} {name:16s} {res['aggregate_tps']:8.1f} t/s aggregate, "
                           f"ttft p50 {res['ttft_p50_ms']:.0f} ms, stream p50 {res['stream_tps_p50']:.1f} t/s",
                           flush=True)
+    finally:
+        for stack, _ in servers.values():
+            stack.close()
     rows = []
     base = statistics.median(x["aggregate_tps"] for x in results["turbospec -np 1"][1]) if 1 in a.streams else None
     for name in cmds:
@@ -163,7 +186,7 @@ def main() -> int:
               f"{r['ttft_p90_ms']:9.0f} {r['stream_tps_p50']:10.1f} {r['stream_tps_p10']:7.1f}")
     if a.json:
         out = {"command": " ".join(["python", "benchmarks/batch_speed.py", *sys.argv[1:]]), "rounds": a.rounds,
-               "prompt_tokens": a.prompt, "gen_tokens": a.gen, "rows": rows}
+               "prompt_tokens": a.prompt, "gen_tokens": a.gen, "server_restarts": restarts, "rows": rows}
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -326,8 +326,9 @@ def test_hybrid_checkpoint_as_draft_model_with_draft_kv_types(ckpts, models):
 
 @pytest.mark.parametrize("spec", [None, "draft-mtp"])
 def test_follow_up_prompts_resume_from_checkpoints_with_the_cold_output(models, spec):
-    """A prompt that repeats the previous one (+ its answer) resumes from the live states or from the last prompt's
-    end (a checkpoint) instead of re-processing it, and generates exactly what a cold engine does."""
+    """A prompt that repeats the previous one (+ its answer) resumes from the live states or from the checkpoint
+    before the previous prompt's last token instead of re-processing it, and generates exactly what a cold engine
+    does; so does the same prompt again."""
     from pathlib import Path
 
     bundled = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny-hybrid"
@@ -349,10 +350,14 @@ def test_follow_up_prompts_resume_from_checkpoints_with_the_cold_output(models, 
             assert reused == 0
         elif turn == 1:  # the whole previous context: the live states
             assert reused == len(prompt) - 5 - 1
-        else:  # the previous answer edited: back to the previous prompt's end
+        else:  # the previous answer edited: back to the checkpoint before the previous prompt's last token
             assert reused == warm.cache.checkpoints[-2]
-        assert warm.cache.checkpoints[-1] == len(prompt)
+        assert warm.cache.checkpoints[-1] == len(prompt) - 1
+        last = prompt
         prompt = prompt + got + [5, 6, 7, 8, 9] if turn == 0 else prompt + got[:-2] + [9, 9, 9]
+    again = [t for c in warm.stream(last, sp) for t in c.tokens]  # the last prompt again (regenerate)
+    assert again == [t for c in cold.stream(last, sp) for t in c.tokens]
+    assert warm.last_stats.cached_tokens == len(last) - 1
 
 
 def test_hybrid_cache_goes_back_to_checkpoints_only(models):

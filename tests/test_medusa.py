@@ -144,7 +144,7 @@ def test_greedy_identical_to_plain(target_dir, tmp_path, tree_spec, shared, n_ma
     drafter = make_drafter(sc, target, 260)
     assert isinstance(drafter, MedusaDrafter)
     assert (drafter.heads is None) == shared
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=n_max)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=n_max, adaptive=False)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     drafts = 0
     for prompt in PROMPTS[:2] + PROMPTS[-2:]:
@@ -164,7 +164,7 @@ def test_oracle_candidates_accept_through_tree(target_dir, tree_spec, ranks, exp
     target = load_model(target_dir, "float32")
     heads = random_heads(target)
     tree = MedusaTree(parse_tree(tree_spec))
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=OracleMedusa(heads, target, tree, ranks))
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=OracleMedusa(heads, target, tree, ranks))
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for prompt in (PROMPTS[0], PROMPTS[-1]):
         assert gen(eng, prompt, p) == plain_greedy(target, prompt, 20)
@@ -178,12 +178,12 @@ def test_sampling_mode_completes(target_dir, tmp_path):
     save_heads(tmp_path, random_heads(target))
     drafter = make_drafter(SpecConfig.parse("medusa", n_max=3, tree="topk:2,2,1"), target, 260,
                            model_path=str(tmp_path))
-    eng = Engine(target, None, EngineConfig(ctx=128, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=128, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=drafter)
     p = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=3, max_tokens=20, ignore_eos=True)
     for prompt in PROMPTS[:2]:
         assert len(gen(eng, prompt, p)) == 20
     # context limit: the tree is cut to the cache rows left
-    eng = Engine(target, None, EngineConfig(ctx=40, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=40, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=drafter)
     plain = Engine(target, None, EngineConfig(ctx=40, ubatch=8))
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert gen(eng, PROMPTS[0], p) == gen(plain, PROMPTS[0], p)
@@ -244,7 +244,7 @@ def test_train_heads_lowers_loss_resumes_and_loads(byte_model, tmp_path):
     heads = load_heads(out, 32, 272)
     assert heads.num_heads == 3
     drafter = make_drafter(SpecConfig.parse("medusa", n_max=3), target, 300, model_path=str(out))
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=16, spec=SpecConfig(n_max=3)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=16, spec=SpecConfig(n_max=3, adaptive=False)), drafter=drafter)
     plain = Engine(target, None, EngineConfig(ctx=256, ubatch=16))
     prompt = list(TEXT[:60].encode())
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -319,7 +319,8 @@ def test_hybrid_prefix_resumes_from_a_snapshot_with_the_cold_output(hybrid):
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     sch = _hybrid_scheduler(hybrid, 2048)
     a = _drive(sch, [(0, first, sp)])[0][0]
-    assert sch.states.num_snapshots == 3  # its newest: after 512 positions, the prompt's end (600), the last (619)
+    assert sch.states.num_snapshots == 3  # its newest: after 512 positions, before the prompt's last token (599),
+    # and at its last computed position (619)
     second = first + a + [rnd.randrange(3, 900) for _ in range(200)]
     other = [rnd.randrange(3, 900) for _ in range(300)]
     want = _solo(hybrid, [second, other], [sp, sp])
@@ -327,11 +328,13 @@ def test_hybrid_prefix_resumes_from_a_snapshot_with_the_cold_output(hybrid):
     assert got[0][4].stats.cached_tokens == 619 and got[1][4].stats.cached_tokens == 0
     assert sch.states.snapshot_hits == 1
     assert [got[0][0], got[1][0]] == [want[0][0], want[1][0]]
-    # the previous answer edited at its end: back to the previous prompt's end
+    # the previous answer edited at its end: back to the snapshot before the previous prompt's last token
     third = second + got[0][0][:-3] + [rnd.randrange(3, 900) for _ in range(50)]
     want3 = _solo(hybrid, [third], [sp])[0][0]
     got3 = _drive(sch, [(0, third, sp)])[0]
-    assert got3[4].stats.cached_tokens == len(second) and got3[0] == want3
+    assert got3[4].stats.cached_tokens == len(second) - 1 and got3[0] == want3
+    again = _drive(sch, [(0, third, sp)])[0]  # the same prompt again: all but its last token
+    assert again[4].stats.cached_tokens == len(third) - 1 and again[0] == want3
     # edited inside the first block: only a block boundary before the edit can be resumed (none here)
     edited = second[:100] + [5] + second[100:]
     assert _drive(sch, [(0, edited, sp)])[0][4].stats.cached_tokens == 0

@@ -117,7 +117,7 @@ class TopKTreeDrafter:
 def test_tree_verification_greedy_identical(paths):
     target = load_model(paths["target"], "float32")
     plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=TopKTreeDrafter(target))
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=TopKTreeDrafter(target))
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for prompt in PROMPTS[:4]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -197,7 +197,7 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
     plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
     sc = SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=32)
     drafter = make_drafter(sc, target, 260)
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for prompt in PROMPTS[:6]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -235,7 +235,7 @@ def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):
     assert load(model_dir) == order
     drafter = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=16), target, 260, str(model_dir))
     plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompt = PROMPTS[0]
     assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -259,7 +259,7 @@ def test_mtp_topk_tree_is_lossless_and_branches(paths, hybrid, tmp_path):
     trees = []
     propose = drafter.propose
     drafter.propose = lambda toks, n: trees.append(propose(toks, n)) or trees[-1]
-    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=drafter)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3, adaptive=False)), drafter=drafter)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for prompt in prompts:
         assert run(eng, prompt, p) == run(plain, prompt, p)
@@ -299,3 +299,67 @@ def test_ngram_mod_pool_is_per_request_unless_shared():
         d.begin(secret, None)  # client A's request
         d.begin([1, 2], None)  # client B's request starts
         assert d.propose([1, 2, 8, 9, 10], 4).tokens[:2] == want
+
+
+# ---- adaptive speculation ---------------------------------------------------------------------------------------
+def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_backoff():
+    from turbospec.speculative.adaptive import PROBE_MAX, PROBE_MIN, Controller, StepCosts
+
+    costs = StepCosts([1.0, 1.05, 1.1, 1.15], draft=0.02)
+    ctl = Controller(costs, 3)
+    assert ctl.choose(3) == 3  # the prior (0.6 per position) pays for the whole draft at these costs
+    for _ in range(20):  # drafts that always miss
+        ctl.observe(ctl.choose(3) or 1, 0)
+    steps = [ctl.choose(3) for _ in range(PROBE_MIN)]
+    assert steps[:-1] == [0] * (PROBE_MIN - 1) and steps[-1] == 1  # off, then one short probe
+    ctl.observe(1, 0)  # the probe missed: the next one comes twice as late
+    assert ctl.probe == 2 * PROBE_MIN
+    for _ in range(12):
+        for _ in range(ctl.probe):
+            k = ctl.choose(3)
+        ctl.observe(k, 0)
+    assert ctl.probe == PROBE_MAX and ctl.off_steps > 100
+    for _ in range(PROBE_MAX + 40):  # drafts that always hit (from the next probe on): back on at full length
+        k = ctl.choose(3)
+        if k:
+            ctl.observe(k, k)
+    assert ctl.choose(3) == 3 and ctl.probe == PROBE_MIN
+
+
+def test_step_costs_follow_the_measured_times():
+    from turbospec.speculative.adaptive import StepCosts
+
+    c = StepCosts([1.0, 1.2])
+    for _ in range(60):
+        c.observe(0, 2.0, 0.0)  # every step twice as slow as calibrated (a deeper context)
+        c.observe(1, 2.4, 0.3)
+    assert abs(c.scale - 2.0) < 0.05 and abs(c.draft - 0.3) < 1e-6
+    assert abs(c.step(1) - (2.0 * 1.2 + 0.3)) < 0.1
+
+
+@pytest.mark.parametrize("spec", ["ngram-mod", "draft-mtp"])
+def test_adaptive_speculation_is_lossless_and_skips_drafts_that_do_not_pay(spec):
+    """The engine drafts the length its cost model and the running acceptance pick: with the calibrated costs it
+    drafts (the bundled model's greedy output repeats, so n-gram drafts hit too); with verification made to look
+    expensive it stops drafting (undrafted steps, a probe now and then). Outputs equal plain greedy decoding."""
+    from pathlib import Path
+
+    from turbospec.engine.build import build_engine
+    from turbospec.speculative.adaptive import StepCosts
+
+    path = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+    if not (path / "config.json").exists():
+        pytest.skip("no bundled model")
+    plain = build_engine(EngineConfig(model=str(path), ctx=1024))
+    eng = build_engine(EngineConfig(model=str(path), ctx=1024, spec=SpecConfig.parse(spec)))
+    assert eng.step_costs is not None and len(eng.step_costs.verify) == 4 and eng.step_costs.verify[0] > 0
+    prompt = torch.randint(3, 900, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    sp = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    want = [t for c in plain.stream(prompt, sp) for t in c.tokens]
+    assert [t for c in eng.stream(prompt, sp) for t in c.tokens] == want
+    assert eng.last_stats.spec.drafts > 0
+    eng.step_costs = StepCosts([1.0, 3.0, 5.0, 7.0], draft=1.0)  # verification rows 2x a step each
+    eng.step_costs.observe = lambda *args: None  # (kept as set: no online correction)
+    assert [t for c in eng.stream(prompt, sp) for t in c.tokens] == want
+    st = eng.last_stats.spec
+    assert st.skipped > 60 and st.drafts < 20

@@ -36,6 +36,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "draft-model")
     p.add_argument("--spec-draft-n-max", type=int, default=3, help="max draft tokens per step (default 3)")
     p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop drafting below this probability")
+    p.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
+                   help="always draft up to --spec-draft-n-max (default: each step drafts the length that pays "
+                        "most, none when drafting does not pay)")
     p.add_argument("-md", "--spec-draft-model", default=None, help="draft model directory (draft-model)")
     p.add_argument("--spec-ngram-size-n", type=int, default=4, help="prompt lookup: longest n-gram to match")
     p.add_argument("--spec-ngram-mod-n-match", type=int, default=8, help="ngram-mod: tokens hashed per key")
@@ -88,7 +91,7 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
         ngram_mod_n_max=a.spec_ngram_mod_n_max, ngram_mod_shared=a.spec_ngram_mod_shared,
         mtp_prompt_window=a.spec_mtp_prompt_window,
         draft_vocab=a.spec_draft_vocab, mtp_topk=a.spec_mtp_topk, draft_k_type=a.cache_type_k_draft,
-        draft_v_type=a.cache_type_v_draft, medusa=a.spec_medusa, tree=a.spec_tree,
+        draft_v_type=a.cache_type_v_draft, medusa=a.spec_medusa, tree=a.spec_tree, adaptive=a.spec_adaptive,
     )
 
 

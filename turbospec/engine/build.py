@@ -13,6 +13,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.model.gguf import GGUFFile, is_gguf
 from turbospec.model.registry import load_gguf, load_model
+from turbospec.speculative.adaptive import calibrate
 from turbospec.speculative.registry import make_drafter
 from turbospec.tokenizer import Tokenizer
 
@@ -61,4 +62,7 @@ def build_engine(config: EngineConfig) -> Engine:
     """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine."""
     path, model, tokenizer = load_parts(config)
     drafter = make_drafter(config.spec, model, config.ctx + config.spec.n_max + 1, model_path=path)
-    return Engine(model, tokenizer, config, drafter, model_path=path)
+    engine = Engine(model, tokenizer, config, drafter, model_path=path)
+    if drafter is not None and config.spec.adaptive:
+        engine.step_costs = calibrate(model, config.spec.n_max)  # adaptive speculation's cost model
+    return engine

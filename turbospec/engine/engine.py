@@ -16,6 +16,7 @@ from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model.base import Model
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from turbospec.speculative.adaptive import Controller, StepCosts, calibrate
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
@@ -43,6 +44,7 @@ class Engine:
         self.drafter = drafter
         self.cached_tokens: list[int] = []
         self.reused_tokens = 0
+        self.step_costs: StepCosts | None = None  # adaptive speculation's cost model, calibrated on first use
         self.last_stats = GenStats()
         # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
         # a decode step allocates enough small objects to trigger collections that would traverse them all.
@@ -72,7 +74,8 @@ class Engine:
         Prefix reuse (unless `reuse_prefix` is False): positions whose tokens equal those already in the cache
         are kept (at least one token is always recomputed), as llama-server's prompt cache does, back to the
         longest prefix the cache can resume from (a hybrid's: its committed length or a checkpoint, see
-        `HybridCache`; the end of every prompt is checkpointed). `abort` is asked between chunks; when it answers True, `Aborted` is
+        `HybridCache`; every prompt is checkpointed before its last token, so that the same prompt again, or one
+        that continues it, resumes there). `abort` is asked between chunks; when it answers True, `Aborted` is
         raised and the cache keeps the chunks already computed."""
         reuse = 0
         if reuse_prefix and self.config.prefix_cache:
@@ -89,18 +92,22 @@ class Engine:
         ids = torch.tensor(tokens, dtype=torch.int64)
         n, out = len(tokens), []
         ubatch = self.config.ubatch
-        for s in range(reuse, n, ubatch):
+        bounds = [*range(reuse, n, ubatch), n]
+        mark = n - 1  # a cache that resumes only at checkpoints keeps one before the prompt's last token, where the
+        if not self.cache.prefix_reusable and reuse < mark and mark not in bounds:  # same prompt again resumes
+            bounds.insert(-1, mark)
+        for s, e in zip(bounds, bounds[1:]):
             if abort is not None and s > reuse and abort():
                 self.cached_tokens = self.cached_tokens[:self.cache.length]
                 raise Aborted
-            chunk = ids[s:s + ubatch]
-            e = s + chunk.numel()
+            chunk = ids[s:e]
             want = None if rows is None else min(e - s, max(1, e - (n - rows)))  # rows of this chunk kept
             hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache,
                                         out_rows=want)
             self.cache.commit()
+            if e == mark:
+                self.cache.checkpoint()
             out.append(hidden)
-        self.cache.checkpoint()
         hidden = torch.cat(out) if len(out) > 1 else out[0]
         return hidden if rows is None else hidden[-min(rows, n - reuse):]
 
@@ -192,6 +199,7 @@ class Engine:
         if drafter is not None:
             drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0
+        ctl = self._controller() if drafter is not None and self.config.spec.adaptive else None
         if first is not None:
             yield first
         pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
@@ -234,9 +242,14 @@ class Engine:
                 # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
                 room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.n_max)
                 slots = self.ctx - self.cache.length - 1
+                if ctl is not None and min(room, slots) > 0:
+                    room = ctl.choose(min(room, slots))
+                    spec.skipped += room == 0
+                t_step = time.perf_counter()
                 tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
                 if len(tree):
                     tree = tree.limit(room, slots)
+                t_drafted = time.perf_counter()
                 if len(tree):
                     path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
                     spec.record(tree, len(path))
@@ -244,6 +257,10 @@ class Engine:
                 else:
                     hidden_rows = self.step(root)
                     nxt, accepted = sampler.sample(self.model.logits(hidden_rows)[0]), []
+                if ctl is not None:
+                    depth = max((tree.depth(i) for i in range(len(tree))), default=0)
+                    ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step)
+                    ctl.observe(depth, len(path) if len(tree) else 0)
                 if drafter is not None:
                     drafter.accept([root] + accepted, hidden_rows, nxt)
                 context += accepted
@@ -281,6 +298,14 @@ class Engine:
             e = min(s + step, len(tokens) - 1)
             out += logprobs_of(self.model.logits(hidden[s:e]), tokens[s + 1:e + 1], k)
         return out
+
+    def _controller(self) -> Controller:
+        """Adaptive speculation for one request: acceptance from the prior, the engine's cost model (calibrated
+        on a scratch cache the first time)."""
+        n_max = self.config.spec.n_max
+        if self.step_costs is None:
+            self.step_costs = calibrate(self.model, n_max)
+        return Controller(self.step_costs, n_max)
 
     def eos_ids(self) -> set[int]:
         """End-of-sequence ids: the model config's and the tokenizer's."""

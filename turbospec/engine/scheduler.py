@@ -422,8 +422,10 @@ class Scheduler:
         block boundary at the latest (the recurrent states there are snapshotted)."""
         n = min(s.todo, budget)
         if self.states is not None and self.prefix_cache and self.states.max_snapshots:
-            b = self.pool.block
-            n = min(n, b - s.cache.length % b)
+            b, at = self.pool.block, s.cache.length
+            n = min(n, b - at % b)
+            if at < s.prompt_len - 1 < at + n:  # and before the prompt's last token (snapshotted: the same prompt
+                n = s.prompt_len - 1 - at      # again resumes there)
         return n
 
     # ---- prefix cache ---------------------------------------------------------------------------------
@@ -540,7 +542,8 @@ class Scheduler:
             return
         if full and s.cache.length % self.pool.block == 0:
             self.states.snapshot(keys[-1], s.slot, s.id)  # (a no-op when it has this one)
-        elif s.cache.length == s.prompt_len:  # the prompt's end: where a follow-up prompt may diverge
+        elif s.cache.length == s.prompt_len - 1:  # before the prompt's last token: where the same prompt again, or
+            # a follow-up that re-tokenized the answer differently, resumes
             key = self._partial_key(s)
             if key is not None:
                 self.states.snapshot(key, s.slot, s.id)

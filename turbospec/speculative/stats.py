@@ -15,6 +15,7 @@ class SpecStats:
     per_pos_drafted: list[int] = field(default_factory=list)
     per_pos_accepted: list[int] = field(default_factory=list)
     by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafts, tokens, accepted]
+    skipped: int = 0  # steps without a draft because drafting did not pay (adaptive speculation)
 
     def record(self, tree: DraftTree, accepted_depth: int) -> None:
         if not len(tree):
@@ -50,13 +51,15 @@ class SpecStats:
 
     def line(self) -> str:
         pos = ",".join(f"{p:.2f}" for p in self.per_position)
+        skipped = f", {self.skipped} steps undrafted" if self.skipped else ""
         return (f"spec: {self.drafts} drafts, {self.draft_tokens} draft tok, {self.accepted} accepted"
-                f" ({self.acceptance_rate:.1%}), mean acc len {self.mean_acceptance_length:.2f}, per-pos [{pos}]")
+                f" ({self.acceptance_rate:.1%}), mean acc len {self.mean_acceptance_length:.2f}, per-pos [{pos}]"
+                f"{skipped}")
 
     def to_dict(self) -> dict:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
-                "per_position": self.per_position, "by_source": self.by_source}
+                "per_position": self.per_position, "by_source": self.by_source, "skipped": self.skipped}
 
     def merge(self, o: SpecStats) -> None:
         self.drafts += o.drafts

@@ -1,0 +1,127 @@
+"""Adaptive speculation: each step, the draft length (0: no draft) that maximises expected tokens per second.
+
+Cost model (`StepCosts`): the seconds of a target step over 1 + k rows, calibrated at start-up on a scratch cache
+(`calibrate`), plus seconds per drafted token; both corrected online — every step's measured time updates one
+scale factor on the calibrated verification costs (attention grows with depth for every row count alike) and the
+draft cost's running mean. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
+target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
+E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = scale x verify(k) + k x draft; the step takes the k with the
+best E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0).
+
+While drafting is off the estimates cannot learn, so the controller probes: one short draft every `probe` steps,
+the interval doubling (up to 256) each time the probe does not pay and back to the minimum when one does. The
+drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+PRIOR = 0.6  # acceptance assumed at a position before any evidence (MTP on the bundled models: 0.6-0.9)
+RATE = 0.15  # weight of one observation in the running acceptance estimates
+PROBE_MIN, PROBE_MAX = 8, 256
+
+
+@dataclass
+class StepCosts:
+    verify: list[float]  # verify[k]: seconds of a target step over 1 + k rows (calibrated)
+    draft: float = 0.0  # seconds per drafted token
+    scale: float = 1.0  # measured / calibrated, running
+    _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
+
+    def step(self, k: int) -> float:
+        return self.scale * self.verify[min(k, len(self.verify) - 1)] + k * self.draft
+
+    def observe(self, k: int, verify_s: float, draft_s: float) -> None:
+        """A step with k draft tokens took `verify_s` seconds in the target and `draft_s` drafting."""
+        predicted = self.verify[min(k, len(self.verify) - 1)]
+        if predicted > 0 and verify_s > 0:
+            self.scale += 0.1 * (verify_s / predicted - self.scale)
+        if k:
+            self._draft_obs += 1
+            if self._draft_obs > 0:
+                w = max(0.1, 1.0 / self._draft_obs)
+                self.draft += w * (draft_s / k - self.draft)
+
+
+@dataclass
+class Controller:
+    costs: StepCosts
+    n_max: int
+    accept: list[float] = field(default_factory=list)
+    probe: int = PROBE_MIN
+    _since: int = 0  # steps since the last draft
+    off_steps: int = 0  # steps without a draft by choice (statistics)
+    probes: int = 0
+
+    def __post_init__(self) -> None:
+        self.accept = [PRIOR] * self.n_max
+
+    def expected(self, k: int) -> float:
+        e, p = 1.0, 1.0
+        for i in range(k):
+            p *= self.accept[i]
+            e += p
+        return e
+
+    def choose(self, room: int) -> int:
+        """Draft tokens to ask for this step (0: a plain step)."""
+        room = min(room, self.n_max)
+        best, best_rate = 0, 1.0 / self.costs.step(0)
+        for k in range(1, room + 1):
+            rate = self.expected(k) / self.costs.step(k)
+            if rate > best_rate * 1.0001:
+                best, best_rate = k, rate
+        if best == 0 and room > 0:
+            self._since += 1
+            if self._since >= self.probe:  # look again: is drafting paying now?
+                self.probes += 1
+                return 1
+            self.off_steps += 1
+        return best
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens (depth) of which the first `accepted` were accepted."""
+        if drafted <= 0:
+            return
+        probing = self._since >= self.probe
+        for i in range(min(drafted, accepted + 1, self.n_max)):
+            self.accept[i] += RATE * ((1.0 if i < accepted else 0.0) - self.accept[i])
+        self._since = 0
+        if probing:  # a probe: keep probing rarely while it does not pay
+            pays = self.expected(1) / self.costs.step(1) > 1.0 / self.costs.step(0)
+            self.probe = PROBE_MIN if pays else min(PROBE_MAX, self.probe * 2)
+
+
+def calibrate(model, n_max: int, reps: int = 2, context: int = 32) -> StepCosts:
+    """Seconds of a target step over 1 + k rows, k = 0..n_max, after `context` cached positions (a scratch cache;
+    1, 2 and n_max + 1 rows are timed, the others interpolated)."""
+    from turbospec.kv.plan import AttentionPlan
+
+    cache = model.new_cache(context + n_max + 2)
+    vocab = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (context + n_max + 1,), generator=g)
+    model.forward(ids[:context], AttentionPlan.causal(0, context), cache)
+    cache.commit()
+    timed: dict[int, float] = {}
+    for rows in sorted({1, 2, n_max + 1}):
+        ts = []
+        for _ in range(reps + 1):  # the first run warms up
+            t = time.perf_counter()
+            model.forward(ids[context:context + rows], AttentionPlan.causal(context, rows), cache)
+            model.logits(torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype))
+            ts.append(time.perf_counter() - t)
+            cache.commit([])
+        timed[rows - 1] = statistics.median(ts[1:])
+    ks = sorted(timed)
+    verify = []
+    for k in range(n_max + 1):
+        lo = max(x for x in ks if x <= k)
+        hi = min(x for x in ks if x >= k)
+        verify.append(timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (k - lo) / (hi - lo))
+    return StepCosts(verify)
