@@ -6,13 +6,20 @@ swing by that much; paired ratios do not.
     python benchmarks/spec_speedup.py --categories code explain --configs "draft-mtp:n=3" "draft-mtp:n=1" \
         --reps 7 --gen 128 --threads 2 --out docs/results/spec_speedup.json
 
-A config is `spec-type[:key=value,...]` with keys n (n_max), vocab (draft vocab), pmin, topk, window.
-Prompts: the shipped bench set (`turbospec/data/prompts.json`, the categories of `turbospec bench`).
+A config is `spec-type[:key=value,...]` with keys n (n_max), vocab (draft vocab), pmin, topk, window, adaptive
+(0: always draft n tokens; default 1, adaptive speculation). Prompts: the shipped bench set
+(`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
+token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
+(decode at depth; the prefill is not in the decode speed).
+
+    python benchmarks/spec_speedup.py --categories code explain --random 200 --depths 0 8192 32768 65536 \
+        --configs "draft-mtp:n=3" "draft-mtp:n=3,adaptive=0" --reps 3 --out docs/results/spec_adaptive.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -26,10 +33,11 @@ from turbospec.lab.workload import load_prompts
 from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
 from turbospec.speculative import make_drafter
+from turbospec.speculative.adaptive import calibrate
 from turbospec.tokenizer import Tokenizer
 
 KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", float), "topk": ("mtp_topk", int),
-        "window": ("mtp_prompt_window", int)}
+        "window": ("mtp_prompt_window", int), "adaptive": ("adaptive", lambda v: v not in ("0", "false", "off"))}
 
 
 def parse_config(text: str) -> SpecConfig:
@@ -42,9 +50,17 @@ def parse_config(text: str) -> SpecConfig:
     return SpecConfig.parse(kind, **kw)
 
 
-def run_once(model, tok, path: str, prompt: str, cfg: SpecConfig | None, gen: int) -> dict:
-    drafter = make_drafter(cfg, model, 4096, path) if cfg is not None else None
-    eng = Engine(model, tok, EngineConfig(ctx=4096, spec=cfg or SpecConfig()), drafter=drafter)
+COSTS: dict = {}  # adaptive speculation's start-up cost model, measured once per n_max (as `build_engine` does)
+
+
+def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int) -> dict:
+    ctx = len(prompt) + gen + 64
+    drafter = make_drafter(cfg, model, ctx + 8, path) if cfg is not None else None
+    eng = Engine(model, tok, EngineConfig(ctx=ctx, spec=cfg or SpecConfig()), drafter=drafter)
+    if cfg is not None and cfg.adaptive:
+        if cfg.n_max not in COSTS:
+            COSTS[cfg.n_max] = calibrate(model, cfg.n_max)
+        eng.step_costs = dataclasses.replace(COSTS[cfg.n_max])
     t = time.perf_counter()
     list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
     st = eng.last_stats
@@ -53,6 +69,7 @@ def run_once(model, tok, path: str, prompt: str, cfg: SpecConfig | None, gen: in
     if spec is not None:
         out["drafts"], out["accepted"] = spec.drafts, spec.accepted
         out["mean_acc_len"] = 1 + spec.accepted / max(spec.drafts, 1)
+        out["skipped"] = spec.skipped
     return out
 
 
@@ -66,16 +83,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--random", type=int, default=0, help="add a prompt of N random token ids")
+    ap.add_argument("--depths", type=int, nargs="+", default=[0], help="context tokens before every prompt")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = model_path(a.model)
     model = load_model(path, a.dtype)
     tok = Tokenizer(path)
-    prompts = load_prompts(",".join(a.categories))
+    base = {c: tok.encode(p) for c, p in load_prompts(",".join(a.categories)).items()}
+    if a.random:
+        g = torch.Generator().manual_seed(0)
+        base["random"] = torch.randint(3, model.cfg.vocab_size, (a.random,), generator=g).tolist()
+    lines = (Path(__file__).resolve().parents[1] / "turbospec/data/eval/prose.jsonl").read_text().splitlines()
+    filler = tok.encode(" ".join(json.loads(x)["text"] for x in lines[:400] if x.strip()))
+    while len(filler) < max(a.depths):
+        filler = filler + filler
+    prompts = {f"{c}@{d}" if len(a.depths) > 1 or d else c: filler[:d] + p for d in a.depths for c, p in base.items()}
     configs = {c: parse_config(c) for c in a.configs}
     results = {}
     for cat, prompt in prompts.items():
-        run_once(model, tok, path, prompt, None, 16)  # warm-up
+        run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
         for _ in range(a.reps):
             rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen))
@@ -90,9 +117,10 @@ def main() -> None:
                 "tps_median": statistics.median(tps), "speedup_median": statistics.median(ratios),
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "mean_acc_len": statistics.median(r["mean_acc_len"] for r in rows[name]),
+                "undrafted_steps": statistics.median(r["skipped"] for r in rows[name]),
                 "ratios": ratios}
             c = res["configs"][name]
-            print(f"{cat:10s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {res['plain_tps_median']:7.1f}: "
+            print(f"{cat:16s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {res['plain_tps_median']:7.1f}: "
                   f"{c['speedup_median']:.2f}x (paired, min {c['speedup_min']:.2f} max {c['speedup_max']:.2f}), "
                   f"mean acceptance length {c['mean_acc_len']:.2f}", flush=True)
         res["raw"] = rows

@@ -9,7 +9,9 @@ E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = scale x verify(k) + k x dr
 best E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0).
 
 While drafting is off the estimates cannot learn, so the controller probes: one short draft every `probe` steps,
-the interval doubling (up to 256) each time the probe does not pay and back to the minimum when one does. The
+the interval doubling (up to 256) each time the probe's draft misses and back to the minimum when one hits; and
+while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
+pay is found. The
 drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
 """
 
@@ -22,8 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 PRIOR = 0.6  # acceptance assumed at a position before any evidence (MTP on the bundled models: 0.6-0.9)
-RATE = 0.15  # weight of one observation in the running acceptance estimates
+RATE = 0.15  # the running acceptance counts forget this share per observation (a memory of ~7 drafts)
+WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in each position's estimate
 PROBE_MIN, PROBE_MAX = 8, 256
+EXPLORE = 16
 
 
 @dataclass
@@ -32,15 +36,20 @@ class StepCosts:
     draft: float = 0.0  # seconds per drafted token
     scale: float = 1.0  # measured / calibrated, running
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
+    measured: dict[int, float] = field(default_factory=dict)  # k -> running seconds of its steps, once seen
 
     def step(self, k: int) -> float:
-        return self.scale * self.verify[min(k, len(self.verify) - 1)] + k * self.draft
+        k = min(k, len(self.verify) - 1)
+        target = self.measured.get(k, self.scale * self.verify[k])
+        return target + k * self.draft
 
     def observe(self, k: int, verify_s: float, draft_s: float) -> None:
         """A step with k draft tokens took `verify_s` seconds in the target and `draft_s` drafting."""
-        predicted = self.verify[min(k, len(self.verify) - 1)]
-        if predicted > 0 and verify_s > 0:
-            self.scale += 0.1 * (verify_s / predicted - self.scale)
+        k = min(k, len(self.verify) - 1)
+        if self.verify[k] > 0 and verify_s > 0:
+            self.scale += 0.1 * (verify_s / self.verify[k] - self.scale)
+            before = self.measured.get(k, self.scale * self.verify[k])  # (one odd step moves it 20%)
+            self.measured[k] = before + 0.2 * (verify_s - before)
         if k:
             self._draft_obs += 1
             if self._draft_obs > 0:
@@ -52,19 +61,31 @@ class StepCosts:
 class Controller:
     costs: StepCosts
     n_max: int
-    accept: list[float] = field(default_factory=list)
+    # per position: (running accepted, running tested) counts; the estimate leans on the position before it (or the
+    # prior) while a position has few observations, so a depth never drafted yet is not assumed worse than the last
+    counts: list[list[float]] = field(default_factory=list)
     probe: int = PROBE_MIN
     _since: int = 0  # steps since the last draft
+    _drafted: int = 0  # drafted steps (every EXPLORE-th tries one token deeper than the best)
     off_steps: int = 0  # steps without a draft by choice (statistics)
     probes: int = 0
 
     def __post_init__(self) -> None:
-        self.accept = [PRIOR] * self.n_max
+        self.counts = [[0.0, 0.0] for _ in range(self.n_max)]
+
+    @property
+    def accept(self) -> list[float]:
+        out, prior = [], PRIOR
+        for a, n in self.counts:
+            est = (a + WEIGHT * prior) / (n + WEIGHT)
+            out.append(est)
+            prior = est
+        return out
 
     def expected(self, k: int) -> float:
         e, p = 1.0, 1.0
-        for i in range(k):
-            p *= self.accept[i]
+        for a in self.accept[:k]:
+            p *= a
             e += p
         return e
 
@@ -82,6 +103,10 @@ class Controller:
                 self.probes += 1
                 return 1
             self.off_steps += 1
+        elif best:
+            self._drafted += 1
+            if self._drafted % EXPLORE == 0 and best < room:  # a deeper draft, now and then: does it pay now?
+                return best + 1
         return best
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -90,11 +115,12 @@ class Controller:
             return
         probing = self._since >= self.probe
         for i in range(min(drafted, accepted + 1, self.n_max)):
-            self.accept[i] += RATE * ((1.0 if i < accepted else 0.0) - self.accept[i])
+            c = self.counts[i]
+            c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
+            c[1] = (1 - RATE) * c[1] + 1.0
         self._since = 0
-        if probing:  # a probe: keep probing rarely while it does not pay
-            pays = self.expected(1) / self.costs.step(1) > 1.0 / self.costs.step(0)
-            self.probe = PROBE_MIN if pays else min(PROBE_MAX, self.probe * 2)
+        if probing:  # a probe: keep probing rarely while its draft misses, often once it hits
+            self.probe = PROBE_MIN if accepted else min(PROBE_MAX, self.probe * 2)
 
 
 def calibrate(model, n_max: int, reps: int = 2, context: int = 32) -> StepCosts:
