@@ -11,7 +11,8 @@ best E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0).
 While drafting is off the estimates cannot learn, so the controller probes: one short draft every `probe` steps,
 the interval doubling (up to 256) each time the probe's draft misses and back to the minimum when one hits; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
-pay is found. The
+pay is found, and every fourth of those is a plain step instead, as is each request's first step: a plain step's
+cost grows with the context (attention) differently from a verification's, so it is measured, not scaled. The
 drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PRIOR = 0.6  # acceptance assumed at a position before any evidence (MTP on the bundled models: 0.6-0.9)
+PRIOR = 0.8  # acceptance assumed at a position before any evidence (MTP on the bundled models: 0.6-0.9)
 RATE = 0.15  # the running acceptance counts forget this share per observation (a memory of ~7 drafts)
 WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in each position's estimate
 PROBE_MIN, PROBE_MAX = 8, 256
@@ -37,6 +38,7 @@ class StepCosts:
     scale: float = 1.0  # measured / calibrated, running
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
     measured: dict[int, float] = field(default_factory=dict)  # k -> running seconds of its steps, once seen
+    seen: dict[int, int] = field(default_factory=dict)
 
     def step(self, k: int) -> float:
         k = min(k, len(self.verify) - 1)
@@ -48,8 +50,10 @@ class StepCosts:
         k = min(k, len(self.verify) - 1)
         if self.verify[k] > 0 and verify_s > 0:
             self.scale += 0.1 * (verify_s / self.verify[k] - self.scale)
-            before = self.measured.get(k, self.scale * self.verify[k])  # (one odd step moves it 20%)
-            self.measured[k] = before + 0.2 * (verify_s - before)
+            before = self.measured.get(k, self.scale * self.verify[k])
+            n = self.seen[k] = self.seen.get(k, 0) + 1
+            sample = min(max(verify_s, 0.5 * before), 2.0 * before)  # one odd step (a hiccup) moves it little
+            self.measured[k] = before + max(0.2, 1.0 / n) * (sample - before)
         if k:
             self._draft_obs += 1
             if self._draft_obs > 0:
@@ -66,7 +70,9 @@ class Controller:
     counts: list[list[float]] = field(default_factory=list)
     probe: int = PROBE_MIN
     _since: int = 0  # steps since the last draft
-    _drafted: int = 0  # drafted steps (every EXPLORE-th tries one token deeper than the best)
+    _drafted: int = 0  # drafted steps (every EXPLORE-th tries one token deeper than the best, every 4th of those
+    # a plain step instead)
+    _started: bool = False
     off_steps: int = 0  # steps without a draft by choice (statistics)
     probes: int = 0
 
@@ -92,6 +98,9 @@ class Controller:
     def choose(self, room: int) -> int:
         """Draft tokens to ask for this step (0: a plain step)."""
         room = min(room, self.n_max)
+        if not self._started:  # a request's first step is plain: the cost of one at this depth, measured
+            self._started = True
+            return 0
         best, best_rate = 0, 1.0 / self.costs.step(0)
         for k in range(1, room + 1):
             rate = self.expected(k) / self.costs.step(k)
@@ -105,6 +114,8 @@ class Controller:
             self.off_steps += 1
         elif best:
             self._drafted += 1
+            if self._drafted % (4 * EXPLORE) == 0:  # a plain step now and then (its cost grows with depth)
+                return 0
             if self._drafted % EXPLORE == 0 and best < room:  # a deeper draft, now and then: does it pay now?
                 return best + 1
         return best
