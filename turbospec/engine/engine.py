@@ -243,7 +243,7 @@ class Engine:
                 room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.n_max)
                 slots = self.ctx - self.cache.length - 1
                 if ctl is not None and min(room, slots) > 0:
-                    room = ctl.choose(min(room, slots))
+                    room = ctl.choose(min(room, slots), self.cache.length)
                     spec.skipped += room == 0
                 t_step = time.perf_counter()
                 tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
@@ -259,7 +259,7 @@ class Engine:
                     nxt, accepted = sampler.sample(self.model.logits(hidden_rows)[0]), []
                 if ctl is not None:
                     depth = max((tree.depth(i) for i in range(len(tree))), default=0)
-                    ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step)
+                    ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step, self.cache.length)
                     ctl.observe(depth, len(path) if len(tree) else 0)
                 if drafter is not None:
                     drafter.accept([root] + accepted, hidden_rows, nxt)

@@ -11,8 +11,9 @@ best E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0).
 While drafting is off the estimates cannot learn, so the controller probes: one short draft every `probe` steps,
 the interval doubling (up to 256) each time the probe's draft misses and back to the minimum when one hits; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
-pay is found, and every fourth of those is a plain step instead, as is each request's first step: a plain step's
-cost grows with the context (attention) differently from a verification's, so it is measured, not scaled. The
+pay is found, and every fourth of those is a plain step instead once the context has grown by a quarter (and 512)
+since a plain step was timed, as is a request's first step then: a plain step's cost grows with the context
+(attention) differently from a verification's, so it is measured, not scaled. The
 drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
 """
 
@@ -39,14 +40,22 @@ class StepCosts:
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
     measured: dict[int, float] = field(default_factory=dict)  # k -> running seconds of its steps, once seen
     seen: dict[int, int] = field(default_factory=dict)
+    plain_depth: int = -1  # context length at the last measured plain step (-1: none yet)
+
+    def plain_is_stale(self, depth: int) -> bool:
+        """Whether the context grew enough since a plain step was last timed that its cost should be measured."""
+        return self.plain_depth < 0 or depth > 1.25 * self.plain_depth + 512
 
     def step(self, k: int) -> float:
         k = min(k, len(self.verify) - 1)
         target = self.measured.get(k, self.scale * self.verify[k])
         return target + k * self.draft
 
-    def observe(self, k: int, verify_s: float, draft_s: float) -> None:
-        """A step with k draft tokens took `verify_s` seconds in the target and `draft_s` drafting."""
+    def observe(self, k: int, verify_s: float, draft_s: float, depth: int = 0) -> None:
+        """A step with k draft tokens after `depth` positions took `verify_s` seconds in the target and `draft_s`
+        drafting."""
+        if k == 0:
+            self.plain_depth = depth
         k = min(k, len(self.verify) - 1)
         if self.verify[k] > 0 and verify_s > 0:
             self.scale += 0.1 * (verify_s / self.verify[k] - self.scale)
@@ -95,12 +104,14 @@ class Controller:
             e += p
         return e
 
-    def choose(self, room: int) -> int:
-        """Draft tokens to ask for this step (0: a plain step)."""
+    def choose(self, room: int, depth: int = 0) -> int:
+        """Draft tokens to ask for this step after `depth` positions (0: a plain step)."""
         room = min(room, self.n_max)
-        if not self._started:  # a request's first step is plain: the cost of one at this depth, measured
+        stale = self.costs.plain_is_stale(depth)
+        if not self._started:  # a request's first step is plain when no plain step was timed at about this depth
             self._started = True
-            return 0
+            if stale:
+                return 0
         best, best_rate = 0, 1.0 / self.costs.step(0)
         for k in range(1, room + 1):
             rate = self.expected(k) / self.costs.step(k)
@@ -114,7 +125,7 @@ class Controller:
             self.off_steps += 1
         elif best:
             self._drafted += 1
-            if self._drafted % (4 * EXPLORE) == 0:  # a plain step now and then (its cost grows with depth)
+            if self._drafted % (4 * EXPLORE) == 0 and stale:  # a plain step again once the context grew
                 return 0
             if self._drafted % EXPLORE == 0 and best < room:  # a deeper draft, now and then: does it pay now?
                 return best + 1
