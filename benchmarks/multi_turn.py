@@ -147,21 +147,17 @@ def main() -> int:
                              "prompt_n_p50": statistics.median(x["prompt_n"] or 0 for x in per),
                              "cache_n_p50": statistics.median(x["cache_n"] or 0 for x in per),
                              "prompt_chars": per[0]["prompt_chars"]})
-    print(f"\n{'engine':24s} {'C':>2s} " + " ".join(f"{'t' + str(t + 1):>6s}" for t in range(a.turns))
-          + "   (TTFT p50, ms)")
-    for name in cmds:
-        for c in a.clients:
-            line = [r for r in rows if r["engine"] == name and r["clients"] == c]
-            if line:
-                print(f"{name:24s} {c:2d} " + " ".join(f"{r['ttft_ms_p50']:6.0f}" for r in line))
-    print(f"\n{'engine':24s} {'C':>2s} " + " ".join(f"{'t' + str(t + 1):>11s}" for t in range(a.turns))
-          + "   (prompt tokens computed / reused, p50)")
-    for name in cmds:
-        for c in a.clients:
-            line = [r for r in rows if r["engine"] == name and r["clients"] == c]
-            if line:
-                print(f"{name:24s} {c:2d} " + " ".join(f"{r['prompt_n_p50']:5.0f}/{r['cache_n_p50']:<5.0f}"
-                                                       for r in line))
+    def table(width: int, cell, title: str) -> None:
+        print(f"\n{'engine':24s} {'C':>2s} " + " ".join(f"{'t' + str(t + 1):>{width}s}" for t in range(a.turns))
+              + f"   ({title})")
+        for name in cmds:
+            for c in a.clients:
+                line = [r for r in rows if r["engine"] == name and r["clients"] == c]
+                if line:
+                    print(f"{name:24s} {c:2d} " + " ".join(cell(r) for r in line))
+
+    table(6, lambda r: f"{r['ttft_ms_p50']:6.0f}", "TTFT p50, ms")
+    table(11, lambda r: f"{r['prompt_n_p50']:5.0f}/{r['cache_n_p50']:<5.0f}", "prompt tokens computed / reused, p50")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
     return 0

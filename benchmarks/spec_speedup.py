@@ -7,13 +7,13 @@ swing by that much; paired ratios do not.
         --reps 7 --gen 128 --threads 2 --out docs/results/spec_speedup.json
 
 A config is `spec-type[:key=value,...]` with keys n (n_max), vocab (draft vocab), pmin, topk, window, adaptive
-(0: always draft n tokens; default 1, adaptive speculation). Prompts: the shipped bench set
+(1: adaptive speculation; default 0, always draft n tokens). Prompts: the shipped bench set
 (`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
 token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
 (decode at depth; the prefill is not in the decode speed).
 
     python benchmarks/spec_speedup.py --categories code explain --random 200 --depths 0 8192 32768 65536 \
-        --configs "draft-mtp:n=3" "draft-mtp:n=3,adaptive=0" --reps 3 --out docs/results/spec_adaptive.json
+        --configs "draft-mtp:n=3,adaptive=1" "draft-mtp:n=3" --reps 3 --out docs/results/spec_adaptive.json
 """
 
 from __future__ import annotations

@@ -40,6 +40,14 @@ def _ask(base, prompts, out, stream=False):
         t.join()
 
 
+def _answers(engine, prompts, **cfg) -> dict[int, dict]:
+    """Every prompt's completion from a live server over `engine`, all sent at once."""
+    out: dict[int, dict] = {}
+    with live(engine, **cfg) as base:
+        _ask(base, prompts, out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def hybrid_engine():
     path = TINY.parent / "turbospec-tiny-hybrid"
@@ -109,12 +117,7 @@ def test_speculation_in_the_batch_through_the_server():
     plain = Engine(model, tok, EngineConfig(ctx=4096))
     spec = Engine(model, tok, EngineConfig(ctx=4096, spec=SpecConfig.parse("draft-mtp")), model_path=str(path))
     prompts = ["Once upon a time", "def add(a, b):", "The quick brown fox", "1, 2, 3, 4,"]
-    alone: dict[int, dict] = {}
-    together: dict[int, dict] = {}
-    with live(plain) as base:
-        _ask(base, prompts, alone)
-    with live(spec, parallel=3) as base:
-        _ask(base, prompts, together)
+    alone, together = _answers(plain, prompts), _answers(spec, prompts, parallel=3)
     for i in range(len(prompts)):
         assert together[i]["choices"][0]["text"] == alone[i]["choices"][0]["text"]
     assert sum(together[i]["timings"]["draft_n_accepted"] for i in together) > 0

@@ -331,12 +331,17 @@ def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_back
 def test_step_costs_follow_the_measured_times():
     from turbospec.speculative.adaptive import StepCosts
 
-    c = StepCosts([1.0, 1.2])
-    for _ in range(60):
-        c.observe(0, 2.0, 0.0)  # every step twice as slow as calibrated (a deeper context)
-        c.observe(1, 2.4, 0.3)
-    assert abs(c.scale - 2.0) < 0.05 and abs(c.draft - 0.3) < 1e-6
-    assert abs(c.step(1) - (2.0 * 1.2 + 0.3)) < 0.1
+    c = StepCosts([1.0, 1.2, 1.4])  # calibrated: 1 + 0.2 per row
+    assert abs(c.step(0) - 1.0) < 1e-9 and abs(c.step(2) - 1.4) < 1e-9
+    for _ in range(100):  # deeper: a plain step 2.0, every verification row 1.0 more, drafts 0.3 per token
+        c.observe(0, 2.0, 0.0)
+        c.observe(1, 3.0, 0.3)
+        c.observe(2, 4.0, 0.6)
+    base, row = c.fit
+    assert abs(base - 2.0) < 0.05 and abs(row - 1.0) < 0.05 and abs(c.draft - 0.3) < 1e-6
+    assert abs(c.step(2) - (2.0 + 2 * 1.3)) < 0.1
+    c.observe(1, 100.0, 0.3)  # a hiccup: clipped
+    assert c.step(1) < 4.0
 
 
 @pytest.mark.parametrize("spec", ["ngram-mod", "draft-mtp"])
@@ -353,7 +358,7 @@ def test_adaptive_speculation_is_lossless_and_skips_drafts_that_do_not_pay(spec)
     if not (path / "config.json").exists():
         pytest.skip("no bundled model")
     plain = build_engine(EngineConfig(model=str(path), ctx=1024))
-    eng = build_engine(EngineConfig(model=str(path), ctx=1024, spec=SpecConfig.parse(spec)))
+    eng = build_engine(EngineConfig(model=str(path), ctx=1024, spec=SpecConfig.parse(spec, adaptive=True)))
     assert eng.step_costs is not None and len(eng.step_costs.verify) == 4 and eng.step_costs.verify[0] > 0
     prompt = torch.randint(3, 900, (64,), generator=torch.Generator().manual_seed(1)).tolist()
     sp = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)

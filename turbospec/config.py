@@ -102,8 +102,9 @@ class SpecConfig:
     medusa: str | None = None  # Medusa heads directory (or file); None: beside the model
     tree: str | None = None  # Medusa tree: JSON list of rank paths or "topk:k1,k2,..."; None: the default tree
     # each step drafts the length that maximises expected tokens per second (0: none), from a cost model measured at
-    # start-up and the running acceptance (turbospec.speculative.adaptive); False: always up to n_max
-    adaptive: bool = True
+    # start-up and the running acceptance (turbospec.speculative.adaptive); False (default): always up to n_max.
+    # Off by default: it wins at depth but loses 10-25% at depth 0 on the bundled model (docs/speculative.md)
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         types = self.types

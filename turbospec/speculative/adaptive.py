@@ -1,9 +1,9 @@
 """Adaptive speculation: each step, the draft length (0: no draft) that maximises expected tokens per second.
 
-Cost model (`StepCosts`): the seconds of a target step over 1 + k rows, calibrated at start-up on a scratch cache
-(`calibrate`), plus seconds per drafted token; both corrected online — every step's measured time updates one
-scale factor on the calibrated verification costs (attention grows with depth for every row count alike) and the
-draft cost's running mean. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
+Cost model (`StepCosts`): a target step over 1 + k rows costs base + k x row, fitted by least squares to the
+times calibrated at start-up on a scratch cache (`calibrate`) and then to every measured step, older ones weighing
+less (at depth a verification row costs more: attention over the whole context); a drafted token costs the running
+mean of the drafts' times. A choice changes only for a gain of at least 3% (the machine's timings are noisy). Acceptance (`Controller`): per draft position, a running estimate of the chance that the
 target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = scale x verify(k) + k x draft; the step takes the k with the
 best E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0).
@@ -30,39 +30,60 @@ RATE = 0.15  # the running acceptance counts forget this share per observation (
 WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in each position's estimate
 PROBE_MIN, PROBE_MAX = 8, 256
 EXPLORE = 16
+HYSTERESIS = 0.03
+PRIOR_WEIGHT = 2.0  # weight of each calibrated point in the step-time fit
+FORGET = 0.95  # the fit's older steps weigh this much less per new one (a memory of ~20 steps)
 
 
 @dataclass
 class StepCosts:
+    """T(k) = base + k x row (the target's step over 1 + k rows) + k x draft. `verify` (calibrated at start-up)
+    seeds a least-squares fit of base and row that every measured step then updates, older steps weighing less;
+    draft is the running mean per drafted token."""
+
     verify: list[float]  # verify[k]: seconds of a target step over 1 + k rows (calibrated)
     draft: float = 0.0  # seconds per drafted token
-    scale: float = 1.0  # measured / calibrated, running
-    _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
-    measured: dict[int, float] = field(default_factory=dict)  # k -> running seconds of its steps, once seen
-    seen: dict[int, int] = field(default_factory=dict)
     plain_depth: int = -1  # context length at the last measured plain step (-1: none yet)
+    _sums: list[float] = field(default_factory=list)  # weighted n, sum k, sum k^2, sum t, sum k t
+    _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
+
+    def __post_init__(self) -> None:
+        if not self._sums:
+            self._sums = [0.0] * 5
+            for k, t in enumerate(self.verify):
+                self._add(k, t, PRIOR_WEIGHT)
+
+    def _add(self, k: int, t: float, w: float) -> None:
+        s = self._sums
+        for i, v in enumerate((1.0, k, k * k, t, k * t)):
+            s[i] += w * v
+
+    @property
+    def fit(self) -> tuple[float, float]:
+        """(base, row) seconds."""
+        n, sk, skk, st, skt = self._sums
+        den = n * skk - sk * sk
+        row = max(0.0, (n * skt - sk * st) / den) if den > 1e-12 else 0.0
+        return (st - row * sk) / n, row
+
+    def step(self, k: int) -> float:
+        base, row = self.fit
+        return base + k * (row + self.draft)
 
     def plain_is_stale(self, depth: int) -> bool:
         """Whether the context grew enough since a plain step was last timed that its cost should be measured."""
         return self.plain_depth < 0 or depth > 1.25 * self.plain_depth + 512
 
-    def step(self, k: int) -> float:
-        k = min(k, len(self.verify) - 1)
-        target = self.measured.get(k, self.scale * self.verify[k])
-        return target + k * self.draft
-
     def observe(self, k: int, verify_s: float, draft_s: float, depth: int = 0) -> None:
         """A step with k draft tokens after `depth` positions took `verify_s` seconds in the target and `draft_s`
-        drafting."""
+        drafting. One odd step (a hiccup of the machine) moves the fit little: its time is clipped to half / twice
+        the predicted one."""
         if k == 0:
             self.plain_depth = depth
-        k = min(k, len(self.verify) - 1)
-        if self.verify[k] > 0 and verify_s > 0:
-            self.scale += 0.1 * (verify_s / self.verify[k] - self.scale)
-            before = self.measured.get(k, self.scale * self.verify[k])
-            n = self.seen[k] = self.seen.get(k, 0) + 1
-            sample = min(max(verify_s, 0.5 * before), 2.0 * before)  # one odd step (a hiccup) moves it little
-            self.measured[k] = before + max(0.2, 1.0 / n) * (sample - before)
+        base, row = self.fit
+        pred = base + k * row
+        self._sums = [v * FORGET for v in self._sums]
+        self._add(k, min(max(verify_s, pred / 2), 2 * pred), 1.0)
         if k:
             self._draft_obs += 1
             if self._draft_obs > 0:
@@ -82,6 +103,7 @@ class Controller:
     _drafted: int = 0  # drafted steps (every EXPLORE-th tries one token deeper than the best, every 4th of those
     # a plain step instead)
     _started: bool = False
+    _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
     probes: int = 0
 
@@ -112,11 +134,11 @@ class Controller:
             self._started = True
             if stale:
                 return 0
-        best, best_rate = 0, 1.0 / self.costs.step(0)
-        for k in range(1, room + 1):
-            rate = self.expected(k) / self.costs.step(k)
-            if rate > best_rate * 1.0001:
-                best, best_rate = k, rate
+        rates = [self.expected(k) / self.costs.step(k) for k in range(room + 1)]
+        best = max(range(room + 1), key=lambda k: rates[k])
+        if self._last <= room and rates[best] < rates[self._last] * (1 + HYSTERESIS):
+            best = self._last  # switch only for a clear gain: the times measured on this machine are noisy
+        self._last = best
         if best == 0 and room > 0:
             self._since += 1
             if self._since >= self.probe:  # look again: is drafting paying now?
@@ -145,7 +167,7 @@ class Controller:
             self.probe = PROBE_MIN if accepted else min(PROBE_MAX, self.probe * 2)
 
 
-def calibrate(model, n_max: int, reps: int = 2, context: int = 32) -> StepCosts:
+def calibrate(model, n_max: int, reps: int = 5, context: int = 32) -> StepCosts:
     """Seconds of a target step over 1 + k rows, k = 0..n_max, after `context` cached positions (a scratch cache;
     1, 2 and n_max + 1 rows are timed, the others interpolated)."""
     from turbospec.kv.plan import AttentionPlan
@@ -156,16 +178,17 @@ def calibrate(model, n_max: int, reps: int = 2, context: int = 32) -> StepCosts:
     ids = torch.randint(3, vocab, (context + n_max + 1,), generator=g)
     model.forward(ids[:context], AttentionPlan.causal(0, context), cache)
     cache.commit()
-    timed: dict[int, float] = {}
-    for rows in sorted({1, 2, n_max + 1}):
-        ts = []
-        for _ in range(reps + 1):  # the first run warms up
+    rows_timed = sorted({1, 2, n_max + 1})
+    runs: dict[int, list[float]] = {r: [] for r in rows_timed}
+    for rep in range(reps + 1):  # interleaved, so that the machine's drift touches every row count alike
+        for rows in rows_timed:
             t = time.perf_counter()
             model.forward(ids[context:context + rows], AttentionPlan.causal(context, rows), cache)
             model.logits(torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype))
-            ts.append(time.perf_counter() - t)
+            if rep:  # the first round warms up
+                runs[rows].append(time.perf_counter() - t)
             cache.commit([])
-        timed[rows - 1] = statistics.median(ts[1:])
+    timed = {rows - 1: statistics.median(ts) for rows, ts in runs.items()}
     ks = sorted(timed)
     verify = []
     for k in range(n_max + 1):
