@@ -53,8 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "states included (default: room for -c positions)")
     p.add_argument("--ctx-checkpoints", type=int, default=3, metavar="N",
                    help="hybrid models: recurrent states kept so that a prompt repeating an earlier one resumes "
-                        "where it was kept: the end of the last N prompts (-np 1), or N per parallel sequence at KV "
-                        "block boundaries (-np > 1) (default 3; 0: every prompt is processed in full)")
+                        "where they were kept: before the last token of the last N prompts (-np 1), or N per "
+                        "sequence at KV block boundaries, before prompts' last tokens and at the last position "
+                        "(-np > 1) (default 3; 0: every prompt is processed in full)")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="folder for POST /slots/{id}?action=save|restore files (a slot's context: tokens, K/V, "
                         "recurrent states); without it those actions answer 501")
