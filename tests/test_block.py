@@ -115,3 +115,30 @@ def test_mtp_input_fused_matches_op_by_op(tmp_path, dtype, monkeypatch):
     tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
     scale = outs[False].abs().max().item()
     assert (outs[True] - outs[False]).abs().max().item() <= tol * max(scale, 1.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chain_verification_rows_equal_single_steps_bit_for_bit(dtype):
+    """A k-token causal step over a plain cache gives each row exactly the hidden state of decoding that token alone
+    at its position (same tiles, same order), also where the rows straddle a 256-position attention tile, so
+    verifying a draft chain reproduces token-by-token decoding."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+    if not (path / "config.json").exists():
+        pytest.skip("no bundled model")
+    model = load_model(str(path), dtype)
+    ids = torch.randint(3, 900, (520,), generator=torch.Generator().manual_seed(5))
+    for start in (40, 253, 509):
+        for k in (2, 7):
+            one = model.new_cache(520)
+            many = model.new_cache(520)
+            for c in (one, many):
+                model.forward(ids[:start], AttentionPlan.causal(0, start), c)
+                c.commit()
+            rows = []
+            for t in range(start, start + k):
+                rows.append(model.forward(ids[t:t + 1], AttentionPlan.causal(t, 1), one))
+                one.commit()
+            got = model.forward(ids[start:start + k], AttentionPlan.causal(start, k), many)
+            assert torch.equal(got, torch.cat(rows)), (start, k)

@@ -620,6 +620,8 @@ void put_row_any(const T* src, torch::Tensor& cache, int64_t h, int64_t pos, int
   }
 }
 
+constexpr int64_t TILE = 256;  // positions per tile of a decode step (as attend_partial's callers use)
+
 template <typename T>
 torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
                             int64_t nkv, int64_t hd, bool gated, double scale) {
@@ -636,18 +638,91 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
   auto none = torch::empty({0});
   const Source ks = make_source(kind_k, 0, hd, {kc}, none), vs = make_source(kind_v, 0, hd, {vc}, none);
   auto out = torch::empty({n, nh * hd}, qkv.options());
-  std::vector<float> qp(nh * hd), m(nh), l(nh), acc(nh * hd);
-  // token i attends to [0, pos + i]: the same call, tiles and order as a single decode step at that position
-  for (int64_t i = 0; i < n; ++i) {
+  const float sc = static_cast<float>(scale);
+  auto q_of = [&](int64_t i, int64_t h, float* dst) {  // token i's query heads of KV head h, scaled
     const T* row = qkv.data_ptr<T>() + i * width;
-    for (int64_t h = 0; h < nh; ++h)
-      for (int64_t j = 0; j < hd; ++j)
-        qp[h * hd + j] = static_cast<float>(row[h * q_stride + j]) * static_cast<float>(scale);
-    attend_core(qp.data(), nkv, g, hd, ks, kind_k, 0, vs, kind_v, 0, 0, pos + i + 1, 256, m.data(), l.data(),
-                acc.data());
-    T* op = out.data_ptr<T>() + i * nh * hd;
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t c = 0; c < hd; ++c) dst[j * hd + c] = static_cast<float>(row[(h * g + j) * q_stride + c]) * sc;
+  };
+  if (n == 1) {  // decode: one call over [0, pos]
+    std::vector<float> qp(nh * hd), m(nh), l(nh), acc(nh * hd);
+    for (int64_t h = 0; h < nkv; ++h) q_of(0, h, qp.data() + h * g * hd);
+    attend_core(qp.data(), nkv, g, hd, ks, kind_k, 0, vs, kind_v, 0, 0, pos + 1, TILE, m.data(), l.data(), acc.data());
+    T* op = out.data_ptr<T>();
     for (int64_t h = 0; h < nh; ++h)
       for (int64_t j = 0; j < hd; ++j) op[h * hd + j] = static_cast<T>(acc[h * hd + j] / l[h]);
+    return out;
+  }
+  // Token i attends to [0, pos + i]: the tiles of a single decode step at that position, merged in the same order,
+  // so each row equals that step bit for bit. The whole tiles below pos + 1 are the same for every token: they are
+  // computed once for all n x g rows (the cache read once, not n times); each token's last tile(s) on their own.
+  const int64_t shared = (pos + 1) / TILE * TILE, st = shared / TILE, rows = n * g, rows4 = (rows + 3) / 4 * 4;
+  const int64_t g4 = (g + 3) / 4 * 4;
+  const ScoreFn score = pick<ScorePick>(kind_k, 0);
+  const AccFn accumulate = pick<AccPick>(kind_v, 0);
+  std::vector<float> qa(nkv * rows4 * hd, 0.0f), qt(nkv * n * g4 * hd, 0.0f);
+  for (int64_t h = 0; h < nkv; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      q_of(i, h, qa.data() + (h * rows4 + i * g) * hd);
+      q_of(i, h, qt.data() + ((h * n + i) * g4) * hd);
+    }
+  const std::vector<float> zsum(4, 0.0f);  // plain caches: no per-block offsets
+  // tail tiles of token i: [shared, pos + i + 1) in tiles of TILE (1 or 2)
+  std::vector<int64_t> tail_first(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (pos + i + 1 - shared + TILE - 1) / TILE;
+  const int64_t tails = tail_first[n];
+  std::vector<float> sm(nkv * st * rows4), sl(nkv * st * rows4), sa(nkv * st * rows4 * hd);
+  std::vector<float> tm(nkv * tails * g4), tl(nkv * tails * g4), ta(nkv * tails * g4 * hd);
+  at::parallel_for(0, nkv * (st + tails), 1, [&](int64_t t0, int64_t t1) {
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // FTZ | DAZ, as attend_core
+    std::vector<float> scr(rows4 * TILE), pn(4 * TILE);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t h = task / (st + tails), j = task % (st + tails);
+      if (j < st) {
+        const int64_t at = h * st + j;
+        tile_partial(ks, vs, score, accumulate, h, j * TILE, (j + 1) * TILE, qa.data() + h * rows4 * hd, zsum.data(),
+                     0, rows4, hd, TILE, scr.data(), pn.data(), sm.data() + at * rows4, sl.data() + at * rows4,
+                     sa.data() + at * rows4 * hd);
+      } else {
+        const int64_t u = j - st;
+        int64_t i = 0;
+        while (tail_first[i + 1] <= u) ++i;
+        const int64_t s0 = shared + (u - tail_first[i]) * TILE, s1 = std::min(pos + i + 1, s0 + TILE);
+        const int64_t at = h * tails + u;
+        tile_partial(ks, vs, score, accumulate, h, s0, s1, qt.data() + ((h * n + i) * g4) * hd, zsum.data(), 0, g4,
+                     hd, TILE, scr.data(), pn.data(), tm.data() + at * g4, tl.data() + at * g4, ta.data() + at * g4 * hd);
+      }
+    }
+    _mm_setcsr(csr);
+  });
+  // merge each row's tiles in order: its partials gathered into one table, as attend_core merges them
+  std::vector<float> pm, pl, pa, acc(hd);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t nt = st + tail_first[i + 1] - tail_first[i];
+    pm.assign(nt, 0.0f);
+    pl.assign(nt, 0.0f);
+    pa.assign(nt * hd, 0.0f);
+    T* op = out.data_ptr<T>() + i * nh * hd;
+    for (int64_t h = 0; h < nkv; ++h)
+      for (int64_t jg = 0; jg < g; ++jg) {
+        for (int64_t t = 0; t < nt; ++t) {
+          const float *m_src, *l_src, *a_src;
+          if (t < st) {
+            const int64_t idx = (h * st + t) * rows4 + i * g + jg;
+            m_src = sm.data() + idx, l_src = sl.data() + idx, a_src = sa.data() + idx * hd;
+          } else {
+            const int64_t idx = (h * tails + tail_first[i] + t - st) * g4 + jg;
+            m_src = tm.data() + idx, l_src = tl.data() + idx, a_src = ta.data() + idx * hd;
+          }
+          pm[t] = *m_src, pl[t] = *l_src;
+          std::copy(a_src, a_src + hd, pa.begin() + t * hd);
+        }
+        float m, l;
+        merge_row(pm.data(), pl.data(), pa.data(), nt, 1, 0, hd, &m, &l, acc.data());
+        (void)m;
+        for (int64_t c = 0; c < hd; ++c) op[(h * g + jg) * hd + c] = static_cast<T>(acc[c] / l);
+      }
   }
   return out;
 }
