@@ -103,7 +103,7 @@ class SpecConfig:
     tree: str | None = None  # Medusa tree: JSON list of rank paths or "topk:k1,k2,..."; None: the default tree
     # each step drafts the length that maximises expected tokens per second (0: none), from a cost model measured at
     # start-up and the running acceptance (turbospec.speculative.adaptive); False (default): always up to n_max.
-    # Off by default: it wins at depth but loses 10-25% at depth 0 on the bundled model (docs/speculative.md)
+    # Off by default: on the bundled model it keeps 85-95% of always-n_max's speed-up (docs/speculative.md)
     adaptive: bool = False
 
     def __post_init__(self) -> None:
