@@ -552,10 +552,7 @@ class Scheduler:
         """Free a running sequence's blocks; it waits (first in line) and recomputes its tokens when readmitted."""
         self.running.remove(s)
         s.cache.reset()
-        self._release_slot(s)
-        self._free_slot_ids.append(s.slot_id)  # type: ignore[arg-type]
-        self._free_slot_ids.sort(reverse=True)
-        s.slot_id = None
+        self._release_slots(s)
         s.status = WAITING
         if s.drafter is not None:  # begun again when its tokens are recomputed
             s.drafter, s.began, s.prompt_rows = self._new_drafter(s), False, []
@@ -574,13 +571,10 @@ class Scheduler:
             self.pool.remember(s.cache.blocks[-1], key)
             if self.states is not None and s.slot is not None:
                 self.states.snapshot(key, s.slot, s.id)
-        if s.slot_id is not None:
+        if s.slot_id is not None:  # its context becomes the slot's
             self.slot_tokens[s.slot_id] = s.tokens[:s.cache.length]
-            self._free_slot_ids.append(s.slot_id)
-            self._free_slot_ids.sort(reverse=True)
-            s.slot_id = None
         s.cache.reset()
-        self._release_slot(s)
+        self._release_slots(s)
         s.status = FINISHED
         now = time.perf_counter()
         if s.t_first is not None:
@@ -588,10 +582,15 @@ class Scheduler:
         elif not s.stats.prefill_s:
             s.stats.prefill_s = now - s.arrived
 
-    def _release_slot(self, s: Sequence) -> None:
+    def _release_slots(self, s: Sequence) -> None:
+        """A sequence leaves the running set: its slot (id) and, on hybrids, its recurrent-state slot are free."""
         if self.states is not None and s.slot is not None:
             self.states.release(s.slot)
             s.slot = None
+        if s.slot_id is not None:
+            self._free_slot_ids.append(s.slot_id)
+            self._free_slot_ids.sort(reverse=True)
+            s.slot_id = None
 
     def _collect_prompt_logprobs(self, s: Sequence, hidden: torch.Tensor, start: int) -> None:
         """Logprobs of the prompt tokens after positions [start, start + rows) (raw logits), 64 rows at a time."""

@@ -28,6 +28,19 @@ from turbospec.kv.quant_cache import QuantKVCache
 TREE_MESSAGE = "a tree step on a hybrid model must have at most rollback_limit nodes"
 
 
+def kept_state(window: torch.Tensor, states: torch.Tensor, keep: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv state [K-1, C] and the recurrent state after the kept rows `keep` (a non-empty root path) of an n-row
+    step of one GDN layer, from its conv window [K-1+n, C] and states ([n, ...] per row, or [1, ...] the final one):
+    views into them where the kept rows are a chain prefix."""
+    k = window.shape[0] - n
+    j = len(keep)
+    if keep == list(range(j)):  # a chain prefix: the conv rows are contiguous
+        conv = window[j:j + k]
+    else:  # a tree path: the committed rows, then the path's rows
+        conv = torch.cat([window[:k], window[torch.tensor(keep, dtype=torch.int64) + k]])[-k:]
+    return conv, states[keep[-1]] if states.shape[0] == n else states[-1]
+
+
 class HybridCache:
     prefix_reusable = False  # the recurrent state after an arbitrary prefix is not kept (only at checkpoints)
 
@@ -148,16 +161,14 @@ class HybridCache:
                     f"cannot roll back a {n}-token step to {len(keep)} tokens: steps longer than rollback_limit="
                     f"{self.rollback_limit} keep only their final recurrent state"
                 )
-        prefix = keep == list(range(len(keep)))  # a chain prefix: the conv rows are contiguous
+        prefix = keep == list(range(len(keep)))
         if keep:
-            k = self._conv_shape[0]
-            rows = None if prefix else torch.tensor(keep, dtype=torch.int64) + k
             if any(w is None for w in self._windows) or any(s is None for s in self._states):
                 raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
-            j = len(keep)
             # views, not copies: the step's windows and states are fresh tensors no one writes to again
-            self._conv = [w[j:j + k] if prefix else torch.cat([w[:k], w[rows]])[-k:] for w in self._windows]
-            self._ssm = [s[keep[-1]] if s.shape[0] == n else s[-1] for s in self._states]
+            kept = [kept_state(w, s, keep, n) for w, s in zip(self._windows, self._states)]  # type: ignore[arg-type]
+            self._conv = [c for c, _ in kept]
+            self._ssm = [s for _, s in kept]
         self.kv.commit(None if prefix and len(keep) == n else keep)
         self.pending = 0
         self._parents = None

@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from turbospec.errors import TurboSpecError
+from turbospec.kv.hybrid_cache import kept_state
 from turbospec.kv.paged import PagedBatch, Segment
 
 States = tuple[list[torch.Tensor], list[torch.Tensor]]  # conv and recurrent state of every GDN layer
@@ -174,23 +175,16 @@ class HybridBatch:
         """Commit every segment, or for segment i in `keeps` only its listed rows (an accepted root path: the
         states after its last node, the conv rows along it)."""
         self.kv.commit(keeps)
-        k = self.states.conv_shape[0]
         for i, slot in enumerate(self.slots):
             stash = self._stash[i]
             if any(x is None for x in stash):
                 raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
             n = self.segments[i].n
-            keep = keeps.get(i) if keeps else None
-            if keep is None or keep == list(range(n)):
-                conv = [w[-k:] for w, _ in stash]  # type: ignore[misc]
-                last = n - 1
-            else:
-                rows = torch.tensor(keep, dtype=torch.int64) + k
-                conv = [torch.cat([w[:k], w[rows]])[-k:] for w, _ in stash]  # type: ignore[misc]
-                last = keep[-1]
-            # one row: a view of the step's only state; more: a copy of the kept one, so the step's others can go
-            ssm = [s[0] if s.shape[0] == 1 else s[last if s.shape[0] == n else -1].clone()  # type: ignore[misc]
-                   for _, s in stash]
-            if n > 1:
-                conv = [c.clone() for c in conv]
+            keep = (keeps.get(i) if keeps else None) or list(range(n))
+            conv, ssm = [], []
+            for w, st in stash:  # type: ignore[misc]
+                c, s = kept_state(w, st, keep, n)
+                # one row: views of the step's only state; more: copies of the kept one, so the step's others can go
+                conv.append(c.clone() if n > 1 else c)
+                ssm.append(s.clone() if st.shape[0] > 1 else s)
             self.states.set(slot, (conv, ssm))
