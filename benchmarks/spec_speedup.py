@@ -19,7 +19,7 @@ token ids (where drafts rarely hit); `--depths` puts that many tokens of the shi
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import copy
 import json
 import statistics
 import time
@@ -60,7 +60,7 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
     if cfg is not None and cfg.adaptive:
         if cfg.n_max not in COSTS:
             COSTS[cfg.n_max] = calibrate(model, cfg.n_max)
-        eng.step_costs = dataclasses.replace(COSTS[cfg.n_max])
+        eng.step_costs = copy.deepcopy(COSTS[cfg.n_max])  # (each run starts from the start-up costs)
     t = time.perf_counter()
     list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
     st = eng.last_stats

@@ -3,10 +3,11 @@
 Cost model (`StepCosts`): a target step over 1 + k rows costs base + k x row, fitted by least squares to the
 times calibrated at start-up on a scratch cache (`calibrate`) and then to every measured step, older ones weighing
 less (at depth a verification row costs more: attention over the whole context); a drafted token costs the running
-mean of the drafts' times. A choice changes only for a gain of at least 3% (the machine's timings are noisy). Acceptance (`Controller`): per draft position, a running estimate of the chance that the
+mean of the drafts' times. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
 target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
-E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = scale x verify(k) + k x draft; the step takes the k with the
-best E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0).
+E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = base + k x (row + draft); the step takes the k with the best
+E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice changes only for a gain of at least 3%
+(the machine's step times are noisy).
 
 While drafting is off the estimates cannot learn, so the controller probes: one short draft every `probe` steps,
 the interval doubling (up to 256) each time the probe's draft misses and back to the minimum when one hits; and
@@ -105,7 +106,6 @@ class Controller:
     _started: bool = False
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
-    probes: int = 0
 
     def __post_init__(self) -> None:
         self.counts = [[0.0, 0.0] for _ in range(self.n_max)]
@@ -142,7 +142,6 @@ class Controller:
         if best == 0 and room > 0:
             self._since += 1
             if self._since >= self.probe:  # look again: is drafting paying now?
-                self.probes += 1
                 return 1
             self.off_steps += 1
         elif best:
