@@ -75,7 +75,8 @@ def run(a: argparse.Namespace) -> int:
     if a.ubatch_size < 1 or a.n_max < 0 or a.parallel < 1 or a.ctx_checkpoints < 0:
         raise TurboSpecError("-ub and -np must be >= 1, --n-max and --ctx-checkpoints >= 0")
     if a.parallel > 1 and (a.backend != "cpu" or a.mtp or a.draft_model):
-        raise TurboSpecError("-np > 1 plans turbospec's CPU server without speculation (no --mtp, -md, cuda)")
+        raise TurboSpecError("-np > 1 plans turbospec's CPU server; speculation with it is not planned yet "
+                             "(no --mtp, -md, cuda)")
     if not dtypes.is_dtype_name(a.dtype):
         raise TurboSpecError(f"unknown --dtype {a.dtype!r} (float32, bfloat16, float16)")
     runtime, imp = fit.runtime_baseline(a.runtime_overhead, a.backend)

@@ -227,7 +227,6 @@ class HybridLayer:
         x = x + y
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
-
     def _gdn_batch(self, x: torch.Tensor, cache: HybridBatch, k) -> torch.Tensor:
         """A Gated DeltaNet layer over many sequences' rows: the projections and the MLP over all rows at once, the
         conv and recurrence segment by segment from each sequence's own states."""

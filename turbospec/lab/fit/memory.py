@@ -206,10 +206,11 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     chain = setup.n_max + 1 if spec else 1
     b.recurrent_state, b.spec_state_copies = recurrent_bytes(arch, setup, chain)
     if setup.parallel == 1 and cpu_engine:
-        b.recurrent_state *= 1 + setup.ctx_checkpoints  # the states at the end of the last prompts (prefix reuse)
+        b.recurrent_state *= 1 + setup.ctx_checkpoints  # states kept before the last prompts' last tokens
     if setup.parallel > 1:
         if spec:
-            raise TurboSpecError("speculative decoding is not batched yet (--parallel > 1)")
+            raise TurboSpecError("fit does not plan speculation with --parallel > 1 yet (the drafters of the "
+                                 "sequences are not batched into the plan)")
         # one pool of whole blocks shared by every sequence; a state slot per sequence, its snapshots, and while
         # a step runs each sequence's new states next to its committed ones
         b.attention_kv = -(-ctx // PAGE) * PAGE * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim,
