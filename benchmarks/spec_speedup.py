@@ -6,11 +6,19 @@ swing by that much; paired ratios do not.
     python benchmarks/spec_speedup.py --categories code explain --configs "draft-mtp:n=3" "draft-mtp:n=1" \
         --reps 7 --gen 128 --threads 2 --out docs/results/spec_speedup.json
 
-A config is `spec-type[:key=value,...]` with keys n (n_max), vocab (draft vocab), pmin, topk, window, adaptive
-(1: adaptive speculation; default 0, always draft n tokens). Prompts: the shipped bench set
+A config is `spec-type[:key=value,...]` (chains as comma lists: `suffix,draft-mtp:n=3`) with keys n (n_max),
+vocab (draft vocab), pmin, topk, window, adaptive (1: adaptive speculation; default 0, always draft n tokens), and the
+suffix drafter's sn (most draft tokens), sf (tokens per matched token), sp (branch share), shared (1: a store of
+earlier requests). Prompts: the shipped bench set
 (`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
 token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
-(decode at depth; the prefill is not in the decode speed).
+(decode at depth; the prefill is not in the decode speed). `--edit N` adds N edit prompts: a held-out source file
+(`turbospec/data/eval/code.jsonl`, about --edit-tokens tokens) and the start of its rewrite with one identifier
+renamed, which the model goes on rewriting. `--repeat` sends every prompt twice to one engine and times the second
+request (an agent that re-sends a request; with `shared=1` the suffix drafter drafts from the first answer).
+
+    python benchmarks/spec_speedup.py --categories code --edit 4 --gen 256 --reps 3 \
+        --configs ngram-mod "suffix" "draft-mtp:n=3" "suffix,draft-mtp:n=3" --out docs/results/spec_suffix.json
 
     python benchmarks/spec_speedup.py --categories code explain --random 200 --depths 0 8192 32768 65536 \
         --configs "draft-mtp:n=3,adaptive=1" "draft-mtp:n=3" --reps 3 --out docs/results/spec_adaptive.json
@@ -37,7 +45,9 @@ from turbospec.speculative.adaptive import calibrate
 from turbospec.tokenizer import Tokenizer
 
 KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", float), "topk": ("mtp_topk", int),
-        "window": ("mtp_prompt_window", int), "adaptive": ("adaptive", lambda v: v not in ("0", "false", "off"))}
+        "window": ("mtp_prompt_window", int), "adaptive": ("adaptive", lambda v: v not in ("0", "false", "off")),
+        "sn": ("suffix_n_max", int), "sf": ("suffix_factor", float), "sp": ("suffix_p_min", float),
+        "shared": ("suffix_shared", lambda v: v not in ("0", "false", "off"))}
 
 
 def parse_config(text: str) -> SpecConfig:
@@ -53,14 +63,47 @@ def parse_config(text: str) -> SpecConfig:
 COSTS: dict = {}  # adaptive speculation's start-up cost model, measured once per n_max (as `build_engine` does)
 
 
-def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int) -> dict:
+def edit_prompts(tok: Tokenizer, n: int, tokens: int) -> dict[str, list[int]]:
+    """n 'rewrite this file with one identifier renamed' prompts from the held-out code: the file, then its
+    rewrite's first two lines (the model is a base model: the rewrite is begun for it)."""
+    root = Path(__file__).resolve().parents[1]
+    rows = [json.loads(x) for x in (root / "turbospec/data/eval/code.jsonl").read_text().splitlines() if x.strip()]
+    out: dict[str, list[int]] = {}
+    for row in rows:
+        if len(out) == n:
+            break
+        text = row["text"]
+        start = text.find("\ndef ")
+        if start < 0:
+            continue
+        body = text[start + 1:]
+        ids = tok.encode(body, add_special=False)[:tokens]
+        body = tok.decode(ids)
+        body = body[:body.rfind("\n") + 1]
+        names = [w for w in ("self", "name", "value", "data", "result", "args") if w in body]
+        if not names:
+            continue
+        old = names[0]
+        new = {"self": "this", "name": "label", "value": "val", "data": "payload", "result": "res",
+               "args": "params"}[old]
+        edited = body.replace(old, new)
+        head = "".join(edited.splitlines(keepends=True)[:2])
+        prompt = (f"# {row['path']}\n{body}\n\n# {row['path']}, with `{old}` renamed to `{new}`:\n{head}")
+        out[f"edit:{row['path']}"] = tok.encode(prompt)
+    return out
+
+
+def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int,
+             repeat: bool = False) -> dict:
     ctx = len(prompt) + gen + 64
-    drafter = make_drafter(cfg, model, ctx + 8, path) if cfg is not None else None
+    drafter = make_drafter(cfg, model, ctx + 8 + (cfg.depth if cfg else 0), path) if cfg is not None else None
     eng = Engine(model, tok, EngineConfig(ctx=ctx, spec=cfg or SpecConfig()), drafter=drafter)
     if cfg is not None and cfg.adaptive:
         if cfg.n_max not in COSTS:
             COSTS[cfg.n_max] = calibrate(model, cfg.n_max)
         eng.step_costs = copy.deepcopy(COSTS[cfg.n_max])  # (each run starts from the start-up costs)
+    if repeat:  # the first request, untimed
+        list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
     t = time.perf_counter()
     list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
     st = eng.last_stats
@@ -76,7 +119,7 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--categories", nargs="+", default=["code", "explain"])
+    ap.add_argument("--categories", nargs="*", default=["code", "explain"])
     ap.add_argument("--configs", nargs="+", default=["draft-mtp:n=3"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--gen", type=int, default=128)
@@ -85,12 +128,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--random", type=int, default=0, help="add a prompt of N random token ids")
     ap.add_argument("--depths", type=int, nargs="+", default=[0], help="context tokens before every prompt")
+    ap.add_argument("--edit", type=int, default=0, help="add N file-edit prompts")
+    ap.add_argument("--edit-tokens", type=int, default=400, help="tokens of each edited file")
+    ap.add_argument("--repeat", action="store_true", help="time the second of two identical requests")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = model_path(a.model)
     model = load_model(path, a.dtype)
     tok = Tokenizer(path)
-    base = {c: tok.encode(p) for c, p in load_prompts(",".join(a.categories)).items()}
+    base = {c: tok.encode(p) for c, p in load_prompts(",".join(a.categories)).items()} if a.categories else {}
+    base.update(edit_prompts(tok, a.edit, a.edit_tokens))
     if a.random:
         g = torch.Generator().manual_seed(0)
         base["random"] = torch.randint(3, model.cfg.vocab_size, (a.random,), generator=g).tolist()
@@ -105,9 +152,9 @@ def main() -> None:
         run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
         for _ in range(a.reps):
-            rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen))
+            rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen, a.repeat))
             for name, cfg in configs.items():
-                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen))
+                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat))
         plain = [r["decode_tps"] for r in rows["plain"]]
         res = {"plain_tps_median": statistics.median(plain), "configs": {}}
         for name in configs:
@@ -127,6 +174,7 @@ def main() -> None:
         results[cat] = res
     if a.out:
         meta = {"model": path, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
+                "repeat": a.repeat, "edit_tokens": a.edit_tokens if a.edit else None,
                 "date": time.strftime("%Y-%m-%d")}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -382,17 +382,20 @@ def test_cache_mem_sizes_the_pool_after_the_recurrent_states(hybrid):
 # ---- speculation in the batch -----------------------------------------------------------------------------------
 def _spec_scheduler(m, path, spec, hybrid_model, positions=4096, max_seqs=4, step=96, **cfg):
     from turbospec.config import SpecConfig
-    from turbospec.speculative.registry import make_drafter
+    from turbospec.speculative.registry import make_drafter, new_store
 
     sc = SpecConfig.parse(spec, **cfg)
+    store = new_store(sc)
     pool = pool_for(m, positions, None, None, layers=m.num_attn_layers if hybrid_model else None)
     return Scheduler(m, pool, max_seqs=max_seqs, max_step_tokens=step, ctx=2048,
                      states=m.new_state_pool(max_seqs, 8) if hybrid_model else None,
-                     drafters=lambda n: make_drafter(sc, m, n, model_path=str(path)), n_max=sc.n_max)
+                     drafters=lambda n: make_drafter(sc, m, n, model_path=str(path), store=store), n_max=sc.depth)
 
 
 @pytest.mark.parametrize("which,spec,cfg", [
     ("model", "ngram-mod", {}),
+    ("model", "suffix", {"suffix_shared": True}),  # one store for all sequences: each drafts from the others too
+    ("hybrid", "suffix", {"suffix_factor": 2.0, "suffix_p_min": 0.05}),  # trees over recurrent states
     ("model", "draft-mtp", {}),
     ("hybrid", "draft-mtp", {}),
     ("hybrid", "ngram,draft-mtp", {"mtp_topk": 2}),  # chains and trees in one batch

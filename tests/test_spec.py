@@ -11,6 +11,7 @@ from turbospec.engine import Engine
 from turbospec.model import load_model
 from turbospec.sampling import Sampler, SamplingParams
 from turbospec.speculative import make_drafter
+from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
 from turbospec.speculative.verify import verify
 
@@ -59,7 +60,8 @@ def run(engine, prompt, params):
     return engine.generate([prompt], params)[0]["tokens"]
 
 
-SPECS = ["ngram", "ngram-mod", "draft-mtp", "draft-model", "ngram-mod,draft-mtp", "draft-model:self"]
+SPECS = ["ngram", "ngram-mod", "suffix", "draft-mtp", "draft-model", "ngram-mod,draft-mtp", "suffix,draft-mtp",
+         "draft-model:self"]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -81,11 +83,11 @@ def test_greedy_identical_to_plain(paths, spec):
     assert total.drafts > 0
     if spec.endswith(":self"):
         assert total.acceptance_rate > 0.95  # the target drafting for itself is (almost) always right
-    if spec.startswith("ngram"):
+    if spec.startswith(("ngram", "suffix")):
         assert total.accepted > 0
 
 
-class TopKTreeDrafter:
+class TopKTreeDrafter(Drafter):
     """Test drafter: a tree from the target itself -- the top-2 at depth 1, then greedy chains under both."""
 
     name = "tree"

@@ -17,7 +17,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.kv.formats import get_format
 from turbospec.weights import WEIGHT_CHOICES
 
-SPEC_TYPES = ("draft-mtp", "medusa", "ngram", "ngram-simple", "ngram-mod", "draft-model")
+SPEC_TYPES = ("draft-mtp", "medusa", "ngram", "ngram-simple", "ngram-mod", "suffix", "draft-model")
 
 
 def kv_type(name: str | None) -> str | None:
@@ -90,6 +90,11 @@ class SpecConfig:
     ngram_mod_n_match: int = 8
     ngram_mod_n_max: int = 16
     ngram_mod_shared: bool = False  # keep the ngram-mod pool across requests (llama.cpp does; leaks between clients)
+    suffix_n_max: int = 24  # suffix drafter: most draft tokens (nodes) per step
+    suffix_factor: float = 1.0  # suffix drafter: draft at most this many tokens per token of the match
+    suffix_p_min: float = 0.1  # suffix drafter: a tree node needs this share of the matches' continuations
+    suffix_shared: bool = False  # suffix drafter: also draft from earlier requests of the server (leaks between clients)
+    suffix_store_tokens: int = 1 << 18  # suffix drafter: tokens of earlier requests kept when shared
     # the MTP reads only the last N prompt positions, so prefill with MTP on stays close to MTP off
     # (benchmarks/spec_prefill.py); -1 auto (a quarter of the prompt, 64..256), 0 all
     mtp_prompt_window: int = -1
@@ -119,6 +124,10 @@ class SpecConfig:
             raise TurboSpecError("--spec-draft-n-max must be >= 1")
         if self.mtp_topk < 1:
             raise TurboSpecError("--spec-mtp-topk must be >= 1")
+        if self.suffix_n_max < 1 or self.suffix_factor <= 0 or self.suffix_store_tokens < 1:
+            raise TurboSpecError("--spec-suffix-n-max, --spec-suffix-factor and --spec-suffix-store must be > 0")
+        if not 0.0 <= self.suffix_p_min <= 1.0:
+            raise TurboSpecError("--spec-suffix-p-min must be in [0, 1]")
         if not 0.0 <= self.p_min <= 1.0:
             raise TurboSpecError("--spec-draft-p-min must be in [0, 1]")
         if "draft-model" in types and not self.draft_model:
@@ -136,6 +145,15 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.types)
+
+    def cap(self, spec_type: str) -> int:
+        """The deepest draft one drafter proposes: --spec-draft-n-max, except the n-gram-pool drafters' own limits."""
+        return {"ngram-mod": self.ngram_mod_n_max, "suffix": self.suffix_n_max}.get(spec_type, self.n_max)
+
+    @property
+    def depth(self) -> int:
+        """The deepest draft of any configured drafter: the most draft rows one step verifies."""
+        return max((self.cap(t) for t in self.types), default=self.n_max)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-type", default=None,
                    help="speculative drafters, comma list: draft-mtp, medusa, ngram (prompt lookup), ngram-mod, "
-                        "draft-model")
+                        "suffix, draft-model")
     p.add_argument("--spec-draft-n-max", type=int, default=3, help="max draft tokens per step (default 3)")
     p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop drafting below this probability")
     p.add_argument("--spec-adaptive", dest="spec_adaptive", action="store_true",
@@ -46,6 +46,16 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-ngram-mod-shared", action="store_true",
                    help="ngram-mod: keep the pool across requests (llama.cpp's behaviour; a server's clients then "
                         "draft from, and can time, each other's text) (default: a fresh pool per request)")
+    p.add_argument("--spec-suffix-n-max", type=int, default=24, help="suffix: max draft tokens per step (default 24)")
+    p.add_argument("--spec-suffix-factor", type=float, default=1.0,
+                   help="suffix: draft at most this many tokens per matched token (default 1.0)")
+    p.add_argument("--spec-suffix-p-min", type=float, default=0.1,
+                   help="suffix: a draft branch needs this share of the matches that continue there (default 0.1)")
+    p.add_argument("--spec-suffix-shared", action="store_true",
+                   help="suffix: also draft from earlier requests' prompts and outputs (a server's clients then "
+                        "draft from, and can time, each other's text) (default: the request's own tokens only)")
+    p.add_argument("--spec-suffix-store", type=int, default=1 << 18,
+                   help="suffix: tokens of earlier requests kept with --spec-suffix-shared (default 262144)")
     p.add_argument("--spec-medusa", default=None,
                    help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors; default: the model's)")
     p.add_argument("--spec-tree", default=None,
@@ -89,7 +99,8 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
         a.spec_type, n_max=a.spec_draft_n_max, p_min=a.spec_draft_p_min, draft_model=a.spec_draft_model,
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
         ngram_mod_n_max=a.spec_ngram_mod_n_max, ngram_mod_shared=a.spec_ngram_mod_shared,
-        mtp_prompt_window=a.spec_mtp_prompt_window,
+        suffix_n_max=a.spec_suffix_n_max, suffix_factor=a.spec_suffix_factor, suffix_p_min=a.spec_suffix_p_min,
+        suffix_shared=a.spec_suffix_shared, suffix_store_tokens=a.spec_suffix_store, mtp_prompt_window=a.spec_mtp_prompt_window,
         draft_vocab=a.spec_draft_vocab, mtp_topk=a.spec_mtp_topk, draft_k_type=a.cache_type_k_draft,
         draft_v_type=a.cache_type_v_draft, medusa=a.spec_medusa, tree=a.spec_tree, adaptive=a.spec_adaptive,
     )

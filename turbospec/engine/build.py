@@ -61,7 +61,7 @@ def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
 def build_engine(config: EngineConfig) -> Engine:
     """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine."""
     path, model, tokenizer = load_parts(config)
-    drafter = make_drafter(config.spec, model, config.ctx + config.spec.n_max + 1, model_path=path)
+    drafter = make_drafter(config.spec, model, config.ctx + config.spec.depth + 1, model_path=path)
     engine = Engine(model, tokenizer, config, drafter, model_path=path)
     if drafter is not None and config.spec.adaptive:
         engine.step_costs = calibrate(model, config.spec.n_max)  # adaptive speculation's cost model

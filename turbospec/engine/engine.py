@@ -240,7 +240,7 @@ class Engine:
                 root = pending[-1]
                 context.append(root)
                 # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
-                room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.n_max)
+                room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.depth)
                 slots = self.ctx - self.cache.length - 1
                 if ctl is not None and min(room, slots) > 0:
                     room = ctl.choose(min(room, slots), self.cache.length)
@@ -275,6 +275,8 @@ class Engine:
             if t_first is not None:
                 stats.decode_s = time.perf_counter() - t_first
             stats.peak_rss_bytes = peak_rss_bytes()
+            if drafter is not None:
+                drafter.finish(list(context))
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
                  chat: bool = False) -> list[dict]:

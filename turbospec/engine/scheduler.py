@@ -166,10 +166,12 @@ class Scheduler:
             if later:
                 raise TurboSpecError(f"--parallel {parallel}: --spec-type {later[0]} is not batched yet (n-gram "
                                      "drafters and draft-mtp are); use --parallel 1 for it")
-            from turbospec.speculative.registry import make_drafter
+            from turbospec.speculative.registry import make_drafter, new_store
+
+            store = new_store(c.spec)  # --spec-suffix-shared: one store of earlier requests for all sequences
 
             def drafters(max_len: int) -> Drafter:
-                d = make_drafter(c.spec, model, max_len, model_path=engine.model_path)
+                d = make_drafter(c.spec, model, max_len, model_path=engine.model_path, store=store)
                 assert d is not None
                 return d
         states = None
@@ -181,7 +183,7 @@ class Scheduler:
                         reserved=states.nbytes if states is not None else 0)
         return cls(model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
                    tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache, states=states,
-                   drafters=drafters, n_max=c.spec.n_max)
+                   drafters=drafters, n_max=c.spec.depth)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -573,6 +575,8 @@ class Scheduler:
                 self.states.snapshot(key, s.slot, s.id)
         if s.slot_id is not None:  # its context becomes the slot's
             self.slot_tokens[s.slot_id] = s.tokens[:s.cache.length]
+        if s.drafter is not None:
+            s.drafter.finish(s.tokens[:s.cache.length])
         s.cache.reset()
         self._release_slots(s)
         s.status = FINISHED

@@ -9,10 +9,13 @@ from turbospec.speculative.tree import DraftTree
 
 
 class ChainDrafter(Drafter):
+    """caps[i]: the deepest draft member i may propose (the engine asks for up to the largest)."""
+
     name = "chain"
 
-    def __init__(self, drafters: list[Drafter]):
+    def __init__(self, drafters: list[Drafter], caps: list[int] | None = None):
         self.drafters = drafters
+        self.caps = caps or [1 << 30] * len(drafters)
         self.needs_hidden = any(d.needs_hidden for d in drafters)
 
     def prompt_rows(self, n: int) -> int | None:
@@ -26,13 +29,17 @@ class ChainDrafter(Drafter):
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
         best = DraftTree()
-        for d in self.drafters:
+        for d, cap in zip(self.drafters, self.caps):
             if len(best):
                 d.sync(tokens)  # keep its state current without drafting
                 continue
-            best = d.propose(tokens, n_max)
+            best = d.propose(tokens, min(n_max, cap))
         return best
 
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         for d in self.drafters:
             d.accept(committed, hidden, next_token)
+
+    def finish(self, tokens: list[int]) -> None:
+        for d in self.drafters:
+            d.finish(tokens)

@@ -43,3 +43,7 @@ class Drafter(Protocol):
     def sync(self, tokens: list[int]) -> None:
         """Keep internal state current on a step where another drafter of a chain drafted (default: nothing)."""
         return None
+
+    def finish(self, tokens: list[int]) -> None:
+        """The request ended with these tokens (prompt and output); drafters that learn across requests keep them."""
+        return None

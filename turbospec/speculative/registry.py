@@ -10,6 +10,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.speculative.chain import ChainDrafter
 from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.suffix import SuffixStore
 
 # Draft-head rows when the model ships a frequency ranking: on the bundled model 512-2048 rows keep the full
 # vocabulary's acceptance (the request's own tokens are added) at a quarter of the head's cost (docs/speculative.md).
@@ -19,12 +20,14 @@ AUTO_DRAFT_VOCAB = 1024
 @dataclass(frozen=True)
 class DraftContext:
     """What a drafter builder may read: the config, the target model, its checkpoint directory (Medusa heads and
-    draft_vocab.json live beside it) and the longest sequence the drafter will see."""
+    draft_vocab.json live beside it), the longest sequence the drafter will see, and the suffix drafter's store of
+    earlier requests (one per server, shared by its drafters)."""
 
     cfg: SpecConfig
     target: Model
     model_path: str | None
     max_len: int
+    store: SuffixStore | None = None
 
 
 DRAFTERS: dict[str, Callable[[DraftContext], Drafter]] = {}
@@ -51,6 +54,14 @@ def _ngram_mod(c: DraftContext) -> Drafter:
     from turbospec.speculative.ngram import NgramMod
 
     return NgramMod(c.cfg.ngram_mod_n_match, 1, c.cfg.ngram_mod_n_max, shared=c.cfg.ngram_mod_shared)
+
+
+@register("suffix")
+def _suffix(c: DraftContext) -> Drafter:
+    from turbospec.speculative.suffix import SuffixDrafter
+
+    cfg = c.cfg
+    return SuffixDrafter(cfg.suffix_n_max, cfg.suffix_factor, cfg.suffix_p_min, cfg.ngram_n_min, store=c.store)
 
 
 @register("draft-mtp")
@@ -89,15 +100,26 @@ def _draft_model(c: DraftContext) -> Drafter:
     return DraftModelDrafter(dm, c.max_len, c.cfg.p_min, c.cfg.draft_k_type, c.cfg.draft_v_type)
 
 
-def make_drafter(cfg: SpecConfig, target: Model, max_len: int, model_path: str | None = None) -> Drafter | None:
+def make_drafter(cfg: SpecConfig, target: Model, max_len: int, model_path: str | None = None,
+                 store: SuffixStore | None = None) -> Drafter | None:
     """The drafter (or chain of drafters) for a target model; None when speculation is off.
 
     model_path: the target's checkpoint directory, where Medusa heads and the draft-vocabulary ranking
-    (draft_vocab.json) are looked for."""
+    (draft_vocab.json) are looked for. store: earlier requests' tokens for the suffix drafter (default: a new store
+    when `cfg.suffix_shared`, else none); a server passes one store to all its drafters."""
     if not cfg.types:
         return None
-    ctx = DraftContext(cfg, target, model_path, max_len)
+    if store is None and cfg.suffix_shared and "suffix" in cfg.types:
+        store = new_store(cfg)
+    ctx = DraftContext(cfg, target, model_path, max_len, store)
     # llama.cpp's priority: n-gram drafters first (cheap, only fire on repeats), model-based drafters last
-    order = sorted(cfg.types, key=lambda t: 0 if t.startswith("ngram") else 1)
+    order = sorted(cfg.types, key=lambda t: 0 if t.startswith("ngram") or t == "suffix" else 1)
     drafters = [DRAFTERS[t](ctx) for t in order]
-    return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters)
+    return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters, [cfg.cap(t) for t in order])
+
+
+def new_store(cfg: SpecConfig) -> SuffixStore | None:
+    """The suffix drafter's store of earlier requests when `cfg` shares one (--spec-suffix-shared), else None."""
+    if not (cfg.suffix_shared and "suffix" in cfg.types):
+        return None
+    return SuffixStore(cfg.suffix_store_tokens, cfg.ngram_n_min)

@@ -1,0 +1,137 @@
+"""The suffix drafter: matches, continuation trees, per-request vs shared stores, and lossless decoding."""
+
+import random
+
+import pytest
+
+from turbospec.config import EngineConfig, SpecConfig
+from turbospec.engine import Engine
+from turbospec.errors import TurboSpecError
+from turbospec.model import load_model
+from turbospec.sampling import SamplingParams
+from turbospec.speculative import make_drafter
+from turbospec.speculative.suffix import SuffixDrafter, SuffixIndex, SuffixStore
+
+from .test_spec import peaked_target
+
+
+def test_matches_are_longest_first_and_extend_backwards():
+    idx = SuffixIndex(2)
+    text = [1, 2, 3, 4, 9, 5, 2, 3, 4, 7, 0, 3, 4, 8]
+    idx.extend(text)
+    # pattern ...1 2 3 4: the first occurrence matches 4 tokens, the second 3 (5 != 1), the third 2
+    got = idx.matches([6, 1, 2, 3, 4])
+    assert got[0] == (4, 4) and (3, 9) in got and (2, 13) in got
+    assert idx.follow(4, 3) == [9, 5, 2]
+    assert idx.matches([6, 1, 2, 3, 4], before=9) == [(4, 4)]  # occurrences ending at or after `before` are skipped
+    assert idx.matches([5, 6]) == []
+
+
+def test_documents_do_not_run_into_each_other():
+    idx = SuffixIndex(2)
+    idx.add([1, 2, 3])
+    idx.add([4, 5, 6])
+    assert idx.matches([2, 3]) == []  # [2, 3] ends document 1: nothing follows it
+    assert idx.matches([3, 4]) == []  # never across the boundary
+    assert idx.follow(idx.matches([4, 5])[0][1], 5) == [6]
+
+
+def test_draft_length_grows_with_the_match():
+    d = SuffixDrafter(n_max=24, factor=1.0, p_min=0.1, n_min=2)
+    body = list(range(10, 60))
+    ctx = body + [99] + body[:3]
+    d.begin(ctx, None)
+    assert d.propose(ctx, 24).tokens == body[3:6]  # 3 matched tokens: 3 drafted
+    ctx = body + [99] + body[:20]
+    assert d.propose(ctx, 24).tokens == body[20:40]  # 20 matched: 20 drafted
+    assert d.propose(ctx, 5).tokens == body[20:25]  # the engine's room caps it
+    assert len(d.propose([7, 8, 9], 24)) == 0  # no match
+
+
+def test_disagreeing_continuations_make_a_tree_weighted_by_count():
+    d = SuffixDrafter(n_max=8, factor=4.0, p_min=0.2, n_min=2)
+    ctx = [1, 2, 5, 6, 0, 1, 2, 5, 7, 0, 1, 2, 8, 9, 0, 1, 2, 5, 6, 3, 0, 1, 2]
+    tree = d.propose(ctx, 8)
+    # the three longest matches (0 1 2) go on with 5 7 / 8 9 / 5 6 3: 5 first (2 of 3), 8 at the root too
+    assert tree.tokens[0] == 5 and tree.parents[0] == -1 and 8 in tree.tokens
+    assert tree.parents[tree.tokens.index(8)] == -1
+    assert all(p < i for i, p in enumerate(tree.parents))  # parents first
+    # runs 5 7 / 5 7 / 5 6 / 8: 5 (3/4), 7 (2/4) under it, then 6 and 8 (1/4 each)
+    runs = [[5, 7], [5, 7], [5, 6], [8]]
+    tree = d._tree(runs, 8)
+    assert tree.tokens[:2] == [5, 7] and tree.parents[:2] == [-1, 0]
+    assert {(tree.tokens[i], tree.parents[i]) for i in range(2, 4)} == {(6, 0), (8, -1)}
+    assert SuffixDrafter(p_min=0.3)._tree(runs, 8).tokens == [5, 7]  # 1/4 of the runs: below p_min
+    assert d._tree(runs, 1).tokens == [5]
+
+
+def test_requests_share_text_only_through_a_shared_store():
+    secret = list(range(20, 40))
+    for store in (None, SuffixStore(1000)):
+        d = SuffixDrafter(store=store)
+        d.begin(secret, None)
+        d.finish(secret)  # client A's request ends
+        d.begin([1, 2], None)  # client B's
+        got = d.propose([1, 2, 25, 26, 27], 8).tokens
+        assert got == ([] if store is None else [28, 29, 30])
+
+
+def test_shared_store_drops_the_oldest_requests():
+    store = SuffixStore(max_tokens=100)
+    for i in range(10):
+        store.add([1000 + i] + list(range(i * 50, i * 50 + 39)))
+    assert len(store.index) <= 100 + len(store.docs)
+    d = SuffixDrafter(store=store)
+    assert d.propose([9 * 50, 9 * 50 + 1], 4).tokens == [9 * 50 + 2, 9 * 50 + 3]
+    assert d.propose([0, 1], 4).tokens == []  # the first request is gone
+
+
+def test_config_checks_and_caps():
+    sc = SpecConfig.parse("suffix,draft-mtp", n_max=3, suffix_n_max=16)
+    assert sc.depth == 16 and sc.cap("draft-mtp") == 3
+    for bad in ({"suffix_n_max": 0}, {"suffix_factor": 0}, {"suffix_p_min": 1.5}):
+        with pytest.raises(TurboSpecError):
+            SpecConfig.parse("suffix", **bad)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return peaked_target(tmp_path_factory.mktemp("suffix") / "target")
+
+
+def _prompts():
+    rnd = random.Random(4)
+    out = []
+    for _ in range(5):
+        body = [rnd.randrange(64) for _ in range(14)]
+        out.append(body + [rnd.randrange(64)] + body[:4])  # an 'edit': the body again, drafts from the first copy
+    return out
+
+
+@pytest.mark.parametrize("spec", ["suffix", "suffix,draft-mtp"])
+def test_greedy_identical_to_plain_with_long_drafts_and_trees(target, spec):
+    model = load_model(target, "float32")
+    plain = Engine(model, None, EngineConfig(ctx=256, ubatch=8))
+    sc = SpecConfig.parse(spec, n_max=3, suffix_n_max=12, suffix_factor=2.0, suffix_p_min=0.05)
+    eng = Engine(model, None, EngineConfig(ctx=256, ubatch=8, spec=sc), drafter=make_drafter(sc, model, 270))
+    p = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    accepted = deep = 0
+    for prompt in _prompts():
+        assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+        st = eng.last_stats.spec
+        accepted += st.by_source.get("suffix", [0, 0, 0])[2]
+        deep += sum(st.per_pos_drafted[3:])
+    assert accepted > 0 and deep > 0  # drafts deeper than --spec-draft-n-max were proposed
+
+
+def test_a_repeated_request_is_drafted_from_the_first_with_a_shared_store(target):
+    model = load_model(target, "float32")
+    sc = SpecConfig.parse("suffix", suffix_shared=True, suffix_n_max=16)
+    eng = Engine(model, None, EngineConfig(ctx=256, ubatch=8, spec=sc), drafter=make_drafter(sc, model, 272))
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = [3, 9, 27, 17, 51, 25, 11, 33]
+    first = eng.generate([prompt], p)[0]["tokens"]
+    st1 = eng.last_stats.spec
+    assert eng.generate([prompt], p)[0]["tokens"] == first
+    st2 = eng.last_stats.spec
+    assert st2.accepted > st1.accepted and st2.accepted >= 30  # the first output drafts nearly all of the second
