@@ -142,3 +142,39 @@ def test_chain_verification_rows_equal_single_steps_bit_for_bit(dtype):
                 one.commit()
             got = model.forward(ids[start:start + k], AttentionPlan.causal(start, k), many)
             assert torch.equal(got, torch.cat(rows)), (start, k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tree_verification_rows_equal_single_steps_bit_for_bit(dtype):
+    """Each row of a draft tree verified over a plain cache equals decoding its branch token by token, also where a
+    branch straddles a 256-position attention tile: trees stay exact like chains (greedy speculation with trees is
+    plain decoding in every dtype)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+    if not (path / "config.json").exists():
+        pytest.skip("no bundled model")
+    model = load_model(str(path), dtype)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, 900, (520,), generator=g)
+    # root, two branches under it, a sub-branch: rows 0..6
+    parents = [-1, 0, 1, 0, 3, 2, 1]
+    tree_ids = torch.randint(3, 900, (len(parents),), generator=g)
+    for start in (40, 250, 255, 509):
+        many = model.new_cache(530)
+        model.forward(ids[:start], AttentionPlan.causal(0, start), many)
+        many.commit()
+        got = model.forward(tree_ids, AttentionPlan.tree(start, parents), many)
+        for i in range(len(parents)):
+            branch = []
+            a = i
+            while a >= 0:
+                branch.insert(0, a)
+                a = parents[a]
+            one = model.new_cache(530)
+            model.forward(ids[:start], AttentionPlan.causal(0, start), one)
+            one.commit()
+            for d, node in enumerate(branch):
+                row = model.forward(tree_ids[node:node + 1], AttentionPlan.causal(start + d, 1), one)
+                one.commit()
+            assert torch.equal(got[i], row[0]), (start, i)

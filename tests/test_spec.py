@@ -372,3 +372,23 @@ def test_adaptive_speculation_is_lossless_and_skips_drafts_that_do_not_pay(spec)
     assert [t for c in eng.stream(prompt, sp) for t in c.tokens] == want
     st = eng.last_stats.spec
     assert st.skipped > 60 and st.drafts < 20
+
+
+def test_mtp_catches_up_on_a_long_run_from_the_last_pairs_only(paths):
+    """When another drafter of a chain drafted (here: 40 tokens accepted without the MTP drafting), the MTP feeds
+    only the last CATCH_UP (hidden, token) pairs when it drafts next, at their true positions."""
+    from turbospec.speculative.mtp import CATCH_UP
+
+    target = load_model(paths["target"], "float32")
+    d = make_drafter(SpecConfig.parse("draft-mtp", mtp_prompt_window=0), target, 256)
+    prompt = list(range(1, 21))
+    g = torch.Generator().manual_seed(0)
+    d.begin(prompt, torch.randn(20, 48, generator=g))
+    assert d.next_pos == 19  # (h_19, root) waits for the root
+    run = [(5 * i) % 64 for i in range(40)]  # root + 39 accepted drafts
+    d.accept(run, torch.randn(40, 48, generator=g), 7)
+    assert len(d.pending_tokens) == CATCH_UP
+    assert d.next_pos == 19 + 40 - CATCH_UP  # the first pair still waiting sits at its true position
+    assert d.cache.length == 19  # nothing fed yet
+    tree = d.propose(prompt + run + [7], 3)
+    assert len(tree) == 3 and d.cache.length == 19 + CATCH_UP + 1

@@ -135,3 +135,33 @@ def test_a_repeated_request_is_drafted_from_the_first_with_a_shared_store(target
     assert eng.generate([prompt], p)[0]["tokens"] == first
     st2 = eng.last_stats.spec
     assert st2.accepted > st1.accepted and st2.accepted >= 30  # the first output drafts nearly all of the second
+
+
+def test_bundled_model_in_bf16_with_suffix_trees_is_plain_decoding():
+    """The bundled model in its own dtype: suffix drafts (chains up to 24 deep and trees) leave greedy output equal to
+    plain decoding (tree rows are verified with the single-step attention arithmetic)."""
+    import json
+    from pathlib import Path
+
+    from turbospec.tokenizer import Tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "models" / "turbospec-tiny"
+    if not (path / "config.json").exists():
+        pytest.skip("no bundled model")
+    model, tok = load_model(str(path), "bfloat16"), Tokenizer(path)
+    rows = [json.loads(x) for x in (root / "turbospec/data/eval/code.jsonl").read_text().splitlines()]
+    text = next(r["text"] for r in rows if r["path"] == "compileall.py")
+    body = tok.decode(tok.encode(text[text.find("\ndef ") + 1:], add_special=False)[:400])
+    body = body[:body.rfind("\n") + 1]
+    head = "".join(body.replace("name", "label").splitlines(keepends=True)[:2])
+    prompt = tok.encode(f"# compileall.py\n{body}\n\n# compileall.py, with `name` renamed to `label`:\n{head}")
+    p = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    plain = Engine(model, tok, EngineConfig(ctx=len(prompt) + 300)).generate([prompt], p)[0]["tokens"]
+    sc = SpecConfig.parse("suffix")
+    eng = Engine(model, tok, EngineConfig(ctx=len(prompt) + 300, spec=sc), drafter=make_drafter(sc, model, 1024))
+    trees = []
+    verify = eng.verify_step
+    eng.verify_step = lambda root, tree, sampler: (trees.append(tree.is_chain), verify(root, tree, sampler))[1]
+    assert eng.generate([prompt], p)[0]["tokens"] == plain
+    assert False in trees and eng.last_stats.spec.accepted > 50

@@ -624,7 +624,7 @@ constexpr int64_t TILE = 256;  // positions per tile of a decode step (as attend
 
 template <typename T>
 torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
-                            int64_t nkv, int64_t hd, bool gated, double scale) {
+                            int64_t nkv, int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents) {
   const int64_t n = qkv.size(0), width = qkv.size(1);
   const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride, g = nh / nkv;
   for (int64_t i = 0; i < n; ++i) {
@@ -644,7 +644,8 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
     for (int64_t j = 0; j < g; ++j)
       for (int64_t c = 0; c < hd; ++c) dst[j * hd + c] = static_cast<float>(row[(h * g + j) * q_stride + c]) * sc;
   };
-  if (n == 1) {  // decode: one call over [0, pos]
+  const bool tree = !parents.empty();
+  if (n == 1 && !tree) {  // decode: one call over [0, pos]
     std::vector<float> qp(nh * hd), m(nh), l(nh), acc(nh * hd);
     for (int64_t h = 0; h < nkv; ++h) q_of(0, h, qp.data() + h * g * hd);
     attend_core(qp.data(), nkv, g, hd, ks, kind_k, 0, vs, kind_v, 0, 0, pos + 1, TILE, m.data(), l.data(), acc.data());
@@ -656,8 +657,30 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
   // Token i attends to [0, pos + i]: the tiles of a single decode step at that position, merged in the same order,
   // so each row equals that step bit for bit. The whole tiles below pos + 1 are the same for every token: they are
   // computed once for all n x g rows (the cache read once, not n times); each token's last tile(s) on their own.
-  const int64_t shared = (pos + 1) / TILE * TILE, st = shared / TILE, rows = n * g, rows4 = (rows + 3) / 4 * 4;
-  const int64_t g4 = (g + 3) / 4 * 4;
+  // A tree (parents[i]: the row before row i, -1: the context) puts row i at position pos + depth(i) of the step
+  // that would decode it: its last tiles read the context's tail and its ancestors, gathered in that order.
+  std::vector<int64_t> depth(n, 0);
+  for (int64_t i = 0; i < n && tree; ++i) {
+    TORCH_CHECK(parents[i] < i, "tree rows must come after their parents");
+    depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+  }
+  auto end_of = [&](int64_t i) { return pos + (tree ? depth[i] : i) + 1; };  // keys of row i's single step
+  const int64_t shared = (tree ? pos : pos + 1) / TILE * TILE, st = shared / TILE, rows = n * g;
+  const int64_t rows4 = (rows + 3) / 4 * 4, g4 = (g + 3) / 4 * 4;
+  std::vector<torch::Tensor> tail_kv;  // tree: row i's keys/values from `shared` on, as its single step sees them
+  std::vector<Source> tail_k, tail_v;
+  for (int64_t i = 0; i < n && tree; ++i) {
+    std::vector<int64_t> idx;
+    for (int64_t s = shared; s < pos; ++s) idx.push_back(s);
+    std::vector<int64_t> anc;
+    for (int64_t a = i; a >= 0; a = parents[a]) anc.push_back(pos + a);
+    idx.insert(idx.end(), anc.rbegin(), anc.rend());
+    auto at = torch::tensor(idx, torch::kLong);
+    tail_kv.push_back(kc.index_select(1, at));
+    tail_kv.push_back(vc.index_select(1, at));
+    tail_k.push_back(make_source(kind_k, 0, hd, {tail_kv[2 * i]}, none));
+    tail_v.push_back(make_source(kind_v, 0, hd, {tail_kv[2 * i + 1]}, none));
+  }
   const ScoreFn score = pick<ScorePick>(kind_k, 0);
   const AccFn accumulate = pick<AccPick>(kind_v, 0);
   std::vector<float> qa(nkv * rows4 * hd, 0.0f), qt(nkv * n * g4 * hd, 0.0f);
@@ -667,9 +690,9 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
       q_of(i, h, qt.data() + ((h * n + i) * g4) * hd);
     }
   const std::vector<float> zsum(4, 0.0f);  // plain caches: no per-block offsets
-  // tail tiles of token i: [shared, pos + i + 1) in tiles of TILE (1 or 2)
+  // tail tiles of token i: [shared, end_of(i)) in tiles of TILE (1 or 2)
   std::vector<int64_t> tail_first(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (pos + i + 1 - shared + TILE - 1) / TILE;
+  for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (end_of(i) - shared + TILE - 1) / TILE;
   const int64_t tails = tail_first[n];
   std::vector<float> sm(nkv * st * rows4), sl(nkv * st * rows4), sa(nkv * st * rows4 * hd);
   std::vector<float> tm(nkv * tails * g4), tl(nkv * tails * g4), ta(nkv * tails * g4 * hd);
@@ -688,10 +711,11 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
         const int64_t u = j - st;
         int64_t i = 0;
         while (tail_first[i + 1] <= u) ++i;
-        const int64_t s0 = shared + (u - tail_first[i]) * TILE, s1 = std::min(pos + i + 1, s0 + TILE);
-        const int64_t at = h * tails + u;
-        tile_partial(ks, vs, score, accumulate, h, s0, s1, qt.data() + ((h * n + i) * g4) * hd, zsum.data(), 0, g4,
-                     hd, TILE, scr.data(), pn.data(), tm.data() + at * g4, tl.data() + at * g4, ta.data() + at * g4 * hd);
+        const int64_t s0 = shared + (u - tail_first[i]) * TILE, s1 = std::min(end_of(i), s0 + TILE);
+        const int64_t at = h * tails + u, off = tree ? shared : 0;  // tree tails are gathered from `shared` on
+        tile_partial(tree ? tail_k[i] : ks, tree ? tail_v[i] : vs, score, accumulate, h, s0 - off, s1 - off,
+                     qt.data() + ((h * n + i) * g4) * hd, zsum.data(), 0, g4, hd, TILE, scr.data(), pn.data(),
+                     tm.data() + at * g4, tl.data() + at * g4, ta.data() + at * g4 * hd);
       }
     }
     _mm_setcsr(csr);
@@ -732,18 +756,21 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
 // Causal attention of N new tokens over a plain cache (used by gemv.cpp's layer_decode): k/v are read from the
 // fused qkv rows [N, W] (per head [q | gate] when gated), written at [pos, pos + N) of the layer's caches
 // [KVH, L, D], and token i attends to positions [0, pos + i]. Returns [N, H*D] in qkv's dtype; each row equals a
-// single-token step at its position, so verifying a chain gives the logits of decoding it token by token.
+// single-token step at its position, so verifying a chain gives the logits of decoding it token by token. With
+// `parents` (a draft tree: parents[i] < i, -1 for the context) row i attends to [0, pos) and its ancestors, and
+// equals the single-token step that decodes its branch.
 torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc, int64_t pos, int64_t nh, int64_t nkv,
-                          int64_t hd, bool gated, double scale) {
+                          int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents = {}) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous [N, W]");
   TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd && nh % nkv == 0, "qkv width mismatch");
   TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 && pos + qkv.size(0) <= kc.size(1),
               "bad K cache");
   TORCH_CHECK(vc.sizes() == kc.sizes() && vc.stride(2) == 1, "bad V cache");
+  TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == qkv.size(0), "one parent per row");
   switch (qkv.scalar_type()) {
-    case torch::kFloat: return decode_step_t<float>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
-    case torch::kBFloat16: return decode_step_t<at::BFloat16>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
-    case torch::kHalf: return decode_step_t<at::Half>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
+    case torch::kFloat: return decode_step_t<float>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);
+    case torch::kBFloat16: return decode_step_t<at::BFloat16>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);
+    case torch::kHalf: return decode_step_t<at::Half>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);
     default: TORCH_CHECK(false, "unsupported dtype");
   }
 }

@@ -543,9 +543,9 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
                            int64_t nkv, int64_t hd, bool gated, torch::Tensor kc, torch::Tensor vc, int64_t pos,
                            double scale, torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w,
                            torch::Tensor w_gu, c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
-                           c10::optional<torch::Tensor> b_dn) {
+                           c10::optional<torch::Tensor> b_dn, std::vector<int64_t> parents) {
   auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
-  auto a = attn::decode_step(qkv, kc, vc, pos, nh, nkv, hd, gated, scale);
+  auto a = attn::decode_step(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);
   c10::optional<torch::Tensor> gate;
   const int64_t n = qkv.size(0);
   if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});

@@ -2,8 +2,8 @@
 
 `attn_in`: input RMSNorm, the fused qkv product, q/k RMSNorm and RoPE. `out_mlp`: the output gate, the output
 projection and residual, the post-mixer RMSNorm, the SwiGLU MLP and its residual. Between them the step's K/V go
-into the cache and attention runs (or the Gated DeltaNet recurrence, after `norm_linear`). Causal tokens over a
-plain `KVCache` (decoding, chain verification) run the whole layer in one call (`layer_decode`). For up to
+into the cache and attention runs (or the Gated DeltaNet recurrence, after `norm_linear`). Causal tokens or a draft
+tree over a plain `KVCache` (decoding, verification) run the whole layer in one call (`layer_decode`). For up to
 `SKINNY_MAX_ROWS` tokens this replaces ~30 torch ops per layer; every intermediate is rounded to the model
 dtype where the op-by-op path rounds (tests/test_block.py compares the two). `TURBOSPEC_NO_FUSED=1` (read at
 import) turns it off.
@@ -48,12 +48,15 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                     layer: int) -> torch.Tensor:
     """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`)."""
     n = x.shape[0]
-    if plan.mask is None and isinstance(cache, KVCache) and attn.hd % 8 == 0 and plan.start == cache.length:
-        # causal tokens (decode, chain verification) over a plain cache: the whole layer in one call
+    if ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
+            and plan.start == cache.length):
+        # causal tokens (decode, chain verification) or a draft tree over a plain cache: the whole layer in one call,
+        # each row equal to the single-token step that decodes it
         return k.layer_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                               cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
-                              post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
+                              post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
+                              plan.parents if plan.mask is not None else [])
     qkv = k.attn_in(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
                     rope[1], attn.nh, attn.nkv, attn.hd, attn.gated)
     q, kk, v, gate = attn.split(qkv, n)

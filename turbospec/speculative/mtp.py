@@ -13,6 +13,9 @@ from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
 
 
+CATCH_UP = 16  # most waiting (hidden, token) pairs fed when the MTP drafts after other drafters of a chain did
+
+
 class MTPDrafter(Drafter):
     """Drafts a chain of up to n_max tokens by recursing the MTP block.
 
@@ -109,7 +112,7 @@ class MTPDrafter(Drafter):
         self.pending_hidden = [hidden[n - 1:n]]
 
     def _flush_and_first(self, root: int) -> torch.Tensor:
-        """Process all pending true pairs plus (h_{L-1}, root); return the last MTP output row."""
+        """Process the pending true pairs plus (h_{L-1}, root); return the last MTP output row."""
         toks = self.pending_tokens + [root]
         hid = torch.cat(self.pending_hidden, 0)
         assert hid.shape[0] == len(toks)
@@ -149,16 +152,23 @@ class MTPDrafter(Drafter):
         self.cache.length = committed  # drop speculative MTP entries
         return DraftTree(nodes, parents, [None] * len(nodes), self.name)
 
-    def sync(self, tokens: list[int]) -> None:
-        """Process the pending true pairs without drafting (another drafter of a chain won this step)."""
-        self._flush_and_first(tokens[-1])
-
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}
         assert hidden is not None and hidden.shape[0] == len(committed)
         self._add_vocab(committed + [next_token])
-        self.pending_tokens = list(committed[1:])
-        self.pending_hidden = [hidden]
+        waiting = sum(h.shape[0] for h in self.pending_hidden)
+        if waiting > len(self.pending_tokens):  # the MTP did not draft this step: root completes the waiting pair
+            self.pending_tokens.append(committed[0])
+        self.pending_tokens += committed[1:]
+        self.pending_hidden.append(hidden)
+        # while other drafters of a chain draft, only the last CATCH_UP pairs wait (the skipped positions take no
+        # cache room, as the prompt's outside the window): a long accepted run costs the MTP at most that many rows
+        skip = len(self.pending_tokens) - CATCH_UP
+        if skip > 0:
+            rows = torch.cat(self.pending_hidden, 0)
+            self.pending_tokens = self.pending_tokens[skip:]
+            self.pending_hidden = [rows[skip:]]
+            self.offset += skip
 
 
 def _plan(cache: Cache, pos: int, n: int) -> AttentionPlan:

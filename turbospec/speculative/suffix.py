@@ -180,10 +180,11 @@ class SuffixDrafter(Drafter):
                 node = kid[1]
         total = len(runs)
         tree = DraftTree(source=self.name)
-        heap = [(-c / total, trie_node, tok, -1, c) for tok, (c, trie_node) in trie[0].items()]
+        # most likely first; among equals the shallower (then the more recent match's) node
+        heap = [(-c / total, 1, trie_node, tok, -1, c) for tok, (c, trie_node) in trie[0].items()]
         heapq.heapify(heap)
         while heap and len(tree) < size:
-            neg_p, trie_node, tok, parent, count = heapq.heappop(heap)
+            neg_p, depth, trie_node, tok, parent, count = heapq.heappop(heap)
             if -neg_p < self.p_min:
                 break
             tree.tokens.append(tok)
@@ -191,5 +192,5 @@ class SuffixDrafter(Drafter):
             tree.q.append(None)
             here = len(tree) - 1
             for t2, (c2, n2) in trie[trie_node].items():
-                heapq.heappush(heap, (neg_p * c2 / count, n2, t2, here, c2))
+                heapq.heappush(heap, (neg_p * c2 / count, depth + 1, n2, t2, here, c2))
         return tree
