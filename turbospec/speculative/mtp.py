@@ -12,7 +12,6 @@ from turbospec.sampling import argmax
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
 
-
 CATCH_UP = 16  # most waiting (hidden, token) pairs fed when the MTP drafts after other drafters of a chain did
 
 
