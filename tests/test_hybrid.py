@@ -268,7 +268,7 @@ def test_speculative_greedy_identical_on_hybrid(models, spec):
 
     model = models("qwen3_5_mm")
     plain = Engine(model, None, EngineConfig(ctx=128, ubatch=8))
-    sc = SpecConfig.parse(spec, n_max=3, ngram_mod_n_match=3, suffix_n_max=8, suffix_factor=2.0, suffix_p_min=0.05)
+    sc = SpecConfig.parse(spec, n_max=3, ngram_mod_n_match=3, suffix_factor=2.0, suffix_p_min=0.05)  # suffix: 24 deep
     eng = Engine(model, None, EngineConfig(ctx=128, ubatch=8, spec=sc), drafter=make_drafter(sc, model, 140))
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     drafts = 0
@@ -382,3 +382,28 @@ def test_hybrid_cache_goes_back_to_checkpoints_only(models):
         c.commit()
         c.last = h
     assert torch.allclose(cache.last, ref.last, atol=TOL)  # (the reference prefilled 20 tokens at once)
+
+
+def test_drafts_deeper_than_the_rollback_limit_are_cut_to_it(models):
+    """A hybrid keeps every recurrent state of a step of at most rollback_limit rows: deeper drafts (the suffix
+    drafter's 24) are cut to fit instead of failing the request."""
+    from turbospec.engine import Engine
+    from turbospec.sampling import SamplingParams
+    from turbospec.speculative.drafter import Drafter
+    from turbospec.speculative.tree import DraftTree
+
+    class Deep(Drafter):
+        name, needs_hidden = "deep", False
+
+        def propose(self, tokens, n_max):
+            return DraftTree.chain([tokens[-1]] * n_max, source=self.name)
+
+    model = models("qwen3_5_mm")
+    plain = Engine(model, None, EngineConfig(ctx=128, ubatch=8))
+    sc = SpecConfig.parse("suffix")  # depth 24
+    eng = Engine(model, None, EngineConfig(ctx=128, ubatch=8, spec=sc), drafter=Deep())
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = [3, 4, 5, 6, 7, 8]
+    assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+    st = eng.last_stats.spec
+    assert len(st.per_pos_drafted) == eng.cache.step_rows - 1  # 15 deep, not 24

@@ -241,7 +241,7 @@ class Engine:
                 context.append(root)
                 # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
                 room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.depth)
-                slots = self.ctx - self.cache.length - 1
+                slots = min(self.ctx - self.cache.length, self.cache.step_rows) - 1
                 if ctl is not None and min(room, slots) > 0:
                     room = ctl.choose(min(room, slots), self.cache.length)
                     spec.skipped += room == 0

@@ -15,6 +15,9 @@ class Cache(Protocol):
     max_len: int
     # committed positions can be cut back to a prefix (attention KV can; recurrent states cannot)
     prefix_reusable: bool
+    # most positions one step may add and still keep any subset of them (`commit(keep)`): a verification step's limit
+    # (attention KV: max_len; recurrent states: the rows whose states a step keeps)
+    step_rows: int
 
     @property
     def length(self) -> int:

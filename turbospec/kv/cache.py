@@ -31,6 +31,10 @@ class CachePositions:
     base: int  # first attended position (drafters may skip a prompt prefix)
     prefix_reusable = True
 
+    @property
+    def step_rows(self) -> int:
+        return self.max_len
+
     def buffers(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 

@@ -69,6 +69,7 @@ class HybridCache:
         self.max_len = max_len
         self.dtype = dtype
         self.rollback_limit = rollback_limit
+        self.step_rows = rollback_limit  # a verification step keeps every recurrent state up to this many rows
         self._conv_shape, self._ssm_shape = tuple(conv_shape), tuple(ssm_shape)
         self.num_gdn_layers = num_gdn_layers
         # committed states per GDN layer; after a step, views into that step's outputs (no copies)
