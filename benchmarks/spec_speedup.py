@@ -9,7 +9,7 @@ swing by that much; paired ratios do not.
 A config is `spec-type[:key=value,...]` (chains as comma lists: `suffix,draft-mtp:n=3`) with keys n (n_max),
 vocab (draft vocab), pmin, topk, window, adaptive (1: adaptive speculation; default 0, always draft n tokens), and the
 suffix drafter's sn (most draft tokens), sf (tokens per matched token), sp (branch share), shared (1: a store of
-earlier requests). Prompts: the shipped bench set
+earlier requests), merge (1: a chain's drafts verified together as one tree). Prompts: the shipped bench set
 (`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
 token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
 (decode at depth; the prefill is not in the decode speed). `--edit N` adds N edit prompts: a held-out source file
@@ -47,7 +47,8 @@ from turbospec.tokenizer import Tokenizer
 KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", float), "topk": ("mtp_topk", int),
         "window": ("mtp_prompt_window", int), "adaptive": ("adaptive", lambda v: v not in ("0", "false", "off")),
         "sn": ("suffix_n_max", int), "sf": ("suffix_factor", float), "sp": ("suffix_p_min", float),
-        "shared": ("suffix_shared", lambda v: v not in ("0", "false", "off"))}
+        "shared": ("suffix_shared", lambda v: v not in ("0", "false", "off")),
+        "merge": ("merge", lambda v: v not in ("0", "false", "off"))}
 
 
 def parse_config(text: str) -> SpecConfig:

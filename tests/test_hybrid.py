@@ -259,7 +259,7 @@ def test_half_precision_close(ckpts, refs, dtype):
     assert (got.argmax(-1) == r.argmax(-1)).float().mean() > 0.8
 
 
-@pytest.mark.parametrize("spec", ["draft-mtp", "ngram", "ngram-mod,draft-mtp", "suffix"])
+@pytest.mark.parametrize("spec", ["draft-mtp", "ngram", "ngram-mod,draft-mtp", "suffix", "suffix,draft-mtp+merge"])
 def test_speculative_greedy_identical_on_hybrid(models, spec):
     """Chains verified on a hybrid roll the recurrent state back exactly: output equals plain greedy."""
     from turbospec.engine import Engine
@@ -268,7 +268,8 @@ def test_speculative_greedy_identical_on_hybrid(models, spec):
 
     model = models("qwen3_5_mm")
     plain = Engine(model, None, EngineConfig(ctx=128, ubatch=8))
-    sc = SpecConfig.parse(spec, n_max=3, ngram_mod_n_match=3, suffix_factor=2.0, suffix_p_min=0.05)  # suffix: 24 deep
+    sc = SpecConfig.parse(spec.removesuffix("+merge"), n_max=3, ngram_mod_n_match=3, suffix_factor=2.0,
+                          suffix_p_min=0.05, merge=spec.endswith("+merge"))  # suffix: 24 deep
     eng = Engine(model, None, EngineConfig(ctx=128, ubatch=8, spec=sc), drafter=make_drafter(sc, model, 140))
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     drafts = 0

@@ -165,3 +165,37 @@ def test_bundled_model_in_bf16_with_suffix_trees_is_plain_decoding():
     eng.verify_step = lambda root, tree, sampler: (trees.append(tree.is_chain), verify(root, tree, sampler))[1]
     assert eng.generate([prompt], p)[0]["tokens"] == plain
     assert False in trees and eng.last_stats.spec.accepted > 50
+
+
+def test_merge_shares_prefixes_and_orders_by_depth():
+    from turbospec.speculative.tree import DraftTree, merge
+
+    a = DraftTree.chain([5, 6, 7, 8], source="suffix")
+    b = DraftTree.chain([5, 9, 3], source="mtp")
+    m = merge([a, DraftTree(), b])
+    assert m.source == "suffix+mtp"
+    paths = set()
+    for i in range(len(m)):
+        path, n = [], i
+        while n >= 0:
+            path.insert(0, m.tokens[n])
+            n = m.parents[n]
+        paths.add(tuple(path))
+    assert {(5, 6, 7, 8), (5, 9, 3)} <= paths and len(m) == 6  # 5 once
+    assert [m.depth(i) for i in range(len(m))] == sorted(m.depth(i) for i in range(len(m)))
+    assert m.limit(9, 3).tokens[:1] == [5] and set(m.limit(9, 3).tokens[1:]) == {6, 9}  # both trees' first levels
+    assert merge([a]) is a and len(merge([DraftTree()])) == 0
+
+
+@pytest.mark.parametrize("spec", ["suffix,draft-mtp", "ngram,suffix,draft-mtp"])
+def test_merged_drafts_are_lossless(target, spec):
+    model = load_model(target, "float32")
+    plain = Engine(model, None, EngineConfig(ctx=256, ubatch=8))
+    sc = SpecConfig.parse(spec, n_max=3, suffix_n_max=12, merge=True)
+    eng = Engine(model, None, EngineConfig(ctx=256, ubatch=8, spec=sc), drafter=make_drafter(sc, model, 270))
+    p = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    merged = 0
+    for prompt in _prompts():
+        assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+        merged += sum(v[0] for k, v in eng.last_stats.spec.by_source.items() if "+" in k)
+    assert merged > 0  # steps where both drafted and were verified together

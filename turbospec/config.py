@@ -95,6 +95,7 @@ class SpecConfig:
     suffix_p_min: float = 0.1  # suffix drafter: a tree node needs this share of the matches' continuations
     suffix_shared: bool = False  # suffix drafter: also draft from earlier requests of the server (leaks between clients)
     suffix_store_tokens: int = 1 << 18  # suffix drafter: tokens of earlier requests kept when shared
+    merge: bool = False  # a chain's drafters all draft each step, verified together as one tree (default: the first)
     # the MTP reads only the last N prompt positions, so prefill with MTP on stays close to MTP off
     # (benchmarks/spec_prefill.py); -1 auto (a quarter of the prompt, 64..256), 0 all
     mtp_prompt_window: int = -1

@@ -1,21 +1,24 @@
-"""Chains of drafters: the first one with a non-empty draft wins; all of them see every accept()."""
+"""Chains of drafters: the first one with a non-empty draft wins (or, merged, every draft verified as one tree); all
+of them see every accept()."""
 
 from __future__ import annotations
 
 import torch
 
 from turbospec.speculative.drafter import Drafter
-from turbospec.speculative.tree import DraftTree
+from turbospec.speculative.tree import DraftTree, merge
 
 
 class ChainDrafter(Drafter):
-    """caps[i]: the deepest draft member i may propose (the engine asks for up to the largest)."""
+    """caps[i]: the deepest draft member i may propose (the engine asks for up to the largest). merge: every member
+    drafts each step and their drafts are verified together as one tree (`tree.merge`)."""
 
     name = "chain"
 
-    def __init__(self, drafters: list[Drafter], caps: list[int] | None = None):
+    def __init__(self, drafters: list[Drafter], caps: list[int] | None = None, merge: bool = False):
         self.drafters = drafters
         self.caps = caps or [1 << 30] * len(drafters)
+        self.merge = merge
         self.needs_hidden = any(d.needs_hidden for d in drafters)
 
     def prompt_rows(self, n: int) -> int | None:
@@ -28,6 +31,8 @@ class ChainDrafter(Drafter):
             d.begin(tokens, hidden)
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        if self.merge:
+            return merge([d.propose(tokens, min(n_max, cap)) for d, cap in zip(self.drafters, self.caps)])
         best = DraftTree()
         for d, cap in zip(self.drafters, self.caps):
             if len(best):

@@ -115,7 +115,7 @@ def make_drafter(cfg: SpecConfig, target: Model, max_len: int, model_path: str |
     # llama.cpp's priority: n-gram drafters first (cheap, only fire on repeats), model-based drafters last
     order = sorted(cfg.types, key=lambda t: 0 if t.startswith("ngram") or t == "suffix" else 1)
     drafters = [DRAFTERS[t](ctx) for t in order]
-    return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters, [cfg.cap(t) for t in order])
+    return drafters[0] if len(drafters) == 1 else ChainDrafter(drafters, [cfg.cap(t) for t in order], cfg.merge)
 
 
 def new_store(cfg: SpecConfig) -> SuffixStore | None:

@@ -57,6 +57,32 @@ class DraftTree:
                          [self.q[i] for i in keep], self.source)
 
 
+def merge(trees: list[DraftTree]) -> DraftTree:
+    """One tree holding every path of `trees` (a prefix they share once), shallower nodes first so that `limit`
+    keeps the first levels of each. Nodes are deterministic (q None) when more than one tree contributes."""
+    trees = [t for t in trees if len(t)]
+    if len(trees) <= 1:
+        return trees[0] if trees else DraftTree()
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    node: dict[tuple[int, int], int] = {}  # (parent, token) -> merged node
+    for t in trees:
+        mapped: list[int] = []
+        for tok, p in zip(t.tokens, t.parents):
+            key = (mapped[p] if p >= 0 else -1, tok)
+            if key not in node:
+                node[key] = len(tokens)
+                tokens.append(tok)
+                parents.append(key[0])
+                depth.append(0 if key[0] < 0 else depth[key[0]] + 1)
+            mapped.append(node[key])
+    order = sorted(range(len(tokens)), key=lambda i: depth[i])  # stable: parents stay before children
+    new = {old: j for j, old in enumerate(order)}
+    return DraftTree([tokens[i] for i in order], [new[parents[i]] if parents[i] >= 0 else -1 for i in order],
+                     [None] * len(order), "+".join(t.source for t in trees))
+
+
 def topk_tree(first: list[int], rest: list[list[int]]) -> DraftTree:
     """A small 'top-k at depth 1' tree: k alternatives for the first token, the best of them continued by `rest`.
 
