@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -667,19 +668,35 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
   auto end_of = [&](int64_t i) { return pos + (tree ? depth[i] : i) + 1; };  // keys of row i's single step
   const int64_t shared = (tree ? pos : pos + 1) / TILE * TILE, st = shared / TILE, rows = n * g;
   const int64_t rows4 = (rows + 3) / 4 * 4, g4 = (g + 3) / 4 * 4;
-  std::vector<torch::Tensor> tail_kv;  // tree: row i's keys/values from `shared` on, as its single step sees them
-  std::vector<Source> tail_k, tail_v;
-  for (int64_t i = 0; i < n && tree; ++i) {
-    std::vector<int64_t> idx;
-    for (int64_t s = shared; s < pos; ++s) idx.push_back(s);
+  // tree: row i's keys/values from `shared` on as its single step sees them (the context's tail, then its
+  // ancestors root first), copied into head i * nkv + h of one scratch pair
+  torch::Tensor tail_kc, tail_vc;
+  Source tail_k, tail_v;
+  if (tree) {
+    const int64_t ctx_tail = pos - shared;
+    const int64_t len = ctx_tail + *std::max_element(depth.begin(), depth.end()) + 1;
+    tail_kc = torch::empty({n * nkv, len, hd}, kc.options());
+    tail_vc = torch::empty({n * nkv, len, hd}, vc.options());
     std::vector<int64_t> anc;
-    for (int64_t a = i; a >= 0; a = parents[a]) anc.push_back(pos + a);
-    idx.insert(idx.end(), anc.rbegin(), anc.rend());
-    auto at = torch::tensor(idx, torch::kLong);
-    tail_kv.push_back(kc.index_select(1, at));
-    tail_kv.push_back(vc.index_select(1, at));
-    tail_k.push_back(make_source(kind_k, 0, hd, {tail_kv[2 * i]}, none));
-    tail_v.push_back(make_source(kind_v, 0, hd, {tail_kv[2 * i + 1]}, none));
+    for (int64_t i = 0; i < n; ++i) {
+      anc.clear();
+      for (int64_t a = i; a >= 0; a = parents[a]) anc.push_back(pos + a);
+      std::reverse(anc.begin(), anc.end());
+      for (const torch::Tensor* pair : {&kc, &vc}) {
+        const torch::Tensor& src = *pair;
+        torch::Tensor& dst = pair == &kc ? tail_kc : tail_vc;
+        const int64_t es = src.element_size(), row = hd * es;
+        for (int64_t h = 0; h < nkv; ++h) {
+          const char* from = static_cast<const char*>(src.data_ptr()) + h * src.stride(0) * es;
+          char* to = static_cast<char*>(dst.data_ptr()) + (i * nkv + h) * len * row;
+          for (int64_t s = shared; s < pos; ++s) std::memcpy(to + (s - shared) * row, from + s * src.stride(1) * es, row);
+          for (size_t d = 0; d < anc.size(); ++d)
+            std::memcpy(to + (ctx_tail + d) * row, from + anc[d] * src.stride(1) * es, row);
+        }
+      }
+    }
+    tail_k = make_source(kind_k, 0, hd, {tail_kc}, none);
+    tail_v = make_source(kind_v, 0, hd, {tail_vc}, none);
   }
   const ScoreFn score = pick<ScorePick>(kind_k, 0);
   const AccFn accumulate = pick<AccPick>(kind_v, 0);
@@ -713,8 +730,8 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
         while (tail_first[i + 1] <= u) ++i;
         const int64_t s0 = shared + (u - tail_first[i]) * TILE, s1 = std::min(end_of(i), s0 + TILE);
         const int64_t at = h * tails + u, off = tree ? shared : 0;  // tree tails are gathered from `shared` on
-        tile_partial(tree ? tail_k[i] : ks, tree ? tail_v[i] : vs, score, accumulate, h, s0 - off, s1 - off,
-                     qt.data() + ((h * n + i) * g4) * hd, zsum.data(), 0, g4, hd, TILE, scr.data(), pn.data(),
+        tile_partial(tree ? tail_k : ks, tree ? tail_v : vs, score, accumulate, tree ? i * nkv + h : h, s0 - off,
+                     s1 - off, qt.data() + ((h * n + i) * g4) * hd, zsum.data(), 0, g4, hd, TILE, scr.data(), pn.data(),
                      tm.data() + at * g4, tl.data() + at * g4, ta.data() + at * g4 * hd);
       }
     }
