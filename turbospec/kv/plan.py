@@ -43,16 +43,17 @@ class AttentionPlan:
     def tree(cls, start: int, parents: list[int]) -> AttentionPlan:
         """Tree nodes in topological order; parents[i] is the index of node i's parent or -1 for a root."""
         n = len(parents)
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        depth = [0] * n
+        rows: list[list[bool]] = []
+        depth: list[int] = []
         for i, p in enumerate(parents):
             if p >= i:
                 raise ValueError("tree nodes must be in topological order (parent before child)")
-            anc[i, i] = True
-            if p >= 0:
-                anc[i] |= anc[p]
-                depth[i] = depth[p] + 1
-        mask = torch.cat([torch.ones(n, start, dtype=torch.bool), anc], dim=1)
+            row = list(rows[p]) if p >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+            depth.append(depth[p] + 1 if p >= 0 else 0)
+        mask = torch.ones(n, start + n, dtype=torch.bool)
+        mask[:, start:] = torch.tensor(rows, dtype=torch.bool)
         pos = torch.tensor(depth, dtype=torch.int64) + start
         return cls(pos, start, mask, list(parents))
 
