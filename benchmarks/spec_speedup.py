@@ -9,7 +9,8 @@ swing by that much; paired ratios do not.
 A config is `spec-type[:key=value,...]` (chains as comma lists: `suffix,draft-mtp:n=3`) with keys n (n_max),
 vocab (draft vocab), pmin, topk, window, adaptive (1: adaptive speculation; default 0, always draft n tokens), and the
 suffix drafter's sn (most draft tokens), sf (tokens per matched token), sp (branch share), shared (1: a store of
-earlier requests), merge (1: a chain's drafts verified together as one tree). Prompts: the shipped bench set
+earlier requests), merge (1: a chain's drafts verified together as one tree), sample (0: argmax MTP drafts at
+--temp > 0). Prompts: the shipped bench set
 (`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
 token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
 (decode at depth; the prefill is not in the decode speed). `--edit N` adds N edit prompts: a held-out source file
@@ -48,7 +49,8 @@ KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", fl
         "window": ("mtp_prompt_window", int), "adaptive": ("adaptive", lambda v: v not in ("0", "false", "off")),
         "sn": ("suffix_n_max", int), "sf": ("suffix_factor", float), "sp": ("suffix_p_min", float),
         "shared": ("suffix_shared", lambda v: v not in ("0", "false", "off")),
-        "merge": ("merge", lambda v: v not in ("0", "false", "off"))}
+        "merge": ("merge", lambda v: v not in ("0", "false", "off")),
+        "sample": ("draft_sample", lambda v: v not in ("0", "false", "off"))}
 
 
 def parse_config(text: str) -> SpecConfig:
@@ -95,7 +97,7 @@ def edit_prompts(tok: Tokenizer, n: int, tokens: int) -> dict[str, list[int]]:
 
 
 def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int,
-             repeat: bool = False) -> dict:
+             repeat: bool = False, temp: float = 0.0, seed: int = 0) -> dict:
     ctx = len(prompt) + gen + 64
     drafter = make_drafter(cfg, model, ctx + 8 + (cfg.depth if cfg else 0), path) if cfg is not None else None
     eng = Engine(model, tok, EngineConfig(ctx=ctx, spec=cfg or SpecConfig()), drafter=drafter)
@@ -103,10 +105,11 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
         if cfg.n_max not in COSTS:
             COSTS[cfg.n_max] = calibrate(model, cfg.n_max)
         eng.step_costs = copy.deepcopy(COSTS[cfg.n_max])  # (each run starts from the start-up costs)
+    sp = SamplingParams(max_tokens=gen, temperature=temp, ignore_eos=True, seed=seed)
     if repeat:  # the first request, untimed
-        list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
+        list(eng.stream(prompt, sp))
     t = time.perf_counter()
-    list(eng.stream(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)))
+    list(eng.stream(prompt, sp))
     st = eng.last_stats
     out = {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t}
     spec = st.spec
@@ -132,6 +135,7 @@ def main() -> None:
     ap.add_argument("--edit", type=int, default=0, help="add N file-edit prompts")
     ap.add_argument("--edit-tokens", type=int, default=400, help="tokens of each edited file")
     ap.add_argument("--repeat", action="store_true", help="time the second of two identical requests")
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = model_path(a.model)
@@ -152,10 +156,10 @@ def main() -> None:
     for cat, prompt in prompts.items():
         run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
-        for _ in range(a.reps):
-            rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen, a.repeat))
+        for rep in range(a.reps):
+            rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen, a.repeat, a.temp, rep))
             for name, cfg in configs.items():
-                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat))
+                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat, a.temp, rep))
         plain = [r["decode_tps"] for r in rows["plain"]]
         res = {"plain_tps_median": statistics.median(plain), "configs": {}}
         for name in configs:
@@ -175,7 +179,7 @@ def main() -> None:
         results[cat] = res
     if a.out:
         meta = {"model": path, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
-                "repeat": a.repeat, "edit_tokens": a.edit_tokens if a.edit else None,
+                "repeat": a.repeat, "temp": a.temp, "edit_tokens": a.edit_tokens if a.edit else None,
                 "date": time.strftime("%Y-%m-%d")}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -182,6 +182,35 @@ def test_sampling_verification_preserves_target_distribution(kind):
     assert _chi2_p(first, p[0]) > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["two-from-q", "q-and-one-hot", "three-different-q"])
+def test_multi_draft_rejection_sampling_preserves_target_distribution(kind):
+    """Several children with draft distributions (drawn independently, each from its q) are verified by recursive
+    rejection: the first emitted token is still distributed as p, and the draft is accepted more often than one
+    child alone would be."""
+    V, N = 6, 12000
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, V, generator=g) * 1.5
+    p = torch.softmax(logits[0], -1)
+    qs = [torch.softmax(torch.randn(V, generator=g), -1) for _ in range(3)]
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11))
+    first = torch.zeros(V)
+    accepted = 0
+    for _ in range(N):
+        if kind == "two-from-q":
+            draws = [(int(torch.multinomial(qs[0], 1, generator=g)), qs[0]) for _ in range(2)]
+        elif kind == "q-and-one-hot":
+            draws = [(int(torch.multinomial(qs[0], 1, generator=g)), qs[0]), (int(p.argmax()), None)]
+        else:
+            draws = [(int(torch.multinomial(q, 1, generator=g)), q) for q in qs]
+        tree = DraftTree([t for t, _ in draws], [-1] * len(draws), [q for _, q in draws])
+        path, nxt = verify(tree, logits[[0] + [1] * len(draws)], sampler)
+        first[([tree.tokens[i] for i in path] + [nxt])[0]] += 1
+        accepted += bool(path)
+    assert _chi2_p(first, p) > 1e-3
+    one = float(torch.minimum(p, qs[0]).sum())  # one child from q0 is accepted with probability sum min(p, q0)
+    assert accepted / N > one + 0.02
+
+
 def test_chi2_detects_a_wrong_sampler():
     """Negative control: always accepting the draft is not distribution-preserving, and the test sees it."""
     V, N = 6, 12000
@@ -392,3 +421,22 @@ def test_mtp_catches_up_on_a_long_run_from_the_last_pairs_only(paths):
     assert d.cache.length == 19  # nothing fed yet
     tree = d.propose(prompt + run + [7], 3)
     assert len(tree) == 3 and d.cache.length == 19 + CATCH_UP + 1
+
+
+def test_mtp_sampled_drafts_carry_the_distribution_they_were_drawn_from(paths):
+    """At T > 0 the MTP draws its drafts and hands their distribution over the whole vocabulary (reduced head rows
+    mapped back to token ids) to the verifier; greedy requests keep argmax drafts without q."""
+    target = load_model(paths["target"], "float32")
+    sc = SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=16, mtp_topk=2)
+    d = make_drafter(sc, target, 256)
+    prompt = list(range(1, 21))
+    d.sampling(SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5))
+    d.begin(prompt, torch.randn(20, 48, generator=torch.Generator().manual_seed(1)))
+    tree = d.propose(prompt + [3], 3)
+    assert len(tree) == 6
+    for tok, q in zip(tree.tokens, tree.q):
+        assert q is not None and q.shape == (64,) and abs(float(q.sum()) - 1) < 1e-5 and float(q[tok]) > 0
+        assert set(torch.nonzero(q).flatten().tolist()) <= set(d.head_ids)
+    d.sampling(SamplingParams(temperature=0))
+    d.begin(prompt, torch.randn(20, 48, generator=torch.Generator().manual_seed(1)))
+    assert all(q is None for q in d.propose(prompt + [3], 3).q)

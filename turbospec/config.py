@@ -103,6 +103,9 @@ class SpecConfig:
     # -1 = auto (1024 when the model ships a ranking, else full)
     draft_vocab: int = -1
     mtp_topk: int = 1  # MTP tree: top-k candidates per depth, the best continued; 1 = a chain
+    # at temperature > 0 the MTP draws its drafts from its own distribution (passed as q, accepted with min(1, p/q));
+    # False: argmax drafts (top-k for trees), accepted when the target's draw matches
+    draft_sample: bool = True
     draft_k_type: str | None = None  # KV formats of the draft/MTP caches (-ctkd / -ctvd); None: the model dtype
     draft_v_type: str | None = None
     medusa: str | None = None  # Medusa heads directory (or file); None: beside the model

@@ -56,6 +56,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "draft from, and can time, each other's text) (default: the request's own tokens only)")
     p.add_argument("--spec-suffix-store", type=int, default=1 << 18,
                    help="suffix: tokens of earlier requests kept with --spec-suffix-shared (default 262144)")
+    p.add_argument("--spec-draft-argmax", dest="spec_draft_sample", action="store_false",
+                   help="at temperature > 0 the MTP drafts its argmax (top-k) tokens instead of drawing them from its "
+                        "own distribution (default: drawn, verified by rejection sampling)")
     p.add_argument("--spec-merge", action="store_true",
                    help="with several drafters: all draft every step and their drafts are verified together as one "
                         "tree (default: the first drafter with a draft)")
@@ -103,7 +106,7 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
         ngram_n_max=a.spec_ngram_size_n, ngram_mod_n_match=a.spec_ngram_mod_n_match,
         ngram_mod_n_max=a.spec_ngram_mod_n_max, ngram_mod_shared=a.spec_ngram_mod_shared,
         suffix_n_max=a.spec_suffix_n_max, suffix_factor=a.spec_suffix_factor, suffix_p_min=a.spec_suffix_p_min,
-        suffix_shared=a.spec_suffix_shared, suffix_store_tokens=a.spec_suffix_store, merge=a.spec_merge,
+        suffix_shared=a.spec_suffix_shared, suffix_store_tokens=a.spec_suffix_store, merge=a.spec_merge, draft_sample=a.spec_draft_sample,
         mtp_prompt_window=a.spec_mtp_prompt_window,
         draft_vocab=a.spec_draft_vocab, mtp_topk=a.spec_mtp_topk, draft_k_type=a.cache_type_k_draft,
         draft_v_type=a.cache_type_v_draft, medusa=a.spec_medusa, tree=a.spec_tree, adaptive=a.spec_adaptive,

@@ -197,6 +197,7 @@ class Engine:
                 yield first
             return
         if drafter is not None:
+            drafter.sampling(params)
             drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0
         ctl = self._controller() if drafter is not None and self.config.spec.adaptive else None

@@ -303,6 +303,7 @@ class Scheduler:
         d = s.drafter
         assert d is not None
         rows = torch.cat(s.prompt_rows) if s.prompt_rows else None
+        d.sampling(s.params)
         d.begin(s.tokens[:s.cache.length], rows if d.needs_hidden else None)
         s.prompt_rows = []
         s.began = True

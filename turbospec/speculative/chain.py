@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from turbospec.sampling import SamplingParams
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree, merge
 
@@ -25,6 +26,10 @@ class ChainDrafter(Drafter):
         """The most trailing prompt rows any member reads (None: all)."""
         rows = [d.prompt_rows(n) for d in self.drafters if d.needs_hidden]
         return None if any(r is None for r in rows) else max((r for r in rows if r is not None), default=1)
+
+    def sampling(self, params: SamplingParams) -> None:
+        for d in self.drafters:
+            d.sampling(params)
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         for d in self.drafters:

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from turbospec.sampling import SamplingParams
 from turbospec.speculative.tree import DraftTree
 
 
@@ -24,6 +25,11 @@ class Drafter(Protocol):
     def prompt_rows(self, n: int) -> int | None:
         """How many trailing rows of an n-token prompt begin() reads (None: all of them), so that the target
         computes no others in its last layer. Only asked when `needs_hidden`."""
+        return None
+
+    def sampling(self, params: SamplingParams) -> None:
+        """The request's sampling settings, before begin(): drafters that can draw their drafts from their own
+        distribution (and pass it as the tree's q) do so when the request samples."""
         return None
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:

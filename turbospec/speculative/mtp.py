@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import Linear
 from turbospec.model.mtp import MTPModule
-from turbospec.sampling import argmax
+from turbospec.sampling import SamplingParams, argmax, probs_from_logits
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
 
@@ -28,8 +30,14 @@ class MTPDrafter(Drafter):
 
     def __init__(self, mtp: MTPModule, max_len: int, p_min: float = 0.0, prompt_window: int = 0,
                  k_type: str | None = None, v_type: str | None = None,
-                 draft_vocab: int = 0, topk: int = 1, ranked_vocab: list[int] | None = None):
+                 draft_vocab: int = 0, topk: int = 1, ranked_vocab: list[int] | None = None,
+                 sample: bool = True):
         self.mtp = mtp
+        # sample: when the request samples, drafts are drawn from the MTP's distribution under the request's
+        # settings and passed as the tree's q (accepted with min(1, p/q): more than an argmax draft at T > 0)
+        self.sample = sample
+        self.params: SamplingParams | None = None
+        self.generator = torch.Generator()
         # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
         # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
         self.topk = max(1, topk)
@@ -54,6 +62,27 @@ class MTPDrafter(Drafter):
         self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
         self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
         self.offset = 0  # target position of MTP cache entry 0
+
+    def sampling(self, params: SamplingParams) -> None:
+        self.params = None if params.greedy or not self.sample else params
+        if self.params is not None:
+            # a stream of its own: the draws must not be correlated with the target sampler's (seeded by params.seed)
+            seed = params.seed if params.seed is not None else secrets.randbits(62)
+            self.generator.manual_seed((seed * 0x9E3779B97F4A7C15 + 1) % (1 << 63))
+
+    def _draws(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """The depth's candidates (token ids) and the distribution they were drawn from over the whole vocabulary
+        (None: argmax / top-k, deterministic)."""
+        if self.params is None:
+            rows = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
+            return (rows if self.head_ids is None else [self.head_ids[r] for r in rows]), None
+        q = probs_from_logits(logits, self.params)
+        rows = torch.multinomial(q, self.topk, replacement=True, generator=self.generator).tolist()
+        if self.head_ids is not None:  # head rows -> token ids, q over the whole vocabulary
+            full = torch.zeros(self.full_head.out_features)
+            full[torch.tensor(self.head_ids, dtype=torch.int64)] = q
+            return [self.head_ids[r] for r in rows], full
+        return rows, q
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
@@ -132,16 +161,17 @@ class MTPDrafter(Drafter):
         committed = self.cache.length
         nodes: list[int] = []
         parents: list[int] = []
+        qs: list[torch.Tensor | None] = []
         spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
         for i in range(n_max):
             logits = self.head(h).float()[0]
-            rows = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
-            top = rows if self.head_ids is None else [self.head_ids[r] for r in rows]  # head rows -> token ids
+            top, q = self._draws(logits)
             tok = top[0]
-            if self.p_min > 0 and float(torch.softmax(logits, -1)[rows[0]]) < self.p_min:
+            if self.p_min > 0 and float(torch.softmax(logits, -1).max()) < self.p_min:
                 break
             nodes += top
             parents += [spine] * len(top)
+            qs += [q] * len(top)
             spine = len(nodes) - len(top)
             if i + 1 == n_max:
                 break
@@ -149,7 +179,7 @@ class MTPDrafter(Drafter):
             h = self.mtp.forward([tok], h, plan, self.cache, step=i + 1)
             self.cache.commit()
         self.cache.length = committed  # drop speculative MTP entries
-        return DraftTree(nodes, parents, [None] * len(nodes), self.name)
+        return DraftTree(nodes, parents, qs, self.name)
 
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}

@@ -75,7 +75,8 @@ def _mtp(c: DraftContext) -> Drafter:
     ranked = load_ranked_vocab(c.model_path) if cfg.draft_vocab and c.model_path else None
     vocab = cfg.draft_vocab if cfg.draft_vocab >= 0 else (AUTO_DRAFT_VOCAB if ranked else 0)
     return MTPDrafter(c.target.mtp, c.max_len, cfg.p_min, cfg.mtp_prompt_window, cfg.draft_k_type, cfg.draft_v_type,
-                      draft_vocab=vocab, topk=cfg.mtp_topk, ranked_vocab=ranked)
+                      draft_vocab=vocab, topk=cfg.mtp_topk, ranked_vocab=ranked,
+                      sample=cfg.draft_sample)
 
 
 @register("medusa")
