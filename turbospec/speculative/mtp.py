@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import torch
@@ -10,7 +11,7 @@ from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import Linear
 from turbospec.model.mtp import MTPModule
-from turbospec.sampling import SamplingParams, argmax, probs_from_logits
+from turbospec.sampling import SamplingParams, argmax
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
 
@@ -54,6 +55,7 @@ class MTPDrafter(Drafter):
         self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
         self._ids: set[int] = set()
         self.head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
+        self._head_rows = torch.zeros(0, dtype=torch.int64)  # head_ids as a tensor
         self._reduced_head: Linear | None = None
         mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, k_type=k_type, v_type=v_type)
@@ -76,13 +78,19 @@ class MTPDrafter(Drafter):
         if self.params is None:
             rows = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
             return (rows if self.head_ids is None else [self.head_ids[r] for r in rows]), None
-        q = probs_from_logits(logits, self.params)
-        rows = torch.multinomial(q, self.topk, replacement=True, generator=self.generator).tolist()
-        if self.head_ids is not None:  # head rows -> token ids, q over the whole vocabulary
-            full = torch.zeros(self.full_head.out_features)
-            full[torch.tensor(self.head_ids, dtype=torch.int64)] = q
-            return [self.head_ids[r] for r in rows], full
-        return rows, q
+        # q: the request's temperature over the top-k (40 when unset) candidates above min-p, without top-p: any q
+        # keeps verification exact, and this one costs a few small ops per depth instead of the sampler's filters
+        p = self.params
+        vals, rows_t = logits.topk(min(p.top_k if p.top_k > 0 else 40, logits.numel()))
+        scaled = (vals - vals[0]) / max(p.temperature, 1e-6)
+        if p.min_p > 0:
+            scaled = scaled.masked_fill(vals < vals[0] + math.log(p.min_p), -math.inf)
+        q_top = torch.softmax(scaled, -1)
+        picks = torch.multinomial(q_top, self.topk, replacement=True, generator=self.generator).tolist()
+        ids = rows_t if self.head_ids is None else self._head_rows[rows_t]
+        full = torch.zeros(self.full_head.out_features)
+        full[ids] = q_top
+        return [int(ids[i]) for i in picks], full
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
@@ -97,7 +105,8 @@ class MTPDrafter(Drafter):
             return
         self._ids |= new | self._base
         self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
-        rows = self.full_head.weight[torch.tensor(self.head_ids, dtype=torch.int64)]
+        self._head_rows = torch.tensor(self.head_ids, dtype=torch.int64)
+        rows = self.full_head.weight[self._head_rows]
         self._reduced_head = Linear(rows, hugepages=False)  # rebuilt as tokens arrive: ordinary memory
 
     def window(self, n: int) -> int:
