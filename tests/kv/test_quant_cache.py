@@ -299,3 +299,27 @@ def test_draft_caches_with_their_own_types(tmp_path):
         for prompt in PROMPTS[:2] + PROMPTS[-1:]:
             assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
     assert (drafters[2].cache.k_type, drafters[2].cache.v_type) == ("f16", "q8_0")
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_decode_step_fast_path_is_the_general_path_bit_for_bit(fmt):
+    """One decode token takes a shortcut (lookups done once, no block loop); its output and the stored K/V equal the
+    general path's exactly, in every format (those without a kernel keep the general path)."""
+    g = torch.Generator().manual_seed(3)
+    h, kvh, d, total = 4, 2, 64, 300
+    q, k, v = (torch.randn(n, total, d, generator=g) for n in (h, kvh, kvh))
+    fast, slow = (QuantKVCache(2, kvh, d, 320, fmt, fmt) for _ in range(2))
+    slow.__dict__["_one_row"] = None  # the cached lookup, switched off: the general path
+    for c in (fast, slow):
+        c.begin(290)
+        c.attend(1, q[:, :290], k[:, :290], v[:, :290], AttentionPlan.causal(0, 290))
+        c.commit()
+    for t in range(290, total):
+        outs = []
+        for c in (fast, slow):
+            c.begin(1)
+            outs.append(c.attend(1, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], AttentionPlan.causal(t, 1)))
+            c.commit()
+        assert torch.equal(outs[0], outs[1]), (fmt, t)
+    for name in fast.k:
+        assert torch.equal(fast.k[name], slow.k[name]) and torch.equal(fast.v[name], slow.v[name])

@@ -105,8 +105,10 @@ class QuantKVCache(CachePositions):
                plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
         """Store the step's k/v, then attention of q [H, N, D] over positions [base, length + N) following
         `plan` (causal, or plan.mask [N, start + N]); returns [H, N, D] in q's dtype."""
-        self.store(layer, k_new, v_new)
         h, n, d = q.shape
+        if n == 1 and plan.mask is None and plan.start == self.length and self._one_row is not None:
+            return self._attend_one(layer, q, k_new, v_new, scale)
+        self.store(layer, k_new, v_new)
         kvh = self.num_kv_heads
         if h % kvh:
             raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
@@ -139,6 +141,50 @@ class QuantKVCache(CachePositions):
         if self.v_fmt.rotated:
             out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
         return out.reshape(h, n, d).to(q.dtype)
+
+    @cached_property
+    def _one_row(self):
+        """What a decode step's attention needs, looked up once: (attention kernel, K/V kernel specs, decoded widths,
+        per-layer K/V fields for the kernel, encode kernel, encode specs, per-layer fields for the encoder); None
+        where a format has no kernel path (the general path then runs)."""
+        if self._kernel_specs is None or self._encode_specs is None or None in self._encode_specs:
+            return None
+        ks, vs = self._kernel_specs
+        d = self.head_dim
+        layers = range(self.num_layers)
+        kf = [[self.k[f][i] for f in ks[2]] for i in layers]
+        vf = [[self.v[f][i] for f in vs[2]] for i in layers]
+        es = self._encode_specs
+        ef = [([self.k[f][i] for f in es[0].fields], [self.v[f][i] for f in es[1].fields]) for i in layers]
+        return fused.load(), ks, vs, self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d), kf, vf, self._encoder, es, ef
+
+    def _attend_one(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    scale: float | None) -> torch.Tensor:
+        """`attend` for one decode token (the same arithmetic, with the lookups done once): encode its K/V, then
+        the kernel over [base, length + 1) and the normalisation."""
+        mod, ks, vs, kw, vw, kf, vf, enc, es, ef = self._one_row
+        if self.length + 1 > self.max_len:
+            raise TurboSpecError(f"context full: {self.length} + 1 > {self.max_len}")
+        for x, spec, fields in ((k_new, es[0], ef[layer][0]), (v_new, es[1], ef[layer][1])):
+            if not encoder.encode_into(x, spec, fields, self.length, enc):  # non-finite: the torch encoder's way
+                self.store(layer, k_new, v_new)
+                break
+        h, _, d = q.shape
+        kvh = self.num_kv_heads
+        qf = q.to(torch.float32).reshape(kvh, h // kvh, d)
+        if self.k_fmt.rotated:
+            qf = kernel_args.rotate_fast(qf, mod=enc)
+        qf = qf * (1.0 / math.sqrt(d) if scale is None else scale)
+        if qf.shape[-1] != kw:
+            qf = torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
+        _, lsum, acc = mod.attend_partial(qf, ks[0], ks[1], kf[layer], ks[3], vs[0], vs[1], vw, vf[layer], vs[3],
+                                          self.base, self.length + 1, fused.TILE)
+        out = acc / lsum.unsqueeze(-1)
+        if self.v_fmt.rotated:
+            out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=enc)
+        elif vw != d:
+            out = out[..., :d]
+        return out.reshape(h, 1, d).to(q.dtype)
 
     def _attend_blocks(self, layer: int, qf: torch.Tensor, d: int, plan: AttentionPlan, s0: int, m: torch.Tensor,
                        lsum: torch.Tensor, acc: torch.Tensor):
