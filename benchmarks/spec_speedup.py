@@ -9,7 +9,7 @@ swing by that much; paired ratios do not.
 A config is `spec-type[:key=value,...]` (chains as comma lists: `suffix,draft-mtp:n=3`) with keys n (n_max),
 vocab (draft vocab), pmin, topk, window, adaptive (1: adaptive speculation; default 0, always draft n tokens), and the
 suffix drafter's sn (most draft tokens), sf (tokens per matched token), sp (branch share), shared (1: a store of
-earlier requests), merge (1: a chain's drafts verified together as one tree), sample (0: argmax MTP drafts at
+earlier requests), nm (ngram-mod's most draft tokens), merge (1: a chain's drafts verified together as one tree), sample (0: argmax MTP drafts at
 --temp > 0). Prompts: the shipped bench set
 (`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
 token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
@@ -47,7 +47,7 @@ from turbospec.tokenizer import Tokenizer
 
 KEYS = {"n": ("n_max", int), "vocab": ("draft_vocab", int), "pmin": ("p_min", float), "topk": ("mtp_topk", int),
         "window": ("mtp_prompt_window", int), "adaptive": ("adaptive", lambda v: v not in ("0", "false", "off")),
-        "sn": ("suffix_n_max", int), "sf": ("suffix_factor", float), "sp": ("suffix_p_min", float),
+        "nm": ("ngram_mod_n_max", int), "sn": ("suffix_n_max", int), "sf": ("suffix_factor", float), "sp": ("suffix_p_min", float),
         "shared": ("suffix_shared", lambda v: v not in ("0", "false", "off")),
         "merge": ("merge", lambda v: v not in ("0", "false", "off")),
         "sample": ("draft_sample", lambda v: v not in ("0", "false", "off"))}

@@ -14,6 +14,7 @@ from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.linear import skinny_rows
 from turbospec.model.base import Model
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from turbospec.speculative.adaptive import Controller, StepCosts, calibrate
@@ -45,6 +46,10 @@ class Engine:
         self.cached_tokens: list[int] = []
         self.reused_tokens = 0
         self.step_costs: StepCosts | None = None  # adaptive speculation's cost model, calibrated on first use
+        # a verification step holds at most the rows the one-call decoder layer takes (16 in float32, 64 in bf16 with
+        # AVX-512 BF16): beyond, the op-by-op path (torch GEMM, SDPA) made 24-deep suffix drafts 20-25% slower than
+        # 15-deep ones in float32 (docs/speculative.md)
+        self.step_rows = skinny_rows(model.dtype)
         self.last_stats = GenStats()
         # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
         # a decode step allocates enough small objects to trigger collections that would traverse them all.
@@ -242,7 +247,7 @@ class Engine:
                 context.append(root)
                 # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
                 room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.depth)
-                slots = min(self.ctx - self.cache.length, self.cache.step_rows) - 1
+                slots = min(self.ctx - self.cache.length, self.cache.step_rows, self.step_rows) - 1
                 if ctl is not None and min(room, slots) > 0:
                     room = ctl.choose(min(room, slots), self.cache.length)
                     spec.skipped += room == 0
