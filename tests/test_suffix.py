@@ -2,6 +2,8 @@
 
 import random
 
+import torch
+
 import pytest
 
 from turbospec.config import EngineConfig, SpecConfig
@@ -199,3 +201,26 @@ def test_merged_drafts_are_lossless(target, spec):
         assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
         merged += sum(v[0] for k, v in eng.last_stats.spec.by_source.items() if "+" in k)
     assert merged > 0  # steps where both drafted and were verified together
+
+
+def test_drafts_are_cut_to_the_rows_of_the_one_call_layer(target):
+    """A verification step holds at most the rows the fused decoder layer takes (16 in float32): deeper drafts are
+    cut there, and the output is still plain decoding."""
+    from turbospec.layers.linear import skinny_rows
+    from turbospec.speculative.drafter import Drafter
+    from turbospec.speculative.tree import DraftTree
+
+    class Deep(Drafter):
+        name, needs_hidden = "deep", False
+
+        def propose(self, tokens, n_max):
+            return DraftTree.chain([tokens[-1]] * n_max, source=self.name)
+
+    model = load_model(target, "float32")
+    plain = Engine(model, None, EngineConfig(ctx=256, ubatch=8))
+    eng = Engine(model, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig.parse("suffix", suffix_n_max=40)),
+                 drafter=Deep())
+    p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    prompt = [3, 4, 5, 6, 7, 8]
+    assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+    assert len(eng.last_stats.spec.per_pos_drafted) == eng.step_rows - 1 == skinny_rows(torch.float32) - 1
