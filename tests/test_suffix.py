@@ -2,9 +2,8 @@
 
 import random
 
-import torch
-
 import pytest
+import torch
 
 from turbospec.config import EngineConfig, SpecConfig
 from turbospec.engine import Engine
