@@ -165,16 +165,14 @@ def test_tree_verification_rows_equal_single_steps_bit_for_bit(dtype):
         model.forward(ids[:start], AttentionPlan.causal(0, start), many)
         many.commit()
         got = model.forward(tree_ids, AttentionPlan.tree(start, parents), many)
+        def branch(i: int) -> list[int]:  # node i's ancestors, root first, and i
+            return (branch(parents[i]) if parents[i] >= 0 else []) + [i]
+
         for i in range(len(parents)):
-            branch = []
-            a = i
-            while a >= 0:
-                branch.insert(0, a)
-                a = parents[a]
             one = model.new_cache(530)
             model.forward(ids[:start], AttentionPlan.causal(0, start), one)
             one.commit()
-            for d, node in enumerate(branch):
+            for d, node in enumerate(branch(i)):
                 row = model.forward(tree_ids[node:node + 1], AttentionPlan.causal(start + d, 1), one)
                 one.commit()
             assert torch.equal(got[i], row[0]), (start, i)
