@@ -90,6 +90,8 @@ def test_shared_store_drops_the_oldest_requests():
 def test_config_checks_and_caps():
     sc = SpecConfig.parse("suffix,draft-mtp", n_max=3, suffix_n_max=16)
     assert sc.depth == 16 and sc.cap("draft-mtp") == 3
+    assert SpecConfig.parse("ngram-mod", n_max=3, ngram_mod_n_max=12).depth == 12  # its own flag, not n-max
+    assert SpecConfig.parse("ngram,draft-mtp", n_max=5).depth == 5
     for bad in ({"suffix_n_max": 0}, {"suffix_factor": 0}, {"suffix_p_min": 1.5}):
         with pytest.raises(TurboSpecError):
             SpecConfig.parse("suffix", **bad)
