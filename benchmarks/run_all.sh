@@ -15,3 +15,21 @@ python benchmarks/spec_speedup.py -m models/turbospec-tiny-hybrid --categories c
     "ngram:n=3" "ngram-mod,draft-mtp:n=3" "medusa:n=3" --reps 7 --out docs/results/spec_speedup.json
 python benchmarks/spec_prefill.py --model models/turbospec-tiny-hybrid --lengths 512 2048 --windows 0 -1 256 \
     --reps 5 --gen 64 --threads 2 --out docs/results/spec_prefill.json
+for m in turbospec-tiny turbospec-tiny-hybrid; do
+    kind=$([ "$m" = turbospec-tiny ] && echo dense || echo hybrid)
+    python benchmarks/spec_speedup.py -m models/$m --dtype bfloat16 --categories code explain --edit 4 --gen 256 \
+        --reps 5 --configs ngram-mod suffix "draft-mtp:n=3" "suffix,draft-mtp:n=3" \
+        --out docs/results/spec_suffix_$kind.json
+    python benchmarks/spec_speedup.py -m models/$m --categories code explain --edit 2 --gen 128 --reps 5 \
+        --configs "draft-mtp:n=3" "draft-mtp:n=3,topk=2" "draft-mtp:n=6" "suffix,draft-mtp:n=3" \
+        "suffix,draft-mtp:n=3,merge=1" --out docs/results/spec_trees_${m#turbospec-}.json
+    python benchmarks/spec_speedup.py -m models/$m --categories code explain --gen 128 --reps 5 --temp 0.7 \
+        --configs "draft-mtp:n=3,sample=0" "draft-mtp:n=3" "draft-mtp:n=3,topk=2,sample=0" "draft-mtp:n=3,topk=2" \
+        --out docs/results/spec_sampling_${m#turbospec-}.json
+done
+python benchmarks/spec_speedup.py -m models/turbospec-tiny --categories code explain --edit 2 --gen 256 --reps 5 \
+    --configs suffix ngram-mod "ngram-mod,draft-mtp:n=3" "suffix,draft-mtp:n=3" --out docs/results/spec_suffix_dense_f32.json
+python benchmarks/spec_speedup.py -m models/turbospec-tiny --dtype bfloat16 --categories code explain --edit 4 --gen 256 \
+    --reps 5 --repeat --configs suffix "suffix:shared=1" "suffix,draft-mtp:n=3,shared=1" \
+    --out docs/results/spec_suffix_repeat.json
+python benchmarks/kv_decode.py 600,4096 docs/results/kv_decode_vs_f16.json
