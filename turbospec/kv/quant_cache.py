@@ -79,7 +79,7 @@ class QuantKVCache(CachePositions):
         specs = self._encode_specs if k.shape[0] * n <= encoder.MAX_ROWS else None
         for i, (fmt, buf, x) in enumerate(((self.k_fmt, self.k, k), (self.v_fmt, self.v, v))):
             spec = specs[i] if specs is not None else None
-            if spec is not None and encoder.encode_into(x, spec, [buf[f][layer] for f in spec.fields], self.length,
+            if spec is not None and encoder.encode_into(x, spec, self._encode_fields[layer][i], self.length,
                                                         self._encoder):
                 continue
             for name, t in fmt.encode(x).items():
@@ -106,7 +106,7 @@ class QuantKVCache(CachePositions):
         """Store the step's k/v, then attention of q [H, N, D] over positions [base, length + N) following
         `plan` (causal, or plan.mask [N, start + N]); returns [H, N, D] in q's dtype."""
         h, n, d = q.shape
-        if n == 1 and plan.mask is None and plan.start == self.length and self._one_row is not None:
+        if n == 1 and plan.mask is None and plan.start == self.length and self._one_row:
             return self._attend_one(layer, q, k_new, v_new, scale)
         self.store(layer, k_new, v_new)
         kvh = self.num_kv_heads
@@ -143,47 +143,25 @@ class QuantKVCache(CachePositions):
         return out.reshape(h, n, d).to(q.dtype)
 
     @cached_property
-    def _one_row(self):
-        """What a decode step's attention needs, looked up once: (attention kernel, K/V kernel specs, decoded widths,
-        per-layer K/V fields for the kernel, encode kernel, encode specs, per-layer fields for the encoder); None
-        where a format has no kernel path (the general path then runs)."""
-        if self._kernel_specs is None or self._encode_specs is None or None in self._encode_specs:
-            return None
-        ks, vs = self._kernel_specs
-        d = self.head_dim
-        layers = range(self.num_layers)
-        kf = [[self.k[f][i] for f in ks[2]] for i in layers]
-        vf = [[self.v[f][i] for f in vs[2]] for i in layers]
-        es = self._encode_specs
-        ef = [([self.k[f][i] for f in es[0].fields], [self.v[f][i] for f in es[1].fields]) for i in layers]
-        return fused.load(), ks, vs, self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d), kf, vf, self._encoder, es, ef
+    def _one_row(self) -> bool:
+        """Whether a decode token takes `_attend_one` (both formats have a kernel path)."""
+        return self._kernel_specs is not None
 
     def _attend_one(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     scale: float | None) -> torch.Tensor:
-        """`attend` for one decode token (the same arithmetic, with the lookups done once): encode its K/V, then
-        the kernel over [base, length + 1) and the normalisation."""
-        mod, ks, vs, kw, vw, kf, vf, enc, es, ef = self._one_row
-        if self.length + 1 > self.max_len:
-            raise TurboSpecError(f"context full: {self.length} + 1 > {self.max_len}")
-        for x, spec, fields in ((k_new, es[0], ef[layer][0]), (v_new, es[1], ef[layer][1])):
-            if not encoder.encode_into(x, spec, fields, self.length, enc):  # non-finite: the torch encoder's way
-                self.store(layer, k_new, v_new)
-                break
+        """`attend` for one decode token, without the general path's setup (the same arithmetic): store its K/V,
+        then the kernel over [base, length + 1) and the normalisation."""
+        self.store(layer, k_new, v_new)
         h, _, d = q.shape
         kvh = self.num_kv_heads
         qf = q.to(torch.float32).reshape(kvh, h // kvh, d)
         if self.k_fmt.rotated:
-            qf = kernel_args.rotate_fast(qf, mod=enc)
+            qf = kernel_args.rotate_fast(qf, mod=self._encoder)
         qf = qf * (1.0 / math.sqrt(d) if scale is None else scale)
-        if qf.shape[-1] != kw:
-            qf = torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
-        _, lsum, acc = mod.attend_partial(qf, ks[0], ks[1], kf[layer], ks[3], vs[0], vs[1], vw, vf[layer], vs[3],
-                                          self.base, self.length + 1, fused.TILE)
-        out = acc / lsum.unsqueeze(-1)
+        _, lsum, acc = self._attend_fused(layer, qf, d, self.base, self.length + 1)
+        out = acc / lsum
         if self.v_fmt.rotated:
-            out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=enc)
-        elif vw != d:
-            out = out[..., :d]
+            out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
         return out.reshape(h, 1, d).to(q.dtype)
 
     def _attend_blocks(self, layer: int, qf: torch.Tensor, d: int, plan: AttentionPlan, s0: int, m: torch.Tensor,
@@ -230,19 +208,32 @@ class QuantKVCache(CachePositions):
         return kernel_args.encode_spec(self.k_fmt, d), kernel_args.encode_spec(self.v_fmt, d)
 
     @cached_property
+    def _encode_fields(self) -> list[tuple[list[torch.Tensor] | None, ...]]:
+        """Per layer, the K and V buffers in the C++ encoder's field order (None: that format has no C++ encoder)."""
+        specs = self._encode_specs or (None, None)
+        return [tuple(None if spec is None else [buf[f][i] for f in spec.fields] for spec, buf in zip(specs, (self.k, self.v)))
+                for i in range(self.num_layers)]
+
+    @cached_property
     def _kernel_specs(self):
         """(K spec, V spec) for the fused C++ kernel, or None (no kernel here, or a format it cannot read)."""
         ks = kernel_args.attention_spec(self.k_fmt, self.head_dim)
         vs = kernel_args.attention_spec(self.v_fmt, self.head_dim)
         return (ks, vs) if ks is not None and vs is not None and fused.load() is not None else None
 
+    @cached_property
+    def _kernel_fields(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per layer, the K and V buffers in the attention kernel's field order (needs `_kernel_specs`)."""
+        ks, vs = self._kernel_specs
+        return [([self.k[f][i] for f in ks[2]], [self.v[f][i] for f in vs[2]]) for i in range(self.num_layers)]
+
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
         """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel."""
         ks, vs = self._kernel_specs
         kw, vw = self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d)
         q = qf if qf.shape[-1] == kw else torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
-        m, lsum, acc = fused.partial(q.contiguous(), ks, [self.k[f][layer] for f in ks[2]], vs,
-                                     [self.v[f][layer] for f in vs[2]], vw, s, e)
+        k_fields, v_fields = self._kernel_fields[layer]
+        m, lsum, acc = fused.partial(q.contiguous(), ks, k_fields, vs, v_fields, vw, s, e)
         if not self.v_fmt.rotated and vw != d:
             acc = acc[..., :d].contiguous()
         return m.unsqueeze(-1), lsum.unsqueeze(-1), acc
