@@ -110,9 +110,7 @@ def make_drafter(cfg: SpecConfig, target: Model, max_len: int, model_path: str |
     when `cfg.suffix_shared`, else none); a server passes one store to all its drafters."""
     if not cfg.types:
         return None
-    if store is None and cfg.suffix_shared and "suffix" in cfg.types:
-        store = new_store(cfg)
-    ctx = DraftContext(cfg, target, model_path, max_len, store)
+    ctx = DraftContext(cfg, target, model_path, max_len, store if store is not None else new_store(cfg))
     # llama.cpp's priority: n-gram drafters first (cheap, only fire on repeats), model-based drafters last
     order = sorted(cfg.types, key=lambda t: 0 if t.startswith("ngram") or t == "suffix" else 1)
     drafters = [DRAFTERS[t](ctx) for t in order]
