@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_steps import add_load_args  # noqa: E402
 from multi_turn import words as prose  # noqa: E402
 from served_speed import free_port, server  # noqa: E402
 
@@ -85,12 +86,7 @@ def main() -> int:
     ap.add_argument("--gguf", default=None, help="a GGUF file both engines load (llama-server needs one)")
     ap.add_argument("--flags", default="", help="extra turbospec serve flags, e.g. '--dtype bfloat16'")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
-    ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
+    add_load_args(ap)
     ap.add_argument("--load-timeout", type=float, default=300.0, help="seconds before a load counts as stuck")
     ap.add_argument("--text", action="store_true", help="prompts: slices of the shipped prose text (default: random "
                     "token ids), so that drafts can hit")

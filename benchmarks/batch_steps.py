@@ -51,16 +51,21 @@ def alone(engine, prompt: int, gen: int, vocab: int, seed: int) -> float:
     return (st.gen_tokens - 1) / st.decode_s
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/demo-qwen3")
-    ap.add_argument("--dtype", default="bfloat16")
+def add_load_args(ap: argparse.ArgumentParser) -> None:
+    """The load both batching benchmarks put on the engine: stream counts, prompt and output lengths, rounds."""
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16, 32])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/demo-qwen3")
+    ap.add_argument("--dtype", default="bfloat16")
+    add_load_args(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = Path(a.model)
