@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--edit-tokens", type=int, default=400, help="tokens of each edited file")
     ap.add_argument("--repeat", action="store_true", help="time the second of two identical requests")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ap.add_argument("--dump-prompts", default=None, metavar="DIR",
+                    help="write each prompt's text to DIR/<name>.txt (for `turbospec run -f`) and exit")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = model_path(a.model)
@@ -146,6 +148,12 @@ def main() -> None:
     if a.random:
         g = torch.Generator().manual_seed(0)
         base["random"] = torch.randint(3, model.cfg.vocab_size, (a.random,), generator=g).tolist()
+    if a.dump_prompts:
+        out_dir = Path(a.dump_prompts)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, ids in base.items():
+            (out_dir / (name.replace(":", "_").replace("/", "_") + ".txt")).write_text(tok.decode(ids))
+        return
     lines = (Path(__file__).resolve().parents[1] / "turbospec/data/eval/prose.jsonl").read_text().splitlines()
     filler = tok.encode(" ".join(json.loads(x)["text"] for x in lines[:400] if x.strip()))
     while len(filler) < max(a.depths):
