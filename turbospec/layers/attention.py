@@ -132,6 +132,10 @@ class MLP:
     def linears(self) -> tuple:
         return self.gate_up, self.down
 
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
         k = load_kernel()

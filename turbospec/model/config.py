@@ -10,8 +10,10 @@ from typing import Any
 
 from turbospec.errors import TurboSpecError
 
-DENSE_ARCHS = ("qwen3", "qwen2", "llama")
-HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5", "qwen3_next")
+DENSE_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # outer model_type -> its text part
 SUPPORTED_ARCHS = DENSE_ARCHS + HYBRID_ARCHS
 # ModelConfig field -> its config.json name, for error messages
 CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -60,7 +62,7 @@ class ModelConfig:
             if d["num_v_heads"] % d["num_k_heads"]:
                 raise TurboSpecError(f"config.json: linear_num_value_heads ({d['num_v_heads']}) must be a multiple "
                                      f"of linear_num_key_heads ({d['num_k_heads']})")
-        if self.arch == "qwen3_next":
+        if self.arch in MOE_ARCHS:
             _check_moe(self.raw)
 
     @property
@@ -91,6 +93,27 @@ class ModelConfig:
                                  f"{self.num_layers} layers, got {_show(types)}")
         return types[: self.num_layers]
 
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i's feed-forward is a mixture of experts: every layer of Qwen3.5-MoE; Qwen3-MoE and
+        Qwen3-Next every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+        r = self.raw
+        if self.arch not in MOE_ARCHS or _experts(r) <= 0:
+            return False
+        if self.arch in ("qwen3_5_moe_text", "qwen3_5_moe"):
+            return True
+        return i not in (r.get("mlp_only_layers") or []) and (i + 1) % int(r.get("decoder_sparse_step", 1)) == 0
+
+    def moe(self) -> dict[str, Any]:
+        """The mixture-of-experts sizes: experts, experts per token, expert and shared-expert intermediate sizes,
+        and whether the top-k weights are renormalised (Qwen3-MoE: `norm_topk_prob`, default false as
+        transformers; Qwen3.5-MoE always; Qwen3-Next `norm_topk_prob`, default true)."""
+        r = self.raw
+        norm = True if self.arch in ("qwen3_5_moe_text", "qwen3_5_moe") else \
+            bool(r.get("norm_topk_prob", self.arch != "qwen3_moe"))
+        return {"experts": _experts(r), "top_k": int(r.get("num_experts_per_tok", 1)),
+                "inter": int(r.get("moe_intermediate_size") or 0),
+                "shared_inter": int(r.get("shared_expert_intermediate_size") or 0), "norm_topk": norm}
+
     def linear_dims(self) -> dict[str, int]:
         """Gated DeltaNet sizes: key/value heads, key/value head dims, conv kernel."""
         r = self.raw
@@ -107,15 +130,15 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise TurboSpecError(f"config.json must hold a JSON object, got {type(d).__name__}")
         arch = d.get("model_type")
-        if arch == "qwen3_5" and "text_config" in d:
+        if arch in MULTIMODAL and "text_config" in d:
             if not isinstance(d["text_config"], dict):
                 raise TurboSpecError("config.json: text_config must be a JSON object")
             inner = dict(d["text_config"])
-            inner.setdefault("model_type", "qwen3_5_text")
+            inner.setdefault("model_type", MULTIMODAL[arch])
             for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # outer values govern
                 if d.get(key) is not None:
                     inner[key] = d[key]
-            return cls.from_dict({**inner, "_outer_model_type": "qwen3_5"})
+            return cls.from_dict({**inner, "_outer_model_type": arch})
         if arch not in SUPPORTED_ARCHS:
             raise TurboSpecError(
                 f"unknown architecture {_show(arch)} (supported: {', '.join(SUPPORTED_ARCHS)})"
@@ -148,9 +171,9 @@ class ModelConfig:
                 max_position_embeddings=_int(d.get("max_position_embeddings", 32768), "max_position_embeddings", 1),
                 tie_word_embeddings=_bool(d.get("tie_word_embeddings", False), "tie_word_embeddings"),
                 attention_bias=arch == "qwen2" or attention_bias,
-                o_bias=arch in ("llama", "qwen3") + HYBRID_ARCHS and attention_bias,
+                o_bias=arch in ("llama", "qwen3", "qwen3_moe") + HYBRID_ARCHS and attention_bias,
                 mlp_bias=_bool(d.get("mlp_bias", False), "mlp_bias"),
-                qk_norm=arch in ("qwen3",) + HYBRID_ARCHS,
+                qk_norm=arch in ("qwen3", "qwen3_moe") + HYBRID_ARCHS,
                 hidden_act=act,
                 bos_token_id=None if d.get("bos_token_id") is None else _int(d["bos_token_id"], "bos_token_id", 0),
                 eos_token_ids=_as_tuple(d.get("eos_token_id")),
@@ -234,9 +257,14 @@ def _check_rope(rope: dict[str, Any], head_dim: int) -> None:
         raise TurboSpecError("config.json: rope high_freq_factor must be greater than low_freq_factor")
 
 
+def _experts(r: dict[str, Any]) -> Any:
+    """`num_experts` (released Qwen checkpoints) or `num_local_experts` (transformers 5's Qwen3-MoE config)."""
+    return r.get("num_experts") or r.get("num_local_experts") or 0
+
+
 def _check_moe(r: dict[str, Any]) -> None:
-    """Qwen3-Next's mixture-of-experts fields (read by `hybrid.load_moe` when num_experts > 0)."""
-    experts = _int(r.get("num_experts") or 0, "num_experts", 0)
+    """The mixture-of-experts fields (read by `decoder.load_moe` when num_experts > 0)."""
+    experts = _int(_experts(r), "num_experts", 0)
     if not experts:
         return
     _int(r.get("moe_intermediate_size"), "moe_intermediate_size", 1)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear, skinny_rows
+from turbospec.layers.moe import ExpertCache, MoE
 from turbospec.layers.norm import rms_norm
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import TensorSource
+from turbospec.weights import release
 
 
 class DecoderLayer:
@@ -74,3 +77,51 @@ def load_embedding(ws: TensorSource, prefix: str, cfg: ModelConfig, dtype: torch
         head = Linear(embed)
         return head.weight, head
     return embed, Linear(ws.matrix("lm_head.weight", dtype, shape))
+
+
+def load_ffn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype, layer: int, experts: ExpertCache
+             ) -> MLP | MoE:
+    """Layer `layer`'s feed-forward at `p` (`{prefix}.layers.N.mlp`): a mixture of experts where the config and
+    the checkpoint say so (an MTP layer's too: it has a router), else a SwiGLU MLP."""
+    if (cfg.moe_layer(layer) if not p.startswith("mtp.") else cfg.moe()["experts"] > 0) and ws.has(f"{p}.gate.weight"):
+        return load_moe(ws, p, cfg, dtype, layer, experts)
+    return load_mlp(ws, p, cfg, dtype)
+
+
+def load_moe(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype, layer: int, experts: ExpertCache
+             ) -> MoE:
+    """A MoE feed-forward at `p`. Experts come from per-expert tensors (`experts.{e}.gate_proj.weight`, as released
+    checkpoints), transformers-5's stacked `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I], or
+    stacked gate / up / down (`experts.gate_proj` [E, I, H], a GGUF file's `ffn_*_exps`), read one expert at a
+    time (`TensorSource.expert_matrix`) when it is first needed."""
+    m, h = cfg.moe(), cfg.hidden_size
+    e, inter = m["experts"], m["inter"]
+    router = ws.get(f"{p}.gate.weight", dtype, (e, h))
+    x = f"{p}.experts"
+    if ws.has(f"{x}.gate_up_proj"):
+        def load(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            gu = ws.expert_matrix(f"{x}.gate_up_proj", i, dtype, (2 * inter, h))
+            return gu[:inter], gu[inter:], ws.expert_matrix(f"{x}.down_proj", i, dtype, (h, inter))
+    elif ws.has(f"{x}.gate_proj"):
+        def load(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (ws.expert_matrix(f"{x}.gate_proj", i, dtype, (inter, h)),
+                    ws.expert_matrix(f"{x}.up_proj", i, dtype, (inter, h)),
+                    ws.expert_matrix(f"{x}.down_proj", i, dtype, (h, inter)))
+    else:
+        def load(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (ws.matrix(f"{x}.{i}.gate_proj.weight", dtype, (inter, h)),
+                    ws.matrix(f"{x}.{i}.up_proj.weight", dtype, (inter, h)),
+                    ws.matrix(f"{x}.{i}.down_proj.weight", dtype, (h, inter)))
+    shared = shared_gate = None
+    if m["shared_inter"] and ws.has(f"{p}.shared_expert.gate_proj.weight"):
+        scfg = ModelConfig(**{**cfg.__dict__, "intermediate_size": m["shared_inter"], "mlp_bias": False})
+        shared = load_mlp(ws, f"{p}.shared_expert", scfg, dtype)
+        shared_gate = ws.get(f"{p}.shared_expert_gate.weight", dtype).reshape(1, -1)
+        if shared_gate.shape[1] != h:
+            raise TurboSpecError(f"{p}.shared_expert_gate.weight has {shared_gate.numel()} values, expected {h}")
+    one = load(0)  # the bytes of an expert (all are the same size), read from expert 0
+    expert_bytes = sum(t.numel() * t.element_size() for t in one)
+    for t in one:
+        release(t)
+    layer_key = layer if not p.startswith("mtp.") else -1 - layer
+    return MoE(router, e, load, m["top_k"], m["norm_topk"], shared, shared_gate, experts, layer_key, expert_bytes)

@@ -7,10 +7,11 @@ import torch
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
-from turbospec.model.decoder import DecoderLayer, load_attention, load_embedding, load_mlp
+from turbospec.model.decoder import DecoderLayer, load_attention, load_embedding, load_ffn
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
 from turbospec.weights import rows_of
@@ -23,11 +24,12 @@ class DenseModel:
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
         self.embed, self.lm_head = load_embedding(ws, prefix, cfg, dtype)
+        self.experts = ExpertCache(ws.expert_budget)  # Qwen3-MoE's routed experts
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"{prefix}.layers.{i}"
             self.layers.append(DecoderLayer(
-                load_attention(ws, f"{p}.self_attn", cfg, dtype), load_mlp(ws, f"{p}.mlp", cfg, dtype),
+                load_attention(ws, f"{p}.self_attn", cfg, dtype), load_ffn(ws, f"{p}.mlp", cfg, dtype, i, self.experts),
                 ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
                 ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps,
             ))
@@ -35,7 +37,7 @@ class DenseModel:
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp: MTPModule | None = None
         if ws.has("mtp.fc.weight"):
-            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, experts=self.experts)
 
     def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
                   checkpoints: int = 0) -> Cache:
@@ -66,7 +68,7 @@ class DenseModel:
     def weight_bytes(self) -> int:
         n = self.embed.numel() * self.embed.element_size()
         for layer in self.layers:
-            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.nbytes
         if self.lm_head.weight is not self.embed:
             n += self.lm_head.nbytes
         return n

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from turbospec.errors import TurboSpecError
 from turbospec.kv.base import Cache
@@ -26,97 +25,18 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers import block
-from turbospec.layers.attention import MLP
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
 from turbospec.layers.linear import Linear, skinny_rows
+from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
-from turbospec.model.decoder import load_attention, load_embedding, load_mlp
+from turbospec.model.decoder import load_attention, load_embedding, load_ffn
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
 from turbospec.weights import rows_of
 
 log = logging.getLogger("turbospec")
-
-
-class MoE:
-    """Qwen3-Next sparse MoE: softmax router, top-k (renormalised), plus a sigmoid-gated shared expert."""
-
-    def __init__(
-        self,
-        router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        top_k: int,
-        norm_topk: bool,
-        shared: MLP | None,
-        shared_gate: torch.Tensor | None,
-    ):
-        self.router, self.gate_up, self.down = router, gate_up, down  # [E, H], [E, 2I, H], [E, H, I]
-        self.top_k, self.norm_topk = top_k, norm_topk
-        self.shared, self.shared_gate = shared, shared_gate
-        self.inter = down.shape[2]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            top = top / top.sum(-1, keepdim=True)
-        top = top.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            rows, slot = torch.where(idx == e)
-            g, u = F.linear(x[rows], self.gate_up[e]).split([self.inter, self.inter], dim=-1)
-            y = F.linear(F.silu(g) * u, self.down[e]) * top[rows, slot, None]
-            out.index_add_(0, rows, y)
-        if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in (self.router, self.gate_up, self.down))
-        if self.shared is not None:
-            n += self.shared.gate_up.nbytes + self.shared.down.nbytes + self.shared_gate.numel() * 4
-        return n
-
-
-def load_moe(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MoE:
-    r, h = cfg.raw, cfg.hidden_size
-    e, inter = int(r["num_experts"]), int(r["moe_intermediate_size"])
-    router = ws.get(f"{p}.gate.weight", dtype, (e, h))
-    if ws.has(f"{p}.experts.gate_up_proj"):  # transformers-5 fused layout
-        gate_up = ws.get(f"{p}.experts.gate_up_proj", dtype, (e, 2 * inter, h))
-        down = ws.get(f"{p}.experts.down_proj", dtype, (e, h, inter))
-    else:  # per-expert tensors, as in the released checkpoints
-        gate_up = torch.stack(
-            [
-                torch.cat(
-                    [
-                        ws.get(f"{p}.experts.{i}.gate_proj.weight", dtype, (inter, h)),
-                        ws.get(f"{p}.experts.{i}.up_proj.weight", dtype, (inter, h)),
-                    ]
-                )
-                for i in range(e)
-            ]
-        )
-        down = torch.stack([ws.get(f"{p}.experts.{i}.down_proj.weight", dtype, (h, inter)) for i in range(e)])
-    shared = shared_gate = None
-    si = int(r.get("shared_expert_intermediate_size") or 0)
-    if si and ws.has(f"{p}.shared_expert.gate_proj.weight"):
-        scfg = ModelConfig(**{**cfg.__dict__, "intermediate_size": si, "mlp_bias": False})
-        shared = load_mlp(ws, f"{p}.shared_expert", scfg, dtype)
-        shared_gate = ws.get(f"{p}.shared_expert_gate.weight", dtype, (1, h))
-    return MoE(
-        router,
-        gate_up,
-        down,
-        int(r.get("num_experts_per_tok", 1)),
-        bool(r.get("norm_topk_prob", True)),
-        shared,
-        shared_gate,
-    )
 
 
 def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> GatedDeltaNet:
@@ -170,13 +90,6 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
     )
     gdn.out_tiling = ws.value_tiling(f"{p}.out_proj.weight")
     return gdn
-
-
-def _is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-    r = cfg.raw
-    if cfg.arch != "qwen3_next" or int(r.get("num_experts") or 0) <= 0:
-        return False
-    return i not in (r.get("mlp_only_layers") or []) and (i + 1) % int(r.get("decoder_sparse_step", 1)) == 0
 
 
 class HybridLayer:
@@ -269,6 +182,7 @@ class HybridModel:
         self.prefix = prefix
         self.layer_types = cfg.layer_types()
         self.embed, self.lm_head = load_embedding(ws, prefix, cfg, dtype)
+        self.experts = ExpertCache(ws.expert_budget)  # Qwen3.5-MoE / Qwen3-Next routed experts
         self.layers: list[HybridLayer] = []
         n_attn = n_gdn = 0
         for i, kind in enumerate(self.layer_types):
@@ -279,11 +193,7 @@ class HybridModel:
             else:
                 mixer = load_gdn(ws, f"{p}.linear_attn", cfg, dtype)
                 slot, n_gdn = n_gdn, n_gdn + 1
-            mlp = (
-                load_moe(ws, f"{p}.mlp", cfg, dtype)
-                if _is_moe_layer(cfg, i)
-                else load_mlp(ws, f"{p}.mlp", cfg, dtype)
-            )
+            mlp = load_ffn(ws, f"{p}.mlp", cfg, dtype, i, self.experts)
             self.layers.append(
                 HybridLayer(
                     kind,
@@ -301,7 +211,7 @@ class HybridModel:
         self.mtp_names = [n for n in ws.names() if n.startswith("mtp.")]
         self.mtp: MTPModule | None = None
         if self.mtp_names:
-            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head)
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, experts=self.experts)
         gdn = next((layer.mixer for layer in self.layers if layer.kind == "linear_attention"), None)
         d = cfg.linear_dims()
         self._conv_shape = gdn.conv_state_shape if gdn else (d["conv_kernel"] - 1, 1)
@@ -355,11 +265,7 @@ class HybridModel:
         for layer in self.layers:
             m = layer.mixer
             n += m.nbytes if isinstance(m, GatedDeltaNet) else m.qkv.nbytes + m.o.nbytes
-            n += (
-                layer.mlp.nbytes
-                if isinstance(layer.mlp, MoE)
-                else layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
-            )
+            n += layer.mlp.nbytes
         if self.lm_head.weight is not self.embed:
             n += self.lm_head.nbytes
         return n

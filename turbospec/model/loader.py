@@ -18,6 +18,8 @@ class TensorSource(Protocol):
     """Named tensors of a model, under Hugging Face names: a checkpoint directory (`WeightSource`) or a GGUF file
     (`turbospec.model.gguf.GGUFWeights`)."""
 
+    expert_budget: int | None  # bytes of MoE experts kept in memory; None: every expert, loaded once
+
     def names(self) -> list[str]: ...
 
     def has(self, name: str) -> bool: ...
@@ -28,6 +30,11 @@ class TensorSource(Protocol):
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         """A linear layer's (or the embedding's) weight: packed blocks (`turbospec.weights`) when the source
         stores them packed or `pack` asks for a format, else a float matrix in `dtype`."""
+        ...
+
+    def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        """Matrix `index` of a stacked [experts, out, in] tensor (a MoE layer's experts), as `matrix` gives one;
+        only that expert's bytes are read."""
         ...
 
     def value_tiling(self, name: str) -> int:
@@ -43,6 +50,7 @@ class IndexedSource:
 
     index: dict
     pack: WeightFormat | None = None
+    expert_budget: int | None = None  # bytes of MoE experts kept in memory (--moe-cache-mem); None: all
 
     def names(self) -> list[str]:
         return list(self.index)
@@ -52,6 +60,22 @@ class IndexedSource:
 
     def value_tiling(self, name: str) -> int:
         return 1
+
+    def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        t = self.stacked_part(name, index)
+        if tuple(t.shape) != tuple(shape):
+            raise TurboSpecError(f"shape mismatch for expert {index} of {name!r}: {tuple(t.shape)}, config implies "
+                                 f"{tuple(shape)}")
+        if self.pack is not None and packable(self.pack, shape):
+            return consume(t.contiguous(), self.pack)
+        return t if t.dtype == dtype else t.to(dtype)
+
+    def stacked_part(self, name: str, index: int) -> torch.Tensor:
+        """Part `index` (first dimension) of a stacked tensor, as stored."""
+        t = self.get(name)
+        if not 0 <= index < t.shape[0]:
+            raise TurboSpecError(f"{name!r} has {t.shape[0]} parts, no part {index}")
+        return t[index]
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         trim_heap()  # the previous matrix's conversion buffers (freed, but held by the heap) back to the system
@@ -109,6 +133,22 @@ class WeightSource(IndexedSource):
         if dtype is not None and t.dtype != dtype:
             t = consume(t, None, dtype) if t.dim() >= 1 and t.is_contiguous() else t.to(dtype)
         return t
+
+    def stacked_part(self, name: str, index: int) -> torch.Tensor:
+        """Reads only that part's bytes (a safetensors slice)."""
+        if name not in self.index:
+            raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
+        f = self.index[name]
+        try:
+            sl = self._open(f).get_slice(name)
+            n = sl.get_shape()[0]
+            if not 0 <= index < n:
+                raise TurboSpecError(f"{name!r} has {n} parts, no part {index}")
+            return sl[index]
+        except TurboSpecError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
+            raise TurboSpecError(f"{f.name}: cannot read part {index} of tensor {name!r} ({_one_line(e)})") from None
 
 
 def _weight_map(index_file: Path) -> dict[str, str]:

@@ -16,11 +16,13 @@ from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
 from turbospec.layers import block
+from turbospec.layers.attention import MLP
 from turbospec.layers.linear import Linear, exact_bf16
+from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
 from turbospec.model.config import HYBRID_ARCHS, ModelConfig
-from turbospec.model.decoder import DecoderLayer, load_attention, load_mlp
+from turbospec.model.decoder import DecoderLayer, load_attention, load_ffn
 from turbospec.model.loader import TensorSource
 from turbospec.weights import is_packed, rows_of
 
@@ -29,7 +31,7 @@ class MTPModule:
     """The weights and forward of the MTP block; logits come from the target's lm_head."""
 
     def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype, embed: torch.Tensor,
-                 lm_head: Linear, prefix: str = "mtp"):
+                 lm_head: Linear, prefix: str = "mtp", experts: ExpertCache | None = None):
         h = cfg.hidden_size
         hybrid = cfg.arch in HYBRID_ARCHS
         self.cfg, self.dtype, self.zc = cfg, dtype, hybrid
@@ -48,7 +50,7 @@ class MTPModule:
             p = f"{prefix}.layers.{i}"
             layer = DecoderLayer(
                 load_attention(ws, f"{p}.self_attn", cfg, dtype, gated=hybrid, zero_centred=hybrid),
-                load_mlp(ws, f"{p}.mlp", cfg, dtype),
+                load_ffn(ws, f"{p}.mlp", cfg, dtype, i, experts if experts is not None else ExpertCache()),
                 ws.get(f"{p}.input_layernorm.weight", dtype, (h,)),
                 ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps, hybrid,
             )
@@ -94,7 +96,8 @@ class MTPModule:
         self.fc = exact_bf16(self.fc)
         for layer in self.layers:
             layer.attn.qkv, layer.attn.o = exact_bf16(layer.attn.qkv), exact_bf16(layer.attn.o)
-            layer.mlp.gate_up, layer.mlp.down = exact_bf16(layer.mlp.gate_up), exact_bf16(layer.mlp.down)
+            if isinstance(layer.mlp, MLP):  # (a MoE layer's experts stay as loaded)
+                layer.mlp.gate_up, layer.mlp.down = exact_bf16(layer.mlp.gate_up), exact_bf16(layer.mlp.down)
 
     def draft_head(self) -> Linear:
         """The lm_head for drafting, in bf16 where that is exact; built once and shared by every drafter of this
@@ -114,5 +117,5 @@ class MTPModule:
     def nbytes(self) -> int:
         n = self.fc.nbytes + 3 * self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
-            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes
+            n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.nbytes
         return n

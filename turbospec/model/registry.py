@@ -43,22 +43,26 @@ def build_model(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model
     return family(cfg, ws, dtype)
 
 
-def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = "auto") -> Model:
-    """Build the model of an opened GGUF file (`weights`: as `load_model`)."""
+def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = "auto",
+              moe_cache_mem: int | None = None) -> Model:
+    """Build the model of an opened GGUF file (`weights`, `moe_cache_mem`: as `load_model`)."""
     cfg = f.config()
-    model = build_model(cfg, _packing(f.weights(cfg), weights), parse_dtype(dtype))
+    model = build_model(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), parse_dtype(dtype))
     trim_heap()
     return model
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto") -> Model:
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto",
+               moe_cache_mem: int | None = None) -> Model:
     """Load a checkpoint directory (config.json + safetensors) or a llama.cpp GGUF file into a turbospec model.
     `weights`: "auto" keeps matrices as stored (float ones in `dtype`, a GGUF file's Q8_0 / Q4_0 / Q4_K blocks
-    packed); "q8_0" / "q4_0" / "q4_k" quantize the float matrices as they load (llama.cpp's reference blocks)."""
+    packed); "q8_0" / "q4_0" / "q4_k" quantize the float matrices as they load (llama.cpp's reference blocks).
+    `moe_cache_mem`: bytes of mixture-of-experts experts kept in memory, loaded when first routed to and dropped
+    least recently used first (None: every expert loaded at once)."""
     if is_gguf(path):
-        return load_gguf(GGUFFile(path), dtype, weights)
+        return load_gguf(GGUFFile(path), dtype, weights, moe_cache_mem)
     cfg = load_config(path)
-    model = build_model(cfg, _packing(WeightSource(path), weights), parse_dtype(dtype))
+    model = build_model(cfg, _packing(WeightSource(path), weights, moe_cache_mem), parse_dtype(dtype))
     trim_heap()
     return model
 
@@ -66,9 +70,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: 
 Source = TypeVar("Source", bound=IndexedSource)
 
 
-def _packing(ws: Source, weights: str) -> Source:
-    """`ws` with `--weights` set: the format float matrices are packed to as they load (None for auto)."""
+def _packing(ws: Source, weights: str, moe_cache_mem: int | None = None) -> Source:
+    """`ws` with `--weights` set (the format float matrices are packed to as they load, None for auto) and the
+    experts' memory budget."""
     if weights not in WEIGHT_CHOICES:
         raise TurboSpecError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
+    if moe_cache_mem is not None and moe_cache_mem < 0:
+        raise TurboSpecError(f"--moe-cache-mem must be >= 0, got {moe_cache_mem}")
     ws.pack = PACKED.get(weights)
+    ws.expert_budget = moe_cache_mem
     return ws

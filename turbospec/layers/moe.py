@@ -1,0 +1,138 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): a softmax router picks the top-k of E
+SwiGLU experts per token (weights renormalised when the model says so), plus an optional sigmoid-gated shared
+expert.
+
+Experts are fetched through an `ExpertCache`: without a budget every expert is loaded once and stays; with one
+(`--moe-cache-mem`), an expert is loaded the first time a token routes to it and the least recently used experts
+are dropped when the budget is full. Loading a packed expert from a GGUF file is a view of the file's memory map
+(no copy: its pages come in as the kernel reads them) and dropping it gives those pages back, so the resident set
+follows the budget; experts that need converting (float checkpoints, `--weights`) are converted on load.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from turbospec.layers.attention import MLP
+from turbospec.layers.linear import Linear, SplitLinear
+from turbospec.weights import release
+
+# expert index -> (gate [I, H], up [I, H], down [H, I]) as stored: float matrices or packed blocks
+ExpertLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def expert_mlp(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> MLP:
+    """An expert as a SwiGLU `MLP` over its matrices as they are (no concatenation, no huge-page copy: a mapped
+    expert stays a view of its file)."""
+    return MLP(SplitLinear([Linear(gate, hugepages=False), Linear(up, hugepages=False)]),
+               Linear(down, hugepages=False))
+
+
+@dataclass
+class ExpertStats:
+    hits: int = 0
+    misses: int = 0
+    loaded_bytes: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+
+class ExpertCache:
+    """The routed experts of every MoE layer of a model under one budget in bytes (None: no budget, every expert
+    stays once loaded). Least recently used experts are dropped first; `stats` counts lookups."""
+
+    def __init__(self, budget: int | None = None):
+        if budget is not None and budget < 0:
+            raise ValueError("expert cache budget must be >= 0")
+        self.budget = budget
+        self.used = 0
+        self.entries: OrderedDict[tuple[int, int], MLP] = OrderedDict()
+        self.stats = ExpertStats()
+
+    def get(self, key: tuple[int, int], load: Callable[[], MLP]) -> MLP:
+        mlp = self.entries.get(key)
+        if mlp is not None:
+            self.stats.hits += 1
+            self.entries.move_to_end(key)
+            return mlp
+        self.stats.misses += 1
+        mlp = load()
+        n = mlp.nbytes
+        self.stats.loaded_bytes += n
+        if self.budget is not None:
+            while self.entries and self.used + n > self.budget:
+                self._evict()
+        self.entries[key] = mlp
+        self.used += n
+        return mlp
+
+    def _evict(self) -> None:
+        _, mlp = self.entries.popitem(last=False)
+        self.used -= mlp.nbytes
+        self.stats.evictions += 1
+        for lin in (*mlp.gate_up.parts, mlp.down):  # a mapped expert: its file pages leave this process
+            release(lin.weight)
+
+    def clear(self) -> None:
+        while self.entries:
+            self._evict()
+        self.used = 0
+
+
+class MoE:
+    """Router [E, H] + E routed experts (through `cache`, keyed by `layer`) + optional shared expert with its
+    sigmoid gate [1, H]. Rows are grouped by expert: each expert used by the step multiplies all its rows at once
+    (decode, verification and prefill rows alike)."""
+
+    def __init__(self, router: torch.Tensor, num_experts: int, load: ExpertLoader, top_k: int, norm_topk: bool,
+                 shared: MLP | None, shared_gate: torch.Tensor | None, cache: ExpertCache, layer: int,
+                 expert_bytes: int):
+        self.router, self.num_experts, self.load = router, num_experts, load
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.shared, self.shared_gate = shared, shared_gate
+        self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
+        if cache.budget is None:  # no budget: every expert now, as the other weights
+            for e in range(num_experts):
+                self.expert(e)
+
+    def expert(self, e: int) -> MLP:
+        return self.cache.get((self.layer, e), lambda: expert_mlp(*self.load(e)))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] in x's dtype, expert indices [N, k]) as transformers' top-k router."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        return top.to(x.dtype), idx
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        top, idx = self.route(x)
+        out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # decode: no grouping to do
+            for e, slot in sorted((e, s) for s, e in enumerate(idx[0].tolist())):  # the batched path's order
+                out += self.expert(e)(x) * top[:, slot, None]
+        else:
+            for e in idx.unique().tolist():
+                rows, slot = torch.where(idx == e)
+                out.index_add_(0, rows, self.expert(e)(x[rows]) * top[rows, slot, None])
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all this layer's weights (every expert, resident or not)."""
+        n = self.router.numel() * self.router.element_size() + self.num_experts * self.expert_bytes
+        if self.shared is not None:
+            n += self.shared.nbytes + self.shared_gate.numel() * self.shared_gate.element_size()
+        return n
