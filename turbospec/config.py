@@ -178,6 +178,9 @@ class EngineConfig:
     # hybrid models' recurrent-state snapshots kept for the prefix cache, per parallel sequence
     cache_mem: int | None = None
     ctx_checkpoints: int = 3
+    # mixture-of-experts models: MiB of routed experts kept in memory, loaded when first routed to, least recently
+    # used dropped first (None: every expert loaded at start)
+    moe_cache_mem: int | None = None
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -185,6 +188,8 @@ class EngineConfig:
             raise TurboSpecError("context, batch and ubatch sizes must be positive")
         if self.cache_mem is not None and self.cache_mem <= 0:
             raise TurboSpecError("--cache-mem must be a positive number of MiB")
+        if self.moe_cache_mem is not None and self.moe_cache_mem < 0:
+            raise TurboSpecError("--moe-cache-mem must be >= 0 MiB")
         if self.ctx_checkpoints < 0:
             raise TurboSpecError("--ctx-checkpoints must be >= 0")
         if self.threads is not None and self.threads <= 0:

@@ -17,6 +17,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="matrices: auto = as stored (float in --dtype; a GGUF file's Q8_0/Q4_0/Q4_K blocks stay "
                         "packed), or quantize float matrices at load to q8_0 | q4_0 | q4_k (default auto)")
+    p.add_argument("--moe-cache-mem", type=int, default=None, metavar="MIB",
+                   help="mixture-of-experts models: MiB of routed experts kept in memory; an expert loads when a "
+                        "token first routes to it (a GGUF file's packed experts are mapped, not copied) and the least "
+                        "recently used go first (default: every expert loaded at start)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prefill chunk size (default 512)")
@@ -118,7 +122,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, dtype=a.dtype, weights=a.weights, threads=a.threads, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
         cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, spec=spec_config(a),
-        prefix_cache=not a.no_prefix_cache,
+        prefix_cache=not a.no_prefix_cache, moe_cache_mem=a.moe_cache_mem,
     )
 
 

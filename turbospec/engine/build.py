@@ -48,12 +48,13 @@ def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     tokenizer: Tokenizer | None
+    budget = None if config.moe_cache_mem is None else config.moe_cache_mem << 20
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
-        model = load_gguf(f, config.dtype, config.weights)
+        model = load_gguf(f, config.dtype, config.weights, budget)
         tokenizer = Tokenizer.from_gguf(f.meta) if "tokenizer.ggml.model" in f.meta else None
     else:
-        model = load_model(path, config.dtype, config.weights)
+        model = load_model(path, config.dtype, config.weights, budget)
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
     return path, model, tokenizer
 

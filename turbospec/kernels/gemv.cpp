@@ -552,6 +552,17 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
   return out_mlp(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
 }
 
+// layer_decode's attention half, for layers whose feed-forward is not one SwiGLU MLP (mixture of experts):
+// (attention output [N, nh*hd], the qkv rows holding the output gate). Each row equals its single-token step.
+std::vector<torch::Tensor> attn_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
+                                       c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
+                                       c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
+                                       int64_t nh, int64_t nkv, int64_t hd, bool gated, torch::Tensor kc,
+                                       torch::Tensor vc, int64_t pos, double scale, std::vector<int64_t> parents) {
+  auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+  return {attn::decode_step(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents), qkv};
+}
+
 // ---- A Gated DeltaNet decoder layer for a few tokens: norm + input projection, the mixer, out_mlp ----
 #define TURBOSPEC_EMBED_DELTANET
 namespace gdn {
@@ -789,6 +800,7 @@ torch::Tensor hugepage_zeros(std::vector<int64_t> sizes, at::ScalarType dtype) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_decode", &layer_decode, "a decoder layer for one token over a plain KV cache");
+  m.def("attn_decode", &attn_decode, "layer_decode's attention half (for mixture-of-experts layers)");
   m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");

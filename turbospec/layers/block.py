@@ -21,6 +21,8 @@ from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear, skinny_rows
+from turbospec.layers.moe import MoE
+from turbospec.layers.norm import rms_norm
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENABLED = env.FUSED  # read once (TURBOSPEC_NO_FUSED): this is checked per layer per token
@@ -41,6 +43,45 @@ def fusable(x: torch.Tensor, mlp, norm: torch.Tensor, mixer):
     if not isinstance(mlp, MLP) or not all(isinstance(m, Linear) for m in (*mlp.linears(), *mixer.linears())):
         return None
     return kernel_for(x, norm)
+
+
+def fusable_moe(x: torch.Tensor, moe, norm: torch.Tensor, mixer):
+    """`kernel_for(x, norm)` for a layer whose feed-forward is a mixture of experts (`moe_layer`), else None."""
+    if not isinstance(moe, MoE) or not all(isinstance(m, Linear) for m in mixer.linears()):
+        return None
+    return kernel_for(x, norm)
+
+
+def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tensor, post_norm: torch.Tensor,
+              eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache,
+              layer: int) -> torch.Tensor:
+    """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
+    `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
+    `moe_tail`."""
+    n = x.shape[0]
+    if ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
+            and plan.start == cache.length):
+        a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
+                               cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
+                               plan.parents if plan.mask is not None else [])
+        gate = attn.split(qkv, n)[3]
+    else:
+        qkv = k.attn_in(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
+                        rope[1], attn.nh, attn.nkv, attn.hd, attn.gated)
+        q, kk, v, gate = attn.split(qkv, n)
+        a = attn.mix(q, kk, v, plan, cache, layer)
+    return moe_tail(x, a, gate, attn.o, moe, post_norm, eps, zc)
+
+
+def moe_tail(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, moe: MoE, post_norm: torch.Tensor,
+             eps: float, zc: bool) -> torch.Tensor:
+    """x1 = x + o(a * sigmoid(gate)); x1 + moe(norm(x1)): every op row by row, so a row's result does not depend
+    on the other rows of the step."""
+    if gate is not None:
+        a = a * torch.sigmoid(gate)
+    x = x + o(a)
+    return x + moe(rms_norm(x, post_norm, eps, zc))
 
 
 def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor,

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from turbospec.layers.attention import MLP
 from turbospec.layers.linear import Linear, SplitLinear
@@ -97,8 +96,10 @@ class MoE:
                  shared: MLP | None, shared_gate: torch.Tensor | None, cache: ExpertCache, layer: int,
                  expert_bytes: int):
         self.router, self.num_experts, self.load = router, num_experts, load
+        self.router_proj = Linear(router, hugepages=False)  # few rows: the kernel, each row on its own
         self.top_k, self.norm_topk = top_k, norm_topk
         self.shared, self.shared_gate = shared, shared_gate
+        self.shared_gate_proj = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
         self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
         if cache.budget is None:  # no budget: every expert now, as the other weights
             for e in range(num_experts):
@@ -109,7 +110,7 @@ class MoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in x's dtype, expert indices [N, k]) as transformers' top-k router."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        probs = torch.softmax(self.router_proj(x).float(), dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(-1, keepdim=True)
@@ -126,7 +127,7 @@ class MoE:
                 rows, slot = torch.where(idx == e)
                 out.index_add_(0, rows, self.expert(e)(x[rows]) * top[rows, slot, None])
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            out = out + torch.sigmoid(self.shared_gate_proj(x)) * self.shared(x)
         return out
 
     @property

@@ -130,7 +130,7 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise TurboSpecError(f"config.json must hold a JSON object, got {type(d).__name__}")
         arch = d.get("model_type")
-        if arch in MULTIMODAL and "text_config" in d:
+        if isinstance(arch, str) and arch in MULTIMODAL and "text_config" in d:
             if not isinstance(d["text_config"], dict):
                 raise TurboSpecError("config.json: text_config must be a JSON object")
             inner = dict(d["text_config"])

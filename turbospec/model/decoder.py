@@ -34,6 +34,10 @@ class DecoderLayer:
         if k is not None:  # decode / verification: two C++ calls around the attention
             return block.attention_layer(k, x, self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc,
                                          rope, plan, cache, layer)
+        k = block.fusable_moe(x, self.mlp, self.in_norm, self.attn)
+        if k is not None:  # a mixture-of-experts layer's decode / verification
+            return block.moe_layer(k, x, self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc, rope,
+                                   plan, cache, layer)
         x = x + self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
 

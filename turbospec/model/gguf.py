@@ -2,12 +2,15 @@
 (dequantized by the `gguf` package to the model's dtype), so that the model classes build from a `.gguf` file
 exactly as from a checkpoint directory.
 
-Architectures: `qwen3`, `qwen2`, `llama` (dense) and `qwen35` (the Qwen3.5 hybrid, with its `nextn` MTP block as
-the checkpoint's `mtp.*`). Tensor types: `TYPES`. `get` undoes what llama.cpp's
-converter did to a tensor (llama's permuted q/k rows; for qwen35 the +1 on norm weights, -exp(A_log), the squeezed
-conv1d, the tiled value heads), so the tensors are the checkpoint's again. Matrices stored as Q8_0, Q4_0 or Q4_K
-stay packed (`matrix`: the file's blocks, rows reordered where the converter reordered them); other quantized
-types are dequantized by the `gguf` package to the model's dtype."""
+Architectures: `qwen3`, `qwen2`, `llama` (dense), `qwen3moe` (Qwen3-MoE), `qwen35` and `qwen35moe` (the Qwen3.5
+hybrid and its mixture-of-experts variant, with the `nextn` MTP block as the checkpoint's `mtp.*`). Tensor types:
+`TYPES`. `get` undoes what llama.cpp's converter did to a tensor (llama's permuted q/k rows; for qwen35 / qwen35moe
+the +1 on norm weights, -exp(A_log), the squeezed conv1d, the tiled value heads), so the tensors are the
+checkpoint's again. Matrices stored as Q8_0, Q4_0, Q4_K or Q6_K stay packed (`matrix`: the file's blocks, rows
+reordered where the converter reordered them); other quantized types are dequantized by the `gguf` package to the
+model's dtype. A MoE layer's experts are the file's stacked `ffn_{gate,up,down}_exps` (or a fused
+`ffn_gate_up_exps`) tensors under the names `decoder.load_moe` asks for (`experts.gate_proj` [E, I, H], ...), read
+one expert at a time (`expert_matrix`: a view of the memory map for packed types)."""
 
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ from turbospec.errors import TurboSpecError
 from turbospec.kernels.gemv import load_kernel
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
-from turbospec.weights import BY_GGUF_TYPE, packable, release, trim_heap
+from turbospec.weights import BY_GGUF_TYPE, consume, packable, release, trim_heap
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen35")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen35", "qwen35moe")
+HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (llama.cpp's converter reorders their tensors)
+MOE = ("qwen3moe", "qwen35moe")
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}  # else the same
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
          # what llama-quantize falls back to for rows not a multiple of 256 values, and other common ones
          "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
@@ -78,6 +84,18 @@ HYBRID_LAYER_NAMES = {  # qwen35 (Qwen3.5 / 3.6 hybrid), per layer: Hugging Face
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+MOE_LAYER_NAMES = {  # qwen3moe / qwen35moe, per layer: Hugging Face suffix -> GGUF suffix
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # the router [E, H]
+    # the experts stacked [E, out, in], as `decoder.load_moe` names them (no .weight)
+    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.experts.gate_up_proj": "ffn_gate_up_exps.weight",  # llama.cpp's fused variant: [E, 2I, H], gate rows first
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",  # [1, H] (ggml: {H, 1})
+}
 MTP_NAMES = {  # the MTP block, stored by llama.cpp as layer n_layers ("nextn"): Hugging Face -> GGUF suffix
     "mtp.fc.weight": "nextn.eh_proj.weight",
     "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
@@ -122,21 +140,26 @@ class GGUFFile:
     def config(self) -> ModelConfig:
         """The hyperparameters as the Hugging Face config.json the file was converted from would give them."""
         d = self._dense_config()
-        if self.arch != "qwen35":
+        if self.arch in MOE:
+            d.update(self._moe_config(d))
+        d["model_type"] = MODEL_TYPES.get(str(self.arch), self.arch)
+        if self.arch not in HYBRID:
             return ModelConfig.from_dict(d)
         # the hybrid: block_count counts the MTP ("nextn") layers too; the rest is the ssm.* keys
         n_mtp = int(self.key("nextn_predict_layers", 0) or 0)
         n = d["num_hidden_layers"] = int(d["num_hidden_layers"]) - n_mtp
         recurrent = self.key("attention.recurrent_layers")
         if not isinstance(recurrent, list) or len(recurrent) < n:
-            raise TurboSpecError(f"{self.path.name}: metadata qwen35.attention.recurrent_layers is missing or short")
+            raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.attention.recurrent_layers is missing or "
+                                 "short")
         ssm = {k: self.key(f"ssm.{k}") for k in ("conv_kernel", "state_size", "group_count", "time_step_rank",
                                                    "inner_size")}
         missing = [k for k, v in ssm.items() if not isinstance(v, int) or v <= 0]
         if missing:
-            raise TurboSpecError(f"{self.path.name}: metadata qwen35.ssm.{missing[0]} is missing or not positive")
+            raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.ssm.{missing[0]} is missing or not "
+                                 "positive")
         rope_dim = self.key("rope.dimension_count", d["head_dim"])
-        d.update(model_type="qwen3_5_text", mtp_num_hidden_layers=n_mtp,
+        d.update(mtp_num_hidden_layers=n_mtp,
                  layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:n]],
                  full_attention_interval=self.key("full_attention_interval", 4),
                  linear_conv_kernel_dim=ssm["conv_kernel"], linear_key_head_dim=ssm["state_size"],
@@ -146,12 +169,53 @@ class GGUFFile:
                                   "partial_rotary_factor": rope_dim / d["head_dim"]})
         return ModelConfig.from_dict(d)
 
+    def _moe_config(self, d: dict[str, Any]) -> dict[str, Any]:
+        """The mixture-of-experts fields, as llama.cpp reads them: expert_count, expert_used_count,
+        expert_feed_forward_length (else feed_forward_length / experts used), the shared expert's
+        expert_shared_feed_forward_length (else feed_forward_length). llama.cpp renormalises the top-k weights for
+        both architectures (`expert_weights_norm`, which its converter does not write for them, is honoured when
+        present: turbospec's export writes false for a Qwen3-MoE checkpoint with norm_topk_prob false). Qwen3-MoE
+        layers without a router (`ffn_gate_inp`) are the checkpoint's mlp_only_layers."""
+        experts, used = self._count("expert_count"), self._count("expert_used_count")
+        ff = self.key("feed_forward_length")
+        inter = self._count("expert_feed_forward_length", False)
+        if not inter:
+            if not isinstance(ff, int) or ff < used:
+                raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.expert_feed_forward_length is missing")
+            inter = ff // used
+        if d.get("intermediate_size") is None:  # (the converter writes it only when the config.json has it)
+            d["intermediate_size"] = inter
+        out: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": inter,
+                               "norm_topk_prob": bool(self.key("expert_weights_norm", True))}
+        if self.arch == "qwen35moe":
+            shared = self._count("expert_shared_feed_forward_length", False)
+            out["shared_expert_intermediate_size"] = shared or d["intermediate_size"]
+        else:
+            n = d["num_hidden_layers"] if isinstance(d["num_hidden_layers"], int) else 0
+            out.update(decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors])
+        return out
+
+    def _count(self, name: str, required: bool = True) -> int:
+        """A positive integer metadata value (llama.cpp also takes one per layer: then all must be equal); 0 when
+        it is absent (or 0) and not `required`."""
+        v = self.key(name)
+        if isinstance(v, list) and v and all(x == v[0] for x in v):
+            v = v[0]
+        if not required and (v is None or v == 0):
+            return 0
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            what = "is missing" if v is None else f"must be a positive integer (the same for every layer), got " \
+                f"{str(v)[:40]}"
+            raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.{name} {what}")
+        return v
+
     def _dense_config(self) -> dict[str, Any]:
         need = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
                 "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
         d: dict[str, Any] = {"model_type": self.arch}
         for k, hf in need.items():
-            if self.key(k) is None:
+            if self.key(k) is None and not (k == "feed_forward_length" and self.arch in MOE):  # (MoE: optional)
                 raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.{k} is missing")
             d[hf] = self.key(k)
         heads = d["num_attention_heads"]
@@ -186,19 +250,22 @@ class GGUFWeights(IndexedSource):
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig):
         self.f, self.cfg = f, cfg
+        self.hybrid = f.arch in HYBRID
         self.index: dict[str, str] = {}
         self.tiled: dict[str, int] = {}  # value_tiling
         for hf, g in GLOBAL_NAMES.items():
             if g in f.tensors:
                 self.index[hf] = g
-        layer = HYBRID_LAYER_NAMES if f.arch == "qwen35" else LAYER_NAMES
+        layer = HYBRID_LAYER_NAMES if self.hybrid else LAYER_NAMES
+        if f.arch in MOE:
+            layer = {**layer, **MOE_LAYER_NAMES}
         for i in range(cfg.num_layers):
             for hf, g in layer.items():
                 if f"blk.{i}.{g}" in f.tensors:
                     self.index[f"model.layers.{i}.{hf}"] = f"blk.{i}.{g}"
-        if f.arch == "qwen35" and f"blk.{cfg.num_layers}.nextn.eh_proj.weight" in f.tensors:  # the MTP block
+        if self.hybrid and f"blk.{cfg.num_layers}.nextn.eh_proj.weight" in f.tensors:  # the MTP block
             n = cfg.num_layers
-            names = {**MTP_NAMES, **{f"mtp.layers.0.{hf}": g for hf, g in HYBRID_LAYER_NAMES.items()}}
+            names = {**MTP_NAMES, **{f"mtp.layers.0.{hf}": g for hf, g in layer.items()}}
             for hf, g in names.items():
                 if f"blk.{n}.{g}" in f.tensors:
                     self.index[hf] = f"blk.{n}.{g}"
@@ -222,7 +289,7 @@ class GGUFWeights(IndexedSource):
             return super().matrix(name, dtype, shape)  # (trims the heap itself)
         trim_heap()
         col_unit = fmt.block_values
-        lin = self.cfg.linear_dims() if self.f.arch == "qwen35" else {}
+        lin = self.cfg.linear_dims() if self.hybrid else {}
         tiled = (name.endswith("out_proj.weight") and bool(lin) and lin["num_v_heads"] != lin["num_k_heads"]
                  and lin["v_head_dim"] % col_unit != 0)  # a value head is not whole blocks: keep the file's order
         if (int(t.shape[1]), int(t.shape[0])) != tuple(shape):
@@ -243,6 +310,49 @@ class GGUFWeights(IndexedSource):
     def value_tiling(self, name: str) -> int:
         return self.tiled.get(name, 1)
 
+    def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        """Expert `index` of a stacked [E, out, in] tensor, only its bytes read: Q8_0 / Q4_0 / Q4_K / Q6_K blocks
+        [out, blocks, block bytes] as a view of the memory map (no copy: its pages come in as the kernel reads
+        them); other types as values in `dtype` (quantized ones dequantized by the `gguf` package), or packed per
+        `pack` (--weights)."""
+        t, data = self._expert(name, index, shape)
+        fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
+        if fmt is not None and load_kernel() is not None and packable(fmt, shape):
+            return _mapped(data.reshape(shape[0], shape[1] // fmt.block_values, fmt.block_bytes))
+        out = self._expert_values(t, data, shape)
+        if self.pack is not None and packable(self.pack, shape):
+            return consume(out, self.pack)
+        return out.to(dtype)
+
+    def stacked_part(self, name: str, index: int) -> torch.Tensor:
+        """Part `index` of a stacked tensor as values (that part's bytes only)."""
+        t = self._tensor(name)
+        dims = tuple(int(n) for n in reversed(t.shape.tolist()))
+        t, data = self._expert(name, index, dims[1:])
+        return self._expert_values(t, data, dims[1:])
+
+    def _expert(self, name: str, index: int, shape: tuple[int, ...]):
+        """The tensor behind `name` (checked against [experts, *shape]) and expert `index`'s slice of the map."""
+        t = self._tensor(name)
+        dims = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims innermost first
+        want = (self.cfg.moe()["experts"], *shape)
+        if dims != want:
+            raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has shape {dims}, the config implies {want}")
+        if not 0 <= index < dims[0]:
+            raise TurboSpecError(f"{self.f.path.name}: tensor {t.name} has {dims[0]} experts, no expert {index}")
+        return t, t.data[index]
+
+    def _expert_values(self, t, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        """One expert's slice as a float tensor of its own (F32 / F16 as stored, others dequantized), its file pages
+        dropped."""
+        try:
+            x = _values(data, t.tensor_type).reshape(shape)
+        except (ValueError, IndexError) as e:
+            raise TurboSpecError(f"{self.f.path.name}: cannot read tensor {t.name} ({_one_line(e)})") from None
+        out = torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x))
+        _release(data)
+        return out
+
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         t = self._tensor(name)
         rows = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims innermost first
@@ -262,7 +372,7 @@ class GGUFWeights(IndexedSource):
         if self.f.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
             out = unpermute_rope(out, heads)
-        if self.f.arch == "qwen35":
+        if self.hybrid:
             out = self._undo_qwen35(name, self.index[name], out, col_unit)
         return out
 

@@ -1,29 +1,45 @@
 """Write a checkpoint directory as a llama.cpp GGUF file, laid out as llama.cpp's convert_hf_to_gguf.py lays it out
 (its tensor names, metadata keys and tensor transforms, the inverse of what `turbospec.model.gguf` undoes), so that
 llama.cpp loads and runs it — the hybrid with its MTP block, which llama.cpp's `--spec-type draft-mtp` uses — and
-turbospec loads it back to the same tensors.
+turbospec loads it back to the same tensors. Architectures: qwen3, qwen2, llama, qwen3moe (Qwen3-MoE), qwen35
+(Qwen3.5) and qwen35moe (Qwen3.5-MoE); a MoE layer's experts are stacked into llama.cpp's 3-D `ffn_*_exps`.
 
 Types: f32, f16, bf16, q8_0, q4_0 (the `gguf` package's quantizers) and q4_k (turbospec's port of llama.cpp's
-reference quantizer, `turbospec.weights.quantize`) for the matrices; 1-D tensors stay f32, as llama.cpp keeps them.
-Rows that are not whole blocks stay f32, except q4_k's, which fall back to Q5_0 as `llama-quantize` does."""
+reference quantizer, `turbospec.weights.quantize`) for the matrices and experts; 1-D tensors, the conv1d kernel and
+the routers stay f32, as llama.cpp keeps them. Rows that are not whole blocks stay f32, except q4_k's, which fall
+back to Q5_0 as `llama-quantize` does."""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
-from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
-from turbospec.model.gguf import GLOBAL_NAMES, HYBRID_LAYER_NAMES, LAYER_NAMES, MTP_NAMES
+from turbospec.model.config import ModelConfig
+from turbospec.model.gguf import (
+    GLOBAL_NAMES,
+    HYBRID,
+    HYBRID_LAYER_NAMES,
+    LAYER_NAMES,
+    MOE,
+    MOE_LAYER_NAMES,
+    MTP_NAMES,
+)
 from turbospec.model.loader import WeightSource
 from turbospec.tokenizer import _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE
 from turbospec.weights import quantize
 
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
+log = logging.getLogger("turbospec")
 
 
 def tile_v_heads(x: torch.Tensor, dim: int, nk: int, r: int, d: int) -> torch.Tensor:
@@ -104,7 +120,9 @@ def tokenizer_metadata(model_dir: Path, vocab_size: int) -> dict[str, Any]:
 
 def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
                 progress: Callable[[int, int], None] | None = None) -> Path:
-    """Write `model_dir` (a dense or Qwen3.5 checkpoint, with its tokenizer) as the GGUF file `out`."""
+    """Write `model_dir` (a dense, Qwen3-MoE, Qwen3.5 or Qwen3.5-MoE checkpoint, with its tokenizer) as the GGUF file
+    `out`. Tensors are converted and written one at a time (a MoE layer's experts one stacked tensor at a time,
+    read expert by expert): the export holds one output tensor, not the model."""
     import gguf
 
     if kind not in EXPORT_TYPES:
@@ -113,28 +131,37 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
     model_dir, out = Path(model_dir), Path(out)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    hybrid = cfg.arch in HYBRID_ARCHS
-    if cfg.arch not in DENSE_ARCHS + ("qwen3_5_text", "qwen3_5"):
-        raise TurboSpecError(f"cannot export architecture {cfg.arch!r} (dense models and Qwen3.5)")
-    arch = "qwen35" if hybrid else cfg.arch
+    arch = EXPORT_ARCHS.get(cfg.arch)
+    if arch is None:
+        raise TurboSpecError(f"cannot export architecture {cfg.arch!r} (dense models, Qwen3-MoE, Qwen3.5 and "
+                             "Qwen3.5-MoE)")
+    hybrid, moe = arch in HYBRID, arch in MOE
     ws = WeightSource(model_dir)
     prefix = "model.language_model" if ws.has("model.language_model.embed_tokens.weight") else "model"
     n = cfg.num_layers
     names = {hf.replace("model.", f"{prefix}.", 1): g for hf, g in GLOBAL_NAMES.items()}
     layer = HYBRID_LAYER_NAMES if hybrid else LAYER_NAMES
+    if moe:  # the router and the shared expert; the routed experts are stacked below
+        layer = {**layer, **{hf: g for hf, g in MOE_LAYER_NAMES.items() if ".experts." not in hf}}
     for i in range(n):
         names.update({f"{prefix}.layers.{i}.{hf}": f"blk.{i}.{g}" for hf, g in layer.items()})
     has_mtp = hybrid and ws.has("mtp.fc.weight")
     if has_mtp:
         names.update({hf: f"blk.{n}.{g}" for hf, g in MTP_NAMES.items()})
-        names.update({f"mtp.layers.0.{hf}": f"blk.{n}.{g}" for hf, g in HYBRID_LAYER_NAMES.items()})
+        names.update({f"mtp.layers.0.{hf}": f"blk.{n}.{g}" for hf, g in layer.items()})
+    # MoE feed-forwards: (Hugging Face prefix, GGUF block)
+    moe_blocks = [(f"{prefix}.layers.{i}.mlp", i) for i in range(n)
+                  if moe and ws.has(f"{prefix}.layers.{i}.mlp.gate.weight")]
+    if has_mtp and moe and ws.has("mtp.layers.0.mlp.gate.weight"):
+        moe_blocks.append(("mtp.layers.0.mlp", n))
 
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(n + int(has_mtp))
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if not moe or cfg.raw.get("intermediate_size") is not None:  # (llama.cpp's converter: when the config has it)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
@@ -157,38 +184,152 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
         w.add_full_attention_interval(int(cfg.raw.get("full_attention_interval", 4)))
         if has_mtp:
             w.add_nextn_predict_layers(1)
+    m = cfg.moe()
+    if moe:
+        _moe_metadata(w, arch, cfg, m, [b for _, b in moe_blocks])
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k": 15}[kind])
     if (model_dir / "tokenizer.json").exists():
         for key, value in tokenizer_metadata(model_dir, cfg.vocab_size).items():
             _add(w, key, value)
 
-    todo = [hf for hf in ws.names() if hf in names]
-    for done, hf in enumerate(sorted(todo)):
-        g = names[hf]
-        x = ws.get(hf, torch.float32)
-        if cfg.arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
-            x = permute_rope(x, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
-        if hybrid:
-            x = _convert_qwen35(hf, g, x, lin)
-        a = x.numpy()
-        # matrices in the chosen type; vectors and the conv1d kernel (llama.cpp's ssm_conv needs F32) in F32
-        matrix = a.ndim == 2 and kind != "f32" and not g.endswith("ssm_conv1d.weight")
-        q5_0 = gguf.GGMLQuantizationType.Q5_0
-        if matrix and kind == "q4_k" and a.shape[1] % 256 == 0:
-            w.add_tensor(g, quantize(x, "q4_k").numpy().reshape(a.shape[0], -1), raw_dtype=qtype)
-        elif matrix and kind == "q4_k" and a.shape[1] % 32 == 0:  # llama-quantize's fallback
-            w.add_tensor(g, gguf.quants.quantize(a, q5_0), raw_dtype=q5_0)
-        elif matrix and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(g, a)
-        if progress is not None:
-            progress(done + 1, len(todo))
+    shapes = _Shapes(ws)
+    jobs: list[tuple[str, tuple[int, ...], Callable[[Any], Any]]] = []  # (GGUF name, shape, encode(qtype))
+    for hf in sorted(hf for hf in ws.names() if hf in names):
+        g, shape = names[hf], shapes(hf)
+        if hybrid and hf.endswith("conv1d.weight"):  # squeezed
+            shape = (shape[0], math.prod(shape[1:]))
+        jobs.append((g, shape, partial(_one, ws, cfg, hf, g, lin)))
+    e, h, inter = m["experts"], cfg.hidden_size, m["inter"]
+    for p, b in moe_blocks:
+        read = _expert_reader(ws, f"{p}.experts")
+        for proj in ("gate", "up", "down"):
+            mat = (h, inter) if proj == "down" else (inter, h)
+            jobs.append((f"blk.{b}.ffn_{proj}_exps.weight", (e, *mat), partial(_stack, read, proj, e, mat)))
+
+    types = [_tensor_type(g, shape, kind, qtype) for g, shape, _ in jobs]
+    for (g, shape, _), qt in zip(jobs, types):
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        w.add_tensor_info(g, shape, np.dtype(np.float32), math.prod(shape[:-1]) * (shape[-1] // block) * size, qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for done, ((_, _, encode), qt) in enumerate(zip(jobs, types)):
+        w.write_tensor_data(encode(qt))
+        if progress is not None:
+            progress(done + 1, len(jobs))
     w.close()
     return out
+
+
+EXPORT_ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe",
+                "qwen3_5_text": "qwen35", "qwen3_5": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+                "qwen3_5_moe": "qwen35moe"}  # config.json model_type -> llama.cpp architecture
+F32_MATRICES = ("ssm_conv1d.weight",  # llama.cpp's ssm_conv needs F32
+                "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # routers: F32, as llama.cpp's converter
+
+
+def _moe_metadata(w, arch: str, cfg: ModelConfig, m: dict[str, Any], blocks: list[int]) -> None:
+    """The expert keys llama.cpp's converter writes (expert_count, expert_used_count, expert_feed_forward_length,
+    expert_shared_feed_forward_length when the config has it). llama.cpp runs every qwen3moe block as a MoE and
+    renormalises the top-k weights: a checkpoint that does neither still exports (turbospec loads it as it is, with
+    `expert_weights_norm` false), with a warning that llama.cpp will not run it as transformers does."""
+    w.add_expert_count(m["experts"])
+    w.add_expert_used_count(m["top_k"])
+    w.add_expert_feed_forward_length(m["inter"])
+    if cfg.raw.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(m["shared_inter"])
+    if arch != "qwen3moe":
+        return
+    if not m["norm_topk"]:
+        w.add_expert_weights_norm(False)
+        log.warning("norm_topk_prob is false: llama.cpp renormalises the top-k expert weights of qwen3moe files "
+                    "regardless, so its output will differ from transformers' (turbospec follows the checkpoint)")
+    dense = [i for i in range(cfg.num_layers) if i not in blocks]
+    if dense:
+        log.warning("layers %s have a dense feed-forward (mlp_only_layers / decoder_sparse_step): turbospec loads "
+                    "the file, llama.cpp's qwen3moe needs every layer to be a MoE and will not", dense)
+
+
+class _Shapes:
+    """Tensor shapes from the safetensors headers (no data read)."""
+
+    def __init__(self, ws: WeightSource):
+        self.ws = ws
+        self.handles: dict[Path, Any] = {}
+
+    def __call__(self, name: str) -> tuple[int, ...]:
+        f = self.ws.index[name]
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(f), framework="pt")
+        return tuple(self.handles[f].get_slice(name).get_shape())
+
+
+def _one(ws: WeightSource, cfg: ModelConfig, hf: str, g: str, lin: dict[str, int], qt) -> Any:
+    """Tensor `hf` as llama.cpp's converter writes it (`g`), in type `qt`."""
+    x = ws.get(hf, torch.float32)
+    if cfg.arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        x = permute_rope(x, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
+    if lin:  # the hybrids
+        x = _convert_qwen35(hf, g, x, lin)
+    return _encode(x.contiguous(), qt)
+
+
+def _expert_reader(ws: WeightSource, x: str) -> Callable[[str, int], torch.Tensor]:
+    """proj ("gate", "up", "down"), expert -> its matrix, from per-expert tensors (`experts.{e}.gate_proj.weight`,
+    as transformers saves them), transformers-5's stacked `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj`,
+    or stacked `experts.gate_proj` [E, I, H]: that expert's bytes only."""
+    if ws.has(f"{x}.gate_up_proj"):
+        def read(proj: str, e: int) -> torch.Tensor:
+            if proj == "down":
+                return ws.stacked_part(f"{x}.down_proj", e)
+            gu = ws.stacked_part(f"{x}.gate_up_proj", e)
+            half = gu.shape[0] // 2
+            return gu[:half] if proj == "gate" else gu[half:]
+        return read
+    if ws.has(f"{x}.gate_proj"):
+        return lambda proj, e: ws.stacked_part(f"{x}.{proj}_proj", e)
+    return lambda proj, e: ws.get(f"{x}.{e}.{proj}_proj.weight")
+
+
+def _stack(read: Callable[[str, int], torch.Tensor], proj: str, experts: int, shape: tuple[int, int], qt) -> Any:
+    """The experts' `proj` matrices as one [E, out, in] tensor in `qt`, converted one expert at a time."""
+    out = None
+    for e in range(experts):
+        x = read(proj, e)
+        if tuple(x.shape) != shape:
+            raise TurboSpecError(f"expert {e}'s {proj}_proj has shape {tuple(x.shape)}, the config implies {shape}")
+        a = _encode(x.float().contiguous(), qt)
+        if out is None:
+            out = np.empty((experts, *a.shape), a.dtype)
+        out[e] = a
+    return out
+
+
+def _tensor_type(g: str, shape: tuple[int, ...], kind: str, qtype):
+    """A tensor's type in the file: matrices (and stacked experts) in the chosen type, vectors, the conv1d kernel
+    and the routers in F32; rows that are not whole blocks F32, except q4_k's, which fall back to Q5_0 as
+    `llama-quantize` does."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if kind == "f32" or len(shape) < 2 or g.endswith(F32_MATRICES):
+        return q.F32
+    cols = shape[-1]
+    if kind == "q4_k":
+        return q.Q4_K if cols % 256 == 0 else q.Q5_0 if cols % 32 == 0 else q.F32
+    return qtype if cols % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else q.F32
+
+
+def _encode(x: torch.Tensor, qt) -> Any:
+    """A float32 tensor as the bytes (or values) of type `qt`, rows along the last dimension."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if qt == q.F32:
+        return x.numpy()
+    if qt == q.Q4_K:  # turbospec's port of llama.cpp's reference quantizer
+        return quantize(x.reshape(-1, x.shape[-1]), "q4_k").numpy().reshape(*x.shape[:-1], -1)
+    return gguf.quants.quantize(x.numpy(), qt)
 
 
 def _convert_qwen35(hf: str, g: str, x: torch.Tensor, lin: dict[str, int]) -> torch.Tensor:

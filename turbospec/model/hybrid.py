@@ -112,11 +112,15 @@ class HybridLayer:
         if k is not None and self.kind == "full_attention":  # decode / verification: fused C++ calls
             return block.attention_layer(k, x, self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True,
                                          rope, plan, cache.kv, self.slot)
+        km = block.fusable_moe(x, self.mlp, self.in_norm, self.mixer)
+        if km is not None and self.kind == "full_attention":
+            return block.moe_layer(km, x, self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True, rope,
+                                   plan, cache.kv, self.slot)
         if self.kind == "full_attention":
             x = x + self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot)
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
         if isinstance(cache, HybridBatch):
-            return self._gdn_batch(x, cache, k)
+            return self._gdn_batch(x, cache, k, km)
         conv, ssm = cache.gdn_state(self.slot)
         gdn = self.mixer
         if (k is not None and cache.track_all_states and load_gdn_kernel() is not None
@@ -129,10 +133,12 @@ class HybridLayer:
                 self.mlp.down.bias)
             cache.gdn_stash(self.slot, window, states)
             return x
-        if k is not None:
-            proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+        if k is not None or km is not None:
+            proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
             o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
             cache.gdn_stash(self.slot, window, states)
+            if km is not None:
+                return block.moe_tail(x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
             return block.out_mlp(k, x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         y, window, states = gdn(rms_norm(x, self.in_norm, self.eps, True), conv, ssm, cache.track_all_states,
                                 cache.tree_parents)
@@ -140,12 +146,12 @@ class HybridLayer:
         x = x + y
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
-    def _gdn_batch(self, x: torch.Tensor, cache: HybridBatch, k) -> torch.Tensor:
+    def _gdn_batch(self, x: torch.Tensor, cache: HybridBatch, k, km) -> torch.Tensor:
         """A Gated DeltaNet layer over many sequences' rows: the projections and the MLP over all rows at once, the
         conv and recurrence segment by segment from each sequence's own states."""
         gdn = self.mixer
-        if k is not None:
-            proj = k.norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+        if k is not None or km is not None:
+            proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
         else:
             proj = gdn.proj(rms_norm(x, self.in_norm, self.eps, True))
         outs = []
@@ -156,6 +162,8 @@ class HybridLayer:
             cache.gdn_stash(i, self.slot, window, states)
             outs.append(o)
         o = gdn.out_order(torch.cat(outs) if len(outs) > 1 else outs[0])
+        if km is not None:
+            return block.moe_tail(x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         if k is not None:
             return block.out_mlp(k, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         x = x + gdn.out(o)

@@ -1,0 +1,214 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE): exactness against transformers, the expert cache's budget,
+batched rows equal to single rows, speculation on a MoE target (its MTP layer MoE too), packed experts."""
+
+import pytest
+import torch
+
+from tests.hf_moe import VARIANTS, build
+from tests.hf_tiny import hf_logits
+from turbospec.config import EngineConfig, SpecConfig
+from turbospec.engine import Engine
+from turbospec.errors import TurboSpecError
+from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.moe import ExpertCache, MoE
+from turbospec.model import load_model
+from turbospec.model.config import ModelConfig
+from turbospec.sampling import SamplingParams
+from turbospec.weights import is_packed
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    paths = {name: build(name, out) for name in VARIANTS}
+    paths["qwen3_5_moe_mtp"] = build("qwen3_5_moe", out, mtp=True)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def refs(ckpts):
+    ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(1))
+    return ids, {name: hf_logits(ckpts[name], ids) for name in VARIANTS}
+
+
+def run(model, ids, cache):
+    h = model.forward(ids, AttentionPlan.causal(cache.length, ids.numel()), cache)
+    cache.commit()
+    return model.logits(h)
+
+
+def prefill_then_decode(model, ids, prefill=32, chunk=8):
+    cache = model.new_cache(128)
+    rows = [run(model, ids[s:s + chunk], cache) for s in range(0, prefill, chunk)]
+    rows += [run(model, ids[t:t + 1], cache) for t in range(prefill, ids.numel())]
+    return torch.cat(rows)
+
+
+def moe_layers(model):
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_matches_transformers(ckpts, refs, name):
+    """Whole-prompt forward, and chunked prefill followed by decode, equal transformers' logits."""
+    ids, ref = refs
+    model = load_model(ckpts[name], "float32")
+    cfg = model.cfg
+    expected = [cfg.moe_layer(i) for i in range(cfg.num_layers)]
+    assert [isinstance(layer.mlp, MoE) for layer in model.layers] == expected and any(expected)
+    if name == "qwen3_moe":
+        assert expected == [True, False, True, True]  # mlp_only_layers [1]
+    if name == "qwen3_moe_sparse":
+        assert expected == [False, True, False, True] and not moe_layers(model)[0].norm_topk
+    r = ref[name]
+    assert r.abs().max() > 0.5
+    assert (run(model, ids, model.new_cache(128)) - r).abs().max().item() < TOL
+    assert (prefill_then_decode(model, ids) - r).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_expert_budget_same_logits_and_counts(ckpts, refs, name):
+    """A budget of 2/3 of the experts (8 per layer, 3-4 MoE layers): experts load when routed to and leave least
+    recently used first; the logits are the same as with every expert loaded."""
+    ids, _ = refs
+    full = load_model(ckpts[name], "float32")
+    n_moe = len(moe_layers(full))
+    assert full.experts.stats.misses == n_moe * 8 and full.experts.budget is None  # all loaded at start
+    one = moe_layers(full)[0].expert_bytes
+    budget = n_moe * 8 * 2 // 3 * one
+    small = load_model(ckpts[name], "float32", moe_cache_mem=budget)
+    assert small.experts.used == 0 and small.experts.stats.misses == 0
+    a, b = prefill_then_decode(full, ids), prefill_then_decode(small, ids)
+    assert torch.equal(a, b)
+    s = small.experts.stats
+    assert s.evictions > 0 and s.hits > 0 and small.experts.used <= budget
+    assert s.loaded_bytes == s.misses * one
+    assert 0 < s.hit_rate < 1
+    # full: every lookup after loading hits
+    assert full.experts.stats.hits == s.hits + s.misses
+
+
+def test_budget_zero_still_runs(ckpts, refs):
+    ids, ref = refs
+    model = load_model(ckpts["qwen3_moe"], "float32", moe_cache_mem=0)
+    assert (run(model, ids, model.new_cache(64)) - ref["qwen3_moe"]).abs().max().item() < TOL
+    assert model.experts.stats.hits == 0 and len(model.experts.entries) <= 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_batched_rows_equal_single_rows(ckpts, name, dtype):
+    """Verification rows (several tokens in one forward, grouped by expert) equal the single-token steps bit for
+    bit: speculation stays lossless on MoE models."""
+    model = load_model(ckpts[name], dtype)
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(5))
+    a, b = model.new_cache(64), model.new_cache(64)
+    run(model, ids[:16], a)
+    run(model, ids[:16], b)
+    batched = run(model, ids[16:], a)
+    single = torch.cat([run(model, ids[t:t + 1], b) for t in range(16, 24)])
+    assert torch.equal(batched, single)
+
+
+@pytest.mark.parametrize("spec", ["draft-mtp", "ngram-mod,draft-mtp"])
+def test_speculation_lossless_with_moe_mtp(ckpts, spec):
+    from turbospec.speculative import make_drafter
+
+    model = load_model(ckpts["qwen3_5_moe_mtp"], "float32")
+    assert model.mtp is not None and isinstance(model.mtp.layers[0].mlp, MoE)
+    assert model.mtp.layers[0].mlp.layer < 0  # its own expert-cache keys
+    plain = Engine(model, None, EngineConfig(ctx=128, ubatch=8))
+    sc = SpecConfig.parse(spec, n_max=3, ngram_mod_n_match=3)
+    eng = Engine(model, None, EngineConfig(ctx=128, ubatch=8, spec=sc), drafter=make_drafter(sc, model, 140))
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    drafts = 0
+    for i in range(3):
+        prompt = [(7 * i + j) % 128 for j in range(8)] * 2
+        assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
+        drafts += eng.last_stats.spec.drafts
+    assert drafts > 0
+
+
+def test_packed_experts_from_float_checkpoint(ckpts, refs):
+    """--weights q8_0 packs every expert (loaded on demand too) and stays close to the float model."""
+    ids, ref = refs
+    for budget in (None, 1 << 14):
+        model = load_model(ckpts["qwen3_moe"], "float32", weights="q8_0", moe_cache_mem=budget)
+        got = run(model, ids, model.new_cache(64))
+        mlp = moe_layers(model)[0].expert(3)
+        assert all(is_packed(lin.weight) for lin in (*mlp.gate_up.parts, mlp.down))
+        r = ref["qwen3_moe"]
+        assert (got - r).abs().mean().item() < 0.05  # (a row whose router flips an expert differs more)
+        assert (got.argmax(-1) == r.argmax(-1)).float().mean() > 0.9
+
+
+def test_engine_config_and_cli_flag(ckpts):
+    from turbospec.cli.main import build_parser
+    from turbospec.engine.build import load_parts
+
+    a = build_parser().parse_args(["run", "-m", str(ckpts["qwen3_moe"]), "--moe-cache-mem", "1", "-p", "x"])
+    from turbospec.cli.args import engine_config
+
+    cfg = engine_config(a)
+    assert cfg.moe_cache_mem == 1
+    _, model, _ = load_parts(cfg)
+    assert model.experts.budget == 1 << 20
+    with pytest.raises(TurboSpecError, match="moe-cache-mem"):
+        EngineConfig(moe_cache_mem=-1)
+
+
+def test_cache_lru_order():
+    from turbospec.layers.moe import expert_mlp
+
+    w = torch.zeros(4, 8)
+    c = ExpertCache(budget=3 * (2 * w.numel() * 4 + w.numel() * 4))
+    for key in [(0, 0), (0, 1), (0, 2), (0, 0), (0, 3)]:  # (0, 1) is least recently used when (0, 3) comes
+        c.get(key, lambda: expert_mlp(w, w, w.T.contiguous()))
+    assert list(c.entries) == [(0, 2), (0, 0), (0, 3)]
+    assert (c.stats.hits, c.stats.misses, c.stats.evictions) == (1, 4, 1)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_experts": 4, "moe_intermediate_size": 8, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"num_experts": 4, "moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ({"num_experts": 4, "moe_intermediate_size": 8, "mlp_only_layers": "1"}, "mlp_only_layers"),
+])
+def test_bad_moe_config_is_one_line_error(change, match):
+    d = {"model_type": "qwen3_moe", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 8,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 4, **change}
+    with pytest.raises(TurboSpecError, match=match):
+        ModelConfig.from_dict(d)
+
+
+def test_multimodal_moe_config_reads_text_part():
+    inner = {"vocab_size": 16, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": inner, "tie_word_embeddings": True})
+    assert cfg.arch == "qwen3_5_moe_text" and cfg.tie_word_embeddings
+    assert cfg.moe() == {"experts": 4, "top_k": 2, "inter": 8, "shared_inter": 8, "norm_topk": True}
+    assert all(cfg.moe_layer(i) for i in range(2))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_continuous_batching_equals_solo(ckpts, name):
+    """Several sequences' rows in one forward (experts grouped over all of them) decode what each decodes alone."""
+    import random
+
+    from tests.test_scheduler import _drive, _solo
+    from turbospec.engine.scheduler import Scheduler
+    from turbospec.kv.paged import pool_for
+
+    model = load_model(ckpts[name], "float32", moe_cache_mem=1 << 15)  # experts coming and going as well
+    rnd = random.Random(3)
+    prompts = [[rnd.randrange(0, 128) for _ in range(n)] for n in (5, 40, 17, 300)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 7, 25, 12)]
+    want = _solo(model, prompts, params)
+    hybrid = name == "qwen3_5_moe"
+    pool = pool_for(model, 2048, None, None, layers=model.num_attn_layers if hybrid else None)
+    sch = Scheduler(model, pool, max_seqs=4, max_step_tokens=64, ctx=2048,
+                    states=model.new_state_pool(4, 4) if hybrid else None)
+    got = _drive(sch, [(s, p, sp) for s, p, sp in zip((0, 0, 3, 5), prompts, params)])
+    assert [got[i][0] for i in range(4)] == [w[0] for w in want]
