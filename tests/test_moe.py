@@ -212,3 +212,25 @@ def test_continuous_batching_equals_solo(ckpts, name):
                     states=model.new_state_pool(4, 4) if hybrid else None)
     got = _drive(sch, [(s, p, sp) for s, p, sp in zip((0, 0, 3, 5), prompts, params)])
     assert [got[i][0] for i in range(4)] == [w[0] for w in want]
+
+
+def test_stats_and_bench_report_the_expert_cache(ckpts):
+    """The decode phase's expert lookups reach GenStats (and `turbospec run`'s stats line) and bench's rows."""
+    from turbospec.lab.bench import run_local
+    from turbospec.lab.workload import BenchOptions
+
+    model = load_model(ckpts["qwen3_moe"], "float32", moe_cache_mem=1 << 16)
+    eng = Engine(model, None, EngineConfig(ctx=128))
+    eng.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    x = eng.last_stats.experts
+    assert x is not None and x.tokens == 9 and x.hits + x.misses == 9 * 3 * 2  # 3 MoE layers, top-2
+    assert x.loaded_bytes == x.misses * moe_layers(model)[0].expert_bytes and "experts hit" in eng.last_stats.line()
+    from tests.hf_tiny import build as build_dense
+
+    dense = Engine(load_model(build_dense("qwen3", ckpts["qwen3_moe"].parent), "float32"), None, EngineConfig(ctx=64))
+    dense.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert dense.last_stats.experts is None and "experts" not in dense.last_stats.line()
+    cfg = EngineConfig(model=str(ckpts["qwen3_moe"]), ctx=256, moe_cache_mem=0)
+    rows = run_local(cfg, BenchOptions(n_prompt=8, n_gen=6, repetitions=1, warmup=0, quiet=True))["rows"]
+    assert rows[0]["expert_hit_rate"] == 0.0 and rows[0]["expert_loaded_mib_per_tok"] > 0
+    assert rows[0]["disk_mib_per_tok"] >= 0

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from turbospec.config import EngineConfig
-from turbospec.engine.stats import Chunk, GenStats, peak_rss_bytes
+from turbospec.engine.stats import Chunk, ExpertUse, GenStats, disk_read_bytes, peak_rss_bytes
 from turbospec.engine.stops import TextStream
 from turbospec.errors import TurboSpecError
 from turbospec.kv.base import Cache
@@ -212,6 +212,8 @@ class Engine:
         want_lp = params.logprobs is not None  # then pending_lp[i] is the logprobs of pending[i]
         pending_lp = sampler.take_logprobs() if want_lp else []
         context = self.cached_tokens  # grows in place: always the tokens whose KV is committed
+        experts = self.model.experts if self.model.experts.entries or self.model.experts.stats.misses else None
+        at_first: tuple[int, int, int, int] | None = None  # expert counters when the first token came
         t_first = None
         done = False
         try:  # (a caller that stops early closes the generator: the timings still hold)
@@ -222,6 +224,9 @@ class Engine:
                     if t_first is None:
                         t_first = time.perf_counter()
                         stats.ttft_s = t_first - t0
+                        if experts is not None:
+                            e = experts.stats
+                            at_first = (e.hits, e.misses, e.loaded_bytes, disk_read_bytes())
                     if tok in eos:
                         stats.finish_reason = "stop"
                         done = True
@@ -281,6 +286,10 @@ class Engine:
             if t_first is not None:
                 stats.decode_s = time.perf_counter() - t_first
             stats.peak_rss_bytes = peak_rss_bytes()
+            if experts is not None and at_first is not None:
+                e = experts.stats
+                stats.experts = ExpertUse(e.hits - at_first[0], e.misses - at_first[1], e.loaded_bytes - at_first[2],
+                                          disk_read_bytes() - at_first[3], max(0, stats.gen_tokens - 1))
             if drafter is not None:
                 drafter.finish(list(context))
 

@@ -20,6 +20,7 @@ class GenStats:
     peak_rss_bytes: int = 0
     finish_reason: str = ""
     spec: SpecStats | None = None  # drafts and acceptance, when a drafter ran
+    experts: ExpertUse | None = None  # a mixture-of-experts model's expert cache over the decode phase
 
     @property
     def prefill_tps(self) -> float:
@@ -34,6 +35,7 @@ class GenStats:
 
     def line(self) -> str:
         tail = f" | {self.spec.line()}" if self.spec is not None else ""
+        tail += f" | {self.experts.line()}" if self.experts is not None else ""
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (
             f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tps:.1f} t/s, ttft {self.ttft_s * 1e3:.0f} ms"
@@ -44,8 +46,51 @@ class GenStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["spec"] = self.spec.to_dict() if self.spec is not None else None
+        d["experts"] = self.experts.to_dict() if self.experts is not None else None
         d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
         return d
+
+
+@dataclass
+class ExpertUse:
+    """Expert lookups of the decode phase (after the first token): how many found the expert loaded, the bytes of
+    the experts loaded, and what the process read from storage meanwhile (/proc/self/io, Linux)."""
+
+    hits: int = 0
+    misses: int = 0
+    loaded_bytes: int = 0
+    disk_read_bytes: int = 0
+    tokens: int = 0  # tokens decoded in the phase
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+    def per_token_mib(self, n: int) -> float:
+        return n / max(1, self.tokens) / 2**20
+
+    def line(self) -> str:
+        return (f"experts hit {100 * self.hit_rate:.1f}%, loaded {self.per_token_mib(self.loaded_bytes):.1f} MiB/tok, "
+                f"disk {self.per_token_mib(self.disk_read_bytes):.1f} MiB/tok")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hit_rate=self.hit_rate, loaded_mib_per_tok=self.per_token_mib(self.loaded_bytes),
+                 disk_mib_per_tok=self.per_token_mib(self.disk_read_bytes))
+        return d
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process has read from storage (page-cache hits not counted); 0 where /proc/self/io is absent."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 @dataclass

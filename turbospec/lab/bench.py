@@ -128,6 +128,7 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
                         "acc_rate": spec.acceptance_rate if spec else None,
                         "mean_acc_len": spec.mean_acceptance_length if spec else None,
                         "per_pos": spec.per_position if spec else None,
+                        "experts": st.experts.to_dict() if st.experts is not None else None,
                     })
                 row: dict[str, Any] = {"config": _point_name(point), **point, "depth": depth, "category": cat,
                                        "n_prompt": len(ptoks), "n_gen": opts.n_gen}
@@ -137,6 +138,11 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
                     row[f"{key}_min"], row[f"{key}_max"] = s["min"], s["max"]
                     row[f"{key}_mean"], row[f"{key}_sd"] = s["mean"], s["sd"]
                 row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+                if runs[0]["experts"] is not None:  # a MoE model: the expert cache over the decode phases
+                    ex = [r["experts"] for r in runs]
+                    row["expert_hit_rate"] = summarize([x["hit_rate"] for x in ex])["median"]
+                    row["expert_loaded_mib_per_tok"] = summarize([x["loaded_mib_per_tok"] for x in ex])["median"]
+                    row["disk_mib_per_tok"] = summarize([x["disk_mib_per_tok"] for x in ex])["median"]
                 if runs[0]["acc_rate"] is not None:
                     row["acc_rate"] = summarize([r["acc_rate"] for r in runs])["median"]
                     row["mean_acc_len"] = summarize([r["mean_acc_len"] for r in runs])["median"]
@@ -174,7 +180,8 @@ def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
     write_csv(out / "report.csv", flat)
     cols = [c for c in ("engine", "config", "depth", "category", "n_prompt", "n_gen", "prefill_tps",
                         "decode_tps", "decode_tps_sd", "ttft_ms", "tpot_ms", "itl_p99_ms", "e2e_ms",
-                        "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct", "peak_rss_mib")
+                        "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct", "peak_rss_mib", "expert_hit_rate",
+                        "expert_loaded_mib_per_tok", "disk_mib_per_tok")
             if any(c in r for r in rows)]
     env = report["env"]
     md = ["# turbospec bench", "", "## Environment", ""]
@@ -211,7 +218,8 @@ def print_table(report: dict[str, Any]) -> None:
     rows = report["rows"]
     t = Table(title="turbospec bench (median of repetitions)")
     cols = [c for c in ("engine", "config", "depth", "category", "prefill_tps", "decode_tps", "ttft_ms",
-                        "tpot_ms", "itl_p99_ms", "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct")
+                        "tpot_ms", "itl_p99_ms", "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct",
+                        "expert_hit_rate", "disk_mib_per_tok")
             if any(c in r for r in rows)]
     for c in cols:
         t.add_column(c)
