@@ -54,8 +54,11 @@ def build(name: str, out: Path, mtp: bool = False) -> Path:
     if mtp:
         f = path / "model.safetensors"
         sd = load_file(str(f))
-        sd.update(mtp_tensors(json.loads((path / "config.json").read_text())))
+        cfg_file = path / "config.json"
+        d = json.loads(cfg_file.read_text())
+        sd.update(mtp_tensors(d))
         save_file(sd, str(f))
+        cfg_file.write_text(json.dumps({**d, "mtp_num_hidden_layers": 1}))
     return path
 
 

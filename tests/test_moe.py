@@ -234,3 +234,37 @@ def test_stats_and_bench_report_the_expert_cache(ckpts):
     rows = run_local(cfg, BenchOptions(n_prompt=8, n_gen=6, repetitions=1, warmup=0, quiet=True))["rows"]
     assert rows[0]["expert_hit_rate"] == 0.0 and rows[0]["expert_loaded_mib_per_tok"] > 0
     assert rows[0]["disk_mib_per_tok"] >= 0
+
+
+@pytest.mark.parametrize("weights", ["auto", "q8_0"])
+def test_fit_counts_the_experts_as_loaded(ckpts, weights):
+    from turbospec.lab.fit import Setup, estimate, load_arch
+
+    arch = load_arch(str(ckpts["qwen3_5_moe_mtp"]))
+    assert (arch.n_experts, arch.experts_per_tok, arch.moe_layers, arch.mtp_moe) == (8, 2, 4, True)
+    assert arch.trunk_params() == arch.trunk_params_counted and arch.mtp_params() == arch.mtp_params_counted
+    model = load_model(ckpts["qwen3_5_moe_mtp"], "float32", weights=weights)
+    per = moe_layers(model)[0].expert_bytes
+    b = estimate(arch, Setup(weights=weights), 256, "f16", "f16", "mtp")
+    assert b.experts == (4 + 1) * 8 * per and b.experts_on_disk == 0
+    budget = estimate(arch, Setup(weights=weights, moe_cache_mem=3 * per), 256, "f16", "f16", "mtp")
+    assert budget.experts == 3 * per and budget.experts_on_disk == 37 * per
+    assert budget.total < b.total and budget.weights == b.weights
+
+
+def test_fit_plans_experts_on_disk_when_they_do_not_fit(ckpts, capsys):
+    from turbospec.cli.main import main
+    from turbospec.lab.fit import Setup, estimate, load_arch, plan
+
+    arch = load_arch(str(ckpts["qwen3_5_moe_mtp"]))
+    full = estimate(arch, Setup(), 4096, "f16", "f16", "mtp")
+    mem = full.total - full.experts // 2  # half the experts fit
+    info = plan(arch, Setup(), mem, ["f16"])
+    assert any("--moe-cache-mem" in n for n in info["notes"])
+    for row in info["rows"]:
+        assert row["max_ctx"] >= 4096 and row["breakdown"]["total"] <= mem
+        assert 0 < row["breakdown"]["experts_on_disk"] < full.experts
+    assert plan(arch, Setup(), 100 * full.total, ["f16"])["notes"] == []  # fits: nothing to plan
+    assert main(["fit", "-m", str(ckpts["qwen3_5_moe_mtp"]), "--mem", str(mem), "-ctk", "f16"]) == 0
+    out = capsys.readouterr().out
+    assert "experts on disk" in out and "--moe-cache-mem" in out

@@ -58,6 +58,9 @@ def register(sub) -> argparse.ArgumentParser:
                         "pool they share, and hybrids hold a recurrent state per sequence (default 1)")
     p.add_argument("--ctx-checkpoints", type=int, default=3,
                    help="hybrids: recurrent states kept for prefix reuse, per sequence (serve's flag; default 3)")
+    p.add_argument("--moe-cache-mem", type=int, default=None, metavar="MIB",
+                   help="MoE models: MiB of routed experts kept in memory, as `turbospec run --moe-cache-mem` "
+                        "(default: all of them when they fit, else what is left next to a -c (4096) context)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
     return p
@@ -72,6 +75,8 @@ def _types(s: str | None) -> list[str]:
 def run(a: argparse.Namespace) -> int:
     arch = fit.load_arch(a.model, a.config, a.preset)
     bpw = fit.weight_bpw(a.weight_dtype) if a.weight_dtype else a.weights_bpw
+    if a.moe_cache_mem is not None and a.moe_cache_mem < 0:
+        raise TurboSpecError("--moe-cache-mem must be >= 0 MiB")
     if a.ubatch_size < 1 or a.n_max < 0 or a.parallel < 1 or a.ctx_checkpoints < 0:
         raise TurboSpecError("-ub and -np must be >= 1, --n-max and --ctx-checkpoints >= 0")
     if a.parallel > 1 and (a.backend != "cpu" or a.mtp or a.draft_model):
@@ -82,7 +87,8 @@ def run(a: argparse.Namespace) -> int:
     runtime, imp = fit.runtime_baseline(a.runtime_overhead, a.backend)
     setup = fit.Setup(backend=a.backend, dtype=a.dtype, weights_bpw=bpw, ubatch=a.ubatch_size, n_max=a.n_max,
                       weights=a.weights, logits_rows=a.logits_rows, runtime_overhead=runtime, import_overhead=imp,
-                      spec_state=a.spec_state, parallel=a.parallel, ctx_checkpoints=a.ctx_checkpoints)
+                      spec_state=a.spec_state, parallel=a.parallel, ctx_checkpoints=a.ctx_checkpoints,
+                      moe_cache_mem=None if a.moe_cache_mem is None else a.moe_cache_mem << 20)
     mem = fit.parse_mem(a.mem)
     draft = fit.load_arch(a.draft_model) if a.draft_model else None
     info = fit.plan(arch, setup, mem, _types(a.cache_type_k), _types(a.cache_type_v), a.mtp, draft,

@@ -67,6 +67,15 @@ class Arch:
     gguf_packed_bytes: tuple[int, int] | None = None
     gguf_float_params: tuple[int, int] = (0, 0)
     gguf_float_matrices: bool = False  # some matrix is dequantized (float or an unpacked type)
+    # mixture of experts: routed experts per MoE layer, experts per token, their intermediate size, the shared
+    # expert's (0: none), trunk layers whose feed-forward is MoE, whether the MTP layer's is
+    n_experts: int = 0
+    experts_per_tok: int = 0
+    expert_inter: int = 0
+    shared_inter: int = 0
+    moe_layers: int = 0
+    mtp_moe: bool = False
+    gguf_expert_bytes: tuple[int, int] | None = None  # a GGUF file's routed-expert tensor bytes (trunk, MTP)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -80,6 +89,19 @@ class Arch:
     def mlp_params(self) -> int:
         return 3 * self.hidden * self.intermediate
 
+    def expert_params(self) -> int:
+        """One routed expert (gate, up, down)."""
+        return 3 * self.hidden * self.expert_inter
+
+    def moe_params(self) -> int:
+        """One MoE feed-forward: router, every routed expert, the shared expert and its gate."""
+        shared = 3 * self.hidden * self.shared_inter + self.hidden if self.shared_inter else 0
+        return self.n_experts * (self.hidden + self.expert_params()) + shared
+
+    def ffn_params(self) -> int:
+        """The feed-forward parameters of all trunk layers."""
+        return (self.n_layers - self.moe_layers) * self.mlp_params() + self.moe_layers * self.moe_params()
+
     def gdn_layer_params(self) -> int:
         h, vd = self.hidden, self.gdn_v_heads * self.gdn_v_dim
         proj = h * self.conv_dim + h * vd + 2 * h * self.gdn_v_heads  # qkv, z, b, a
@@ -89,7 +111,7 @@ class Arch:
     def trunk_params(self) -> int:
         emb = self.vocab * self.hidden * (1 if self.tied else 2)
         return (emb + self.hidden + self.n_attn * self.attn_layer_params()
-                + self.n_gdn * self.gdn_layer_params() + self.n_layers * self.mlp_params())
+                + self.n_gdn * self.gdn_layer_params() + self.ffn_params())
 
     def matrices(self, mtp: bool = False) -> list[tuple[int, int, int]]:
         """(rows, columns, how many) of the matrices turbospec multiplies (fused as it fuses them) and the
@@ -98,33 +120,45 @@ class Arch:
         vd = self.gdn_v_heads * self.gdn_v_dim
         attn = [(q * (2 if self.gated_attn else 1) + 2 * kv, h), (h, q)]
         mlp = [(2 * self.intermediate, h), (h, self.intermediate)]
+        # a MoE layer: each expert's gate, up and down (not fused), the shared expert fused as an MLP
+        moe = [(self.expert_inter, h, 2 * self.n_experts), (h, self.expert_inter, self.n_experts)]
+        if self.shared_inter:
+            moe += [(2 * self.shared_inter, h, 1), (h, self.shared_inter, 1)]
         if mtp:
             if not self.mtp_layers:
                 return []
-            return [(h, 2 * h, 1)] + [(r, c, self.mtp_layers) for r, c in attn + mlp]
+            ffn = [(r, c, k * self.mtp_layers) for r, c, k in moe] if self.mtp_moe else \
+                [(r, c, self.mtp_layers) for r, c in mlp]
+            return [(h, 2 * h, 1)] + [(r, c, self.mtp_layers) for r, c in attn] + ffn
         gdn = [(self.conv_dim + vd + 2 * self.gdn_v_heads, h), (h, vd)]
         return ([(self.vocab, h, 1 if self.tied else 2)] + [(r, c, self.n_attn) for r, c in attn]
-                + [(r, c, self.n_gdn) for r, c in gdn if self.n_gdn] + [(r, c, self.n_layers) for r, c in mlp])
+                + [(r, c, self.n_gdn) for r, c in gdn if self.n_gdn]
+                + [(r, c, self.n_layers - self.moe_layers) for r, c in mlp if self.n_layers > self.moe_layers]
+                + [(r, c, k * self.moe_layers) for r, c, k in moe if self.moe_layers])
 
     def mtp_params(self) -> int:
         if not self.mtp_layers:
             return 0
-        per = self.attn_layer_params() + self.mlp_params()
+        per = self.attn_layer_params() + (self.moe_params() if self.mtp_moe else self.mlp_params())
         return 2 * self.hidden * self.hidden + 3 * self.hidden + self.mtp_layers * per
 
 
 def arch_from_config(d: dict, name: str = "config") -> Arch:
     """An Arch from a Hugging Face config.json dict (dense Qwen3/Qwen2/Llama or hybrid Qwen3.5/Qwen3-Next)."""
-    from turbospec.model.config import ModelConfig
+    from turbospec.model.config import HYBRID_ARCHS, ModelConfig
 
     cfg = ModelConfig.from_dict(d)
     types = cfg.layer_types()
     n_attn = sum(t == "full_attention" for t in types)
-    hybrid = n_attn != len(types) or cfg.arch in ("qwen3_5_text", "qwen3_5", "qwen3_next")
+    hybrid = n_attn != len(types) or cfg.arch in HYBRID_ARCHS
     lin = cfg.linear_dims() if hybrid else {}
     raw = cfg.raw
     mtp = int(raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 0)) or 0)
+    moe = cfg.moe() if cfg.moe()["experts"] else {}
     return Arch(
+        n_experts=moe.get("experts", 0), experts_per_tok=moe.get("top_k", 0), expert_inter=moe.get("inter", 0),
+        shared_inter=moe.get("shared_inter", 0), moe_layers=sum(cfg.moe_layer(i) for i in range(cfg.num_layers)),
+        mtp_moe=bool(moe) and cfg.arch in ("qwen3_5_moe_text", "qwen3_5_moe"),
         name=name, vocab=cfg.vocab_size, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         n_attn=n_attn, n_gdn=len(types) - n_attn, gated_attn=hybrid,
@@ -201,6 +235,7 @@ def arch_from_dir(path: Path) -> Arch:
             biggest = max(biggest, numel)
             if name.startswith("mtp.") or ".mtp." in name:
                 mtp += numel
+                arch.mtp_moe |= ".mlp.experts." in name
             else:
                 trunk += numel
     arch.trunk_params_counted, arch.mtp_params_counted = trunk, mtp
@@ -258,8 +293,13 @@ def arch_from_gguf(path: Path) -> Arch:
         arch.gdn_v_heads = int(g("ssm.time_step_rank", 32))
         arch.gdn_v_dim = int(g("ssm.inner_size", arch.gdn_v_heads * 128)) // max(arch.gdn_v_heads, 1)
         arch.conv_kernel = int(g("ssm.conv_kernel", 4))
+    arch.n_experts = int(g("expert_count", 0) or 0)
+    if arch.n_experts:
+        arch.experts_per_tok = int(g("expert_used_count", 1))
+        arch.expert_inter = int(g("expert_feed_forward_length", 0))
+        arch.shared_inter = int(g("expert_shared_feed_forward_length", 0) or 0)
     trunk = mtp_b = 0
-    packed, floats = [0, 0], [0, 0]
+    packed, floats, experts = [0, 0], [0, 0], [0, 0]
     for t in r.tensors:
         m = re.match(r"blk\.(\d+)\.", t.name)
         part = 1 if m and int(m.group(1)) >= n_trunk else 0
@@ -268,15 +308,21 @@ def arch_from_gguf(path: Path) -> Arch:
         else:
             trunk += int(t.n_bytes)
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
-        if len(t.shape) == 2 and fmt is not None:  # stays packed on the CPU
+        if re.search(r"\.ffn_(gate|up|down|gate_up)_exps\.", t.name):  # routed experts: [E, out, in]
+            experts[part] += int(t.n_bytes)
+            if t.name.endswith(("ffn_gate_exps.weight", "ffn_gate_up_exps.weight")):  # one per MoE layer
+                arch.moe_layers += 1 - part
+                arch.mtp_moe |= bool(part)
+        if len(t.shape) in (2, 3) and fmt is not None:  # stays packed on the CPU
             packed[part] += int(t.n_bytes)
         else:
             floats[part] += int(t.n_elements)
-            arch.gguf_float_matrices |= len(t.shape) == 2
+            arch.gguf_float_matrices |= len(t.shape) in (2, 3)
         arch.largest_tensor_params = max(arch.largest_tensor_params, int(t.n_elements))
     arch.trunk_bytes, arch.mtp_bytes = trunk, (mtp_b if mtp else 0)
     arch.gguf_packed_bytes = (packed[0], packed[1] if mtp else 0)
     arch.gguf_float_params = (floats[0], floats[1] if mtp else 0)
+    arch.gguf_expert_bytes = (experts[0], experts[1] if mtp else 0) if arch.n_experts else None
     arch.file_bytes = path.stat().st_size
     return arch
 

@@ -41,6 +41,7 @@ class Setup:
     logits_rows: int | None = None  # None: 1 + n_max on cpu, ubatch on cuda
     parallel: int = 1  # cpu: sequences batched together (serve -np): ctx is the shared KV pool's positions
     ctx_checkpoints: int = 3  # cpu, hybrids: recurrent states kept for prefix reuse (per sequence when parallel)
+    moe_cache_mem: int | None = None  # MoE: bytes of routed experts kept in memory (None: all of them)
 
 
 def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
@@ -112,6 +113,28 @@ def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     return trunk, (mtp_b if mtp else 0)
 
 
+def expert_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
+    """(trunk, MTP) bytes of the routed experts (all of them), as `weight_bytes` counts them: a GGUF file's as
+    stored, packed per `--weights` or in the dtype on the CPU, else by bits per weight."""
+    if not arch.n_experts:
+        return 0, 0
+    n_trunk = arch.moe_layers * arch.n_experts * arch.expert_params()
+    n_mtp = arch.mtp_layers * arch.n_experts * arch.expert_params() if mtp and arch.mtp_moe else 0
+    if setup.backend == "cpu" and setup.weights_bpw is None:
+        if arch.gguf_expert_bytes is not None:
+            return arch.gguf_expert_bytes[0], arch.gguf_expert_bytes[1] if n_mtp else 0
+        if setup.weights in PACKED:
+            fmt = PACKED[setup.weights]
+            if arch.hidden % fmt.block_values == 0 and arch.expert_inter % fmt.block_values == 0:
+                return int(n_trunk * fmt.bits_per_value / 8), int(n_mtp * fmt.bits_per_value / 8)
+        db = dtypes.nbytes(setup.dtype)
+        return n_trunk * db, n_mtp * db
+    bpw = setup.weights_bpw if setup.weights_bpw is not None else arch.preset_bpw
+    if bpw is None:
+        return int(n_trunk * arch.src_dtype_bytes), int(n_mtp * arch.src_dtype_bytes)
+    return int(n_trunk * bpw / 8), int(n_mtp * bpw / 8)
+
+
 def recurrent_bytes(arch: Arch, setup: Setup, chain: int) -> tuple[int, int]:
     """(committed conv + SSM state of all GDN layers, per-position rollback copies for a `chain`-token
     step)."""
@@ -157,8 +180,10 @@ class Breakdown:
     kv_type: str
     mode: str  # "base", "mtp", "draft"
     ctx: int
-    weights: int = 0
+    weights: int = 0  # (routed experts apart)
     mtp_weights: int = 0
+    experts: int = 0  # routed experts held in memory (all, or the --moe-cache-mem budget)
+    experts_on_disk: int = 0  # routed experts left in the file, read when routed to (not counted in memory)
     draft_weights: int = 0
     attention_kv: int = 0
     recurrent_state: int = 0
@@ -176,7 +201,7 @@ class Breakdown:
 
     @property
     def steady(self) -> int:
-        return (self.weights + self.mtp_weights + self.draft_weights + self.attention_kv
+        return (self.weights + self.mtp_weights + self.experts + self.draft_weights + self.attention_kv
                 + self.recurrent_state + self.spec_state_copies + self.mtp_kv + self.draft_kv
                 + self.activations + self.upcast_scratch + self.rope_tables + self.spec_hidden_rows
                 + self.draft_head + self.mtp_compute + self.runtime)
@@ -201,6 +226,10 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     cpu_engine = setup.backend == "cpu"
     b = Breakdown(kv_type=k_type if k_type == v_type else f"{k_type}/{v_type}", mode=mode, ctx=ctx)
     b.weights, b.mtp_weights = weight_bytes(arch, setup, mode == "mtp")
+    te, me = expert_bytes(arch, setup, mode == "mtp")
+    b.weights, b.mtp_weights = b.weights - te, b.mtp_weights - me
+    b.experts = te + me if setup.moe_cache_mem is None else min(te + me, setup.moe_cache_mem)
+    b.experts_on_disk = te + me - b.experts
     cache_len = ctx + (setup.n_max + 1 if spec else 0)  # drafters' caches hold the chain too
     b.attention_kv = ctx * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim, k_type, v_type)
     chain = setup.n_max + 1 if spec else 1
@@ -276,7 +305,8 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         # q/k/v (gate/up) pieces next to their concatenation, and one chunk.
         transient = 2 * arch.fused_layer_max * dtypes.nbytes(setup.dtype) + CHUNK_BYTES
         base = setup.import_overhead if setup.import_overhead is not None else CPU_IMPORT_OVERHEAD
-        b.load_peak = base + b.weights + b.mtp_weights + transient
+        # (with a --moe-cache-mem budget experts load as they are routed to, not at load time)
+        b.load_peak = base + b.weights + b.mtp_weights + (b.experts if setup.moe_cache_mem is None else 0) + transient
         if draft is not None and mode == "draft":
             b.load_peak += b.draft_weights
     return b

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
@@ -108,9 +108,34 @@ def plan(arch: Arch, setup: Setup, mem: int, k_types: list[str] | None = None,
         modes.append("mtp")
     if draft is not None:
         modes.append("draft")
+    notes = list(arch.notes)
+    if arch.n_experts and setup.moe_cache_mem is None:
+        setup = expert_plan(arch, setup, mem, at_ctx or 4096, want_mtp, notes)
     rows = fit_table(arch, setup, mem, list(k_types or DEFAULT_KV_TYPES), list(v_types or []), modes, draft,
                      dk_type, dv_type, at_ctx, cap=cap)
     bpw = setup.weights_bpw
     return {"model": arch.name, "mem_bytes": mem, "backend": setup.backend, "setup": asdict(setup),
-            "weights_bpw": bpw if bpw is not None else arch.preset_bpw, "notes": arch.notes,
+            "weights_bpw": bpw if bpw is not None else arch.preset_bpw, "notes": notes,
             "rows": rows}
+
+
+def expert_plan(arch: Arch, setup: Setup, mem: int, ctx: int, mtp: bool, notes: list[str]) -> Setup:
+    """A MoE model whose experts do not all fit `mem` next to a `ctx`-token f16 context (with MTP when planned):
+    the setup with the experts' budget (`--moe-cache-mem`) set to what is left, and a note; else `setup`."""
+    mode = "mtp" if mtp else "base"
+    full = estimate(arch, setup, ctx, "f16", "f16", mode)
+    if full.total <= mem:
+        return setup
+    rest = estimate(arch, replace(setup, moe_cache_mem=0), ctx, "f16", "f16", mode)
+    left = mem - rest.total
+    one_token = arch.experts_per_tok * (full.experts // max(1, arch.n_experts))  # a token's experts, all layers
+    if left < one_token:
+        notes.append(f"the routed experts ({full.experts / 2**30:.1f} GiB) do not fit, and what is left next to a "
+                     f"{ctx}-token f16 context ({max(0, left) / 2**20:.0f} MiB) is less than one token's experts "
+                     f"({one_token / 2**20:.0f} MiB)")
+        return setup
+    notes.append(f"experts: {left / 2**30:.2f} of {full.experts / 2**30:.2f} GiB kept in memory "
+                 f"({100 * left / full.experts:.0f}%, sized for a {ctx}-token f16 context{' with MTP' if mtp else ''}); "
+                 f"the rest are read from the file when tokens route to them: run with "
+                 f"--moe-cache-mem {left >> 20}")
+    return replace(setup, moe_cache_mem=left)

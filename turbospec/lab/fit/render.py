@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from turbospec.lab.fit.units import fmt_bytes, fmt_ctx
 
-COLUMNS = [("weights", "weights"), ("mtp_weights", "MTP w"), ("draft_weights", "draft w"),
+COLUMNS = [("weights", "weights"), ("experts", "experts"), ("experts_on_disk", "experts on disk"),
+           ("mtp_weights", "MTP w"), ("draft_weights", "draft w"),
            ("attention_kv", "attn KV"), ("recurrent_state", "GDN state"),
            ("spec_state_copies", "spec copies"), ("mtp_kv", "MTP KV"), ("draft_kv", "draft KV"),
            ("activations", "activ."), ("upcast_scratch", "upcast"), ("rope_tables", "rope"),
