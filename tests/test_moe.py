@@ -268,3 +268,20 @@ def test_fit_plans_experts_on_disk_when_they_do_not_fit(ckpts, capsys):
     assert main(["fit", "-m", str(ckpts["qwen3_5_moe_mtp"]), "--mem", str(mem), "-ctk", "f16"]) == 0
     out = capsys.readouterr().out
     assert "experts on disk" in out and "--moe-cache-mem" in out
+
+
+def test_loading_every_expert_stops_when_memory_runs_out(ckpts, monkeypatch, caplog):
+    """No budget and memory running out while the experts load: the cache keeps what it has as its budget (one
+    warning) and the model still computes the same logits."""
+    import turbospec.layers.moe as moe_mod
+
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
+    full = load_model(ckpts["qwen3_moe"], "float32")
+    want = run(full, ids, full.new_cache(32))
+    monkeypatch.setattr(moe_mod, "_meminfo", lambda: (1 << 30, 16 << 30))  # 1 GiB available of 16
+    with caplog.at_level("WARNING", logger="turbospec"):
+        low = load_model(ckpts["qwen3_moe"], "float32")
+    assert low.experts.budget == low.experts.used == 15 * moe_layers(low)[0].expert_bytes  # checked at the 16th
+    assert sum("memory is running out" in r.message for r in caplog.records) == 1
+    assert torch.equal(run(low, ids, low.new_cache(32)), want)
+    assert low.experts.stats.evictions > 0

@@ -11,6 +11,7 @@ follows the budget; experts that need converting (float checkpoints, `--weights`
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import torch
 from turbospec.layers.attention import MLP
 from turbospec.layers.linear import Linear, SplitLinear
 from turbospec.weights import release
+
+log = logging.getLogger("turbospec")
 
 # expert index -> (gate [I, H], up [I, H], down [H, I]) as stored: float matrices or packed blocks
 ExpertLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -56,6 +59,22 @@ class ExpertCache:
         self.used = 0
         self.entries: OrderedDict[tuple[int, int], MLP] = OrderedDict()
         self.stats = ExpertStats()
+        self._checks = 0
+
+    def low_memory(self) -> bool:
+        """While every expert is being loaded (no budget): whether the machine is running out of memory (less than
+        max(2 GiB, 10% of RAM) available, checked every 16 experts). If so, the cache keeps what it holds as its
+        budget from now on — later experts load when routed to — says so once, and answers True."""
+        self._checks += 1
+        if self.budget is not None or self._checks % 16:
+            return self.budget is not None
+        avail, total = _meminfo()
+        if avail is None or avail >= max(2 << 30, total // 10):
+            return False
+        self.budget = self.used
+        log.warning("memory is running out while loading the experts: %d MiB of them stay in memory and the rest "
+                    "load when tokens route to them (set --moe-cache-mem to choose)", self.used >> 20)
+        return True
 
     def get(self, key: tuple[int, int], load: Callable[[], MLP]) -> MLP:
         mlp = self.entries.get(key)
@@ -101,8 +120,10 @@ class MoE:
         self.shared, self.shared_gate = shared, shared_gate
         self.shared_gate_proj = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
         self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
-        if cache.budget is None:  # no budget: every expert now, as the other weights
+        if cache.budget is None:  # no budget: every expert now, as the other weights (while memory lasts)
             for e in range(num_experts):
+                if cache.low_memory():
+                    break
                 self.expert(e)
 
     def expert(self, e: int) -> MLP:
@@ -137,3 +158,17 @@ class MoE:
         if self.shared is not None:
             n += self.shared.nbytes + self.shared_gate.numel() * self.shared_gate.element_size()
         return n
+
+
+def _meminfo() -> tuple[int | None, int]:
+    """(MemAvailable, MemTotal) in bytes from /proc/meminfo; (None, 0) where it cannot be read."""
+    vals: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "MemTotal"):
+                    vals[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None, 0
+    return vals.get("MemAvailable"), vals.get("MemTotal", 0)
