@@ -3,8 +3,12 @@ Qwen3-MoE / Qwen3.5-MoE checkpoint (MTP layer with experts included) exported by
 checkpoint's logits (F32) or the `gguf` package's dequantization of each expert (packed types stay views of the
 file); the expert budget works on mapped experts; the MTP layer drafts; bad files are one-line errors.
 
-By hand (not here: llama.cpp is not installed in CI), llama.cpp's llama-bench and llama-server load and run these
-exports; see docs/gguf.md."""
+By hand (llama.cpp is not installed in CI; llama-cpp-python 0.3.36's copy): for a tiny Qwen3-MoE (every layer MoE) and
+Qwen3.5-MoE with MTP (vocabulary 8192, key and value head dims equal and head_dim 256, which llama.cpp's qwen35moe
+assumes), llama.cpp's own converter writes the same tensors (names, shapes, types, bytes) and metadata as these
+exports (F32 and Q8_0, apart from `general.*` labels, two tokenizer keys, and rows that are not whole blocks: F16
+there, F32 here); llama-bench runs the f32 / f16 / q8_0 / q4_0 / q4_k exports of both, and llama-server's greedy
+tokens equal turbospec's on the f32 exports (32 of 32 on 4 prompts each; --spec-type draft-mtp on qwen35moe too)."""
 
 from __future__ import annotations
 
@@ -32,13 +36,15 @@ from turbospec.model.registry import load_gguf  # noqa: E402
 from turbospec.weights import dequantize, is_packed  # noqa: E402
 
 IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3))
-NAMES = ("qwen3_moe", "qwen3_5_moe_mtp")
+NAMES = ("qwen3_moe", "qwen3_moe_sparse", "qwen3_5_moe_mtp")
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_gguf")
-    return {"qwen3_moe": build("qwen3_moe", out), "qwen3_5_moe_mtp": build("qwen3_5_moe", out, mtp=True)}
+    paths = {name: build(name, out) for name in ("qwen3_moe", "qwen3_moe_sparse")}
+    paths["qwen3_5_moe_mtp"] = build("qwen3_5_moe", out, mtp=True)
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +82,29 @@ def expert_weights(mlp):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_f32_export_gives_the_checkpoint(ckpts, exports, name):
-    """The f32 export's config is the checkpoint's (experts, top-k, sizes, which layers are MoE), every expert matrix
-    is the checkpoint's, and chunked prefill + decode give transformers' logits."""
+    """The f32 export's config is the checkpoint's (experts, top-k, sizes, which layers are MoE, renormalised top-k
+    or not), every expert matrix is the checkpoint's, and chunked prefill + decode give transformers' logits.
+    (qwen3_moe_sparse: dense layers and norm_topk_prob false, which llama.cpp's qwen3moe cannot run; turbospec
+    loads its export as the checkpoint.)"""
     path = exports(name, "f32")
     f = GGUFFile(path)
-    assert f.arch == ("qwen3moe" if name == "qwen3_moe" else "qwen35moe")
+    qwen3 = name.startswith("qwen3_moe")
+    assert f.arch == ("qwen3moe" if qwen3 else "qwen35moe")
     model = load_model(path, "float32")
     ref = load_model(ckpts[name], "float32")
     assert model.cfg.moe() == ref.cfg.moe()
-    assert [isinstance(la.mlp, MoE) for la in model.layers] == [isinstance(la.mlp, MoE) for la in ref.layers]
+    kinds = [isinstance(la.mlp, MoE) for la in model.layers]
+    assert kinds == [isinstance(la.mlp, MoE) for la in ref.layers]
     if name == "qwen3_moe":
-        assert [isinstance(la.mlp, MoE) for la in model.layers] == [True, False, True, True]  # mlp_only_layers [1]
+        assert kinds == [True, False, True, True]  # mlp_only_layers [1]
+    elif name == "qwen3_moe_sparse":
+        assert kinds == [False, True, False, True] and not model.cfg.moe()["norm_topk"]
+        assert f.key("expert_weights_norm") is False
     else:
         assert model.mtp is not None and isinstance(model.mtp.layers[0].mlp, MoE)
         assert moe_layers(model)[0].shared is not None
     ws, src = f.weights(model.cfg), WeightSource(ckpts[name])
-    for p in ("model.layers.2.mlp", "mtp.layers.0.mlp") if name != "qwen3_moe" else ("model.layers.2.mlp",):
+    for p in ("model.layers.3.mlp",) if qwen3 else ("model.layers.3.mlp", "mtp.layers.0.mlp"):
         for e in (0, 5):
             for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
                 got = ws.expert_matrix(f"{p}.experts.{proj}", e, torch.float32, shape)
@@ -100,6 +113,29 @@ def test_f32_export_gives_the_checkpoint(ckpts, exports, name):
     assert want.abs().max() > 0.5
     assert (got - want).abs().max().item() < 1e-4
     assert (got - prefill_then_decode(ref)).abs().max().item() < 1e-4
+
+
+def test_export_reads_stacked_experts(ckpts, exports, tmp_path):
+    """A checkpoint whose experts are transformers-5's stacked `experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I] exports to the same file as per-expert tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = ckpts["qwen3_5_moe_mtp"]
+    dst = tmp_path / "stacked"
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    for p in sorted({k.split(".experts.")[0] for k in sd if ".experts." in k}):
+        gu = [torch.cat([sd.pop(f"{p}.experts.{e}.gate_proj.weight"), sd.pop(f"{p}.experts.{e}.up_proj.weight")])
+              for e in range(8)]
+        sd[f"{p}.experts.gate_up_proj"] = torch.stack(gu)
+        sd[f"{p}.experts.down_proj"] = torch.stack([sd.pop(f"{p}.experts.{e}.down_proj.weight") for e in range(8)])
+    save_file(sd, str(dst / "model.safetensors"))
+    a = GGUFContents(exports("qwen3_5_moe_mtp", "q8_0"))
+    b = GGUFContents(export_gguf(dst, tmp_path / "stacked.gguf", "q8_0"))
+    assert [(t.name, t.tensor_type) for t in a.tensors] == [(t.name, t.tensor_type) for t in b.tensors]
+    assert all(np.array_equal(x.data, y.data) for x, y in zip(a.tensors, b.tensors, strict=True))
 
 
 def test_export_layout_is_llama_cpps(exports):
@@ -295,6 +331,31 @@ def test_bad_moe_files_are_one_line_errors(exports, tmp_path):
                                                                int(Q.F32)))
     assert "blk.3.ffn_down_exps.weight has shape (8, 32, 64), the config implies (8, 64, 32)" in one_line_error(bad)
     # the expert count missing from the metadata
-    key = b"qwen3moe.expert_count"
-    bad = patch(src, tmp_path / "nokey.gguf", key, b"qwen3moe.expert_cou_t")
+    bad = patch(src, tmp_path / "nokey.gguf", b"qwen3moe.expert_count", b"qwen3moe.expert_cou_t")
     assert "metadata qwen3moe.expert_count is missing" in one_line_error(bad)
+
+
+def test_feed_forward_length_is_optional(exports, tmp_path):
+    """llama.cpp's converter writes feed_forward_length only when config.json has intermediate_size (Qwen3.5-MoE's
+    has not): without it the file loads the same."""
+    src = exports("qwen3_5_moe_mtp", "f32")
+    path = patch(src, tmp_path / "noff.gguf", b"qwen35moe.feed_forward_length", b"qwen35moe.feed_forward_lengtx")
+    assert GGUFFile(path).key("feed_forward_length") is None
+    assert torch.equal(prefill_then_decode(load_model(path, "float32")), prefill_then_decode(load_model(src)))
+
+
+def test_export_of_a_checkpoint_missing_an_expert(ckpts, tmp_path):
+    """A one-line error naming the tensor, and no half-written file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "broken"
+    shutil.copytree(ckpts["qwen3_moe"], src)
+    sd = load_file(str(src / "model.safetensors"))
+    del sd["model.layers.3.mlp.experts.5.up_proj.weight"]
+    save_file(sd, str(src / "model.safetensors"))
+    out = tmp_path / "broken.gguf"
+    with pytest.raises(TurboSpecError, match=r"missing tensor 'model\.layers\.3\.mlp\.experts\.5\.up_proj\.weight'"):
+        export_gguf(src, out, "q8_0")
+    assert not out.exists()

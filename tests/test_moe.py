@@ -285,3 +285,13 @@ def test_loading_every_expert_stops_when_memory_runs_out(ckpts, monkeypatch, cap
     assert sum("memory is running out" in r.message for r in caplog.records) == 1
     assert torch.equal(run(low, ids, low.new_cache(32)), want)
     assert low.experts.stats.evictions > 0
+
+
+def test_qwen3_5_moe_config_without_intermediate_size():
+    """transformers' Qwen3.5-MoE config has no intermediate_size (every layer is MoE)."""
+    inner = {"model_type": "qwen3_5_moe_text", "vocab_size": 16, "hidden_size": 16, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12}
+    assert ModelConfig.from_dict(inner).intermediate_size == 12
+    with pytest.raises(TurboSpecError, match="intermediate_size"):
+        ModelConfig.from_dict({**inner, "model_type": "qwen3"})

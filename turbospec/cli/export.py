@@ -8,7 +8,8 @@ from turbospec.engine import model_path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export-gguf", help="write a checkpoint (dense or Qwen3.5, MTP included) as a llama.cpp GGUF file")
+    p = sub.add_parser("export-gguf", help="write a checkpoint (dense, Qwen3-MoE, Qwen3.5 or Qwen3.5-MoE, MTP "
+                                           "included) as a llama.cpp GGUF file")
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("out", help="the GGUF file to write")
     p.add_argument("--type", default="f16", help="matrix type: f32, f16, bf16, q8_0, q4_0, q4_k (default f16)")

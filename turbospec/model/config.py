@@ -161,7 +161,8 @@ class ModelConfig:
                 arch=arch,
                 vocab_size=_int(d["vocab_size"], "vocab_size", 1),
                 hidden_size=hidden,
-                intermediate_size=_int(d["intermediate_size"], "intermediate_size", 1),
+                intermediate_size=_int(d["intermediate_size"] if "intermediate_size" in d or arch not in MOE_ARCHS
+                                       else _dense_width(d), "intermediate_size", 1),
                 num_layers=_int(d["num_hidden_layers"], "num_hidden_layers", 1),
                 num_heads=heads,
                 num_kv_heads=heads if kv_heads is None else _int(kv_heads, "num_key_value_heads", 1),
@@ -255,6 +256,12 @@ def _check_rope(rope: dict[str, Any], head_dim: int) -> None:
             _number(rope[key], f"rope {key}", positive=True)
     if kind == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
         raise TurboSpecError("config.json: rope high_freq_factor must be greater than low_freq_factor")
+
+
+def _dense_width(d: dict[str, Any]) -> Any:
+    """A MoE config without `intermediate_size` (Qwen3.5-MoE's has none: every layer is MoE): the width of a plain
+    MLP layer, should one appear, taken as the shared expert's (else one expert's)."""
+    return d.get("shared_expert_intermediate_size") or d.get("moe_intermediate_size")
 
 
 def _experts(r: dict[str, Any]) -> Any:

@@ -210,13 +210,18 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
     for (g, shape, _), qt in zip(jobs, types):
         block, size = gguf.GGML_QUANT_SIZES[qt]
         w.add_tensor_info(g, shape, np.dtype(np.float32), math.prod(shape[:-1]) * (shape[-1] // block) * size, qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for done, ((_, _, encode), qt) in enumerate(zip(jobs, types)):
-        w.write_tensor_data(encode(qt))
-        if progress is not None:
-            progress(done + 1, len(jobs))
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for done, ((_, _, encode), qt) in enumerate(zip(jobs, types)):
+            w.write_tensor_data(encode(qt))
+            if progress is not None:
+                progress(done + 1, len(jobs))
+    except BaseException:  # a tensor that cannot be read or converted: no half-written file is left behind
+        w.close()
+        out.unlink(missing_ok=True)
+        raise
     w.close()
     return out
 
