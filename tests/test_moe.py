@@ -295,3 +295,49 @@ def test_qwen3_5_moe_config_without_intermediate_size():
     assert ModelConfig.from_dict(inner).intermediate_size == 12
     with pytest.raises(TurboSpecError, match="intermediate_size"):
         ModelConfig.from_dict({**inner, "model_type": "qwen3"})
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_packed_experts_one_kernel_call(ckpts, name, weights):
+    """Packed experts go through `moe_experts` (every routed expert of the step, and the shared expert when it has
+    their shapes, in two parallel passes): verification rows equal single rows bit for bit, and the result is the
+    per-expert path's up to the rounding of intermediates."""
+    model = load_model(ckpts[name], "bfloat16", weights=weights)
+    moe = moe_layers(model)[0]
+    assert moe.fused()
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(6))
+    a, b = model.new_cache(64), model.new_cache(64)
+    run(model, ids[:16], a)
+    run(model, ids[:16], b)
+    batched = run(model, ids[16:], a)
+    single = torch.cat([run(model, ids[t:t + 1], b) for t in range(16, 24)])
+    assert torch.equal(batched, single)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    fused = moe(x)
+    moe._fused = False
+    plain = moe(x)
+    assert (fused.float() - plain.float()).abs().max() < 0.02 * plain.float().abs().max()
+
+
+def test_shared_expert_joins_the_kernel_call_when_shapes_match():
+    from turbospec.layers.attention import MLP
+    from turbospec.layers.linear import Linear
+    from turbospec.weights import quantize
+
+    g = torch.Generator().manual_seed(8)
+    h, inter, e = 64, 32, 4
+
+    def q(*shape):
+        return quantize(torch.randn(*shape, generator=g) * 0.1, "q8_0")
+
+    experts = [(q(inter, h), q(inter, h), q(h, inter)) for _ in range(e)]
+    shared = MLP(Linear(q(2 * inter, h)), Linear(q(h, inter)))
+    moe = MoE(torch.randn(e, h, generator=g), e, lambda i: experts[i], 2, True, shared,
+              torch.randn(1, h, generator=g), ExpertCache(), 0, 0)
+    assert moe.fused() and moe._shared_as_expert(experts[0][0], experts[0][2]) is not None
+    x = torch.randn(3, h, generator=g)
+    fused = moe(x)
+    moe._fused = False
+    plain = moe(x)
+    assert (fused - plain).abs().max() < 1e-5 * max(1.0, plain.abs().max().item())

@@ -819,6 +819,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");
   m.def("packed_rows", &packed_rows, "rows ids of a packed table as float32");
+  m.def("moe_experts", &moe_experts, "the routed experts of a MoE layer for a few rows (packed weights)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");
   m.def("argmax_rows", &argmax_rows, "first index of the maximum of each row (NaN wins)");

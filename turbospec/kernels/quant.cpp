@@ -479,6 +479,100 @@ void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow
   });
 }
 
+// One weight row times one or two quantized input rows, by the CPU's best kernel for the format.
+template <Fmt F>
+inline void dot_rows(const uint8_t* wr, int64_t nb, const QRow* x0, const QRow* x1, int nx, float* t, bool avx512,
+                     bool vbmi) {
+  if (!avx512 || F == Fmt::Q6_K || (F == Fmt::Q4_0 && !vbmi))
+    row_dot<F>(wr, nb, x0, x1, nx, t);
+  else if constexpr (F == Fmt::Q4_K)
+    row_dot_q4k_avx512(wr, nb, x0, x1, nx, t);
+  else if constexpr (F == Fmt::Q8_0)
+    row_dot_q8_0_avx512(wr, nb, x0, x1, nx, t);
+  else if constexpr (F == Fmt::Q4_0)
+    row_dot_q4_0_avx512(wr, nb, x0, x1, nx, t);
+}
+
+// Rows [0, n * rows_each) of the products of pairs p = 0..n-1: y[p * rows_each + o] = row o of w[p] . x[p], in one
+// parallel region for all pairs (the experts of a MoE layer). `second` (may be null) gives the matrix of rows
+// [rows_first, rows_each) of each pair (an expert's up rows after its gate rows).
+template <Fmt F>
+void pair_products(const std::vector<const uint8_t*>& w, const std::vector<const uint8_t*>* second, int64_t rows_first,
+                   int64_t rows_each, int64_t nb, int64_t row_bytes, const std::vector<const QRow*>& x, float* y) {
+  const bool avx512 = use_avx512(), vbmi = use_vbmi();
+  const int64_t n = static_cast<int64_t>(w.size());
+  at::parallel_for(0, n * rows_each, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t p = i / rows_each, o = i % rows_each;
+      const uint8_t* wr = o < rows_first ? w[p] + o * row_bytes : (*second)[p] + (o - rows_first) * row_bytes;
+      dot_rows<F>(wr, nb, x[p], nullptr, 1, &y[i], avx512, vbmi);
+    }
+  });
+}
+
+template <typename Fn>
+inline void by_fmt(Fmt f, Fn&& fn) {
+  switch (f) {
+    case Fmt::Q8_0: fn(std::integral_constant<Fmt, Fmt::Q8_0>{}); break;
+    case Fmt::Q4_0: fn(std::integral_constant<Fmt, Fmt::Q4_0>{}); break;
+    case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
+    case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
+  }
+}
+
+// The routed experts of a mixture-of-experts layer for a few rows x [m, hidden] (float32): pairs p = (row[p],
+// gate[p], up[p], down[p], weight[p]) give out[row] = sum over the row's pairs, in the order given, of weight x
+// down(silu(gate . x) * up . x), all in float32 [m, hidden]. Gate and up matrices share one packed format, the down
+// matrices another. Two parallel regions for all pairs (gate and up rows, then down rows) instead of three per
+// expert; each pair's arithmetic depends on its own row only, so a batch's rows equal the rows alone.
+void moe_experts(const float* x, int64_t m, int64_t hidden, const std::vector<torch::Tensor>& gate,
+                 const std::vector<torch::Tensor>& up, const std::vector<torch::Tensor>& down,
+                 const std::vector<int64_t>& row, const std::vector<double>& weight, float* out) {
+  const int64_t n = static_cast<int64_t>(gate.size()), inter = gate[0].size(0);
+  const Fmt fg = fmt_of(gate[0]), fd = fmt_of(down[0]);
+  const int64_t qg = block_values(fg), qd = block_values(fd);
+  const bool pg = fg == Fmt::Q4_0 && use_vbmi(), pd = fd == Fmt::Q4_0 && use_vbmi();
+  std::vector<QRow> xq(m);
+  for (int64_t r = 0; r < m; ++r) {
+    quantize_row(x + r * hidden, hidden, qg, xq[r]);
+    if (pg) q4_0_layout(xq[r], hidden);
+  }
+  std::vector<const uint8_t*> wg(n), wu(n), wd(n);
+  std::vector<const QRow*> xs(n);
+  for (int64_t p = 0; p < n; ++p) {
+    wg[p] = gate[p].data_ptr<uint8_t>();
+    wu[p] = up[p].data_ptr<uint8_t>();
+    wd[p] = down[p].data_ptr<uint8_t>();
+    xs[p] = &xq[row[p]];
+  }
+  std::vector<float> gu(n * 2 * inter);
+  by_fmt(fg, [&](auto f) {
+    pair_products<decltype(f)::value>(wg, &wu, inter, 2 * inter, gate[0].size(1), gate[0].size(1) * gate[0].size(2),
+                                      xs, gu.data());
+  });
+  std::vector<QRow> hq(n);
+  std::vector<float> h(inter);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* g = &gu[p * 2 * inter];
+    silu_all(g, h.data(), inter);
+    for (int64_t i = 0; i < inter; ++i) h[i] *= g[inter + i];
+    quantize_row(h.data(), inter, qd, hq[p]);
+    if (pd) q4_0_layout(hq[p], inter);
+    xs[p] = &hq[p];
+  }
+  std::vector<float> y(n * hidden);
+  by_fmt(fd, [&](auto f) {
+    pair_products<decltype(f)::value>(wd, nullptr, hidden, hidden, down[0].size(1), down[0].size(1) * down[0].size(2),
+                                      xs, y.data());
+  });
+  std::fill(out, out + m * hidden, 0.f);
+  for (int64_t p = 0; p < n; ++p) {
+    const float wp = static_cast<float>(weight[p]);
+    float* o = out + row[p] * hidden;
+    for (int64_t i = 0; i < hidden; ++i) o[i] += wp * y[p * hidden + i];
+  }
+}
+
 void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
   const Fmt f = fmt_of(w);
   const int64_t nb = w.size(1), out = w.size(0), qk = block_values(f), in = nb * qk, row_bytes = nb * w.size(2);
@@ -612,6 +706,29 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   }
   if (bias.has_value()) y.add_(bias->to(y.scalar_type()));
   return y.to(x.scalar_type()).reshape(shape);
+}
+
+// x [m, hidden] (any float dtype) through the routed experts of a MoE layer (packed::moe_experts) -> float32.
+torch::Tensor moe_experts(torch::Tensor x, std::vector<torch::Tensor> gate, std::vector<torch::Tensor> up,
+                          std::vector<torch::Tensor> down, std::vector<int64_t> row, std::vector<double> weight) {
+  const int64_t n = static_cast<int64_t>(gate.size());
+  TORCH_CHECK(n > 0 && static_cast<int64_t>(up.size()) == n && static_cast<int64_t>(down.size()) == n &&
+              static_cast<int64_t>(row.size()) == n && static_cast<int64_t>(weight.size()) == n, "moe_experts: lists differ");
+  auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
+  const int64_t m = xs.size(0), hidden = xs.size(1);
+  const int64_t inter = gate[0].size(0);
+  for (int64_t p = 0; p < n; ++p) {
+    TORCH_CHECK(packed::is_packed(gate[p]) && packed::is_packed(up[p]) && packed::is_packed(down[p]) &&
+                gate[p].is_contiguous() && up[p].is_contiguous() && down[p].is_contiguous(), "moe_experts: packed weights");
+    TORCH_CHECK(gate[p].sizes() == gate[0].sizes() && up[p].sizes() == gate[0].sizes() &&
+                down[p].sizes() == down[0].sizes(), "moe_experts: experts of different shapes or formats");
+    TORCH_CHECK(0 <= row[p] && row[p] < m, "moe_experts: row out of range");
+  }
+  TORCH_CHECK(in_features(gate[0]) == hidden && down[0].size(0) == hidden && in_features(down[0]) == inter,
+              "moe_experts: shape mismatch");
+  auto out = torch::empty({m, hidden}, torch::kFloat);
+  packed::moe_experts(xs.data_ptr<float>(), m, hidden, gate, up, down, row, weight, out.data_ptr<float>());
+  return out;
 }
 
 // Rows `ids` of a packed table (an embedding) as float32 [n, in].

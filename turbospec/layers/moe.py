@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from turbospec.kernels.gemv import load_kernel
 from turbospec.layers.attention import MLP
-from turbospec.layers.linear import Linear, SplitLinear
-from turbospec.weights import release
+from turbospec.layers.linear import Linear, SplitLinear, skinny_rows
+from turbospec.weights import format_of, is_packed, release
 
 log = logging.getLogger("turbospec")
 
@@ -120,6 +121,7 @@ class MoE:
         self.shared, self.shared_gate = shared, shared_gate
         self.shared_gate_proj = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
         self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
+        self._fused: bool | None = None  # packed experts: decode / verification rows in one kernel call
         if cache.budget is None:  # no budget: every expert now, as the other weights (while memory lasts)
             for e in range(num_experts):
                 if cache.low_memory():
@@ -137,8 +139,56 @@ class MoE:
             top = top / top.sum(-1, keepdim=True)
         return top.to(x.dtype), idx
 
+    def fused(self) -> bool:
+        """Whether this layer's experts go through `moe_experts` (the kernel built, the experts packed with gate
+        and up in one format); decided from expert 0, as every expert of a layer has the same formats."""
+        if self._fused is None:
+            mlp = self.expert(0)
+            gate, up = (p.weight for p in mlp.gate_up.parts)
+            self._fused = (load_kernel() is not None and all(is_packed(w) for w in (gate, up, mlp.down.weight))
+                           and format_of(gate) == format_of(up))
+        return self._fused
+
+    def _fused_call(self, k, x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The routed experts (and the shared one, when it has their shapes and formats) in one kernel call: the
+        gate and up rows of every expert the step routes to in one parallel pass, then their down rows."""
+        mlps = {e: self.expert(e) for e in sorted(set(idx.flatten().tolist()))}  # (looked up once each)
+        weights = top.float().tolist()
+        gates, ups, downs, rows, ws = [], [], [], [], []
+        for r, experts in enumerate(idx.tolist()):
+            for e, s in sorted((e, s) for s, e in enumerate(experts)):  # the batched path's order
+                g, u = (p.weight for p in mlps[e].gate_up.parts)
+                gates.append(g), ups.append(u), downs.append(mlps[e].down.weight)
+                rows.append(r), ws.append(weights[r][s])
+        shared = self._shared_as_expert(gates[0], downs[0])
+        if shared is not None:  # weight sigmoid(shared_gate . x), in x's dtype as the op-by-op path
+            sg = torch.sigmoid(self.shared_gate_proj(x)).float()[:, 0].tolist()
+            for r in range(x.shape[0]):
+                gates.append(shared[0]), ups.append(shared[1]), downs.append(shared[2])
+                rows.append(r), ws.append(sg[r])
+        out = k.moe_experts(x, gates, ups, downs, rows, ws).to(x.dtype)
+        if self.shared is not None and shared is None:
+            out = out + torch.sigmoid(self.shared_gate_proj(x)) * self.shared(x)
+        return out
+
+    def _shared_as_expert(self, gate: torch.Tensor, down: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The shared expert's (gate, up, down) when they have the routed experts' shapes and formats (one more
+        pair for the kernel), else None."""
+        s = self.shared
+        if s is None or not isinstance(s.gate_up, Linear):
+            return None
+        gu, dn = s.gate_up.weight, s.down.weight
+        half = gu.shape[0] // 2
+        if gu.shape[1:] != gate.shape[1:] or half != gate.shape[0] or dn.shape != down.shape or \
+                format_of(gu) != format_of(gate) or format_of(dn) != format_of(down):
+            return None
+        return gu[:half], gu[half:], dn
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         top, idx = self.route(x)
+        if x.dim() == 2 and x.shape[0] <= skinny_rows(x.dtype) and self.fused():
+            return self._fused_call(load_kernel(), x, top, idx)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: no grouping to do
             for e, slot in sorted((e, s) for s, e in enumerate(idx[0].tolist())):  # the batched path's order

@@ -157,40 +157,10 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
 
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(n + int(has_mtp))
-    if not moe or cfg.raw.get("intermediate_size") is not None:  # (llama.cpp's converter: when the config has it)
-        w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    if cfg.rope.get("rope_type", "default") != "default":
-        raise TurboSpecError(f"cannot export RoPE scaling {cfg.rope['rope_type']!r} yet")
+    write_metadata(w, cfg, arch, kind, has_mtp, [b for _, b in moe_blocks],
+                   model_dir if (model_dir / "tokenizer.json").exists() else None)
     lin = cfg.linear_dims() if hybrid else {}
-    if hybrid:
-        w.add_rope_dimension_count(int(cfg.head_dim * float(cfg.rope.get("partial_rotary_factor", 1.0))))
-        w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp's default M-RoPE split for Qwen3.5 text
-        w.add_ssm_conv_kernel(lin["conv_kernel"])
-        w.add_ssm_state_size(lin["k_head_dim"])
-        w.add_ssm_group_count(lin["num_k_heads"])
-        w.add_ssm_time_step_rank(lin["num_v_heads"])
-        w.add_ssm_inner_size(lin["v_head_dim"] * lin["num_v_heads"])
-        w.add_array(f"{arch}.attention.recurrent_layers",
-                    [t == "linear_attention" for t in cfg.layer_types()] + [False] * int(has_mtp))
-        w.add_full_attention_interval(int(cfg.raw.get("full_attention_interval", 4)))
-        if has_mtp:
-            w.add_nextn_predict_layers(1)
     m = cfg.moe()
-    if moe:
-        _moe_metadata(w, arch, cfg, m, [b for _, b in moe_blocks])
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k": 15}[kind])
-    if (model_dir / "tokenizer.json").exists():
-        for key, value in tokenizer_metadata(model_dir, cfg.vocab_size).items():
-            _add(w, key, value)
 
     shapes = _Shapes(ws)
     jobs: list[tuple[str, tuple[int, ...], Callable[[Any], Any]]] = []  # (GGUF name, shape, encode(qtype))
@@ -224,6 +194,49 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
         raise
     w.close()
     return out
+
+
+def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe_blocks: list[int],
+                   tokenizer_dir: Path | None) -> None:
+    """The key-value metadata llama.cpp reads for `arch` (a GGUFWriter `w`): sizes, RoPE, the hybrid's recurrent
+    layers, the experts' keys (`moe_blocks`: the blocks whose feed-forward is a MoE), the file type and the
+    tokenizer of `tokenizer_dir` (its vocabulary padded to the config's)."""
+    hybrid, moe = arch in HYBRID, arch in MOE
+    n = cfg.num_layers
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(n + int(has_mtp))
+    if not moe or cfg.raw.get("intermediate_size") is not None:  # (llama.cpp's converter: when the config has it)
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope.get("rope_type", "default") != "default":
+        raise TurboSpecError(f"cannot export RoPE scaling {cfg.rope['rope_type']!r} yet")
+    lin = cfg.linear_dims() if hybrid else {}
+    if hybrid:
+        w.add_rope_dimension_count(int(cfg.head_dim * float(cfg.rope.get("partial_rotary_factor", 1.0))))
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp's default M-RoPE split for Qwen3.5 text
+        w.add_ssm_conv_kernel(lin["conv_kernel"])
+        w.add_ssm_state_size(lin["k_head_dim"])
+        w.add_ssm_group_count(lin["num_k_heads"])
+        w.add_ssm_time_step_rank(lin["num_v_heads"])
+        w.add_ssm_inner_size(lin["v_head_dim"] * lin["num_v_heads"])
+        w.add_array(f"{arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in cfg.layer_types()] + [False] * int(has_mtp))
+        w.add_full_attention_interval(int(cfg.raw.get("full_attention_interval", 4)))
+        if has_mtp:
+            w.add_nextn_predict_layers(1)
+    m = cfg.moe()
+    if moe:
+        _moe_metadata(w, arch, cfg, m, moe_blocks)
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k": 15}[kind])
+    if tokenizer_dir is not None:
+        for key, value in tokenizer_metadata(tokenizer_dir, cfg.vocab_size).items():
+            _add(w, key, value)
 
 
 EXPORT_ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe",
