@@ -154,7 +154,7 @@ from turbospec.config import EngineConfig, SpecConfig
 from turbospec.engine import build_engine
 from turbospec.sampling import SamplingParams
 torch.set_num_threads({threads})
-spec = SpecConfig.parse("draft-mtp", n_max=2) if {mtp} else SpecConfig()
+spec = SpecConfig.parse("draft-mtp", n_max=3) if {mtp} else SpecConfig()
 eng = build_engine(EngineConfig(model={file!r}, dtype="bfloat16", ctx={ctx}, moe_cache_mem={budget}, spec=spec))
 load_s = time.perf_counter() - t0
 def hwm():
@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--configs", default="all,budget8,budget16,mtp,llama",
                     help="comma list of: all (every expert), budget8, budget16, mtp, mtp_budget8, llama")
+    ap.add_argument("--depth-configs", default="all,llama", help="the configurations also run at --depth")
     ap.add_argument("--llama-bench", type=Path, default=None)
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "moe_real_size.json")
@@ -240,7 +241,7 @@ def main() -> None:
     if a.what == "make":
         make(a.file, a.layers)
         return
-    depths = [0] + ([a.depth] if a.depth else [])
+    deep = set(a.depth_configs.split(","))
     report: dict = {"file": str(a.file), "file_bytes": a.file.stat().st_size, "shape": {**SHAPE, "layers": a.layers},
                     "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                 "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
@@ -251,10 +252,12 @@ def main() -> None:
             "mtp_budget8": (8, True)}
     for name in a.configs.split(","):
         print(f"== {name}", file=sys.stderr, flush=True)
+        depths = [0] + ([a.depth] if a.depth and name in deep else [])
         if name == "llama":
             if a.llama_bench is None:
                 continue
             res = run_llama_bench(a.llama_bench, a.file, depths, a.gen, a.reps, a.threads, a.timeout)
+            # (llama-bench's -d fills the context first, as turbospec's runs do with a depth + prompt)
         else:
             budget, mtp = plan[name]
             res = run_turbospec(a.file, budget, mtp, depths, a.gen, a.prompt, a.reps, a.threads, a.timeout)

@@ -123,6 +123,12 @@ def release(t: torch.Tensor) -> None:
         k.release_file_pages(t)
 
 
+def file_mapped(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of a file mapping (a GGUF file's packed matrix); False without the kernel."""
+    k = load_kernel()
+    return k is not None and k.file_mapped(t)
+
+
 def trim_heap() -> None:
     """Return the heap's free memory (load-time conversion buffers) to the system."""
     k = load_kernel()

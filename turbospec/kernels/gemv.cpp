@@ -734,6 +734,34 @@ bool release_file_pages(torch::Tensor t) {
   return hi > lo;
 }
 
+// Whether `t` lies in a file mapping (in_file_mapping: reads /proc/self/maps, ~0.2 ms).
+bool file_mapped(torch::Tensor t) {
+  return t.is_contiguous() && t.device().type() == torch::kCPU && t.nbytes() >= 4096 &&
+         in_file_mapping(t.data_ptr(), t.nbytes());
+}
+
+// release_file_pages without the mapping check, for a tensor the caller knows is a read-only file mapping (a MoE
+// expert of a GGUF file, checked once per layer with file_mapped): evicting an expert costs one madvise.
+void drop_pages(torch::Tensor t) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t lo = (a + 4095) / 4096 * 4096, hi = (a + t.nbytes()) / 4096 * 4096;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
+// Map a file-mapped tensor's pages into this process now (MADV_POPULATE_READ, else one read per page): an expert
+// loaded on demand costs one call instead of a page fault per 4 KB, and its reads come before the product.
+void populate_pages(torch::Tensor t) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t lo = a / 4096 * 4096, hi = a + t.nbytes();
+  if (hi <= lo) return;
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+  if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_READ) == 0) return;
+  volatile uint8_t sink = 0;
+  for (uintptr_t p = a; p < hi; p += 4096) sink = sink + *reinterpret_cast<const volatile uint8_t*>(p);
+}
+
 // Give the heap's free memory back to the system (after loading: the freed conversion buffers).
 void trim_heap() {
 #ifdef __GLIBC__
@@ -807,6 +835,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hugepage_empty", &hugepage_empty, "uninitialised tensor in transparent-huge-page memory");
   m.def("in_arena", &in_arena, "whether a tensor lies in huge-page memory of this module");
   m.def("release_file_pages", &release_file_pages, "drop a file-mapped tensor's pages from this process");
+  m.def("file_mapped", &file_mapped, "whether a tensor lies in a file mapping");
+  m.def("drop_pages", &drop_pages, "drop a known file-mapped tensor's pages (no check)");
+  m.def("populate_pages", &populate_pages, "map a file-mapped tensor's pages in now");
   m.def("trim_heap", &trim_heap, "malloc_trim(0)");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");
   m.def("norm_linear", &norm_linear, "RMSNorm then product");

@@ -21,7 +21,7 @@ import torch
 from turbospec.kernels.gemv import load_kernel
 from turbospec.layers.attention import MLP
 from turbospec.layers.linear import Linear, SplitLinear, skinny_rows
-from turbospec.weights import format_of, is_packed, release
+from turbospec.weights import format_of, is_packed
 
 log = logging.getLogger("turbospec")
 
@@ -58,7 +58,7 @@ class ExpertCache:
             raise ValueError("expert cache budget must be >= 0")
         self.budget = budget
         self.used = 0
-        self.entries: OrderedDict[tuple[int, int], MLP] = OrderedDict()
+        self.entries: OrderedDict[tuple[int, int], tuple[MLP, bool]] = OrderedDict()  # key -> (expert, mapped)
         self.stats = ExpertStats()
         self._checks = 0
 
@@ -77,12 +77,14 @@ class ExpertCache:
                     "load when tokens route to them (set --moe-cache-mem to choose)", self.used >> 20)
         return True
 
-    def get(self, key: tuple[int, int], load: Callable[[], MLP]) -> MLP:
-        mlp = self.entries.get(key)
-        if mlp is not None:
+    def get(self, key: tuple[int, int], load: Callable[[], MLP], mapped: bool = False) -> MLP:
+        """The expert `key`, loaded by `load` on a miss; `mapped`: its weights are views of a file mapping (their
+        pages are mapped in at once, and dropped from this process when it is evicted)."""
+        entry = self.entries.get(key)
+        if entry is not None:
             self.stats.hits += 1
             self.entries.move_to_end(key)
-            return mlp
+            return entry[0]
         self.stats.misses += 1
         mlp = load()
         n = mlp.nbytes
@@ -90,16 +92,18 @@ class ExpertCache:
         if self.budget is not None:
             while self.entries and self.used + n > self.budget:
                 self._evict()
-        self.entries[key] = mlp
+        if mapped:  # (every expert at load without a budget, as llama.cpp maps the whole file in)
+            _pages(mlp, "populate_pages")
+        self.entries[key] = (mlp, mapped)
         self.used += n
         return mlp
 
     def _evict(self) -> None:
-        _, mlp = self.entries.popitem(last=False)
+        _, (mlp, mapped) = self.entries.popitem(last=False)
         self.used -= mlp.nbytes
         self.stats.evictions += 1
-        for lin in (*mlp.gate_up.parts, mlp.down):  # a mapped expert: its file pages leave this process
-            release(lin.weight)
+        if mapped:  # its file pages leave this process
+            _pages(mlp, "drop_pages")
 
     def clear(self) -> None:
         while self.entries:
@@ -114,7 +118,7 @@ class MoE:
 
     def __init__(self, router: torch.Tensor, num_experts: int, load: ExpertLoader, top_k: int, norm_topk: bool,
                  shared: MLP | None, shared_gate: torch.Tensor | None, cache: ExpertCache, layer: int,
-                 expert_bytes: int):
+                 expert_bytes: int, mapped: bool = False):
         self.router, self.num_experts, self.load = router, num_experts, load
         self.router_proj = Linear(router, hugepages=False)  # few rows: the kernel, each row on its own
         self.top_k, self.norm_topk = top_k, norm_topk
@@ -122,6 +126,7 @@ class MoE:
         self.shared_gate_proj = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
         self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
         self._fused: bool | None = None  # packed experts: decode / verification rows in one kernel call
+        self.mapped = mapped  # experts are views of a file mapping (a GGUF file's packed experts)
         if cache.budget is None:  # no budget: every expert now, as the other weights (while memory lasts)
             for e in range(num_experts):
                 if cache.low_memory():
@@ -129,7 +134,7 @@ class MoE:
                 self.expert(e)
 
     def expert(self, e: int) -> MLP:
-        return self.cache.get((self.layer, e), lambda: expert_mlp(*self.load(e)))
+        return self.cache.get((self.layer, e), lambda: expert_mlp(*self.load(e)), self.mapped)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in x's dtype, expert indices [N, k]) as transformers' top-k router."""
@@ -208,6 +213,13 @@ class MoE:
         if self.shared is not None:
             n += self.shared.nbytes + self.shared_gate.numel() * self.shared_gate.element_size()
         return n
+
+
+def _pages(mlp: MLP, what: str) -> None:
+    k = load_kernel()
+    if k is not None:
+        for lin in (*mlp.gate_up.parts, mlp.down):
+            getattr(k, what)(lin.weight)
 
 
 def _meminfo() -> tuple[int | None, int]:
