@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -163,11 +162,11 @@ def hwm():
             return int(line.split()[1]) * 1024
 out = {{"load_s": load_s, "rss_after_load": hwm(), "runs": []}}
 import random
-rnd = random.Random(0)
 for depth in {depths}:
-    prompt = [rnd.randrange(3, 240000) for _ in range(depth + {prompt})]
     p = SamplingParams(temperature=0, max_tokens={gen}, ignore_eos=True)
-    for rep in range({reps}):
+    for rep in range({reps} if depth == 0 else {depth_reps}):
+        rnd = random.Random(1000 * rep + depth)  # a prompt per repetition: other tokens, other experts
+        prompt = [rnd.randrange(3, 240000) for _ in range(depth + {prompt})]
         eng.cached_tokens = []  # no prefix reuse between repetitions
         eng.generate([prompt], p)
         st = eng.last_stats
@@ -182,10 +181,10 @@ print("RESULT " + json.dumps(out))
 
 
 def run_turbospec(file: Path, budget_gib: float | None, mtp: bool, depths: list[int], gen: int, prompt: int,
-                  reps: int, threads: int, timeout: int) -> dict:
+                  reps: int, depth_reps: int, threads: int, timeout: int) -> dict:
     budget = None if budget_gib is None else int(budget_gib * 1024)
     code = CHILD.format(threads=threads, mtp=mtp, file=str(file), ctx=max(depths) + prompt + gen + 64, budget=budget,
-                        depths=depths, prompt=prompt, gen=gen, reps=reps)
+                        depths=depths, prompt=prompt, gen=gen, reps=reps, depth_reps=depth_reps)
     t = time.time()
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -202,23 +201,60 @@ def run_turbospec(file: Path, budget_gib: float | None, mtp: bool, depths: list[
 
 def run_llama_bench(bench: Path, file: Path, depths: list[int], gen: int, reps: int, threads: int, timeout: int,
                     extra: list[str] | None = None) -> dict:
-    """llama-bench decode (tg) at each depth (`-d`), its own process; peak RSS from the child's rusage."""
+    """llama-bench decode (tg) at each depth (`-d`), in its own process under /usr/bin/time (peak RSS)."""
     cmd = [str(bench), "-m", str(file), "-p", "0", "-n", str(gen), "-r", str(reps), "-t", str(threads), "-o", "json",
            "-d", ",".join(map(str, depths))] + (extra or [])
     t = time.time()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s", "cmd": " ".join(cmd)}
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if p.returncode:
         return {"error": f"exit {p.returncode}", "stderr": p.stderr[-3000:], "cmd": " ".join(cmd)}
+    rss = next((int(x.split()[-1]) * 1024 for x in p.stderr.splitlines() if "Maximum resident set size" in x), None)
     rows = json.loads(p.stdout)
-    return {"cmd": " ".join(cmd), "wall_s": time.time() - t,
-            "peak_rss": after * 1024 if after > before else None,  # (rusage keeps the largest child so far)
+    return {"cmd": " ".join(cmd), "wall_s": time.time() - t, "peak_rss": rss,
             "runs": [{"depth": r.get("n_depth", 0), "decode_tps": r["avg_ts"], "sd": r.get("stddev_ts"),
                       "samples": r.get("samples_ts")} for r in rows]}
+
+
+def llama_load_time(bench: Path, file: Path, threads: int) -> float:
+    """Wall time of `llama-bench -p 0 -n 1 -r 1`: loading plus a warm-up and one token (llama-bench does not report
+    its load time apart)."""
+    t = time.time()
+    subprocess.run([str(bench), "-m", str(file), "-p", "0", "-n", "1", "-r", "1", "-t", str(threads)],
+                   capture_output=True, text=True, timeout=1800)
+    return time.time() - t
+
+
+def run_llama_server(server_bin: Path, file: Path, mtp: bool, gen: int, prompt: int, reps: int, threads: int) -> dict:
+    """llama-server on the file (plain, or `--spec-type draft-mtp --spec-draft-n-max 3`): one non-streamed greedy
+    completion per repetition with the prompts turbospec's runs use; its own timings (decode t/s, drafts)."""
+    import random
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from served_speed import free_port, server
+
+    port = free_port()
+    cmd = [str(server_bin), "-m", str(file), "--port", str(port), "-c", "1024", "-np", "1", "-t", str(threads),
+           "--no-webui"] + (["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"] if mtp else [])
+    runs = []
+    t = time.time()
+    with server(cmd, port) as url:
+        load_s = time.time() - t
+        for rep in range(reps):
+            rnd = random.Random(1000 * rep)
+            ids = [rnd.randrange(3, 240000) for _ in range(prompt)]
+            r = httpx.post(url + "/completion", timeout=1800, json={
+                "prompt": ids, "n_predict": gen, "temperature": 0, "ignore_eos": True, "cache_prompt": False}).json()
+            tm = r.get("timings", {})
+            runs.append({"depth": 0, "rep": rep, "decode_tps": tm.get("predicted_per_second"),
+                         "prefill_tps": tm.get("prompt_per_second"), "drafts": tm.get("draft_n"),
+                         "accepted": tm.get("draft_n_accepted")})
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return {"cmd": " ".join(cmd), "load_s": load_s, "runs": runs}
 
 
 def main() -> None:
@@ -232,9 +268,12 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0, help="also measure at this depth (0: depth 0 only)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--configs", default="all,budget8,budget16,mtp,llama",
-                    help="comma list of: all (every expert), budget8, budget16, mtp, mtp_budget8, llama")
+                    help="comma list of: all (every expert), budget8, budget16, mtp, mtp_budget8, llama (llama-bench), "
+                         "llama_server, llama_server_mtp")
+    ap.add_argument("--depth-reps", type=int, default=1, help="repetitions at --depth (default 1)")
     ap.add_argument("--depth-configs", default="all,llama", help="the configurations also run at --depth")
     ap.add_argument("--llama-bench", type=Path, default=None)
+    ap.add_argument("--llama-server", type=Path, default=None, help="for the llama_server / llama_server_mtp rows")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "moe_real_size.json")
     a = ap.parse_args()
@@ -245,22 +284,32 @@ def main() -> None:
     report: dict = {"file": str(a.file), "file_bytes": a.file.stat().st_size, "shape": {**SHAPE, "layers": a.layers},
                     "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                 "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
-                    "settings": vars(a) | {"file": str(a.file), "out": str(a.out),
-                                           "llama_bench": str(a.llama_bench) if a.llama_bench else None},
+                    "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
                     "results": {}}
     plan = {"all": (None, False), "budget8": (8, False), "budget16": (16, False), "mtp": (None, True),
             "mtp_budget8": (8, True)}
     for name in a.configs.split(","):
         print(f"== {name}", file=sys.stderr, flush=True)
         depths = [0] + ([a.depth] if a.depth and name in deep else [])
-        if name == "llama":
+        if name in ("llama_server", "llama_server_mtp"):
+            if a.llama_server is None:
+                continue
+            res = run_llama_server(a.llama_server, a.file, name.endswith("mtp"), a.gen, a.prompt, a.reps, a.threads)
+        elif name == "llama":
             if a.llama_bench is None:
                 continue
-            res = run_llama_bench(a.llama_bench, a.file, depths, a.gen, a.reps, a.threads, a.timeout)
+            res = run_llama_bench(a.llama_bench, a.file, [0], a.gen, a.reps, a.threads, a.timeout)
+            res["load_s"] = llama_load_time(a.llama_bench, a.file, a.threads)
+            if len(depths) > 1:
+                deep_res = run_llama_bench(a.llama_bench, a.file, depths[1:], a.gen, a.depth_reps, a.threads,
+                                           a.timeout)
+                res["runs"] = res.get("runs", []) + deep_res.get("runs", [])
+                res["deep"] = {k: v for k, v in deep_res.items() if k != "runs"}
             # (llama-bench's -d fills the context first, as turbospec's runs do with a depth + prompt)
         else:
             budget, mtp = plan[name]
-            res = run_turbospec(a.file, budget, mtp, depths, a.gen, a.prompt, a.reps, a.threads, a.timeout)
+            res = run_turbospec(a.file, budget, mtp, depths, a.gen, a.prompt, a.reps, a.depth_reps, a.threads,
+                                a.timeout)
         report["results"][name] = res
         summary = {d: statistics.median([r["decode_tps"] for r in res.get("runs", []) if r["depth"] == d] or [0])
                    for d in depths}

@@ -129,6 +129,13 @@ def file_mapped(t: torch.Tensor) -> bool:
     return k is not None and k.file_mapped(t)
 
 
+def mapping_bounds(t: torch.Tensor) -> tuple[int, int] | None:
+    """The [start, end) addresses of the mapping that holds `t`, None without the kernel or outside any mapping."""
+    k = load_kernel()
+    lo, hi = k.mapping_bounds(t) if k is not None else (0, 0)
+    return (lo, hi) if hi > lo else None
+
+
 def trim_heap() -> None:
     """Return the heap's free memory (load-time conversion buffers) to the system."""
     k = load_kernel()

@@ -740,11 +740,35 @@ bool file_mapped(torch::Tensor t) {
          in_file_mapping(t.data_ptr(), t.nbytes());
 }
 
+// The [start, end) addresses of the mapping that holds `t` (from /proc/self/maps), (0, 0) if none.
+std::vector<int64_t> mapping_bounds(torch::Tensor t) {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (!f) return {0, 0};
+  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr()), e = a + t.nbytes();
+  char line[512];
+  std::vector<int64_t> out{0, 0};
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line, "%lx-%lx", &lo, &hi) == 2 && a >= lo && e <= hi) {
+      out = {static_cast<int64_t>(lo), static_cast<int64_t>(hi)};
+      break;
+    }
+  }
+  std::fclose(f);
+  return out;
+}
+
 // release_file_pages without the mapping check, for a tensor the caller knows is a read-only file mapping (a MoE
-// expert of a GGUF file, checked once per layer with file_mapped): evicting an expert costs one madvise.
-void drop_pages(torch::Tensor t) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t lo = (a + 4095) / 4096 * 4096, hi = (a + t.nbytes()) / 4096 * 4096;
+// expert of a GGUF file, checked once per layer with file_mapped): evicting an expert costs one madvise. The range
+// is widened to whole `align`-byte units: the page cache holds files in large folios and a fault maps the whole
+// folio, neighbours included, so dropping only the tensor's own pages would leave its neighbours' mapped (a
+// neighbour still in use just faults back in). The caller keeps the range inside the mapping.
+void drop_pages(torch::Tensor t, int64_t align, int64_t map_lo, int64_t map_hi) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr()), u = static_cast<uintptr_t>(align);
+  const uintptr_t lo = std::max<uintptr_t>(a / u * u, static_cast<uintptr_t>(map_lo));
+  const uintptr_t hi = std::min<uintptr_t>((a + t.nbytes() + u - 1) / u * u, static_cast<uintptr_t>(map_hi));
+  TORCH_CHECK(lo >= static_cast<uintptr_t>(map_lo) && a + t.nbytes() <= static_cast<uintptr_t>(map_hi),
+              "drop_pages: tensor outside the mapping");
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
 }
 
@@ -836,7 +860,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("in_arena", &in_arena, "whether a tensor lies in huge-page memory of this module");
   m.def("release_file_pages", &release_file_pages, "drop a file-mapped tensor's pages from this process");
   m.def("file_mapped", &file_mapped, "whether a tensor lies in a file mapping");
-  m.def("drop_pages", &drop_pages, "drop a known file-mapped tensor's pages (no check)");
+  m.def("drop_pages", &drop_pages, "drop a known file-mapped tensor's pages, widened to whole units, in a mapping");
+  m.def("mapping_bounds", &mapping_bounds, "the mapping that holds a tensor");
   m.def("populate_pages", &populate_pages, "map a file-mapped tensor's pages in now");
   m.def("trim_heap", &trim_heap, "malloc_trim(0)");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");

@@ -58,7 +58,8 @@ class ExpertCache:
             raise ValueError("expert cache budget must be >= 0")
         self.budget = budget
         self.used = 0
-        self.entries: OrderedDict[tuple[int, int], tuple[MLP, bool]] = OrderedDict()  # key -> (expert, mapped)
+        # key -> (expert, bounds of the file mapping it is a view of, or None)
+        self.entries: OrderedDict[tuple[int, int], tuple[MLP, tuple[int, int] | None]] = OrderedDict()
         self.stats = ExpertStats()
         self._checks = 0
 
@@ -77,9 +78,9 @@ class ExpertCache:
                     "load when tokens route to them (set --moe-cache-mem to choose)", self.used >> 20)
         return True
 
-    def get(self, key: tuple[int, int], load: Callable[[], MLP], mapped: bool = False) -> MLP:
-        """The expert `key`, loaded by `load` on a miss; `mapped`: its weights are views of a file mapping (their
-        pages are mapped in at once, and dropped from this process when it is evicted)."""
+    def get(self, key: tuple[int, int], load: Callable[[], MLP], mapped: tuple[int, int] | None = None) -> MLP:
+        """The expert `key`, loaded by `load` on a miss; `mapped`: the bounds of the file mapping its weights are
+        views of (their pages are mapped in at once, and dropped from this process when it is evicted)."""
         entry = self.entries.get(key)
         if entry is not None:
             self.stats.hits += 1
@@ -92,7 +93,7 @@ class ExpertCache:
         if self.budget is not None:
             while self.entries and self.used + n > self.budget:
                 self._evict()
-        if mapped:  # (every expert at load without a budget, as llama.cpp maps the whole file in)
+        if mapped is not None:  # (every expert at load without a budget, as llama.cpp maps the whole file in)
             _pages(mlp, "populate_pages")
         self.entries[key] = (mlp, mapped)
         self.used += n
@@ -102,8 +103,8 @@ class ExpertCache:
         _, (mlp, mapped) = self.entries.popitem(last=False)
         self.used -= mlp.nbytes
         self.stats.evictions += 1
-        if mapped:  # its file pages leave this process
-            _pages(mlp, "drop_pages")
+        if mapped is not None:  # its file pages leave this process (whole 2 MiB folios: see drop_pages)
+            _pages(mlp, "drop_pages", FOLIO, *mapped)
 
     def clear(self) -> None:
         while self.entries:
@@ -118,7 +119,7 @@ class MoE:
 
     def __init__(self, router: torch.Tensor, num_experts: int, load: ExpertLoader, top_k: int, norm_topk: bool,
                  shared: MLP | None, shared_gate: torch.Tensor | None, cache: ExpertCache, layer: int,
-                 expert_bytes: int, mapped: bool = False):
+                 expert_bytes: int, mapped: tuple[int, int] | None = None):
         self.router, self.num_experts, self.load = router, num_experts, load
         self.router_proj = Linear(router, hugepages=False)  # few rows: the kernel, each row on its own
         self.top_k, self.norm_topk = top_k, norm_topk
@@ -126,7 +127,7 @@ class MoE:
         self.shared_gate_proj = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
         self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
         self._fused: bool | None = None  # packed experts: decode / verification rows in one kernel call
-        self.mapped = mapped  # experts are views of a file mapping (a GGUF file's packed experts)
+        self.mapped = mapped  # experts are views of this file mapping (a GGUF file's packed experts), else None
         if cache.budget is None:  # no budget: every expert now, as the other weights (while memory lasts)
             for e in range(num_experts):
                 if cache.low_memory():
@@ -215,11 +216,14 @@ class MoE:
         return n
 
 
-def _pages(mlp: MLP, what: str) -> None:
+FOLIO = 2 << 20  # the largest page-cache folio a file's pages come in (see kernels/gemv.cpp drop_pages)
+
+
+def _pages(mlp: MLP, what: str, *args) -> None:
     k = load_kernel()
     if k is not None:
         for lin in (*mlp.gate_up.parts, mlp.down):
-            getattr(k, what)(lin.weight)
+            getattr(k, what)(lin.weight, *args)
 
 
 def _meminfo() -> tuple[int | None, int]:
