@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from turbospec.kv.plan import AttentionPlan
+from turbospec.layers.moe import MoE
+
 COMMON = {
     "hidden_size": 64,
     "intermediate_size": 96,
@@ -85,3 +88,33 @@ def mtp_tensors(text: dict) -> dict[str, torch.Tensor]:
         t.update({f"{p}.mlp.experts.{i}.gate_proj.weight": r(inter, h), f"{p}.mlp.experts.{i}.up_proj.weight": r(inter, h),
                   f"{p}.mlp.experts.{i}.down_proj.weight": r(h, inter)})
     return t
+
+
+def run(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Logits of `ids` placed after what `cache` holds (committed)."""
+    h = model.forward(ids, AttentionPlan.causal(cache.length, ids.numel()), cache)
+    cache.commit()
+    return model.logits(h)
+
+
+def prefill_then_decode(model, ids: torch.Tensor, prefill: int = 32, chunk: int = 8) -> torch.Tensor:
+    """Logits of every position: `prefill` tokens in chunks, then one token at a time."""
+    cache = model.new_cache(128)
+    rows = [run(model, ids[s:s + chunk], cache) for s in range(0, prefill, chunk)]
+    rows += [run(model, ids[t:t + 1], cache) for t in range(prefill, ids.numel())]
+    return torch.cat(rows)
+
+
+def moe_layers(model) -> list[MoE]:
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
+def batched_equals_single(model, seed: int) -> bool:
+    """8 verification rows in one forward equal the same tokens decoded one at a time, bit for bit."""
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(seed))
+    a, b = model.new_cache(64), model.new_cache(64)
+    run(model, ids[:16], a)
+    run(model, ids[:16], b)
+    batched = run(model, ids[16:], a)
+    single = torch.cat([run(model, ids[t:t + 1], b) for t in range(16, 24)])
+    return torch.equal(batched, single)

@@ -22,10 +22,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from tests.hf_moe import build  # noqa: E402
+from tests.hf_moe import build, moe_layers  # noqa: E402
+from tests.hf_moe import prefill_then_decode as _prefill_then_decode  # noqa: E402
 from tests.hf_tiny import hf_logits  # noqa: E402
 from turbospec.errors import TurboSpecError  # noqa: E402
-from turbospec.kv.plan import AttentionPlan  # noqa: E402
 from turbospec.layers.moe import MoE  # noqa: E402
 from turbospec.model import load_model  # noqa: E402
 from turbospec.model.gguf import GGUFFile  # noqa: E402
@@ -59,21 +59,8 @@ def exports(ckpts, tmp_path_factory):
     return get
 
 
-def run(model, ids, cache):
-    h = model.forward(ids, AttentionPlan.causal(cache.length, ids.numel()), cache)
-    cache.commit()
-    return model.logits(h)
-
-
-def prefill_then_decode(model, ids=IDS, prefill=32, chunk=8):
-    cache = model.new_cache(128)
-    rows = [run(model, ids[s:s + chunk], cache) for s in range(0, prefill, chunk)]
-    rows += [run(model, ids[t:t + 1], cache) for t in range(prefill, ids.numel())]
-    return torch.cat(rows)
-
-
-def moe_layers(model):
-    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+def prefill_then_decode(model, ids=IDS):
+    return _prefill_then_decode(model, ids)
 
 
 def expert_weights(mlp):

@@ -4,12 +4,11 @@ batched rows equal to single rows, speculation on a MoE target (its MTP layer Mo
 import pytest
 import torch
 
-from tests.hf_moe import VARIANTS, build
+from tests.hf_moe import VARIANTS, batched_equals_single, build, moe_layers, prefill_then_decode, run
 from tests.hf_tiny import hf_logits
 from turbospec.config import EngineConfig, SpecConfig
 from turbospec.engine import Engine
 from turbospec.errors import TurboSpecError
-from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.moe import ExpertCache, MoE
 from turbospec.model import load_model
 from turbospec.model.config import ModelConfig
@@ -31,23 +30,6 @@ def ckpts(tmp_path_factory):
 def refs(ckpts):
     ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(1))
     return ids, {name: hf_logits(ckpts[name], ids) for name in VARIANTS}
-
-
-def run(model, ids, cache):
-    h = model.forward(ids, AttentionPlan.causal(cache.length, ids.numel()), cache)
-    cache.commit()
-    return model.logits(h)
-
-
-def prefill_then_decode(model, ids, prefill=32, chunk=8):
-    cache = model.new_cache(128)
-    rows = [run(model, ids[s:s + chunk], cache) for s in range(0, prefill, chunk)]
-    rows += [run(model, ids[t:t + 1], cache) for t in range(prefill, ids.numel())]
-    return torch.cat(rows)
-
-
-def moe_layers(model):
-    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -102,14 +84,7 @@ def test_budget_zero_still_runs(ckpts, refs):
 def test_batched_rows_equal_single_rows(ckpts, name, dtype):
     """Verification rows (several tokens in one forward, grouped by expert) equal the single-token steps bit for
     bit: speculation stays lossless on MoE models."""
-    model = load_model(ckpts[name], dtype)
-    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(5))
-    a, b = model.new_cache(64), model.new_cache(64)
-    run(model, ids[:16], a)
-    run(model, ids[:16], b)
-    batched = run(model, ids[16:], a)
-    single = torch.cat([run(model, ids[t:t + 1], b) for t in range(16, 24)])
-    assert torch.equal(batched, single)
+    assert batched_equals_single(load_model(ckpts[name], dtype), 5)
 
 
 @pytest.mark.parametrize("spec", ["draft-mtp", "ngram-mod,draft-mtp"])
@@ -306,13 +281,7 @@ def test_packed_experts_one_kernel_call(ckpts, name, weights):
     model = load_model(ckpts[name], "bfloat16", weights=weights)
     moe = moe_layers(model)[0]
     assert moe.fused()
-    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(6))
-    a, b = model.new_cache(64), model.new_cache(64)
-    run(model, ids[:16], a)
-    run(model, ids[:16], b)
-    batched = run(model, ids[16:], a)
-    single = torch.cat([run(model, ids[t:t + 1], b) for t in range(16, 24)])
-    assert torch.equal(batched, single)
+    assert batched_equals_single(model, 6)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     fused = moe(x)
     moe._fused = False
