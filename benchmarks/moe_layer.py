@@ -26,12 +26,11 @@ def main() -> None:
     h, inter, top = 2048, 512, 8
     ws = [tuple(quantize(torch.randn(*s) * 0.02, "q4_k") for s in ((inter, h), (inter, h), (h, inter)))
           for _ in range(a.experts)]
-    moe = MoE(torch.randn(a.experts, h) * 0.02, a.experts, lambda e: ws[e], top, True, None, None, ExpertCache(), 0,
-              sum(t.numel() for t in ws[0]))
+    moe = MoE(torch.randn(a.experts, h) * 0.02, a.experts, lambda e: ws[e], top, True, None, None, ExpertCache(), 0)
     per_token = top * 3 * h * inter * 144 / 256
     print(f"routed expert bytes per row: {per_token / 1e6:.2f} MB")
     for dtype in (torch.float32, torch.bfloat16):
-        moe.router_proj.weight = moe.router_proj.weight.to(dtype)
+        moe.router.weight = moe.router.weight.to(dtype)
         for rows in (1, 4):
             x = torch.randn(rows, h).to(dtype)
             times: dict[bool, list[float]] = {True: [], False: []}

@@ -8,26 +8,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.hf_hybrid import COMMON as HYBRID_COMMON
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.moe import MoE
 
-COMMON = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 128,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-}
-
-HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-          "linear_value_head_dim": 12, "full_attention_interval": 2, "shared_expert_intermediate_size": 48}
+LINEAR = {k: v for k, v in HYBRID_COMMON.items() if k.startswith("linear_")}  # Gated DeltaNet sizes
+COMMON = {**{k: v for k, v in HYBRID_COMMON.items() if k not in LINEAR}, "num_experts": 8, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 32}  # the hybrid tests' sizes, plus experts
+HYBRID = {**LINEAR, "full_attention_interval": 2, "shared_expert_intermediate_size": 48}
 
 VARIANTS = {
     # dense attention; layer 1 a plain MLP; top-k weights renormalised

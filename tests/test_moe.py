@@ -303,7 +303,7 @@ def test_shared_expert_joins_the_kernel_call_when_shapes_match():
     experts = [(q(inter, h), q(inter, h), q(h, inter)) for _ in range(e)]
     shared = MLP(Linear(q(2 * inter, h)), Linear(q(h, inter)))
     moe = MoE(torch.randn(e, h, generator=g), e, lambda i: experts[i], 2, True, shared,
-              torch.randn(1, h, generator=g), ExpertCache(), 0, 0)
+              torch.randn(1, h, generator=g), ExpertCache(), 0)
     assert moe.fused() and moe._shared_as_expert(experts[0][0], experts[0][2]) is not None
     x = torch.randn(3, h, generator=g)
     fused = moe(x)

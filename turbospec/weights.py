@@ -123,16 +123,11 @@ def release(t: torch.Tensor) -> None:
         k.release_file_pages(t)
 
 
-def file_mapped(t: torch.Tensor) -> bool:
-    """Whether `t` is a view of a file mapping (a GGUF file's packed matrix); False without the kernel."""
+def file_mapping(t: torch.Tensor) -> tuple[int, int] | None:
+    """The [start, end) addresses of the file mapping `t` is a view of (a GGUF file's packed matrix), None when it is
+    not one or without the kernel."""
     k = load_kernel()
-    return k is not None and k.file_mapped(t)
-
-
-def mapping_bounds(t: torch.Tensor) -> tuple[int, int] | None:
-    """The [start, end) addresses of the mapping that holds `t`, None without the kernel or outside any mapping."""
-    k = load_kernel()
-    lo, hi = k.mapping_bounds(t) if k is not None else (0, 0)
+    lo, hi = k.file_mapping_bounds(t) if k is not None else (0, 0)
     return (lo, hi) if hi > lo else None
 
 

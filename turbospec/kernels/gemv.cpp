@@ -696,26 +696,33 @@ std::pair<char*, std::shared_ptr<Arena>> arena_alloc(size_t n) {
   return {dst, arena};
 }
 
-// True when [p, p + n) lies in a private or read-only mapping of a file (a memory-mapped checkpoint: safetensors
-// maps files private, numpy / gguf read-only), from /proc/self/maps.
-bool in_file_mapping(const void* p, size_t n) {
+// The mapping that holds [p, p + n), from /proc/self/maps: its [lo, hi) addresses, and whether it is a private or
+// read-only mapping of a file (a memory-mapped checkpoint: safetensors maps files private, numpy / gguf read-only).
+struct Mapping {
+  uintptr_t lo = 0, hi = 0;
+  bool file = false;
+};
+
+Mapping find_mapping(const void* p, size_t n) {
+  Mapping m;
   FILE* f = std::fopen("/proc/self/maps", "r");
-  if (!f) return false;
+  if (!f) return m;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p), e = a + n;
   char line[512];
-  bool file = false;
   while (std::fgets(line, sizeof line, f)) {
     unsigned long lo = 0, hi = 0, ino = 0;
     char perms[8] = {0}, path[256] = {0};
     if (std::sscanf(line, "%lx-%lx %7s %*s %*s %lu %255s", &lo, &hi, perms, &ino, path) < 4) continue;
     if (a >= lo && e <= hi) {
-      file = ino != 0 && path[0] == '/' && (perms[1] == '-' || perms[3] == 'p');
+      m = {lo, hi, ino != 0 && path[0] == '/' && (perms[1] == '-' || perms[3] == 'p')};
       break;
     }
   }
   std::fclose(f);
-  return file;
+  return m;
 }
+
+bool in_file_mapping(const void* p, size_t n) { return find_mapping(p, n).file; }
 
 }  // namespace
 
@@ -734,32 +741,17 @@ bool release_file_pages(torch::Tensor t) {
   return hi > lo;
 }
 
-// Whether `t` lies in a file mapping (in_file_mapping: reads /proc/self/maps, ~0.2 ms).
-bool file_mapped(torch::Tensor t) {
-  return t.is_contiguous() && t.device().type() == torch::kCPU && t.nbytes() >= 4096 &&
-         in_file_mapping(t.data_ptr(), t.nbytes());
-}
-
-// The [start, end) addresses of the mapping that holds `t` (from /proc/self/maps), (0, 0) if none.
-std::vector<int64_t> mapping_bounds(torch::Tensor t) {
-  FILE* f = std::fopen("/proc/self/maps", "r");
-  if (!f) return {0, 0};
-  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr()), e = a + t.nbytes();
-  char line[512];
-  std::vector<int64_t> out{0, 0};
-  while (std::fgets(line, sizeof line, f)) {
-    unsigned long lo = 0, hi = 0;
-    if (std::sscanf(line, "%lx-%lx", &lo, &hi) == 2 && a >= lo && e <= hi) {
-      out = {static_cast<int64_t>(lo), static_cast<int64_t>(hi)};
-      break;
-    }
-  }
-  std::fclose(f);
-  return out;
+// The [start, end) addresses of the file mapping (see find_mapping) that holds `t`, (0, 0) when `t` is not in one.
+// Reads /proc/self/maps (~0.2 ms): once per MoE layer, for drop_pages.
+std::vector<int64_t> file_mapping_bounds(torch::Tensor t) {
+  if (!t.is_contiguous() || t.device().type() != torch::kCPU || t.nbytes() < 4096) return {0, 0};
+  const Mapping m = find_mapping(t.data_ptr(), t.nbytes());
+  if (!m.file) return {0, 0};
+  return {static_cast<int64_t>(m.lo), static_cast<int64_t>(m.hi)};
 }
 
 // release_file_pages without the mapping check, for a tensor the caller knows is a read-only file mapping (a MoE
-// expert of a GGUF file, checked once per layer with file_mapped): evicting an expert costs one madvise. The range
+// expert of a GGUF file, found once per layer with file_mapping_bounds): evicting an expert costs one madvise. The range
 // is widened to whole `align`-byte units: the page cache holds files in large folios and a fault maps the whole
 // folio, neighbours included, so dropping only the tensor's own pages would leave its neighbours' mapped (a
 // neighbour still in use just faults back in). The caller keeps the range inside the mapping.
@@ -859,9 +851,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hugepage_empty", &hugepage_empty, "uninitialised tensor in transparent-huge-page memory");
   m.def("in_arena", &in_arena, "whether a tensor lies in huge-page memory of this module");
   m.def("release_file_pages", &release_file_pages, "drop a file-mapped tensor's pages from this process");
-  m.def("file_mapped", &file_mapped, "whether a tensor lies in a file mapping");
   m.def("drop_pages", &drop_pages, "drop a known file-mapped tensor's pages, widened to whole units, in a mapping");
-  m.def("mapping_bounds", &mapping_bounds, "the mapping that holds a tensor");
+  m.def("file_mapping_bounds", &file_mapping_bounds, "the file mapping that holds a tensor, (0, 0) if none");
   m.def("populate_pages", &populate_pages, "map a file-mapped tensor's pages in now");
   m.def("trim_heap", &trim_heap, "malloc_trim(0)");
   m.def("attn_in", &attn_in, "RMSNorm, qkv product, q/k norm and RoPE of a decode step");

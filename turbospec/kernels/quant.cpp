@@ -451,32 +451,15 @@ inline bool use_vbmi() {
   return yes;
 }
 
-// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y).
-template <Fmt F>
-void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
-         int64_t out) {
-  const bool avx512 = use_avx512(), vbmi = use_vbmi();
-  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint8_t* wr = w + o * row_bytes;
-      for (int64_t r = 0; r < m; r += 2) {
-        float t[2];
-        const int nx = r + 1 < m ? 2 : 1;
-        const QRow* x1 = nx > 1 ? &xq[r + 1] : nullptr;
-        if (!avx512 || F == Fmt::Q6_K || (F == Fmt::Q4_0 && !vbmi))
-          row_dot<F>(wr, nb, &xq[r], x1, nx, t);
-        else if constexpr (F == Fmt::Q4_K)
-          row_dot_q4k_avx512(wr, nb, &xq[r], x1, nx, t);
-        else if constexpr (F == Fmt::Q8_0)
-          row_dot_q8_0_avx512(wr, nb, &xq[r], x1, nx, t);
-        else if constexpr (F == Fmt::Q4_0)
-          row_dot_q4_0_avx512(wr, nb, &xq[r], x1, nx, t);
-
-        y[r * out + o] = t[0];
-        if (nx > 1) y[(r + 1) * out + o] = t[1];
-      }
-    }
-  });
+// fn(integral_constant<Fmt, f>): a packed format as a compile-time value.
+template <typename Fn>
+inline void by_fmt(Fmt f, Fn&& fn) {
+  switch (f) {
+    case Fmt::Q8_0: fn(std::integral_constant<Fmt, Fmt::Q8_0>{}); break;
+    case Fmt::Q4_0: fn(std::integral_constant<Fmt, Fmt::Q4_0>{}); break;
+    case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
+    case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
+  }
 }
 
 // One weight row times one or two quantized input rows, by the CPU's best kernel for the format.
@@ -491,6 +474,25 @@ inline void dot_rows(const uint8_t* wr, int64_t nb, const QRow* x0, const QRow* 
     row_dot_q8_0_avx512(wr, nb, x0, x1, nx, t);
   else if constexpr (F == Fmt::Q4_0)
     row_dot_q4_0_avx512(wr, nb, x0, x1, nx, t);
+}
+
+// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y).
+template <Fmt F>
+void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
+         int64_t out) {
+  const bool avx512 = use_avx512(), vbmi = use_vbmi();
+  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      const uint8_t* wr = w + o * row_bytes;
+      for (int64_t r = 0; r < m; r += 2) {
+        float t[2];
+        const int nx = r + 1 < m ? 2 : 1;
+        dot_rows<F>(wr, nb, &xq[r], nx > 1 ? &xq[r + 1] : nullptr, nx, t, avx512, vbmi);
+        y[r * out + o] = t[0];
+        if (nx > 1) y[(r + 1) * out + o] = t[1];
+      }
+    }
+  });
 }
 
 // Rows [0, n * rows_each) of the products of pairs p = 0..n-1: y[p * rows_each + o] = row o of w[p] . x[p], in one
@@ -508,16 +510,6 @@ void pair_products(const std::vector<const uint8_t*>& w, const std::vector<const
       dot_rows<F>(wr, nb, x[p], nullptr, 1, &y[i], avx512, vbmi);
     }
   });
-}
-
-template <typename Fn>
-inline void by_fmt(Fmt f, Fn&& fn) {
-  switch (f) {
-    case Fmt::Q8_0: fn(std::integral_constant<Fmt, Fmt::Q8_0>{}); break;
-    case Fmt::Q4_0: fn(std::integral_constant<Fmt, Fmt::Q4_0>{}); break;
-    case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
-    case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
-  }
 }
 
 // The routed experts of a mixture-of-experts layer for a few rows x [m, hidden] (float32): pairs p = (row[p],
@@ -584,12 +576,7 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
     if (pairs) q4_0_layout(xq[r], in);
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  switch (f) {
-    case Fmt::Q8_0: run<Fmt::Q8_0>(wp, nb, row_bytes, xq, y, m, out); break;
-    case Fmt::Q4_0: run<Fmt::Q4_0>(wp, nb, row_bytes, xq, y, m, out); break;
-    case Fmt::Q4_K: run<Fmt::Q4_K>(wp, nb, row_bytes, xq, y, m, out); break;
-    case Fmt::Q6_K: run<Fmt::Q6_K>(wp, nb, row_bytes, xq, y, m, out); break;
-  }
+  by_fmt(f, [&](auto fc) { run<decltype(fc)::value>(wp, nb, row_bytes, xq, y, m, out); });
 }
 
 // Weight rows [r0, r1) of packed w as float32, into y (row-major, in values per row). The arithmetic is the gguf

@@ -58,19 +58,14 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
     """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
     `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
     `moe_tail`."""
-    n = x.shape[0]
-    if ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
-            and plan.start == cache.length):
+    if _one_call(attn, plan, cache):
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
                                plan.parents if plan.mask is not None else [])
-        gate = attn.split(qkv, n)[3]
+        gate = attn.split(qkv, x.shape[0])[3]
     else:
-        qkv = k.attn_in(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
-                        rope[1], attn.nh, attn.nkv, attn.hd, attn.gated)
-        q, kk, v, gate = attn.split(qkv, n)
-        a = attn.mix(q, kk, v, plan, cache, layer)
+        a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
     return moe_tail(x, a, gate, attn.o, moe, post_norm, eps, zc)
 
 
@@ -84,25 +79,43 @@ def moe_tail(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, moe
     return x + moe(rms_norm(x, post_norm, eps, zc))
 
 
+def ffn_tail(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, ffn: MLP | MoE,
+             post_norm: torch.Tensor, eps: float, zc: bool) -> torch.Tensor:
+    """`moe_tail` for a mixture of experts, else `out_mlp`."""
+    if isinstance(ffn, MoE):
+        return moe_tail(x, a, gate, o, ffn, post_norm, eps, zc)
+    return out_mlp(k, x, a, gate, o, ffn, post_norm, eps, zc)
+
+
 def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor,
                     eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache,
                     layer: int) -> torch.Tensor:
     """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`)."""
-    n = x.shape[0]
-    if ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
-            and plan.start == cache.length):
-        # causal tokens (decode, chain verification) or a draft tree over a plain cache: the whole layer in one call,
-        # each row equal to the single-token step that decodes it
+    if _one_call(attn, plan, cache):
         return k.layer_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                               cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
                               post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
                               plan.parents if plan.mask is not None else [])
+    a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
+    return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
+
+
+def _one_call(attn: Attention, plan: AttentionPlan, cache) -> bool:
+    """Causal tokens (decode, chain verification) or a draft tree over a plain cache: the attention runs inside one
+    kernel call (`layer_decode`, `attn_decode`), each row equal to the single-token step that decodes it."""
+    return ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
+            and plan.start == cache.length)
+
+
+def _attend(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
+            rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache, layer: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attention output [N, H*D], output gate or None) through `attn_in` and the cache's own attention."""
     qkv = k.attn_in(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
                     rope[1], attn.nh, attn.nkv, attn.hd, attn.gated)
-    q, kk, v, gate = attn.split(qkv, n)
-    a = attn.mix(q, kk, v, plan, cache, layer)
-    return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
+    q, kk, v, gate = attn.split(qkv, x.shape[0])
+    return attn.mix(q, kk, v, plan, cache, layer), gate
 
 
 def out_mlp(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, mlp: MLP, post_norm: torch.Tensor,

@@ -5,8 +5,9 @@ expert.
 Experts are fetched through an `ExpertCache`: without a budget every expert is loaded once and stays; with one
 (`--moe-cache-mem`), an expert is loaded the first time a token routes to it and the least recently used experts
 are dropped when the budget is full. Loading a packed expert from a GGUF file is a view of the file's memory map
-(no copy: its pages come in as the kernel reads them) and dropping it gives those pages back, so the resident set
-follows the budget; experts that need converting (float checkpoints, `--weights`) are converted on load.
+(no copy: its pages are mapped in at once) and dropping it gives the whole 2 MiB page-cache folios around it back;
+the budget counts the experts' bytes, and the mapped pages run above it by the neighbours those folios bring in
+(docs/moe.md). Experts that need converting (float checkpoints, `--weights`) are converted on load.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from turbospec.kernels.gemv import load_kernel
 from turbospec.layers.attention import MLP
 from turbospec.layers.linear import Linear, SplitLinear, skinny_rows
-from turbospec.weights import format_of, is_packed
+from turbospec.weights import file_mapping, format_of, is_packed, release
 
 log = logging.getLogger("turbospec")
 
@@ -109,7 +110,6 @@ class ExpertCache:
     def clear(self) -> None:
         while self.entries:
             self._evict()
-        self.used = 0
 
 
 class MoE:
@@ -118,16 +118,23 @@ class MoE:
     (decode, verification and prefill rows alike)."""
 
     def __init__(self, router: torch.Tensor, num_experts: int, load: ExpertLoader, top_k: int, norm_topk: bool,
-                 shared: MLP | None, shared_gate: torch.Tensor | None, cache: ExpertCache, layer: int,
-                 expert_bytes: int, mapped: tuple[int, int] | None = None):
-        self.router, self.num_experts, self.load = router, num_experts, load
-        self.router_proj = Linear(router, hugepages=False)  # few rows: the kernel, each row on its own
+                 shared: MLP | None, shared_gate: torch.Tensor | None, cache: ExpertCache, layer: int):
+        self.num_experts, self.load = num_experts, load
+        self.router = Linear(router, hugepages=False)  # few rows: the kernel, each row on its own
         self.top_k, self.norm_topk = top_k, norm_topk
-        self.shared, self.shared_gate = shared, shared_gate
-        self.shared_gate_proj = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
-        self.cache, self.layer, self.expert_bytes = cache, layer, expert_bytes
-        self._fused: bool | None = None  # packed experts: decode / verification rows in one kernel call
-        self.mapped = mapped  # experts are views of this file mapping (a GGUF file's packed experts), else None
+        self.shared = shared
+        self.shared_gate = Linear(shared_gate, hugepages=False) if shared_gate is not None else None
+        self.cache, self.layer = cache, layer
+        # expert 0 tells what every expert of the layer is: its bytes, whether its matrices are views of a file
+        # mapping (a GGUF file's packed experts: the mapping's bounds), whether the kernel takes them (packed, gate
+        # and up in one format: decode / verification rows in one `moe_experts` call)
+        one = load(0)
+        self.expert_bytes = sum(t.numel() * t.element_size() for t in one)
+        self.mapped = file_mapping(one[0])
+        self._fused = (load_kernel() is not None and all(is_packed(t) for t in one)
+                       and format_of(one[0]) == format_of(one[1]))
+        for t in one:
+            release(t)
         if cache.budget is None:  # no budget: every expert now, as the other weights (while memory lasts)
             for e in range(num_experts):
                 if cache.low_memory():
@@ -139,7 +146,7 @@ class MoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in x's dtype, expert indices [N, k]) as transformers' top-k router."""
-        probs = torch.softmax(self.router_proj(x).float(), dim=-1)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(-1, keepdim=True)
@@ -147,12 +154,7 @@ class MoE:
 
     def fused(self) -> bool:
         """Whether this layer's experts go through `moe_experts` (the kernel built, the experts packed with gate
-        and up in one format); decided from expert 0, as every expert of a layer has the same formats."""
-        if self._fused is None:
-            mlp = self.expert(0)
-            gate, up = (p.weight for p in mlp.gate_up.parts)
-            self._fused = (load_kernel() is not None and all(is_packed(w) for w in (gate, up, mlp.down.weight))
-                           and format_of(gate) == format_of(up))
+        and up in one format)."""
         return self._fused
 
     def _fused_call(self, k, x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -168,14 +170,18 @@ class MoE:
                 rows.append(r), ws.append(weights[r][s])
         shared = self._shared_as_expert(gates[0], downs[0])
         if shared is not None:  # weight sigmoid(shared_gate . x), in x's dtype as the op-by-op path
-            sg = torch.sigmoid(self.shared_gate_proj(x)).float()[:, 0].tolist()
+            sg = torch.sigmoid(self.shared_gate(x)).float()[:, 0].tolist()
             for r in range(x.shape[0]):
                 gates.append(shared[0]), ups.append(shared[1]), downs.append(shared[2])
                 rows.append(r), ws.append(sg[r])
         out = k.moe_experts(x, gates, ups, downs, rows, ws).to(x.dtype)
-        if self.shared is not None and shared is None:
-            out = out + torch.sigmoid(self.shared_gate_proj(x)) * self.shared(x)
-        return out
+        return out if shared is not None else self._add_shared(out, x)
+
+    def _add_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + sigmoid(shared_gate . x) * shared(x) (out itself without a shared expert)."""
+        if self.shared is None:
+            return out
+        return out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
 
     def _shared_as_expert(self, gate: torch.Tensor, down: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -203,16 +209,14 @@ class MoE:
             for e in idx.unique().tolist():
                 rows, slot = torch.where(idx == e)
                 out.index_add_(0, rows, self.expert(e)(x[rows]) * top[rows, slot, None])
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate_proj(x)) * self.shared(x)
-        return out
+        return self._add_shared(out, x)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all this layer's weights (every expert, resident or not)."""
-        n = self.router.numel() * self.router.element_size() + self.num_experts * self.expert_bytes
-        if self.shared is not None:
-            n += self.shared.nbytes + self.shared_gate.numel() * self.shared_gate.element_size()
+        n = self.router.nbytes + self.num_experts * self.expert_bytes
+        if self.shared is not None and self.shared_gate is not None:
+            n += self.shared.nbytes + self.shared_gate.nbytes
         return n
 
 

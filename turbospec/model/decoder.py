@@ -14,7 +14,6 @@ from turbospec.layers.moe import ExpertCache, MoE
 from turbospec.layers.norm import rms_norm
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import TensorSource
-from turbospec.weights import file_mapped, mapping_bounds, release
 
 
 class DecoderLayer:
@@ -123,11 +122,5 @@ def load_moe(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype, lay
         shared_gate = ws.get(f"{p}.shared_expert_gate.weight", dtype).reshape(1, -1)
         if shared_gate.shape[1] != h:
             raise TurboSpecError(f"{p}.shared_expert_gate.weight has {shared_gate.numel()} values, expected {h}")
-    one = load(0)  # the bytes of an expert (all are the same size), read from expert 0
-    expert_bytes = sum(t.numel() * t.element_size() for t in one)
-    mapped = mapping_bounds(one[0]) if file_mapped(one[0]) else None
-    for t in one:
-        release(t)
     layer_key = layer if not p.startswith("mtp.") else -1 - layer
-    return MoE(router, e, load, m["top_k"], m["norm_topk"], shared, shared_gate, experts, layer_key, expert_bytes,
-               mapped)
+    return MoE(router, e, load, m["top_k"], m["norm_topk"], shared, shared_gate, experts, layer_key)

@@ -137,9 +137,7 @@ class HybridLayer:
             proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
             o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
             cache.gdn_stash(self.slot, window, states)
-            if km is not None:
-                return block.moe_tail(x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
-            return block.out_mlp(k, x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
+            return block.ffn_tail(k or km, x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         y, window, states = gdn(rms_norm(x, self.in_norm, self.eps, True), conv, ssm, cache.track_all_states,
                                 cache.tree_parents)
         cache.gdn_stash(self.slot, window, states)
@@ -162,10 +160,8 @@ class HybridLayer:
             cache.gdn_stash(i, self.slot, window, states)
             outs.append(o)
         o = gdn.out_order(torch.cat(outs) if len(outs) > 1 else outs[0])
-        if km is not None:
-            return block.moe_tail(x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
-        if k is not None:
-            return block.out_mlp(k, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
+        if k is not None or km is not None:
+            return block.ffn_tail(k or km, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         x = x + gdn.out(o)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
