@@ -25,7 +25,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.kernels.gemv import load_kernel
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
-from turbospec.weights import BY_GGUF_TYPE, consume, packable, release, trim_heap
+from turbospec.weights import BY_GGUF_TYPE, packable, release, trim_heap
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen35", "qwen35moe")
 HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (llama.cpp's converter reorders their tensors)
@@ -319,10 +319,7 @@ class GGUFWeights(IndexedSource):
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
         if fmt is not None and load_kernel() is not None and packable(fmt, shape):
             return _mapped(data.reshape(shape[0], shape[1] // fmt.block_values, fmt.block_bytes))
-        out = self._expert_values(t, data, shape)
-        if self.pack is not None and packable(self.pack, shape):
-            return consume(out, self.pack)
-        return out.to(dtype)
+        return super().expert_matrix(name, index, dtype, shape)  # values via stacked_part, packed per `pack`
 
     def stacked_part(self, name: str, index: int) -> torch.Tensor:
         """Part `index` of a stacked tensor as values (that part's bytes only)."""
