@@ -250,7 +250,7 @@ def test_serve_n_minus_one_means_no_cap(monkeypatch):
         ctx = 256
 
     monkeypatch.delenv("TURBOSPEC_API_KEY", raising=False)
-    monkeypatch.setattr(serve, "build_engine", lambda cfg: _Engine())
+    monkeypatch.setattr(serve, "build_engine", lambda cfg, progress=None: _Engine())
     def create_app(engine, cfg, **kw):
         seen.update(cfg=cfg)
         app = app_mod.FastAPI()

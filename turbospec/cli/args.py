@@ -136,3 +136,19 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
         )
     except ValueError as e:
         raise TurboSpecError(str(e)) from None
+
+
+def add_plot_format_arg(p: argparse.ArgumentParser, default: str | None = "png", what: str = "the plots") -> None:
+    """`--plot-format png,svg`: the formats `turbospec.lab.plots` writes (a tuple, or None when not given and
+    `default` is None)."""
+    from turbospec.lab.plots import parse_formats
+
+    def formats(text: str) -> tuple[str, ...]:
+        try:
+            return parse_formats(text)
+        except TurboSpecError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p.add_argument("--plot-format", type=formats, default=None if default is None else formats(default),
+                   metavar="png,svg", help=f"formats of {what}, a comma list: png, svg "
+                                           f"(default {default or 'the suffix of --plot'})")

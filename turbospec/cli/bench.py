@@ -1,15 +1,18 @@
 """`turbospec bench`: its flags, turned into an `EngineConfig` and `BenchOptions` for turbospec.lab.bench
-(local engine) or turbospec.lab.client (`--url`: servers)."""
+(local engine) or turbospec.lab.client (`--url`: servers); `--db` records the run in a history file
+(turbospec.lab.history), read back by `turbospec bench history` and `turbospec bench compare`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from turbospec.cli.args import add_model_args, add_spec_args, engine_config
-from turbospec.lab import bench, client
+from turbospec.cli.args import add_model_args, add_plot_format_arg, add_spec_args, engine_config
+from turbospec.lab import bench, client, history
 from turbospec.lab.workload import BenchOptions
 
 
@@ -32,8 +35,29 @@ def register(sub) -> argparse.ArgumentParser:
                    help="benchmark an OpenAI-compatible server instead (repeatable: side by side)")
     p.add_argument("--api-key", default=None, help="for --url")
     p.add_argument("--out", default=None, help="report directory (default bench-<timestamp>)")
+    add_plot_format_arg(p)
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--db", default=None, metavar="FILE",
+                   help="also append the run, with its environment, to this history database (SQLite, created on "
+                        "first use); see `turbospec bench history` and `turbospec bench compare`")
+    p.add_argument("--note", default=None, help="with --db: a note stored with the run")
     p.set_defaults(func=run)
+    tools = p.add_subparsers(title="history tools (instead of measuring)", metavar="{history,compare}")
+    h = tools.add_parser("history", help="list the runs of a --db history file, newest first",
+                         description="List the runs recorded in a history file (`turbospec bench ... --db FILE`), "
+                                     "newest first.")
+    h.add_argument("--db", required=True, metavar="FILE", help="the history database")
+    h.set_defaults(func=show_history)
+    c = tools.add_parser("compare", help="run B against run A of a --db history file: regressions per row",
+                         description="Compare two recorded runs row by row (engine, config, depth, category): "
+                                     "medians, min-max spreads, change of B vs A and a verdict. Throughput is "
+                                     "'slower' only when B's range lies below A's (no overlap), 'faster' when "
+                                     "above, else 'same (within noise)'; TTFT the other way round.")
+    c.add_argument("a", metavar="A", help="the baseline: a run id, or a git revision (commit hash prefix, HEAD~1, "
+                                          "a tag or branch): its newest run")
+    c.add_argument("b", metavar="B", help="the run compared with A (as A)")
+    c.add_argument("--db", required=True, metavar="FILE", help="the history database")
+    c.set_defaults(func=show_compare)
     return p
 
 
@@ -44,16 +68,106 @@ def options(a: argparse.Namespace, depths: tuple[int, ...] = (0,)) -> BenchOptio
 
 
 def run(a: argparse.Namespace) -> int:
-    opts = options(a)
-    if a.url:
+    depths = tuple(int(d) for d in str(a.depth).split(","))
+    opts = options(a, depths)
+    if a.url:  # servers: depth = that many filler words before the prompt
         settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
         report = client.run_remote(a.url, opts, a.api_key, settings)
     else:
         settings = {k: v for k, v in vars(a).items() if k != "func"}
-        depths = tuple(int(d) for d in str(a.depth).split(","))
-        report = bench.run_local(engine_config(a), options(a, depths), settings)
+        report = bench.run_local(engine_config(a), opts, settings)
     out = Path(a.out or time.strftime("bench-%Y%m%d-%H%M%S"))
-    files = bench.write_reports(report, out)
+    files = bench.write_reports(report, out, a.plot_format)
     bench.print_table(report)
     print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+    if a.db:
+        run_id = history.record(a.db, report, kind="bench", note=a.note)
+        print(f"recorded run {run_id} in {a.db}", file=sys.stderr)
     return 0
+
+
+def show_history(a: argparse.Namespace) -> int:
+    """`turbospec bench history --db FILE`: the recorded runs, newest first."""
+    runs = history.list_runs(a.db)
+    cols = ["id", "created", "kind", "version", "commit", "machine", "rows", "settings", "note"]
+    lines = [[str(r["id"]), r["created"][:16].replace("T", " "), r["kind"], str(r["version"] or ""),
+              str(r["git_commit"] or ""), str(r["machine"] or ""), str(r["n_rows"]), r["settings"]["text"],
+              r["note"] or ""] for r in runs]
+    _print_table(f"{a.db}: {len(runs)} run{'s' * (len(runs) != 1)}", cols, lines)
+    return 0
+
+
+def show_compare(a: argparse.Namespace) -> int:
+    """`turbospec bench compare A B --db FILE`: the regression table and a one-line verdict count."""
+    ids = history.resolve(a.db, a.a), history.resolve(a.db, a.b)
+    run_a, run_b = (history.load_run(a.db, i) for i in ids)
+    for line in history.differences(run_a, run_b):
+        print(f"note: A and B differ in {line}", file=sys.stderr)
+    result = history.compare(a.db, str(ids[0]), str(ids[1]))
+    engines = any(r.get("engine") is not None for r in result)
+    cols = ["engine"] * engines + ["config", "depth", "category", "metric", "A median", "A spread", "B median",
+                                   "B spread", "change", "verdict"]
+    lines = []
+    for r in result:
+        m = r["metric"]
+        if "a_median" in r:
+            cells = [_num(m, r["a_median"]), _spread(m, r["a_min"], r["a_max"], r["band"]), _num(m, r["b_median"]),
+                     _spread(m, r["b_min"], r["b_max"], r["band"]),
+                     "" if r["change_pct"] is None else f"{r['change_pct']:+.1f}%"]
+        else:
+            cells = [""] * 5
+        key = [str(r.get("engine") or "")] * engines + [str(r["config"]), str(r["depth"]), str(r["category"])]
+        lines.append([*key, m or "(row)", *cells, r["verdict"]])
+    title = f"bench compare: A = {_run_name(run_a)}  ->  B = {_run_name(run_b)}"
+    _print_table(title, cols, lines, verdicts=True)
+    print(history.summary(result))
+    return 0
+
+
+def _run_name(run: dict[str, Any]) -> str:
+    return f"run {run['id']} ({run.get('git_commit') or 'no commit'}, {run['created']})"
+
+
+def _num(metric: str | None, v: float | None) -> str:
+    """A metric's value with about four significant digits (three decimals for the acceptance rate)."""
+    if v is None:
+        return "-"
+    if metric == "acc_rate":
+        return f"{v:.3f}"
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 100 else f"{v:.2f}"
+
+
+def _spread(metric: str | None, lo: float | None, hi: float | None, band: str | None) -> str:
+    if lo is None or hi is None or band is None:
+        return "-"
+    if band == "sd":
+        return "+-" + _num(metric, (hi - lo) / 2)
+    return f"{_num(metric, lo)}-{_num(metric, hi)}"
+
+
+VERDICT_STYLE = {"slower": "bold red", "lower": "bold red", "faster": "bold green", "higher": "bold green"}
+
+
+def _print_table(title: str, cols: list[str], lines: list[list[str]], verdicts: bool = False) -> None:
+    """A rich table as `bench.print_table` prints one (tab-separated text when rich is missing); with
+    `verdicts`, the last column coloured: red slower, green faster. Written to a file or pipe (no COLUMNS
+    set), the table is up to 160 columns wide instead of 80."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        print(title)
+        for line in [cols, *lines]:
+            print("\t".join(line))
+        return
+    t = Table(title=Text(title))
+    for c in cols:  # a narrow terminal folds cells onto more lines instead of cutting them
+        t.add_column(c, overflow="fold")
+    for line in lines:  # as Text: a note or config with [brackets] is not rich markup
+        style = VERDICT_STYLE.get(line[-1], "") if verdicts else ""
+        t.add_row(*(Text(cell) for cell in line[:-1]), Text(line[-1], style=style))
+    console = Console(stderr=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=False, width=160)
+    console.print(t)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from turbospec.engine import model_path
+from turbospec.lab.progress import Progress
 
 
 def register(sub) -> None:
@@ -13,19 +14,14 @@ def register(sub) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("out", help="the GGUF file to write")
     p.add_argument("--type", default="f16", help="matrix type: f32, f16, bf16, q8_0, q4_0, q4_k (default f16)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from turbospec.model.gguf_export import export_gguf
 
-    with tqdm(desc="tensors", unit="", leave=False) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
+    with Progress("export", quiet=a.quiet, unit=" tensors", leave=False) as progress:
         out = export_gguf(model_path(a.model), a.out, a.type.lower(), progress)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0

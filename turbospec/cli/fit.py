@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
@@ -62,6 +63,9 @@ def register(sub) -> argparse.ArgumentParser:
                    help="MoE models: MiB of routed experts kept in memory, as `turbospec run --moe-cache-mem` "
                         "(default: all of them when they fit, else what is left next to a -c (4096) context)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="also draw the memory parts per KV type (and at -c) as FILE.png or FILE.svg (a second "
+                        "chart, FILE_at_ctx, with -c)")
     p.set_defaults(func=run)
     return p
 
@@ -95,7 +99,21 @@ def run(a: argparse.Namespace) -> int:
                     a.cache_type_k_draft, a.cache_type_v_draft, a.ctx_size, cap=a.ctx_max or (1 << 22))
     if a.json:
         print(json.dumps(info, indent=2))
-        return 0
-    print(fit.format_report(info))
-    sys.stdout.flush()
+    else:
+        print(fit.format_report(info))
+        sys.stdout.flush()
+    if a.plot:
+        write_plots(info, Path(a.plot))
     return 0
+
+
+def write_plots(info: dict, path: Path) -> list[Path]:
+    """The fit report's memory chart at `path` (SVG for .svg, else PNG), the chart at -c beside it as
+    <stem>_at_ctx<suffix>; the files written."""
+    from turbospec.lab import plots
+
+    names = {"memory": path, "memory_at_ctx": path.with_name(f"{path.stem}_at_ctx{path.suffix}")}
+    files = [plots.save(fig, names[name]) for name, fig in plots.figures(info) if name in names]
+    for f in files:
+        print(f"plot written to {f}", file=sys.stderr)
+    return files

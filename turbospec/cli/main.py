@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from turbospec.cli import bench, export, fit, quality, run, serve, tco
+from turbospec.cli import bench, export, fit, lab, quality, run, serve, tco
 from turbospec.errors import TurboSpecError
 from turbospec.version import __version__
 
-COMMANDS = (run, serve, bench, fit, quality, tco, export)  # each has register(subparsers) setting its func
+COMMANDS = (run, serve, bench, fit, quality, tco, lab, export)  # each has register(subparsers) setting its func
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from turbospec.cli.args import add_model_args, engine_config
+from turbospec.cli.args import add_model_args, add_plot_format_arg, engine_config
 from turbospec.lab import quality
 
 
@@ -29,6 +29,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--cases", type=int, default=5, help="retrieval cases per cell (default 5)")
     p.add_argument("--kinds", default="passkey,numbers", help="retrieval kinds: passkey, numbers")
     p.add_argument("--out", default=None, help="report directory (default quality-<timestamp>)")
+    add_plot_format_arg(p)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=run)
     return p
@@ -51,7 +52,7 @@ def run(a: argparse.Namespace) -> int:
     opts = options(a)
     report = quality.run_quality(engine_config(a), opts, settings)
     out = Path(a.out or time.strftime("quality-%Y%m%d-%H%M%S"))
-    quality.write_reports(report, out, opts)
+    files = quality.write_reports(report, out, opts, a.plot_format)
     quality.print_tables(report)
-    print(f"wrote {out}/report.json, report.md, perplexity.csv, kld.png", file=sys.stderr)
+    print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
     return 0

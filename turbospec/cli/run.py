@@ -16,6 +16,7 @@ from turbospec.cli.args import (
 )
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
+from turbospec.lab.progress import LOAD_DELAY_S, LONG_PROMPT, Progress
 
 DEFAULT_PROMPT = "import os\n\n\nclass FileCache:\n    def __init__(self, path):\n"
 
@@ -43,13 +44,17 @@ def run(a: argparse.Namespace) -> int:
             raise TurboSpecError(f"cannot read prompt file: {e}") from None
     if prompt is None:
         prompt = DEFAULT_PROMPT
-    engine = build_engine(engine_config(a))
+    with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
+        engine = build_engine(engine_config(a), loading)
     out = sys.stdout
     if not a.no_echo and not a.chat:
         out.write(prompt)
-    for chunk in engine.stream(prompt, params, chat=a.chat):
-        out.write(chunk.text)
         out.flush()
+    # a prefill bar for long prompts only (and on a terminal only, as every bar)
+    with Progress("prefill", min_total=LONG_PROMPT, unit=" tok", leave=False) as prefill:
+        for chunk in engine.stream(prompt, params, chat=a.chat, progress=prefill):
+            out.write(chunk.text)
+            out.flush()
     out.write("\n")
     st = engine.last_stats
     print(st.line(), file=sys.stderr)

@@ -17,6 +17,7 @@ from turbospec.cli.args import (
 )
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
+from turbospec.lab.progress import LOAD_DELAY_S, Progress
 from turbospec.server import DEFAULT_MAX_BODY
 from turbospec.server.security import binds_beyond_loopback
 
@@ -74,6 +75,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval-ms", type=float, default=50.0,
                    help="a stream writes what it has at most this often; the first token goes out at once "
                         "(default 50; 0 = a write per token)")
+    p.add_argument("--reports", action="append", default=[], metavar="DIR",
+                   help="lab reports (folders of bench/quality/fit/tco JSON, or files) the web page lists; repeatable")
+    p.add_argument("--db", default=None, metavar="FILE",
+                   help="a `turbospec bench --db` history the web page lists and compares")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="no web page at / (chat and reports); the API only")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
@@ -99,22 +106,26 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"warning: --host {a.host} may be reachable from other machines and no API key is set: anyone who "
               f"can reach port {a.port} can use the server; set --api-key-file (or --api-key)",
               file=sys.stderr, flush=True)
-    engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints))
+    with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
+        engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
+                              loading)
     name = a.alias or Path(engine.model_path).name
     cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
                        max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,
                        max_per_key=a.max_concurrent_per_key, max_connections=a.max_connections,
                        stream_interval=a.stream_interval_ms / 1e3, parallel=a.parallel,
-                       slot_save_path=a.slot_save_path)
+                       slot_save_path=a.slot_save_path, web_ui=a.webui, reports=tuple(a.reports),
+                       history_db=a.db)
     app = create_app(engine, cfg, worker_thread=False)
     # the app answers past --max-connections itself (OpenAI JSON); uvicorn's own limit (plain text) stays a
     # backstop for idle keep-alive connections far beyond it
     http = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                                          limit_concurrency=4 * a.max_connections, timeout_keep_alive=30,
                                          access_log=False, timeout_graceful_shutdown=10))
+    page = f"; web page http://{a.host}:{a.port}/" if a.webui else ""
     return serve_on_main_thread(http, app.state.worker, f"model '{name}' on http://{a.host}:{a.port} "
                                 f"(ctx {engine.ctx}, parallel {a.parallel}, queue {a.max_queue}"
-                                f"{f', {len(keys)} api key(s) accepted' if keys else ''})")
+                                f"{f', {len(keys)} api key(s) accepted' if keys else ''}){page}")
 
 
 def serve_on_main_thread(http, worker, banner: str) -> int:

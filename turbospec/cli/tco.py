@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from turbospec.cli.args import add_plot_format_arg
 from turbospec.errors import TurboSpecError
 from turbospec.lab import tco
 
@@ -96,7 +98,8 @@ def register(sub) -> argparse.ArgumentParser:
     )
     g.add_argument("--currency", help="label for the local currency (default: the preset's)")
     g.add_argument("--format", choices=["table", "json", "csv"], default="table", help="output format")
-    g.add_argument("--plot", metavar="PATH", help="also write the cost curves as a PNG")
+    g.add_argument("--plot", metavar="PATH", help="also write the cost curves: SVG for a .svg PATH, else PNG")
+    add_plot_format_arg(g, None, "--plot (PATH with each format's suffix)")
     p.set_defaults(func=run)
     return p
 
@@ -118,7 +121,11 @@ def run(a: argparse.Namespace) -> int:
     tokens = list(a.tokens) if a.tokens else list(preset.tokens)
     currency = a.currency if a.currency is not None else preset.currency
     sys.stdout.write(tco.render(a.format, a.preset, preset, onprem, apis, tokens, currency, claimed))
+    if a.plot_format and not a.plot:
+        raise TurboSpecError("--plot-format needs --plot PATH")
     if a.plot:
-        path = tco.plot_tco(onprem, apis, a.plot, currency=currency, claimed=claimed)
-        print(f"plot written to {path}", file=sys.stderr)
+        paths = [Path(a.plot).with_suffix(f".{f}") for f in a.plot_format] if a.plot_format else [Path(a.plot)]
+        for path in paths:
+            path = tco.plot_tco(onprem, apis, path, currency=currency, claimed=claimed)
+            print(f"plot written to {path}", file=sys.stderr)
     return 0

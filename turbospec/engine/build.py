@@ -12,7 +12,7 @@ from turbospec.engine.engine import Engine
 from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.model.gguf import GGUFFile, is_gguf
-from turbospec.model.registry import load_gguf, load_model
+from turbospec.model.registry import Progress, load_gguf, load_model
 from turbospec.speculative.adaptive import calibrate
 from turbospec.speculative.registry import make_drafter
 from turbospec.tokenizer import Tokenizer
@@ -41,9 +41,10 @@ def model_path(given: str | None) -> str:
     return path
 
 
-def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
+def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[str, Model, Tokenizer | None]:
     """Resolve the checkpoint, apply the thread count, load the model and its tokenizer (None when the checkpoint
-    ships none): what `build_engine` does before the drafter, for tools that run several engines on one model."""
+    ships none): what `build_engine` does before the drafter, for tools that run several engines on one model.
+    `progress(done, total)`: the tensors read while the model loads (a caller's load bar)."""
     path = model_path(config.model)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -51,17 +52,18 @@ def load_parts(config: EngineConfig) -> tuple[str, Model, Tokenizer | None]:
     budget = None if config.moe_cache_mem is None else config.moe_cache_mem << 20
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
-        model = load_gguf(f, config.dtype, config.weights, budget)
+        model = load_gguf(f, config.dtype, config.weights, budget, progress)
         tokenizer = Tokenizer.from_gguf(f.meta) if "tokenizer.ggml.model" in f.meta else None
     else:
-        model = load_model(path, config.dtype, config.weights, budget)
+        model = load_model(path, config.dtype, config.weights, budget, progress)
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
     return path, model, tokenizer
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine."""
-    path, model, tokenizer = load_parts(config)
+def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engine:
+    """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine. `progress`: as
+    `load_parts`'."""
+    path, model, tokenizer = load_parts(config, progress)
     drafter = make_drafter(config.spec, model, config.ctx + config.spec.depth + 1, model_path=path)
     engine = Engine(model, tokenizer, config, drafter, model_path=path)
     if drafter is not None and config.spec.adaptive:

@@ -71,7 +71,8 @@ class Engine:
 
     # ---- building blocks -------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], rows: int | None = 1, reuse_prefix: bool = True,
-                abort: Callable[[], bool] | None = None) -> torch.Tensor:
+                abort: Callable[[], bool] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Run the prompt through the model in ubatch chunks; return the hidden rows of the last `rows` prompt
         positions ([rows, H]; None: every computed position, for drafters that read the target's hidden states).
         Positions reused from the cache have no rows. Each chunk's last layer computes only the rows kept.
@@ -81,7 +82,8 @@ class Engine:
         longest prefix the cache can resume from (a hybrid's: its committed length or a checkpoint, see
         `HybridCache`; every prompt is checkpointed before its last token, so that the same prompt again, or one
         that continues it, resumes there). `abort` is asked between chunks; when it answers True, `Aborted` is
-        raised and the cache keeps the chunks already computed."""
+        raised and the cache keeps the chunks already computed. `progress(done, n)` is told the prompt positions
+        in the cache after each chunk (a caller's prefill bar)."""
         reuse = 0
         if reuse_prefix and self.config.prefix_cache:
             limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
@@ -113,6 +115,8 @@ class Engine:
             if e == mark:
                 self.cache.checkpoint()
             out.append(hidden)
+            if progress is not None:
+                progress(e, n)
         hidden = torch.cat(out) if len(out) > 1 else out[0]
         return hidden if rows is None else hidden[-min(rows, n - reuse):]
 
@@ -149,11 +153,13 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
-               abort: Callable[[], bool] | None = None) -> Iterator[Chunk]:
+               abort: Callable[[], bool] | None = None,
+               progress: Callable[[int, int], None] | None = None) -> Iterator[Chunk]:
         """Yield generated tokens (with text when a tokenizer is present); stats land in `last_stats`.
 
         `abort` (a server's cancel check) is asked between prefill chunks: when it answers True the stream ends
-        without tokens and `finish_reason` "abort". Between tokens the caller stops by closing the iterator."""
+        without tokens and `finish_reason` "abort". Between tokens the caller stops by closing the iterator.
+        `progress`: the prefill's, as `prefill`'s."""
         params = params or SamplingParams()
         tokens = self.encode_prompt(prompt, chat)
         if not tokens:
@@ -184,7 +190,7 @@ class Engine:
         # prompt logprobs need every prompt row: no prefix reuse, all rows kept
         try:
             hidden = self.prefill(tokens, None if prompt_lp is not None else want, reuse_prefix=prompt_lp is None and params.cache_prompt,
-                                  abort=abort)
+                                  abort=abort, progress=progress)
         except Aborted:
             stats.prefill_s = time.perf_counter() - t0
             stats.finish_reason = "abort"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -31,19 +33,65 @@ def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = 
         src = Path(__file__).with_name(source)
         build = Path(_get_build_directory(name, False))
         _drop_stale_lock(build / "lock")
-        if sys.stderr.isatty() and not any(build.glob("*.so")):
-            print(f"turbospec: building the AVX2 {what} kernel (first run only, about a minute)...", file=sys.stderr)
         # torch rebuilds when the source or the flags change, not when a header does: hash the shared header in
         simd = hashlib.sha1(src.with_name("simd.h").read_bytes()).hexdigest()[:16]
-        return load(
-            name=name, sources=[str(src)], verbose=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DTURBOSPEC_SIMD={simd}", *cflags],
-            extra_ldflags=["-fopenmp"],
-        )
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DTURBOSPEC_SIMD={simd}", *cflags]
+        # say so before a build (nothing cached, or stale); a build the check missed is announced once it runs long
+        slow = threading.Timer(BUILD_NOTICE_AFTER_S, announce_build)
+        slow.daemon = True
+        if needs_build(build, name, src, flags):
+            announce_build()
+        else:
+            slow.start()
+        try:
+            return load(name=name, sources=[str(src)], verbose=False, extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"])
+        finally:
+            slow.cancel()
     except Exception as e:  # noqa: BLE001 -- no compiler or headers: fall back to torch's kernels
         print(f"turbospec: {what} kernel unavailable ({' '.join(str(e).split())[:120]}); "
               "using torch kernels", file=sys.stderr)
         return None
+
+
+BUILD_MESSAGE = "turbospec: building the C++ kernels for this machine (first run only, about a minute)\u2026"
+BUILD_NOTICE_AFTER_S = 3.0  # a cached load takes well under a second
+_announced = threading.Event()
+
+
+def announce_build() -> None:
+    """Print `BUILD_MESSAGE` to stderr, once per process (several kernels may build one after another)."""
+    if not _announced.is_set():
+        _announced.set()
+        print(BUILD_MESSAGE, file=sys.stderr, flush=True)
+
+
+def local_includes(src: Path) -> list[Path]:
+    """`src` and the files of this folder it #includes ("..."), recursively."""
+    seen: list[Path] = []
+    todo = [src]
+    while todo:
+        f = todo.pop()
+        if f in seen or not f.exists():
+            continue
+        seen.append(f)
+        todo += [f.with_name(m) for m in re.findall(r'^\s*#\s*include\s+"([^"]+)"', f.read_text(), re.M)]
+    return seen
+
+
+def needs_build(build: Path, name: str, src: Path, flags: list[str]) -> bool:
+    """Whether loading `name` will compile: no library in torch's build folder `build`, a build file without
+    these sources or flags (torch rewrites it, ninja then rebuilds), or a source or included file newer than the
+    library (ninja rebuilds on times)."""
+    lib, ninja = build / f"{name}.so", build / "build.ninja"
+    try:
+        built = lib.stat().st_mtime
+        text = ninja.read_text()
+    except OSError:
+        return True
+    if str(src) not in text or any(f not in text for f in flags):
+        return True
+    return any(f.stat().st_mtime > built for f in local_includes(src))
 
 
 STALE_LOCK_S = 600  # a build takes about a minute; an older lock was left by a killed build

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import sys
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,15 +19,9 @@ from typing import Any
 from turbospec.config import EngineConfig
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
-from turbospec.lab.report import (
-    bar_plot,
-    env_info,
-    line_plot,
-    markdown_table,
-    summarize,
-    write_csv,
-    write_json,
-)
+from turbospec.lab import plots
+from turbospec.lab.progress import LOAD_DELAY_S, Progress, progress
+from turbospec.lab.report import env_info, markdown_table, summarize, write_csv, write_json
 from turbospec.lab.workload import BenchOptions, load_prompts
 from turbospec.sampling import SamplingParams
 
@@ -85,15 +79,14 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
     prompts = load_prompts(opts.categories) if opts.categories else None
     rows: list[dict[str, Any]] = []
     total = len(points) * len(depths) * (len(prompts) if prompts else 1)
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc="bench", file=sys.stderr, disable=opts.quiet)
+    bar = progress(total, "bench", opts.quiet)
     model_path = None
     for point in points:
         cfg = apply_sweep(config, point)
         cfg = cfg.replace(ctx=max(config.ctx, max(depths) + opts.n_prompt + opts.n_gen + 16,
                                   4096 if prompts else 0))
-        engine = build_engine(cfg)
+        with Progress("loading", opts.quiet, unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
+            engine = build_engine(cfg, loading)
         model_path = engine.model_path
         vocab = engine.model.cfg.vocab_size
         params = SamplingParams(temperature=opts.temp, top_k=0, top_p=1.0, min_p=0.0, seed=opts.seed,
@@ -170,9 +163,9 @@ def _add_depth_loss(rows: list[dict[str, Any]]) -> None:
             r["decode_loss_vs_d0_pct"] = 100.0 * (1 - r["decode_tps"] / b)
 
 
-def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
-    """report.json, report.csv, report.md and the plots (t/s vs depth, acceptance) of a local or server
-    report into directory `out`; the files written."""
+def write_reports(report: dict[str, Any], out: Path, plot_formats: Iterable[str] = ("png",)) -> list[Path]:
+    """report.json, report.csv, report.md and the plots (`turbospec.lab.plots`: t/s vs depth, acceptance, ...) in
+    each of `plot_formats` (png, svg) of a local or server report into directory `out`; the files written."""
     out.mkdir(parents=True, exist_ok=True)
     rows = report["rows"]
     write_json(out / "report.json", report)
@@ -190,20 +183,7 @@ def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
            "## Results (median of repetitions)", "", markdown_table(rows, cols), ""]
     (out / "report.md").write_text("\n".join(md))
     files = [out / "report.json", out / "report.csv", out / "report.md"]
-    depths = sorted({r.get("depth", 0) for r in rows})
-    if len(depths) > 1:
-        series: dict[str, tuple[list[float], list[float]]] = {}
-        for r in rows:
-            s = series.setdefault(f"{r['config']} [{r['category']}]", ([], []))
-            s[0].append(r["depth"])
-            s[1].append(r["decode_tps"])
-        files.append(line_plot(out / "tps_vs_depth.png", series, "context depth (tokens)", "decode t/s",
-                               "decode speed vs depth"))
-    acc = [r for r in rows if r.get("acc_rate") is not None]
-    if acc:
-        files.append(bar_plot(out / "acceptance.png", [f"{r['config']} {r['category']}" for r in acc],
-                              [r["acc_rate"] for r in acc], "acceptance rate", "draft acceptance"))
-    return files
+    return files + plots.write_figures(report, out, plot_formats)
 
 
 def print_table(report: dict[str, Any]) -> None:

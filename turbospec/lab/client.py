@@ -21,6 +21,25 @@ from turbospec.errors import TurboSpecError
 from turbospec.lab.report import env_info, summarize
 from turbospec.lab.workload import BenchOptions, load_prompts
 
+ENDPOINTS = ("/chat/completions", "/completions")  # pasted with the base URL: cut off
+
+
+def api_base(url: str) -> str:
+    """The OpenAI API base (ending in /v1) of a server URL given either way: `http://host:port`, with `/`,
+    `/v1` or `/v1/` (as `vllm bench serve --base-url` takes the server root), or even a pasted endpoint
+    (`.../v1/completions`). Requests go to `api_base(url) + "/completions"`, metrics to the root's `/metrics`."""
+    base = url.strip().rstrip("/")
+    for end in ENDPOINTS:
+        if base.endswith(end):
+            base = base[: -len(end)].rstrip("/")
+            break
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def server_root(url: str) -> str:
+    """The server's root URL (without /v1), where /metrics lives."""
+    return api_base(url).removesuffix("/v1")
+
 
 def percentile(values: list[float], q: float) -> float:
     if not values:
@@ -37,7 +56,7 @@ def stream_once(base: str, prompt: str, max_tokens: int, temp: float, seed: int,
             "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
-    req = urllib.request.Request(base.rstrip("/") + "/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(api_base(base) + "/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
@@ -75,15 +94,24 @@ def stream_once(base: str, prompt: str, max_tokens: int, temp: float, seed: int,
             "e2e_ms": (end - t0) * 1e3, "out_tokens": n, "out_tps": n / (end - t0), "timings": timings}
 
 
+FILLER_WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be",
+                "by", "this", "are", "from", "or", "at")
+
+
+def filler_text(n_words: int, seed: int) -> str:
+    """`n_words` common English words drawn with `seed`: about one token each in BPE vocabularies (prompts and
+    context depth for servers, whose tokenizer the client does not know)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(FILLER_WORDS) for _ in range(n_words))
+
+
 SPEC_COUNTERS = {"draft": ("spec_decode_num_draft_tokens",), "accepted": ("spec_decode_num_accepted_tokens",)}
 
 
 def scrape_spec_counters(base: str, api_key: str | None) -> dict[str, float] | None:
     """Sum the Prometheus speculative-decoding counters (vLLM `vllm:spec_decode_num_draft_tokens_total`,
     llama-server `llamacpp:spec_decode_...`, turbospec `turbospec:spec_decode_...`) at <server>/metrics."""
-    root = base.rstrip("/")
-    root = root.removesuffix("/v1")
-    req = urllib.request.Request(root + "/metrics")
+    req = urllib.request.Request(server_root(base) + "/metrics")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -112,29 +140,33 @@ def scrape_spec_counters(base: str, api_key: str | None) -> dict[str, float] | N
 
 def run_remote(urls: list[str], opts: BenchOptions, api_key: str | None = None,
                settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Measure each server (an OpenAI-compatible base URL) per prompt category; the report (env, settings,
-    rows) in `turbospec.lab.bench.write_reports`'s format. `settings` is recorded as given (no secrets)."""
+    """Measure each server (an OpenAI-compatible base URL) per context depth (that many filler words before
+    the prompt) and prompt category; the report (env, settings, rows) in `turbospec.lab.bench.write_reports`'s
+    format. `settings` is recorded as given (no secrets)."""
     prompts = load_prompts(opts.categories) if opts.categories else None
     if prompts is None:
-        rng = random.Random(opts.seed)
-        words = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be",
-                 "by", "this", "are", "from", "or", "at"]
-        prompts = {"random": " ".join(rng.choice(words) for _ in range(opts.n_prompt))}
+        prompts = {"random": filler_text(opts.n_prompt, opts.seed)}
     rows = []
-    for url in urls:
-        for cat, text in prompts.items():
+    urls = [api_base(u) for u in urls]  # http://host:port, .../v1 and .../v1/ alike
+    for url, depth in itertools.product(urls, opts.depths):
+        # the context filled first, as llama-bench -d: the same words every repetition (a server reuses them)
+        filler = filler_text(depth, 1234 + depth) + "\n\n" if depth else ""
+        for cat, prompt in prompts.items():
             runs = []
             before = None
             for rep in range(opts.warmup + opts.repetitions):
                 if rep == opts.warmup:
                     before = scrape_spec_counters(url, api_key)
+                # a new line per repetition after the filler: a server's prefix cache may keep the filler (as
+                # the local runs keep its KV) but not the prompt, so TTFT is its prefill there as here
+                text = f"{filler}[{rep}]\n{prompt}"
                 r = stream_once(url, text, opts.n_gen, opts.temp, opts.seed + rep, api_key, None)
                 if not r["ok"]:
                     raise TurboSpecError(f"{url}: request failed: {r['error']}")
                 if rep >= opts.warmup:
                     runs.append(r)
             itl = [x for r in runs for x in r["itl_ms"]]
-            row: dict[str, Any] = {"engine": url, "config": "server", "depth": 0, "category": cat,
+            row: dict[str, Any] = {"engine": url, "config": "server", "depth": depth, "category": cat,
                                    "n_gen": opts.n_gen}
             for key in ("ttft_ms", "tpot_ms", "e2e_ms", "out_tps"):
                 vals = [r[key] for r in runs]
@@ -154,8 +186,9 @@ def run_remote(urls: list[str], opts: BenchOptions, api_key: str | None = None,
                     row["acc_rate"] = accepted / (after["draft"] - before["draft"])
                     row["acc_source"] = "prometheus"
             rows.append(row)
-            print(f"{url} [{cat}] ttft {row['ttft_ms']:.0f} ms, tpot {row['tpot_ms']:.1f} ms, "
-                  f"out {row['out_tps']:.1f} t/s", file=sys.stderr)
+            if not opts.quiet:
+                print(f"{url} [{cat}] depth {depth} ttft {row['ttft_ms']:.0f} ms, tpot {row['tpot_ms']:.1f} ms, "
+                      f"out {row['out_tps']:.1f} t/s", file=sys.stderr)
     if settings is None:
         settings = {"url": list(urls), **asdict(opts)}
     return {"env": env_info(None), "settings": settings, "rows": rows}

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,9 @@ from turbospec.config import EngineConfig, kv_type
 from turbospec.engine import Engine, load_parts
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
-from turbospec.lab.report import bar_plot, env_info, markdown_table, write_csv, write_json
+from turbospec.lab import plots
+from turbospec.lab.progress import LOAD_DELAY_S, Progress, progress
+from turbospec.lab.report import env_info, markdown_table, write_csv, write_json
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
          "turbo2/turbo2", "q8_0/turbo4", "q8_0/turbo3"]
@@ -188,19 +190,18 @@ def run_quality(config: EngineConfig, opts: QualityOptions, settings: dict[str, 
     """Load `config`'s model once and measure `opts`; the report (env, settings, perplexity, retrieval rows).
     KV types, context and threads of the retrieval engines come from `config` (ubatch too); `settings` is
     recorded as given (the command line passes its flags); default: config and options."""
-    from tqdm import tqdm
-
     pairs = list(opts.pairs)
     for p in pairs + [opts.baseline]:
         parse_pair(p)
     ctxs = list(opts.ctxs)
-    path, model, tok = load_parts(config)
+    with Progress("loading", opts.quiet, unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
+        path, model, tok = load_parts(config, loading)
     if tok is None:
         raise TurboSpecError(f"{path} has no tokenizer.json (quality measures text)")
     text = read_text(opts.text)[: max(ctxs) * opts.chunks * 8]
     tokens = tok.encode(text, add_special=False)
     total = sum(min(len(tokens) // c, opts.chunks) for c in ctxs) * len(pairs)
-    bar = tqdm(total=total, desc="quality", file=sys.stderr, disable=opts.quiet)
+    bar = progress(total, "quality", opts.quiet)
     ppl_rows: list[dict[str, Any]] = []
     for c in ctxs:
         ppl_rows += perplexity_table(model, tokens, c, opts.chunks, pairs, opts.baseline, config.ubatch,
@@ -210,8 +211,7 @@ def run_quality(config: EngineConfig, opts: QualityOptions, settings: dict[str, 
     if opts.retrieval:
         lengths, depths, kinds = list(opts.lengths), list(opts.depths), list(opts.kinds)
         filler = tok.encode(read_text(EVAL_DIR / "prose.jsonl")[:200000], add_special=False)
-        rbar = tqdm(total=len(pairs) * len(kinds) * len(lengths) * len(depths) * opts.cases, desc="retrieval",
-                    file=sys.stderr, disable=opts.quiet)
+        rbar = progress(len(pairs) * len(kinds) * len(lengths) * len(depths) * opts.cases, "retrieval", opts.quiet)
 
         def factory(k: str, v: str, ctx: int) -> Engine:
             cfg = config.replace(ctx=ctx, cache_type_k=k, cache_type_v=v, prefix_cache=False)
@@ -225,20 +225,23 @@ def run_quality(config: EngineConfig, opts: QualityOptions, settings: dict[str, 
     return {"env": env_info(path), "settings": settings, "perplexity": ppl_rows, "retrieval": ret_rows}
 
 
-def write_reports(report: dict[str, Any], out: Path, opts: QualityOptions) -> None:
-    """report.json, perplexity.csv, report.md, kld.png (and retrieval.csv) into directory `out`."""
+def write_reports(report: dict[str, Any], out: Path, opts: QualityOptions, plot_formats: Iterable[str] = ("png",)
+                  ) -> list[Path]:
+    """report.json, perplexity.csv, report.md (and retrieval.csv) and the plots (`turbospec.lab.plots`: kld,
+    kld_vs_bits, retrieval) in each of `plot_formats` (png, svg) into directory `out`; the files written."""
     ppl_rows, ret_rows = report["perplexity"], report["retrieval"]
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "report.json", report)
     write_csv(out / "perplexity.csv", ppl_rows)
     source = f"model {report['env'].get('model')}, text {opts.text}, baseline {opts.baseline}"
     md = ["# turbospec quality", "", source, "", markdown_table(ppl_rows, PPL_COLUMNS), ""]
+    files = [out / "report.json", out / "perplexity.csv"]
     if ret_rows:
         write_csv(out / "retrieval.csv", ret_rows)
+        files.append(out / "retrieval.csv")
         md += ["## Retrieval accuracy", "", markdown_table(ret_rows, RETRIEVAL_COLUMNS), ""]
     (out / "report.md").write_text("\n".join(md))
-    bar_plot(out / "kld.png", [f"{r['kv']} @{r['ctx']}" for r in ppl_rows], [r["kld_mean"] for r in ppl_rows],
-             "mean KLD vs baseline", "KLD per KV type")
+    return [*files, out / "report.md", *plots.write_figures(report, out, plot_formats)]
 
 
 def print_tables(report: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""Reports: the environment every result is tied to, and JSON / CSV / Markdown / PNG writers."""
+"""Reports: the environment every result is tied to, and JSON / CSV / Markdown writers (the plots:
+`turbospec.lab.plots`)."""
 
 from __future__ import annotations
 
@@ -121,39 +122,3 @@ def markdown_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     out += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(out)
 
-
-def line_plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str,
-              title: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(111)
-    for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(111)
-    ax.bar(range(len(values)), values)
-    ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path

@@ -26,7 +26,7 @@ class BenchOptions:
     n_gen: int = 512  # generated tokens
     repetitions: int = 5  # measured repetitions
     warmup: int = 1  # discarded warm-up runs
-    depths: tuple[int, ...] = (0,)  # context filled first (llama-bench -d); local runs only
+    depths: tuple[int, ...] = (0,)  # context filled first (llama-bench -d); servers: that many filler words
     sweep: tuple[str, ...] = ()  # "key=v1,v2" items forming a cartesian product; local runs only
     categories: str | None = None  # the shipped prompt set: "all" or a comma list; None: random tokens
     temp: float = 0.0

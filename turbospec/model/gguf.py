@@ -273,6 +273,7 @@ class GGUFWeights(IndexedSource):
     def _tensor(self, name: str):
         if name not in self.index:
             raise TurboSpecError(f"{self.f.path.name}: missing tensor {name!r}")
+        self._reading(name)
         t = self.f.tensors[self.index[name]]
         kind = t.tensor_type.name
         if kind not in TYPES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
@@ -51,9 +52,20 @@ class IndexedSource:
     index: dict
     pack: WeightFormat | None = None
     expert_budget: int | None = None  # bytes of MoE experts kept in memory (--moe-cache-mem); None: all
+    progress: Callable[[int, int], None] | None = None  # (tensors read, tensors in the index) while a model loads
+    seen: set[str] | None = None  # the tensors `progress` was told of
 
     def names(self) -> list[str]:
         return list(self.index)
+
+    def _reading(self, name: str) -> None:
+        """Report `name` (each tensor once) to `progress`."""
+        if self.progress is not None:
+            if self.seen is None:
+                self.seen = set()
+            if name not in self.seen:
+                self.seen.add(name)
+                self.progress(len(self.seen), len(self.index))
 
     def has(self, name: str) -> bool:
         return name in self.index
@@ -123,6 +135,7 @@ class WeightSource(IndexedSource):
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self.index:
             raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
+        self._reading(name)
         f = self.index[name]
         try:
             t = self._open(f).get_tensor(name)
@@ -138,6 +151,7 @@ class WeightSource(IndexedSource):
         """Reads only that part's bytes (a safetensors slice)."""
         if name not in self.index:
             raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
+        self._reading(name)
         f = self.index[name]
         try:
             sl = self._open(f).get_slice(name)

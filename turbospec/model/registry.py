@@ -12,11 +12,12 @@ from turbospec.dtypes import parse_dtype
 from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
-from turbospec.model.gguf import GGUFFile, is_gguf
+from turbospec.model.gguf import GGUFFile, GGUFWeights, is_gguf
 from turbospec.model.loader import IndexedSource, TensorSource, WeightSource, load_config
 from turbospec.weights import PACKED, WEIGHT_CHOICES, trim_heap
 
 Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
+Progress = Callable[[int, int], None]  # (done, total)
 
 
 def _dense(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model:
@@ -44,25 +45,34 @@ def build_model(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model
 
 
 def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = "auto",
-              moe_cache_mem: int | None = None) -> Model:
-    """Build the model of an opened GGUF file (`weights`, `moe_cache_mem`: as `load_model`)."""
+              moe_cache_mem: int | None = None, progress: Progress | None = None) -> Model:
+    """Build the model of an opened GGUF file (`weights`, `moe_cache_mem`, `progress`: as `load_model`)."""
     cfg = f.config()
-    model = build_model(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), parse_dtype(dtype))
-    trim_heap()
-    return model
+    return _build(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), dtype, progress)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto",
-               moe_cache_mem: int | None = None) -> Model:
+               moe_cache_mem: int | None = None, progress: Progress | None = None) -> Model:
     """Load a checkpoint directory (config.json + safetensors) or a llama.cpp GGUF file into a turbospec model.
     `weights`: "auto" keeps matrices as stored (float ones in `dtype`, a GGUF file's Q8_0 / Q4_0 / Q4_K blocks
     packed); "q8_0" / "q4_0" / "q4_k" quantize the float matrices as they load (llama.cpp's reference blocks).
     `moe_cache_mem`: bytes of mixture-of-experts experts kept in memory, loaded when first routed to and dropped
-    least recently used first (None: every expert loaded at once)."""
+    least recently used first (None: every expert loaded at once). `progress(done, total)`: told the tensors read
+    so far while the model is built (a load bar), and (total, total) at the end."""
     if is_gguf(path):
-        return load_gguf(GGUFFile(path), dtype, weights, moe_cache_mem)
-    cfg = load_config(path)
-    model = build_model(cfg, _packing(WeightSource(path), weights, moe_cache_mem), parse_dtype(dtype))
+        return load_gguf(GGUFFile(path), dtype, weights, moe_cache_mem, progress)
+    return _build(load_config(path), _packing(WeightSource(path), weights, moe_cache_mem), dtype, progress)
+
+
+def _build(cfg: ModelConfig, ws: WeightSource | GGUFWeights, dtype: str | torch.dtype, progress: Progress | None) -> Model:
+    ws.progress = progress
+    try:
+        model = build_model(cfg, ws, parse_dtype(dtype))
+    finally:
+        ws.progress = None  # experts loaded later (--moe-cache-mem) are no longer the load's
+        ws.seen = None
+    if progress is not None:
+        progress(len(ws.index), len(ws.index))
     trim_heap()
     return model
 

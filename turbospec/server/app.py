@@ -1,5 +1,5 @@
 """The FastAPI app: `create_app(engine, ServerConfig)` wires the routes (/v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics), the API-key and request-counting middleware and the OpenAI-style error
+/v1/models, /health, /metrics, /slots, and the web page's: see `web`), the API-key and request-counting middleware and the OpenAI-style error
 handlers to one `Server`, which parses a request (`protocol`), queues its job on the `Worker` and answers
 with one JSON body or a server-sent-event stream. A client that disconnects cancels its job."""
 
@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from turbospec.errors import TurboSpecError
 from turbospec.sampling import SamplingParams
-from turbospec.server import protocol, security, tools
+from turbospec.server import protocol, security, tools, web
 from turbospec.server.batch_worker import BatchWorker
 from turbospec.server.metrics import Metrics, endpoint_label
 from turbospec.server.protocol import DEFAULT_MAX_BODY, SSE_DONE, APIError, Reply, sse
@@ -47,6 +47,9 @@ class ServerConfig:
     stream_interval: float = 0.05  # seconds between two writes of a stream (the first token goes out at once)
     parallel: int = 1  # sequences generated together (continuous batching) when above 1, else one at a time
     slot_save_path: str | None = None  # folder of /slots save and restore files (None: those actions are off)
+    web_ui: bool = True  # the page at / (chat and reports) and its read-only routes (turbospec.server.web)
+    reports: tuple[str, ...] = ()  # folders (or files) of lab reports the page lists
+    history_db: str | None = None  # a `bench --db` history the page lists and compares
 
 
 
@@ -235,10 +238,14 @@ class Server:
     def authorized(self, request: Request) -> APIError | None:
         """Why the request is refused, or None. With API keys: a missing or wrong key (401). Without: a Host
         that is not loopback or the bind address (403), a POST body not declared JSON (415) -- see
-        `security`. /health is always open."""
-        if request.url.path == "/health":
+        `security`. /health is always open; so are the web page and its assets with an API key (they hold no
+        data: the page asks the user for the key)."""
+        path = request.url.path
+        if path == "/health":
             return None
         if self.api_keys:
+            if self.cfg.web_ui and path in web.PUBLIC_PATHS:
+                return None
             if self.key_of(request) is not None:
                 return None
             return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
@@ -523,4 +530,6 @@ def create_app(engine, cfg: ServerConfig, worker_thread: bool = True) -> FastAPI
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     app.add_api_route("/slots/{id_slot}", server.slots, methods=["POST"])
+    if cfg.web_ui:
+        web.add_routes(app, engine, cfg.model_name, web.Lab(cfg.reports, cfg.history_db))
     return app

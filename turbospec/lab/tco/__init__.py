@@ -18,7 +18,8 @@ Everything is in one local currency (KRW for the seeds' preset). Importing this 
 is imported only by :func:`plot_tco`.
 
 Modules: `pricing` (the inputs), `cost` (the cost model), `presets` (published assumptions and overrides),
-`report` (tables, JSON, CSV), `plot` (the PNG). The command line is `turbospec.cli.tco`.
+`report` (tables, JSON, CSV), `plot` (the PNG or SVG file, drawn by `turbospec.lab.plots`). The command line
+is `turbospec.cli.tco`.
 """
 
 
