@@ -259,3 +259,15 @@ def test_bench_run_is_recorded(tmp_path, capsys):
     written = json.loads((tmp_path / "o" / "report.json").read_text())
     assert loaded["rows"] == written["rows"] and loaded["env"] == written["env"]
     assert loaded["env"]["cpu"] in run["machine"] and loaded["version"] == loaded["env"]["turbospec"]
+
+
+def test_threshold_calls_small_shifts_same(tmp_path):
+    """Tight ranges that do not overlap but a 2% change: `slower` with no threshold, `same` under the default 3%."""
+    path = tmp_path / "t.sqlite"
+    history.record(path, report("a", [row(decode_tps=(100.0, 99.9, 100.1))]))
+    history.record(path, report("b", [row(decode_tps=(98.0, 97.9, 98.1))]))
+    verdicts = {t: [x["verdict"] for x in history.compare(path, "1", "2", threshold_pct=t)
+                    if x["metric"] == "decode_tps"] for t in (0.0, history.DEFAULT_THRESHOLD_PCT, 1.5)}
+    assert verdicts == {0.0: ["slower"], 3.0: ["same (within noise)"], 1.5: ["slower"]}
+    assert [x["verdict"] for x in history.compare(path, "1", "2") if x["metric"] == "decode_tps"] == \
+        ["same (within noise)"]

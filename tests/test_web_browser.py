@@ -3,6 +3,8 @@ see the streamed text and its stats line, regenerate, stop a long reply, open a 
 two history runs. Screenshots go to test-artifacts/web/ (or $TURBOSPEC_TEST_ARTIFACTS). `.ci/run` installs
 chromium and playwright; elsewhere the test is skipped when either is missing."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,8 +19,10 @@ CHROMIUM = os.environ.get("TURBOSPEC_CHROMIUM") or shutil.which("chromium") or s
 if CHROMIUM is None:
     pytest.skip("no chromium (apt-get install chromium)", allow_module_level=True)
 
+from tests.test_plots import quality_report  # noqa: E402
 from tests.test_server_cancel import live_app, settle  # noqa: E402
 from tests.test_web import bench_report  # noqa: E402
+from turbospec.cli.main import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("TURBOSPEC_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "web"
@@ -39,6 +43,13 @@ def site(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("site")
     (tmp / "reports" / "bench-depth").mkdir(parents=True)
     (tmp / "reports" / "bench-depth" / "report.json").write_text(json.dumps(bench_report()))
+    (tmp / "reports" / "quality-kv").mkdir()
+    (tmp / "reports" / "quality-kv" / "report.json").write_text(json.dumps(quality_report()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["fit", "--preset", "qwen3.6-27b", "--mem", "24GiB", "--backend", "cuda", "-ctk", "f16,tbq4_0",
+                     "--json"]) == 0
+    (tmp / "reports" / "fit-27b.json").write_text(out.getvalue())
     db = tmp / "h.sqlite"
     history.record(db, bench_report("aaaa111", 10.0))
     history.record(db, bench_report("bbbb222", 5.0))
@@ -134,6 +145,10 @@ def test_stop_ends_a_long_reply(page, site):
     h = settle(site)  # the server stopped generating for the client that left
     assert (h["running"], h["waiting"]) == (0, 0)
     assert page.locator("#send").is_enabled() and page.locator(".msg.assistant").count() == 2
+    page.reload()  # the conversation is kept in the browser
+    sync_api.expect(page.locator(".msg.assistant")).to_have_count(2)
+    assert page.locator(".msg.user .text").first.inner_text() == "Once upon a time"
+    assert "stopped" in last_stats(page)
 
 
 def test_report_view_shows_table_and_plot(page):
@@ -147,6 +162,19 @@ def test_report_view_shows_table_and_plot(page):
                            " return i && i.complete && i.naturalWidth > 100; }")
     assert page.locator("#report table").first.locator("tr").count() == 5  # header + 4 rows
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+
+
+@pytest.mark.parametrize("title,plot_names", [("quality-kv", ["kld", "kld_vs_bits", "retrieval"]),
+                                              ("fit-27b.json", ["memory"])])
+def test_quality_and_fit_reports_show_their_plots(page, title, plot_names):
+    page.click("#tab-reports")
+    page.locator("#report-list li", has_text=title).click()
+    sync_api.expect(page.locator("#report h2")).to_contain_text(title)
+    for name in plot_names:
+        page.wait_for_function(f"() => {{ const i = document.querySelector('img[data-plot=\"{name}\"]');"
+                               " return i && i.complete && i.naturalWidth > 100; }", timeout=60_000)
+    assert page.locator("#report table").first.locator("tr").count() > 1
+    page.screenshot(path=str(ARTIFACTS / f"report-{title.split('.')[0]}.png"), full_page=True)
 
 
 def test_compare_two_history_runs(page):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from turbospec.cli.args import add_model_args, add_plot_format_arg, add_spec_args, engine_config
+from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, client, history
 from turbospec.lab.workload import BenchOptions
 
@@ -52,11 +53,15 @@ def register(sub) -> argparse.ArgumentParser:
                          description="Compare two recorded runs row by row (engine, config, depth, category): "
                                      "medians, min-max spreads, change of B vs A and a verdict. Throughput is "
                                      "'slower' only when B's range lies below A's (no overlap), 'faster' when "
-                                     "above, else 'same (within noise)'; TTFT the other way round.")
+                                     "above, else 'same (within noise)'; TTFT the other way round. Changes "
+                                     "of the median under --threshold are 'same' whatever the ranges.")
     c.add_argument("a", metavar="A", help="the baseline: a run id, or a git revision (commit hash prefix, HEAD~1, "
                                           "a tag or branch): its newest run")
     c.add_argument("b", metavar="B", help="the run compared with A (as A)")
     c.add_argument("--db", required=True, metavar="FILE", help="the history database")
+    c.add_argument("--threshold", type=float, default=history.DEFAULT_THRESHOLD_PCT, metavar="PCT",
+                   help=f"smallest change of the median called slower/faster (default "
+                        f"{history.DEFAULT_THRESHOLD_PCT:g}%%; 0: any change whose ranges do not overlap)")
     c.set_defaults(func=show_compare)
     return p
 
@@ -101,9 +106,9 @@ def show_compare(a: argparse.Namespace) -> int:
     """`turbospec bench compare A B --db FILE`: the regression table and a one-line verdict count."""
     ids = history.resolve(a.db, a.a), history.resolve(a.db, a.b)
     run_a, run_b = (history.load_run(a.db, i) for i in ids)
-    for line in history.differences(run_a, run_b):
-        print(f"note: A and B differ in {line}", file=sys.stderr)
-    result = history.compare(a.db, str(ids[0]), str(ids[1]))
+    if not a.threshold >= 0:
+        raise TurboSpecError("--threshold must be >= 0")
+    result = history.compare(a.db, str(ids[0]), str(ids[1]), a.threshold)
     engines = any(r.get("engine") is not None for r in result)
     cols = ["engine"] * engines + ["config", "depth", "category", "metric", "A median", "A spread", "B median",
                                    "B spread", "change", "verdict"]
@@ -120,7 +125,9 @@ def show_compare(a: argparse.Namespace) -> int:
         lines.append([*key, m or "(row)", *cells, r["verdict"]])
     title = f"bench compare: A = {_run_name(run_a)}  ->  B = {_run_name(run_b)}"
     _print_table(title, cols, lines, verdicts=True)
-    print(history.summary(result))
+    print(history.summary(result), flush=True)
+    for line in history.differences(run_a, run_b):
+        print(f"note: A and B differ in {line}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,9 @@ Verdicts compare ranges, not medians: a throughput metric is `slower` only when 
 worst (min-max ranges do not overlap), `faster` in the reverse case, else `same (within noise)`; TTFT (lower is
 better) the other way round. A metric recorded with a standard deviation but no min/max uses median +- sd as its
 range; the acceptance rate without either (the median over repetitions only) is judged on its medians
-(lower / higher / same), and a timing without either (a server's decode t/s) gets `no spread recorded`.
+(lower / higher / same), and a timing without either (a server's decode t/s) gets `no spread recorded`. A
+change of the medians under `threshold_pct` (3% by default) is `same` whatever the ranges: three tight
+repetitions otherwise call a 1% shift significant.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ KEY_FIELDS = ("engine", "config", "depth", "category")
 
 SAME = "same (within noise)"
 NO_SPREAD = "no spread recorded"
+DEFAULT_THRESHOLD_PCT = 3.0  # compare: smaller changes of the median are "same" even when the ranges do not overlap
 
 
 # --- the file ---------------------------------------------------------------------------------------------------
@@ -324,11 +327,15 @@ def _band(row: dict[str, Any], metric: str) -> tuple[float | None, float | None,
     return None, None, None
 
 
-def verdict(metric: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+def verdict(metric: str, a: dict[str, Any], b: dict[str, Any], threshold_pct: float = 0.0) -> str:
     """B vs A on one metric of one row pair (see the module doc): slower / faster / same (within noise), and
     for the acceptance rate lower / higher / same; `no spread recorded` for a timing whose medians differ
-    but whose range one of the rows lacks."""
+    but whose range one of the rows lacks. A change of the medians under `threshold_pct` percent is the same
+    whatever the ranges (a few tight repetitions make small shifts look significant)."""
     higher_better = METRICS.get(metric, True)
+    am, bm = float(a[metric]), float(b[metric])
+    if am and abs(bm - am) < threshold_pct / 100.0 * abs(am):
+        return "same" if metric == "acc_rate" else SAME
     a_lo, a_hi, _ = _band(a, metric)
     b_lo, b_hi, _ = _band(b, metric)
     if a_lo is None or b_lo is None or a_hi is None or b_hi is None:  # no spread: medians
@@ -349,7 +356,8 @@ def verdict(metric: str, a: dict[str, Any], b: dict[str, Any]) -> str:
     return "slower" if worse else "faster"
 
 
-def compare(db: str | Path, a: str | int, b: str | int) -> list[dict[str, Any]]:
+def compare(db: str | Path, a: str | int, b: str | int, threshold_pct: float = DEFAULT_THRESHOLD_PCT
+            ) -> list[dict[str, Any]]:
     """Run `b` against run `a` (run ids or git revisions, see `resolve`): one line per matched row (by engine,
     config, depth, category) and metric (prefill_tps, decode_tps, ttft_ms, acc_rate, those recorded), with
     a_median, a_min, a_max, b_median, b_min, b_max (the ranges the verdict used; None when unrecorded),
@@ -377,7 +385,7 @@ def compare(db: str | Path, a: str | int, b: str | int) -> list[dict[str, Any]]:
             am, bm = float(ra[metric]), float(rb[metric])
             band = None if a_how is None or b_how is None else "min-max" if a_how == b_how == "min-max" else "sd"
             line.update(a_median=am, a_min=a_lo, a_max=a_hi, b_median=bm, b_min=b_lo, b_max=b_hi, band=band,
-                        change_pct=100.0 * (bm - am) / am if am else None, verdict=verdict(metric, ra, rb))
+                        change_pct=100.0 * (bm - am) / am if am else None, verdict=verdict(metric, ra, rb, threshold_pct))
             out.append(line)
     return out
 

@@ -90,8 +90,12 @@ class Lab:
             except TurboSpecError:
                 runs = []
             for run in runs:
+                summary = run["settings"]
+                text, model = summary.get("text", ""), summary.get("model")
+                if isinstance(model, str) and "/" in model and "://" not in model:  # a path: its last part
+                    text = text.replace(model, Path(model).name)
                 out.append({"id": f"r{run['id']}", "source": "history", "kind": run.get("kind", "bench"),
-                            "title": f"run {run['id']}: {run['settings'].get('text', '')}",
+                            "title": f"run {run['id']}: {text}",
                             "created": run.get("created"), "commit": run.get("git_commit"),
                             "rows": run.get("n_rows")})
         return out

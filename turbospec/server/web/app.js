@@ -79,6 +79,21 @@ function renderMessages() {
   box.lastElementChild && box.lastElementChild.scrollIntoView({ block: "end" });
 }
 
+// the conversation survives a reload (as llama-server's page keeps its conversations), in this browser only
+function saveChat() {
+  try { localStorage.setItem("turbospec.chat", JSON.stringify(state.messages)); } catch (e) { /* full: skip */ }
+}
+function loadChat() {
+  try {
+    const saved = JSON.parse(localStorage.getItem("turbospec.chat") || "[]");
+    if (Array.isArray(saved)) {
+      state.messages = saved.filter((m) => m && (m.role === "user" || m.role === "assistant")
+        && typeof m.content === "string");
+    }
+  } catch (e) { state.messages = []; }
+  renderMessages();
+}
+
 function setBusy(busy) {
   state.busy = busy;
   $("send").disabled = busy;
@@ -174,6 +189,7 @@ async function generate() {
     state.controller = null;
     setBusy(false);
     renderMessages();
+    saveChat();
   }
 }
 
@@ -196,6 +212,7 @@ $("clear").addEventListener("click", () => {
   if (state.busy) return;
   state.messages = [];
   renderMessages();
+  saveChat();
 });
 
 function regenerate() {
@@ -235,9 +252,12 @@ async function loadReports() {
   }
 }
 
-const COLUMNS = ["engine", "config", "kv_type", "mode", "max_ctx", "ctk", "ctv", "pair", "kv", "depth", "category", "n_prompt", "n_gen",
-  "prefill_tps", "decode_tps", "decode_tps_sd", "ttft_ms", "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct",
-  "peak_rss_mib", "ppl", "kld_mean", "kld_p99", "same_top1_pct", "rms_dp_pct", "chunks", "tokens_scored"];
+const COLUMNS = [
+  "engine", "label", "config", "kv_type", "mode", "max_ctx", "ctk", "ctv", "pair", "kv", "depth", "category",
+  "n_prompt", "n_gen", "code_tps", "prose_tps", "peak_mib", "loss_pct", "prefill_tps", "decode_tps",
+  "decode_tps_sd", "ttft_ms", "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct", "peak_rss_mib", "ppl",
+  "kld_mean", "kld_p99", "same_top1_pct", "rms_dp_pct", "chunks", "tokens_scored",
+];
 
 function table(rows, cols) {
   cols = cols.filter((c) => rows.some((r) => r[c] !== undefined && r[c] !== null && r[c] !== ""));
@@ -301,13 +321,18 @@ async function showReport(id) {
     art.append(el("h3", {}, "Environment"),
       table(Object.entries(env).map(([k, v]) => ({ key: k, value: v })), ["key", "value"]));
   }
-  for (const name of data.plots) {
+  if (!data.plots.length) plots.append(el("p", { class: "muted" }, "No plots for this report (nothing to draw)."));
+  // every plot requested at once, shown in the report's order
+  await Promise.all(data.plots.map(async (name) => {
+    const box = el("div", { class: "plot" });
+    box.append(el("h3", {}, name.replaceAll("_", " ")));
+    plots.append(box);
     try {
-      plots.append(el("h3", {}, name.replaceAll("_", " ")), await plotImage(id, name));
+      box.append(await plotImage(id, name));
     } catch (e) {
-      plots.append(el("p", { class: "error" }, e.message));
+      box.append(el("p", { class: "error" }, e.message));
     }
-  }
+  }));
 }
 
 $("compare").addEventListener("click", async () => {
@@ -319,8 +344,17 @@ $("compare").addEventListener("click", async () => {
     const title = (id) => (state.reports.find((r) => r.id === id) || { title: id }).title;
     art.replaceChildren(el("h2", {}, "Compare runs"), el("p", { class: "muted" }, `A = ${title(a)}`),
       el("p", { class: "muted" }, `B = ${title(b)}`));
-    const cols = data.rows.length ? Object.keys(data.rows[0]) : [];
-    const t = table(data.rows, cols);
+    const num = (v) => (typeof v === "number" ? Number(v.toPrecision(4)) : v);
+    const range = (lo, hi) => (typeof lo === "number" && typeof hi === "number" ? `${num(lo)}–${num(hi)}` : "");
+    const rows = data.rows.map((r) => ({
+      engine: r.engine, config: r.config, depth: r.depth, category: r.category, metric: r.metric || "(row)",
+      "A median": num(r.a_median), "A range": range(r.a_min, r.a_max), "B median": num(r.b_median),
+      "B range": range(r.b_min, r.b_max),
+      change: typeof r.change_pct === "number" ? `${r.change_pct >= 0 ? "+" : ""}${r.change_pct.toFixed(1)}%` : "",
+      verdict: r.verdict,
+    }));
+    const t = table(rows, ["engine", "config", "depth", "category", "metric", "A median", "A range", "B median",
+      "B range", "change", "verdict"]);
     for (const td of t.querySelectorAll("td")) {
       const v = td.textContent;
       if (v === "slower" || v === "faster") td.classList.add("verdict-" + v);
@@ -336,4 +370,5 @@ $("api-key").addEventListener("change", () => {  // a key typed after the page l
   if (location.hash === "#reports") loadReports();
 });
 loadProps();
+loadChat();
 route();
