@@ -66,11 +66,13 @@ def test_seeds_end_to_end(tiny, tmp_path):
     rc = main(["lab", "seeds", "-m", str(tiny), "--config", "plain: -ctk f16 -ctv f16",
                "--config", "spec: -ctk q8_0 -ctv q8_0 --spec-type ngram", "--code", "code", "--prose", "explain,creative",
                "-d", "0,16", "-n", "4", "-r", "1", "--warmup", "0", "--kld-ctx", "64", "--kld-chunks", "1",
-               "--out", str(out), "-q", "-t", "1"])
+               "--out", str(out), "-q", "-t", "1", "--plot-format", "png,svg"])
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     rows = {r["config"]: r for r in rep["rows"]}
     assert list(rows) == ["plain", "spec"]
+    assert {p.name for p in out.iterdir() if p.suffix in (".png", ".svg")} == {
+        f"{n}.{f}" for n in ("code_prose_tps", "kld_vs_bits") for f in ("png", "svg")}
     for r in rows.values():
         for key in ("code_tps", "prose_tps", "ttft_ms", "peak_mib"):
             assert r[key] > 0

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from turbospec.cli.args import add_model_args, add_spec_args, engine_config
+from turbospec.cli.args import add_model_args, add_plot_format_arg, add_spec_args, engine_config
 from turbospec.config import EngineConfig
 from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, quality, seeds, tco
@@ -68,6 +68,7 @@ def register(sub) -> argparse.ArgumentParser:
     g.add_argument("--baseline", default="f16/f16", help="KLD baseline K/V pair (default f16/f16)")
     g.add_argument("--preset", choices=sorted(tco.PRESETS), default="seeds", help="tco preset (default seeds)")
     s.add_argument("--out", default=None, help="report directory (default seeds-<timestamp>)")
+    add_plot_format_arg(s)
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=run_seeds)
 
@@ -146,7 +147,7 @@ def run_seeds(a: argparse.Namespace) -> int:
     settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
     report = seeds.run_seeds(configs, url_targets(a), opts, settings, kld_config=engine_config(a))
     out = Path(a.out or time.strftime("seeds-%Y%m%d-%H%M%S"))
-    files = seeds.write_reports(report, out)
+    files = seeds.write_reports(report, out, a.plot_format)
     seeds.print_tables(report)
     print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
     return 0

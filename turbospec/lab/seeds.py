@@ -339,12 +339,15 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(md)
 
 
-def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
-    """report.json and report.md into directory `out`; the files written."""
+def write_reports(report: dict[str, Any], out: Path, plot_formats: tuple[str, ...] = ("png",)) -> list[Path]:
+    """report.json, report.md and the plots (code vs prose t/s, KLD against bits per value) into directory `out`;
+    the files written."""
+    from turbospec.lab import plots
+
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "report.json", report)
     (out / "report.md").write_text(markdown_report(report))
-    return [out / "report.json", out / "report.md"]
+    return [out / "report.json", out / "report.md", *plots.write_figures(report, out, plot_formats)]
 
 
 def print_tables(report: dict[str, Any]) -> None:
