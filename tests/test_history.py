@@ -138,6 +138,10 @@ def test_resolve_by_id_and_commit(db, tmp_path):
         history.resolve(db, "#9")
     with pytest.raises(TurboSpecError, match="unknown run '99'"):
         history.resolve(db, "99")
+    # numbers SQLite cannot hold, and other scripts' digits: not run ids (an error, not OverflowError)
+    for ref in ("9" * 30, "#" + "9" * 30, "\u0661", "#\u0661"):
+        with pytest.raises(TurboSpecError):
+            history.resolve(db, ref)
 
 
 def test_resolve_git_revision(tmp_path, monkeypatch):

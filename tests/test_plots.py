@@ -71,6 +71,7 @@ def test_bench_figures():
     assert legend_labels(figs["tps_vs_depth"]) == ["ctk=f16", "ctk=q8_0"]  # one line per KV type
     ax = figs["acceptance_per_position"].axes[0]
     assert len(ax.get_lines()) == 4 and list(ax.get_lines()[0].get_xdata()) == [1, 2, 3]
+    assert names(plots.figures(bench_report(), only=["acceptance", "nope"])) == ["acceptance"]  # the web page's
 
 
 def test_server_figures_are_per_engine():
@@ -122,6 +123,33 @@ def test_tco_figure_from_json(capsys):
                                     {"perplexity": [{"kv": "nope/nope", "kld_mean": "bad"}]}])
 def test_empty_or_unknown_reports_have_no_figures(report):
     assert plots.figures(report) == []
+
+
+def test_figures_drawn_in_threads_are_all_there():
+    """The web page asks for a report's plots at once, drawn in the server's threads: matplotlib's mathtext parser
+    (the symlog axis's tick labels of kld_vs_bits) failed when used by two threads, and the figure went missing."""
+    from matplotlib.mathtext import MathTextParser
+
+    report = {**quality_report(), "retrieval": []}
+    want = names(plots.figures(report))
+    got: list[list[str]] = []
+    for _ in range(10):
+        MathTextParser._parse_cached.cache_clear()  # tick labels parsed afresh, by every thread at once
+        start = threading.Barrier(4)
+
+        def draw(start: threading.Barrier = start) -> None:
+            start.wait()
+            figs = plots.figures(report)
+            got.append(names(figs))
+            for _, fig in figs:
+                plots.svg(fig)
+
+        threads = [threading.Thread(target=draw) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert got == [want] * 40
 
 
 def test_save_png_and_svg(tmp_path):

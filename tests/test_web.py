@@ -47,6 +47,9 @@ def test_page_assets_and_props(engine):
     c = client(engine)
     r = c.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
     assert '<script src="/web/app.js">' in r.text and 'id="messages"' in r.text
     js = c.get("/web/app.js")
     assert js.status_code == 200 and "javascript" in js.headers["content-type"]
@@ -80,6 +83,56 @@ def test_reports_listing_report_and_plots(engine, tmp_path):
     assert c.get("/lab/compare?a=1&b=2").status_code == 501  # no --db
 
 
+def test_only_lab_reports_are_served(engine, tmp_path):
+    """A reports folder may hold other JSON: it is neither listed nor served, even to a client that computes its
+    id (a hash of the path)."""
+    import hashlib
+
+    (tmp_path / "config.json").write_text(json.dumps({"password": "x"}))
+    c = client(engine, reports=(str(tmp_path),))
+    assert c.get("/lab/reports").json() == {"reports": []}
+    rid = "f" + hashlib.sha1(str((tmp_path / "config.json").resolve()).encode()).hexdigest()[:12]
+    assert c.get(f"/lab/reports/{rid}").status_code == 404
+
+
+def test_reports_folder_lists_its_newest(engine, tmp_path, monkeypatch):
+    import os
+
+    from turbospec.server import web
+
+    monkeypatch.setattr(web, "MAX_REPORTS", 1)
+    for i, name in enumerate(("bench-a", "bench-b")):  # bench-b is the newer one (and sorts last)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(bench_report()))
+        os.utime(tmp_path / name / "report.json", (1e9 + i, 1e9 + i))
+    listing = client(engine, reports=(str(tmp_path),)).get("/lab/reports").json()["reports"]
+    assert [r["title"] for r in listing] == ["bench-b"]
+
+
+def test_odd_history_ids_are_not_found(engine, tmp_path):
+    from turbospec.lab import history
+
+    db = tmp_path / "h.sqlite"
+    history.record(db, bench_report())
+    c = client(engine, history_db=str(db))
+    for rid in ("r\u00b2", "r\u0661", "r" + "9" * 30, "r" + "9" * 5000):  # not ASCII digits; beyond SQLite's integers
+        assert c.get(f"/lab/reports/{rid}").status_code == 404
+        assert c.get(f"/lab/plots/{rid}/tps_vs_depth.svg").status_code == 404
+    assert c.get("/lab/compare?a=r" + "9" * 30 + "&b=r1").status_code == 400
+
+
+def test_keyless_page_keeps_the_host_check(engine):
+    """Without an API key the page and its routes answer only loopback Host names, as the API does."""
+    from fastapi.testclient import TestClient
+
+    from turbospec.server import ServerConfig, create_app
+
+    c = TestClient(create_app(engine, ServerConfig(model_name="tiny", host="127.0.0.1")))
+    for path in ("/", "/web/app.js", "/props", "/lab/reports", "/lab/reports/r1"):
+        assert c.get(path, headers={"Host": "evil.example"}).status_code == 403
+    assert c.get("/", headers={"Host": "localhost:8080"}).status_code == 200
+
+
 def test_history_runs_listed_and_compared(engine, tmp_path):
     from turbospec.lab import history
 
@@ -93,7 +146,9 @@ def test_history_runs_listed_and_compared(engine, tmp_path):
     rows = c.get(f"/lab/compare?a=r{a}&b=r{b}").json()["rows"]
     decode = [r for r in rows if r["metric"] == "decode_tps"]
     assert len(decode) == 4 and {r["verdict"] for r in decode} == {"slower"}
-    assert c.get("/lab/compare?a=bbbb&b=aaaa").json()["rows"][0]["verdict"] in ("faster", "same (within noise)")
+    # git revisions and commit prefixes stay on the command line (no `git rev-parse` for web clients)
+    for refs in ("a=bbbb&b=aaaa", "a=HEAD&b=r1", f"a={a}&b={b}"):
+        assert c.get("/lab/compare?" + refs).status_code == 400
     bad = c.get("/lab/compare?a=r999&b=r1")
     assert bad.status_code == 400 and "999" in bad.json()["error"]["message"]
     assert c.get("/lab/compare?a=r1").status_code == 400

@@ -135,12 +135,18 @@ def test_regenerate_replaces_the_reply(page):
 
 def test_stop_ends_a_long_reply(page, site):
     settings(page, max_tokens=3500, temperature=1.0)
+
+    def no_eos(route):  # the reply must still be running when Stop is clicked: the tiny model may end it early
+        route.continue_(post_data=json.dumps({**json.loads(route.request.post_data), "ignore_eos": True}))
+
+    page.route("**/v1/chat/completions", no_eos)
     page.fill("#prompt", "Tell me a long story.")
     page.press("#prompt", "Enter")
     sync_api.expect(page.locator("#stop")).to_be_visible()
     page.wait_for_function("() => document.querySelectorAll('.msg.assistant .text')[1]?.textContent.length > 10",
                            timeout=60_000)
     page.click("#stop")
+    page.unroute("**/v1/chat/completions")
     sync_api.expect(page.locator(".msg.assistant .stats").last).to_contain_text("stopped", timeout=30_000)
     h = settle(site)  # the server stopped generating for the client that left
     assert (h["running"], h["waiting"]) == (0, 0)
@@ -175,6 +181,25 @@ def test_quality_and_fit_reports_show_their_plots(page, title, plot_names):
                                " return i && i.complete && i.naturalWidth > 100; }", timeout=60_000)
     assert page.locator("#report table").first.locator("tr").count() > 1
     page.screenshot(path=str(ARTIFACTS / f"report-{title.split('.')[0]}.png"), full_page=True)
+
+
+def test_a_late_answer_does_not_replace_the_report_asked_for_last(page):
+    """Pick a report whose answer is slow, then another: the second stays shown after the first answer lands."""
+    page.click("#tab-reports")
+    slow = page.locator("#report-list li", has_text="quality-kv").get_attribute("data-id")
+    page.evaluate("""(slow) => { window.realFetch = window.fetch;
+        window.fetch = (url, opts) => String(url).endsWith('/lab/reports/' + slow)
+            ? new Promise((done) => setTimeout(done, 1500)).then(() => window.realFetch(url, opts))
+            : window.realFetch(url, opts); }""", slow)
+    try:
+        page.locator("#report-list li", has_text="quality-kv").click()
+        page.locator("#report-list li", has_text="bench-depth").click()
+        sync_api.expect(page.locator("#report h2")).to_contain_text("bench-depth")
+        page.wait_for_timeout(2500)  # the slow answer has come by now
+        sync_api.expect(page.locator("#report h2")).to_contain_text("bench-depth")
+        assert page.locator("#report-list li.active").inner_text().startswith("benchbench-depth")
+    finally:
+        page.evaluate("() => { window.fetch = window.realFetch; }")
 
 
 def test_compare_two_history_runs(page):

@@ -61,6 +61,22 @@ def test_rows_split_code_and_prose_and_put_kld_beside_their_row():
     assert slow["rows"][-1]["units"] >= fast["rows"][-1]["units"]
 
 
+def test_tables_print_labels_as_given(capsys, monkeypatch):
+    """A label with [brackets] (--config or --url-name) is printed as it is, not read as rich markup (where
+    `[fast]` vanished and `[/]` raised after the whole run)."""
+    pytest.importorskip("rich")
+    from turbospec.lab.seeds import print_tables
+
+    monkeypatch.setenv("COLUMNS", "240")
+    for label in ("srv [fast]", "srv [/]"):
+        runs = [{"engine": label, "config": "server", "label": label, "kv": None,
+                 "rows": [_row(0, "code", 40.0), _row(0, "explain", 30.0)]}]
+        rows = seeds_rows(runs, {}, ("code",), ("explain",))
+        print_tables({"rows": rows, "settings": {}, "cost": cost_tables(rows)})
+        out = capsys.readouterr().out
+        assert f"{label} @ 35.0 t/s" in out and f"{label}: break-even" in out and f"│ {label} " in out
+
+
 def test_seeds_end_to_end(tiny, tmp_path):
     out = tmp_path / "rep"
     rc = main(["lab", "seeds", "-m", str(tiny), "--config", "plain: -ctk f16 -ctv f16",

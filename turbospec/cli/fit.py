@@ -113,7 +113,7 @@ def write_plots(info: dict, path: Path) -> list[Path]:
     from turbospec.lab import plots
 
     names = {"memory": path, "memory_at_ctx": path.with_name(f"{path.stem}_at_ctx{path.suffix}")}
-    files = [plots.save(fig, names[name]) for name, fig in plots.figures(info) if name in names]
+    files = [plots.save(fig, names[name]) for name, fig in plots.figures(info, only=names)]
     for f in files:
         print(f"plot written to {f}", file=sys.stderr)
     return files

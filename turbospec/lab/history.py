@@ -248,7 +248,7 @@ def resolve(db: str | Path, ref: str | int) -> int:
     if not text:
         raise TurboSpecError("empty run reference")
     with _open(db, create=False) as con:
-        m = re.fullmatch(r"#?(\d+)", text)
+        m = re.fullmatch(r"#?([0-9]{1,18})", text)  # an id SQLite can hold (not `\d`: other scripts' digits)
         if m and con.execute("SELECT 1 FROM runs WHERE id = ?", (int(m[1]),)).fetchone():
             return int(m[1])
         if text.startswith("#"):

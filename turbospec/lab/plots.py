@@ -1,9 +1,11 @@
 """Every report figure, in one place: `figures(report)` draws the named figures of any lab report (bench, quality,
 fit, tco), `save(fig, path)` writes one as PNG or SVG (by the suffix), `svg(fig)` gives the SVG text (the web UI's).
 
-Figures use matplotlib's object API (`Figure` + `FigureCanvasAgg`, no pyplot: no global state, so a server may draw
-in threads), imported only when a figure is drawn. Figure names are the report writers' file names
-(`tps_vs_depth` -> tps_vs_depth.png):
+Figures use matplotlib's object API (`Figure` + `FigureCanvasAgg`, no pyplot: nothing is kept once a figure is
+dropped), imported only when a figure is drawn. matplotlib still shares state between figures (its mathtext parser,
+which lays out the log axes' tick labels, fails when two threads use it at once), so `figures`, `save` and `svg`
+draw one at a time (`DRAWING`): a server may call them from several threads. Figure names are the report writers'
+file names (`tps_vs_depth` -> tps_vs_depth.png):
 
 * bench (`turbospec.lab.bench.run_local`, `turbospec.lab.client.run_remote`): `tps_vs_depth` (decode t/s vs
   context depth, a line per config or server; with more than one depth), `decode_tps` (a bar per config or
@@ -25,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 FORMATS = ("png", "svg")  # what `save` writes
 DPI = 110
 SIZE = (7.5, 4.4)  # inches
+DRAWING = threading.RLock()  # held while a figure is built or written (see the module's doc)
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
@@ -63,16 +67,18 @@ def save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = "svg" if path.suffix.lower() == ".svg" else "png"
-    _canvas(fig)
-    fig.savefig(path, format=fmt, dpi=DPI, metadata=_metadata(fmt))
+    with DRAWING:
+        _canvas(fig)
+        fig.savefig(path, format=fmt, dpi=DPI, metadata=_metadata(fmt))
     return path
 
 
 def svg(fig: Figure) -> str:
     """`fig` as SVG text."""
     buf = io.StringIO()
-    _canvas(fig)
-    fig.savefig(buf, format="svg", metadata=_metadata("svg"))
+    with DRAWING:
+        _canvas(fig)
+        fig.savefig(buf, format="svg", metadata=_metadata("svg"))
     return buf.getvalue()
 
 
@@ -156,14 +162,18 @@ def report_kind(report: Any) -> str:
     return "unknown"
 
 
-def figures(report: Any) -> list[tuple[str, Figure]]:
-    """The named figures of a report of any kind (see the module's doc); [] for an empty or unknown one. A figure
-    whose data is missing or malformed is left out rather than raising."""
+def figures(report: Any, only: Iterable[str] | None = None) -> list[tuple[str, Figure]]:
+    """The named figures of a report of any kind (see the module's doc), or only those named in `only`; [] for an
+    empty or unknown one. A figure whose data is missing or malformed is left out rather than raising."""
     builders = {"bench": BENCH, "quality": QUALITY, "fit": FIT, "tco": TCO, "seeds": SEEDS}.get(report_kind(report), [])
+    wanted = None if only is None else set(only)
     out: list[tuple[str, Figure]] = []
     for name, build in builders:
+        if wanted is not None and name not in wanted:
+            continue
         try:
-            fig = build(report)
+            with DRAWING:
+                fig = build(report)
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError):
             fig = None
         if fig is not None:

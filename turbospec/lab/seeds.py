@@ -357,6 +357,7 @@ def print_tables(report: dict[str, Any]) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
         print(_md(head, cells) + "\n\n" + _md(cost["head"], cost["cells"]))
         print("\n".join(cost["notes"]))
@@ -367,11 +368,11 @@ def print_tables(report: dict[str, Any]) -> None:
     for title, h, rows in (("the seeds' table (turbospec lab seeds)", head, cells),
                            (f"cost: tco --preset {cost['preset']} at the measured t/s ({cost['currency']})",
                             cost["head"], cost["cells"])):
-        t = Table(title=title)
+        t = Table(title=Text(title))  # as Text: a label with [brackets] (a --config or --url-name) is not markup
         for i, c in enumerate(h):
-            t.add_column(c, justify="left" if i == 0 else "right")
+            t.add_column(Text(c), justify="left" if i == 0 else "right")
         for r in rows:
-            t.add_row(*r)
+            t.add_row(*(Text(cell) for cell in r))
         console.print(t)
     for n in cost["notes"]:
-        console.print(n, highlight=False)
+        console.print(n, highlight=False, markup=False)

@@ -8,7 +8,7 @@ fetches). It talks to the OpenAI routes for chat and to these read-only routes f
   tco) and the runs of the `--db` history;
 - `GET /lab/reports/{id}`: one report (env, settings, rows) and the names of its plots;
 - `GET /lab/plots/{id}/{name}.svg`: one plot, drawn by `turbospec.lab.plots` (cached);
-- `GET /lab/compare?a=&b=`: the history's regression table of two runs (ids or git revisions).
+- `GET /lab/compare?a=&b=`: the history's regression table of two runs (`r12`: history run ids).
 
 Report ids name a found file by a hash of its path (`f` + 12 hex digits) or a history run (`r12`): a client
 never passes a path. The page and its assets are open without an API key (they hold no data); the routes above are
@@ -35,6 +35,10 @@ ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; ch
 PUBLIC_PATHS = ("/", "/favicon.ico", *(f"/web/{name}" for name in ASSETS))
 MAX_REPORTS = 500  # .json files listed per folder
 SVG_CACHE = 128  # plots kept drawn
+NOSNIFF = {"X-Content-Type-Options": "nosniff"}
+# the page runs only its own script and style, shows only its own (and blob:) images, and is never framed
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' blob:; object-src 'none'; "
+                                           "base-uri 'none'; frame-ancestors 'none'", **NOSNIFF}
 
 
 @cache
@@ -60,8 +64,8 @@ class Lab:
         for folder in self.folders:
             if folder.is_file():
                 found.append(folder)
-            elif folder.is_dir():
-                found += sorted(folder.rglob("*.json"))[:MAX_REPORTS]
+            elif folder.is_dir():  # the newest MAX_REPORTS
+                found += sorted(folder.rglob("*.json"), key=_mtime_key, reverse=True)[:MAX_REPORTS]
         files = {"f" + hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:12]: p for p in sorted(set(found))}
         with self.lock:
             self.files = files
@@ -101,20 +105,23 @@ class Lab:
         return out
 
     def report(self, rid: str) -> dict[str, Any]:
-        """The report with id `rid` (404 when there is none)."""
+        """The report with id `rid` (404 when there is none, or when the file is not a lab report: the listing
+        leaves those out, and other JSON in a reports folder is not served either)."""
         if rid.startswith("f"):
+            from turbospec.lab import plots
+
             with self.lock:
                 path = self.files.get(rid)
             if path is None:
                 path = self.scan().get(rid)
             report = _read(path) if path is not None else None
-            if report is not None:
+            if report is not None and plots.report_kind(report) != "unknown":
                 return report
-        elif rid.startswith("r") and rid[1:].isdigit() and self.db:
+        elif (run := run_number(rid)) is not None and self.db:
             from turbospec.lab import history
 
             try:
-                return history.load_run(self.db, int(rid[1:]))
+                return history.load_run(self.db, run)
             except TurboSpecError:
                 pass
         raise not_found(f"no report {rid!r}")
@@ -126,6 +133,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _mtime_key(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _mtime(path: Path) -> str:
@@ -157,12 +171,12 @@ class Web:
         self.svg_cache: dict[tuple[str, str, float], str] = {}  # oldest first
 
     async def index(self) -> HTMLResponse:
-        return HTMLResponse(asset("index.html"), headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(asset("index.html"), headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
 
     async def static(self, name: str) -> Response:
         if name not in ASSETS:
             raise not_found(f"no asset {name!r}")
-        return Response(asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+        return Response(asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache", **NOSNIFF})
 
     async def favicon(self) -> Response:
         return Response(status_code=204)
@@ -190,43 +204,45 @@ class Web:
             if len(self.svg_cache) >= SVG_CACHE:
                 self.svg_cache.pop(next(iter(self.svg_cache)))
             self.svg_cache[key] = await run_in_threadpool(self._draw, rid, name)
-        return Response(self.svg_cache[key], media_type="image/svg+xml")
+        return Response(self.svg_cache[key], media_type="image/svg+xml", headers=NOSNIFF)
 
     def version(self, rid: str) -> float:
         """What a cached plot of `rid` depends on: its file's modification time (history runs never change)."""
         with self.lab.lock:
             path = self.lab.files.get(rid)
-        try:
-            return path.stat().st_mtime if path is not None else 0.0
-        except OSError:
-            return 0.0
+        return _mtime_key(path) if path is not None else 0.0
 
     def _draw(self, rid: str, name: str) -> str:
         from turbospec.lab import plots
 
-        for fig_name, fig in plots.figures(self.lab.report(rid)):
-            if fig_name == name:
-                return plots.svg(fig)
+        for _, fig in plots.figures(self.lab.report(rid), only=(name,)):  # that one figure only
+            return plots.svg(fig)
         raise not_found(f"report {rid!r} has no plot {name!r}")
 
     async def compare(self, request: Request) -> JSONResponse:
         a, b = request.query_params.get("a"), request.query_params.get("b")
         if not self.lab.db:
             raise APIError(501, "run history needs `turbospec serve --db FILE`", "not_supported_error")
-        if not a or not b:
-            raise APIError(400, "compare needs ?a=RUN&b=RUN (run ids or git revisions)", "invalid_request_error")
+        runs = [run_number(x) for x in (a or "", b or "")]
+        if runs[0] is None or runs[1] is None:  # ids only: git revisions (`git rev-parse`) stay on the command line
+            raise APIError(400, "compare needs ?a=rN&b=rM (history run ids, as /lab/reports lists them)",
+                           "invalid_request_error")
         from turbospec.lab import history
 
         try:
-            rows = await run_in_threadpool(history.compare, self.lab.db, run_ref(a), run_ref(b))
+            rows = await run_in_threadpool(history.compare, self.lab.db, str(runs[0]), str(runs[1]))
         except TurboSpecError as e:
             raise APIError(400, str(e), "invalid_request_error") from None
         return JSONResponse({"a": a, "b": b, "rows": rows})
 
 
-def run_ref(ref: str) -> str:
-    """A history reference as the page sends it (`r12` for run 12) or as typed (an id or a git revision)."""
-    return ref[1:] if ref.startswith("r") and ref[1:].isdigit() else ref
+def run_number(rid: str) -> int | None:
+    """The run id of a history report id (`r12` -> 12); None for anything else (`r²`, a number SQLite cannot
+    hold)."""
+    digits = rid[1:]
+    if rid.startswith("r") and digits.isascii() and digits.isdigit() and len(digits) <= 18:
+        return int(digits)
+    return None
 
 
 def add_routes(app: FastAPI, engine, model_name: str, lab: Lab) -> None:

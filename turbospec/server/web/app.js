@@ -104,7 +104,7 @@ function statsLine(s) {
   const parts = [];
   if (s.tps !== null) parts.push(`${s.tps.toFixed(1)} t/s`);
   if (s.ttft !== null) parts.push(`TTFT ${Math.round(s.ttft)} ms`);
-  parts.push(`${s.tokens} tokens`);
+  if (s.tokens !== null) parts.push(`${s.tokens} tokens`);  // the server's count: unknown when stopped early
   if (s.promptTokens !== null) parts.push(`prompt ${s.promptTokens}${s.cached ? ` (${s.cached} cached)` : ""}`);
   if (s.drafted) parts.push(`acceptance ${(100 * s.accepted / s.drafted).toFixed(0)}% (${s.accepted}/${s.drafted})`);
   if (state.props) parts.push(`KV ${state.props.cache_type_k}/${state.props.cache_type_v}`);
@@ -123,7 +123,7 @@ async function generate() {
   renderMessages();
   const textNode = $("messages").lastElementChild.querySelector(".text");
   const statsNode = $("messages").lastElementChild.querySelector(".stats");
-  const s = { tps: null, ttft: null, tokens: 0, promptTokens: null, cached: 0, drafted: 0, accepted: 0,
+  const s = { tps: null, ttft: null, tokens: null, promptTokens: null, cached: 0, drafted: 0, accepted: 0,
               finish: null };
   const t0 = performance.now();
   const controller = state.controller = new AbortController();
@@ -291,11 +291,19 @@ async function plotImage(id, name) {
     { headers: headers(false) });
   if (!r.ok) throw new Error(`plot ${name}: HTTP ${r.status}`);
   const img = el("img", { alt: name, "data-plot": name });
-  img.src = URL.createObjectURL(await r.blob());
+  const url = URL.createObjectURL(await r.blob());
+  const free = () => URL.revokeObjectURL(url);  // once drawn the image keeps its pixels: free the blob
+  img.addEventListener("load", free, { once: true });
+  img.addEventListener("error", free, { once: true });
+  img.src = url;
   return img;
 }
 
+// the view the user asked for last: a report or a comparison whose answer comes after a newer request is dropped
+let shown = 0;
+
 async function showReport(id) {
+  const ticket = ++shown;
   for (const li of $("report-list").children) li.classList.toggle("active", li.dataset.id === id);
   const art = $("report");
   art.replaceChildren(el("p", { class: "muted" }, "loading…"));
@@ -303,9 +311,10 @@ async function showReport(id) {
   try {
     data = await getJSON(`/lab/reports/${encodeURIComponent(id)}`);
   } catch (e) {
-    art.replaceChildren(el("p", { class: "error" }, e.message));
+    if (ticket === shown) art.replaceChildren(el("p", { class: "error" }, e.message));
     return;
   }
+  if (ticket !== shown) return;
   const meta = state.reports.find((r) => r.id === id);
   art.replaceChildren(el("h2", {}, `${data.kind}: ${meta ? meta.title : id}`));
   const plots = el("div", { class: "plots" });
@@ -338,9 +347,11 @@ async function showReport(id) {
 $("compare").addEventListener("click", async () => {
   const a = $("compare-a").value, b = $("compare-b").value;
   const art = $("report");
+  const ticket = ++shown;
   art.replaceChildren(el("p", { class: "muted" }, "comparing…"));
   try {
     const data = await getJSON(`/lab/compare?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
+    if (ticket !== shown) return;
     const title = (id) => (state.reports.find((r) => r.id === id) || { title: id }).title;
     art.replaceChildren(el("h2", {}, "Compare runs"), el("p", { class: "muted" }, `A = ${title(a)}`),
       el("p", { class: "muted" }, `B = ${title(b)}`));
@@ -361,7 +372,7 @@ $("compare").addEventListener("click", async () => {
     }
     art.append(t);
   } catch (e) {
-    art.replaceChildren(el("p", { class: "error" }, e.message));
+    if (ticket === shown) art.replaceChildren(el("p", { class: "error" }, e.message));
   }
 });
 
