@@ -224,7 +224,7 @@ def _fmt(v: Any, kind: str) -> str:
     if kind == "acc_rate":
         return f"{100 * v:.1f}%"
     if kind == "kld_mean":
-        return f"{v:.5f}" if v < 0.1 else f"{v:.3f}"
+        return "0" if v == 0 else f"{v:.3g}"  # 3 significant digits: q8_0's KLD is ~1e-6 on small models
     if kind == "peak_mib":
         return f"{v:,.0f}"
     if isinstance(v, float):
