@@ -3,7 +3,6 @@ forms, and the progress bars' terminal rule (issue #30, item 4)."""
 
 from __future__ import annotations
 
-import http.server
 import io
 import json
 import threading
@@ -213,43 +212,14 @@ def test_api_base_accepts_both_forms():
     assert api_base("http://h/openai/v1") == "http://h/openai/v1"
 
 
-class OpenAIOnly(http.server.BaseHTTPRequestHandler):
-    """Answers POST /v1/completions with a two-token stream, 404 elsewhere (as turbospec serve does)."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path != "/v1/completions":
-            self.send_response(404)
-            self.end_headers()
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for tok in ("a", "b"):
-            self.wfile.write(f'data: {json.dumps({"choices": [{"text": tok}]})}\n\n'.encode())
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def do_GET(self):
-        self.send_response(404)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 def test_run_remote_with_or_without_v1():
+    from tests.fake_openai import fake_completions
     from turbospec.lab.client import run_remote
     from turbospec.lab.workload import BenchOptions
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OpenAIOnly)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    root = f"http://127.0.0.1:{srv.server_port}"
-    try:
+    with fake_completions() as (root, _):  # answers /v1/completions only, as turbospec serve
         rep = run_remote([root, root + "/", root + "/v1", root + "/v1/"],
                          BenchOptions(n_prompt=4, n_gen=2, repetitions=1, warmup=0, quiet=True))
-    finally:
-        srv.shutdown()
-        srv.server_close()
     assert [r["engine"] for r in rep["rows"]] == [root + "/v1"] * 4
     assert all(r["out_tps"] > 0 for r in rep["rows"])
 

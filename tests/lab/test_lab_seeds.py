@@ -178,39 +178,13 @@ def test_a_server_row_through_url(tiny, tmp_path):
 def test_server_depth_is_a_shared_filler_and_each_repetition_a_new_prompt():
     """`run_remote` at a depth: the same filler words before every request (a prefix cache may keep them), then a
     line new to each repetition, so the prompt itself is not answered from the cache."""
-    import http.server
-
+    from tests.fake_openai import fake_completions
     from turbospec.lab.client import run_remote
     from turbospec.lab.workload import BenchOptions
 
-    prompts = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            prompts.append(body["prompt"])
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            for text in ("a", "b", "c"):
-                self.wfile.write(f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-
-        def do_GET(self):
-            self.send_response(404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        rep = run_remote([f"http://127.0.0.1:{srv.server_port}"],
-                         BenchOptions(n_gen=3, repetitions=2, warmup=1, depths=(0, 50), categories="code",
-                                      quiet=True))
-    finally:
-        srv.shutdown()
+    with fake_completions(("a", "b", "c")) as (root, prompts):
+        rep = run_remote([root], BenchOptions(n_gen=3, repetitions=2, warmup=1, depths=(0, 50), categories="code",
+                                              quiet=True))
     assert [r["depth"] for r in rep["rows"]] == [0, 50]
     shallow, deep = prompts[:3], prompts[3:]
     assert len(set(shallow)) == 3 and len(set(deep)) == 3  # each repetition differs

@@ -122,8 +122,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     http = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                                          limit_concurrency=4 * a.max_connections, timeout_keep_alive=30,
                                          access_log=False, timeout_graceful_shutdown=10))
-    page = f"; web page http://{a.host}:{a.port}/" if a.webui else ""
-    return serve_on_main_thread(http, app.state.worker, f"model '{name}' on http://{a.host}:{a.port} "
+    origin = f"http://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port}"  # IPv6 addresses in brackets
+    page = f"; web page {origin}/" if a.webui else ""
+    return serve_on_main_thread(http, app.state.worker, f"model '{name}' on {origin} "
                                 f"(ctx {engine.ctx}, parallel {a.parallel}, queue {a.max_queue}"
                                 f"{f', {len(keys)} api key(s) accepted' if keys else ''}){page}")
 
