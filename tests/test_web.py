@@ -173,3 +173,33 @@ def test_serve_flags_reach_the_config():
     a = build_parser().parse_args(["serve", "-m", "x", "--reports", "r1", "--reports", "r2", "--db", "h.sqlite"])
     assert (a.reports, a.db, a.webui) == (["r1", "r2"], "h.sqlite", True)
     assert build_parser().parse_args(["serve", "-m", "x", "--no-webui"]).webui is False
+
+
+def test_serve_checks_reports_and_db_before_loading(tmp_path, capsys):
+    from turbospec.cli.main import main
+
+    assert main(["serve", "-m", str(tmp_path / "no-model"), "--reports", str(tmp_path / "nope")]) == 1
+    assert "--reports" in capsys.readouterr().err
+    (tmp_path / "x.sqlite").write_text("not a database")
+    assert main(["serve", "-m", str(tmp_path / "no-model"), "--db", str(tmp_path / "x.sqlite")]) == 1
+    assert "is not a turbospec history database" in capsys.readouterr().err
+
+
+def test_listing_reads_a_report_again_only_when_it_changes(engine, tmp_path, monkeypatch):
+    from turbospec.server import web
+
+    (tmp_path / "b").mkdir()
+    path = tmp_path / "b" / "report.json"
+    path.write_text(json.dumps(bench_report()))
+    reads = []
+    real = web._read
+    monkeypatch.setattr(web, "_read", lambda p: reads.append(p) or real(p))
+    c = client(engine, reports=(str(tmp_path),))
+    for _ in range(3):
+        assert [r["rows"] for r in c.get("/lab/reports").json()["reports"]] == [4]
+    assert len(reads) == 1
+    report = bench_report()
+    report["rows"] = report["rows"][:2]
+    path.write_text(json.dumps(report) + " ")  # another size: changed
+    assert [r["rows"] for r in c.get("/lab/reports").json()["reports"]] == [2]
+    assert len(reads) == 2

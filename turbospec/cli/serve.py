@@ -107,7 +107,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
               f"can reach port {a.port} can use the server; set --api-key-file (or --api-key)",
               file=sys.stderr, flush=True)
     with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
-        engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
+        check_lab_sources(a)
+    engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
                               loading)
     name = a.alias or Path(engine.model_path).name
     cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
@@ -127,6 +128,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve_on_main_thread(http, app.state.worker, f"model '{name}' on {origin} "
                                 f"(ctx {engine.ctx}, parallel {a.parallel}, queue {a.max_queue}"
                                 f"{f', {len(keys)} api key(s) accepted' if keys else ''}){page}")
+
+
+def check_lab_sources(a: argparse.Namespace) -> None:
+    """--reports paths must exist and --db must be a turbospec history: said before the model loads, not found out
+    as an empty reports list."""
+    for path in a.reports:
+        if not Path(path).exists():
+            raise TurboSpecError(f"--reports {path}: no such folder or file")
+    if a.db is not None:
+        from turbospec.lab import history
+
+        history.list_runs(a.db)  # a clear error for a missing file or one that is not a history
 
 
 def serve_on_main_thread(http, worker, banner: str) -> int:

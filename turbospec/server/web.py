@@ -57,6 +57,9 @@ class Lab:
         self.folders = tuple(Path(f) for f in folders)
         self.db = db
         self.files: dict[str, Path] = {}  # id -> file, as of the last scan
+        # file -> ((mtime_ns, size), its listing entry or None when not a lab report): a listing reads only new or
+        # changed files
+        self.entries: dict[Path, tuple[tuple[int, int], dict[str, Any] | None]] = {}
         self.lock = threading.Lock()
 
     def scan(self) -> dict[str, Path]:
@@ -72,20 +75,14 @@ class Lab:
         return files
 
     def listing(self) -> list[dict[str, Any]]:
-        from turbospec.lab import plots
-
         out: list[dict[str, Any]] = []
-        for rid, path in self.scan().items():
-            report = _read(path)
-            if report is None:
-                continue
-            kind = plots.report_kind(report)
-            if kind == "unknown":
-                continue
-            env = report.get("env") or {}
-            out.append({"id": rid, "source": "file", "kind": kind, "title": _title(path, self.folders),
-                        "created": _mtime(path), "commit": env.get("git_commit"),
-                        "rows": len(report.get("rows") or [])})
+        files = self.scan()
+        for rid, path in files.items():
+            entry = self.entry(path)
+            if entry is not None:
+                out.append({"id": rid, **entry})
+        present = set(files.values())
+        self.entries = {p: e for p, e in self.entries.items() if p in present}
         if self.db:
             from turbospec.lab import history
 
@@ -103,6 +100,29 @@ class Lab:
                             "created": run.get("created"), "commit": run.get("git_commit"),
                             "rows": run.get("n_rows")})
         return out
+
+    def entry(self, path: Path) -> dict[str, Any] | None:
+        """`path`'s listing entry (kind, title, created, commit, rows), or None when it is not a lab report."""
+        from turbospec.lab import plots
+
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        version = (st.st_mtime_ns, st.st_size)
+        cached = self.entries.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        report = _read(path)
+        kind = plots.report_kind(report) if report is not None else "unknown"
+        entry = None
+        if report is not None and kind != "unknown":
+            env = report.get("env") or {}
+            entry = {"source": "file", "kind": kind, "title": _title(path, self.folders), "created": _mtime(path),
+                     "commit": env.get("git_commit") if isinstance(env, dict) else None,
+                     "rows": len(rows) if isinstance(rows := report.get("rows"), list) else 0}
+        self.entries[path] = (version, entry)
+        return entry
 
     def report(self, rid: str) -> dict[str, Any]:
         """The report with id `rid` (404 when there is none, or when the file is not a lab report: the listing
