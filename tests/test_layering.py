@@ -21,7 +21,7 @@ RANKS = {
     "turbospec.config": 3,
     "turbospec.layers": 4, "turbospec.sampling": 4, "turbospec.tokenizer": 4,
     "turbospec.model": 5, "turbospec.demo": 5,
-    "turbospec.speculative": 6,
+    "turbospec.speculative": 6, "turbospec.parallel": 6,
     "turbospec.engine": 7,
     "turbospec.server": 8, "turbospec.lab": 8,
     "turbospec.cli": 9,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,12 @@ def run(a: argparse.Namespace) -> int:
         prompt = DEFAULT_PROMPT
     with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
         engine = build_engine(engine_config(a), loading)
-    out = sys.stdout
+    from turbospec.parallel import tp
+
+    rank, ranks = tp.world()
+    if ranks > 1:  # under torchrun: every rank must draw the same tokens; rank 0 alone prints
+        params = tp.same_sampling(params)
+    out = sys.stdout if rank == 0 else open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the command
     if not a.no_echo and not a.chat:
         out.write(prompt)
         out.flush()
@@ -57,6 +63,8 @@ def run(a: argparse.Namespace) -> int:
             out.flush()
     out.write("\n")
     st = engine.last_stats
+    if rank != 0:
+        return 0
     print(st.line(), file=sys.stderr)
     if a.json_stats:
         Path(a.json_stats).write_text(json.dumps(st.to_dict(), indent=2))

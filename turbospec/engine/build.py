@@ -50,6 +50,15 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
         torch.set_num_threads(config.threads)
     tokenizer: Tokenizer | None
     budget = None if config.moe_cache_mem is None else config.moe_cache_mem << 20
+    from turbospec.parallel import tp
+
+    if tp.init_from_env()[1] > 1:  # under torchrun: this rank's part of the model (turbospec.parallel.tp)
+        if is_gguf(path) or config.weights != "auto" or budget is not None:
+            raise TurboSpecError("tensor parallelism loads float safetensors checkpoints only (no GGUF, --weights "
+                                 "or --moe-cache-mem yet)")
+        model = tp.load_model_tp(path, config.dtype)
+        tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+        return path, model, tokenizer
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
         model = load_gguf(f, config.dtype, config.weights, budget, progress)

@@ -1,0 +1,1 @@
+"""Running one model across processes: tensor parallelism (`tp`)."""

@@ -1,0 +1,148 @@
+"""Tensor parallelism over `torch.distributed` (gloo on CPU), Megatron's layout as vLLM uses it: each rank holds
+1/N of every decoder layer's attention heads (their q/k/v rows, their KV cache) and of the MLP's intermediate
+columns; the output projection and the MLP's down projection multiply the rank's part and an all-reduce sums the
+parts. Embedding, final norm and LM head stay whole on every rank, so every rank computes the same logits and
+picks the same greedy token.
+
+This slice covers dense models (qwen3, qwen2, llama) with float weights from safetensors, every KV format (a
+rank's cache holds its heads), and the model's MTP layer (sharded the same way). Launch with `torchrun` (one
+process per rank, `TURBOSPEC_TP` unset: WORLD_SIZE ranks). What is not here yet is listed in docs/parallel.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from turbospec.errors import TurboSpecError
+from turbospec.model.config import DENSE_ARCHS, MOE_ARCHS, ModelConfig
+
+# HF tensor name suffix -> the dimension a rank takes its part of (0: output rows, 1: input columns)
+COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+                   "gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias")
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+TIMEOUT = timedelta(seconds=120)  # a rank that dies ends the others' collectives with an error, not a hang
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the initialised default group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_from_env(timeout: timedelta = TIMEOUT) -> tuple[int, int]:
+    """Join the process group that `torchrun` describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) with gloo;
+    (rank, world size). Without torchrun's variables: (0, 1), nothing initialised."""
+    if dist.is_initialized():
+        return world()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    dist.init_process_group("gloo", timeout=timeout)
+    return world()
+
+
+def same_sampling(params):
+    """`params` with rank 0's seed on every rank (a request without a seed draws one at random: each rank would
+    draw its own and the ranks' tokens, hence their collectives, would part)."""
+    import dataclasses as dc
+    import secrets
+
+    seed = [params.seed if params.seed is not None else secrets.randbits(63)]
+    dist.broadcast_object_list(seed, src=0)
+    return dc.replace(params, seed=seed[0])
+
+
+def shard_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
+    """The config one rank builds: 1/`ranks` of the attention heads, KV heads and MLP width (one clear error when
+    the model does not divide, or is not a dense architecture this slice covers)."""
+    if cfg.arch not in DENSE_ARCHS or cfg.arch in MOE_ARCHS:
+        dense = [a for a in DENSE_ARCHS if a not in MOE_ARCHS]
+        raise TurboSpecError(f"tensor parallelism covers dense models ({', '.join(dense)}) for now; "
+                             f"{cfg.arch} is not one")
+    for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if value % ranks:
+            raise TurboSpecError(f"tensor parallel size {ranks} does not divide {name} ({value})")
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // ranks, num_kv_heads=cfg.num_kv_heads // ranks,
+                               intermediate_size=cfg.intermediate_size // ranks)
+
+
+class ShardedSource:
+    """A `TensorSource` giving rank `rank` of `ranks` its part of the sharded tensors (`COLUMN_PARALLEL` rows,
+    `ROW_PARALLEL` columns) and the others whole. The loaders ask for the local shapes; the part is cut from the
+    tensor as stored (one tensor in memory at a time)."""
+
+    def __init__(self, source, rank: int, ranks: int):
+        self.source, self.rank, self.ranks = source, rank, ranks
+
+    def __getattr__(self, name: str):  # names, has, value_tiling, ...: the source's own
+        return getattr(self.source, name)
+
+    def _dim(self, name: str) -> int | None:
+        if name.endswith(COLUMN_PARALLEL):
+            return 0
+        if name.endswith(ROW_PARALLEL):
+            return 1
+        return None
+
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        dim = self._dim(name)
+        if dim is None:
+            return self.source.get(name, dtype, shape)
+        full = None
+        if shape is not None:
+            full = tuple(s * self.ranks if i == dim else s for i, s in enumerate(shape))
+        t = self.source.get(name, dtype, full)
+        part = t.shape[dim] // self.ranks
+        return t.narrow(dim, self.rank * part, part).contiguous()
+
+    def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        return self.get(name, dtype, shape)
+
+
+class RowParallel:
+    """A linear layer holding this rank's input columns: its product is a partial sum, all-reduced over the
+    group (the bias, if any, added once after). Not a `Linear`, so decoder layers take their op-by-op path."""
+
+    def __init__(self, inner, group=None):
+        self.inner, self.group = inner, group
+        self.bias = inner.bias
+        inner.bias = None
+
+    def __getattr__(self, name: str):  # in_features, nbytes, weight, ...
+        return getattr(self.inner, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+def parallelize(model, group=None) -> None:
+    """Wrap every decoder layer's output and down projections (the model's and its MTP module's) in
+    `RowParallel`."""
+    layers = list(model.layers)
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        layers += list(mtp.layers)
+    for layer in layers:
+        layer.attn.o = RowParallel(layer.attn.o, group)
+        layer.mlp.down = RowParallel(layer.mlp.down, group)
+
+
+def load_model_tp(path: str, dtype: torch.dtype | str = "float32", group=None):
+    """Rank `dist.get_rank()`'s part of the dense checkpoint at `path` (a directory of safetensors)."""
+    from turbospec.dtypes import parse_dtype
+    from turbospec.model.loader import WeightSource, load_config
+    from turbospec.model.registry import build_model
+
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    cfg = load_config(path)
+    model = build_model(shard_config(cfg, ranks), ShardedSource(WeightSource(path), rank, ranks), parse_dtype(dtype))
+    parallelize(model, group)
+    return model
