@@ -93,3 +93,17 @@ def test_split_must_divide_and_be_dense(hf_models):
         shard_config(cfg, 4)
     with pytest.raises(TurboSpecError, match="dense models"):
         shard_config(load_config(ROOT / "models" / "turbospec-tiny-hybrid"), 2)
+
+
+def test_a_rank_reads_its_part_only(hf_models):
+    """`WeightSource.shard` along rows and columns: the parts put back together are the stored tensor."""
+    from turbospec.model.loader import WeightSource
+
+    ws = WeightSource(hf_models["qwen3"])
+    for name, dim in (("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.0.mlp.down_proj.weight", 1)):
+        whole = ws.get(name, torch.float32)
+        parts = [ws.shard(name, dim, r, 2, torch.float32, tuple(whole.shape)) for r in range(2)]
+        assert all(p.shape[dim] == whole.shape[dim] // 2 for p in parts)
+        assert torch.equal(torch.cat(parts, dim), whole)
+    with pytest.raises(TurboSpecError, match="shape mismatch"):
+        ws.shard("model.layers.0.mlp.down_proj.weight", 1, 0, 2, torch.float32, (1, 1))

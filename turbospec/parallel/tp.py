@@ -74,8 +74,8 @@ def shard_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
 
 class ShardedSource:
     """A `TensorSource` giving rank `rank` of `ranks` its part of the sharded tensors (`COLUMN_PARALLEL` rows,
-    `ROW_PARALLEL` columns) and the others whole. The loaders ask for the local shapes; the part is cut from the
-    tensor as stored (one tensor in memory at a time)."""
+    `ROW_PARALLEL` columns) and the others whole. The loaders ask for the local shapes; the part is read from the
+    file alone (`WeightSource.shard`: a safetensors slice), so a rank reads about 1/N of the layers' bytes."""
 
     def __init__(self, source, rank: int, ranks: int):
         self.source, self.rank, self.ranks = source, rank, ranks
@@ -94,12 +94,10 @@ class ShardedSource:
         dim = self._dim(name)
         if dim is None:
             return self.source.get(name, dtype, shape)
-        full = None
-        if shape is not None:
-            full = tuple(s * self.ranks if i == dim else s for i, s in enumerate(shape))
-        t = self.source.get(name, dtype, full)
-        part = t.shape[dim] // self.ranks
-        return t.narrow(dim, self.rank * part, part).contiguous()
+        if shape is None or dtype is None:
+            raise TurboSpecError(f"{name}: a sharded tensor is read with its dtype and local shape")
+        full = tuple(s * self.ranks if i == dim else s for i, s in enumerate(shape))
+        return self.source.shard(name, dim, self.rank, self.ranks, dtype, full)  # only this rank's bytes
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         return self.get(name, dtype, shape)
