@@ -63,9 +63,8 @@ def run(a: argparse.Namespace) -> int:
             out.flush()
     out.write("\n")
     st = engine.last_stats
-    if rank != 0:
-        return 0
-    print(st.line(), file=sys.stderr)
-    if a.json_stats:
-        Path(a.json_stats).write_text(json.dumps(st.to_dict(), indent=2))
+    if a.json_stats:  # under torchrun every rank's own (its memory): FILE from rank 0, FILE.rankN from the others
+        Path(a.json_stats + (f".rank{rank}" if rank else "")).write_text(json.dumps(st.to_dict(), indent=2))
+    if rank == 0:
+        print(st.line(), file=sys.stderr)
     return 0
