@@ -107,3 +107,61 @@ def test_a_rank_reads_its_part_only(hf_models):
         assert torch.equal(torch.cat(parts, dim), whole)
     with pytest.raises(TurboSpecError, match="shape mismatch"):
         ws.shard("model.layers.0.mlp.down_proj.weight", 1, 0, 2, torch.float32, (1, 1))
+
+
+def test_serve_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m turbospec.cli serve`: rank 0 answers with the single process's greedy text,
+    a client that leaves mid-stream stops every rank (the next request still agrees), and Ctrl-C ends every rank."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    from tests.test_server_cancel import _free_port
+    from turbospec.engine import build_engine
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1", "-c", "2048", "--port", str(port),
+           "--spec-type", "draft-mtp"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": "def fib(n):", "max_tokens": 24, "temperature": 0}
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.5)
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 4:
+                    break  # the client leaves
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        health = httpx.get(url + "/health", timeout=5).json()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0]
+            raise AssertionError("the ranks did not stop on Ctrl-C:\n" + out[-2000:]) from None
+    engine = build_engine(EngineConfig(model=str(BUNDLED), ctx=2048))
+    want = "".join(c.text for c in engine.stream("def fib(n):", SamplingParams(temperature=0, max_tokens=24)))
+    assert first == want and again == want
+    assert (health["running"], health["waiting"]) == (0, 0)
+    assert "turbospec serve: model 'turbospec-tiny'" in out and "tensor parallel 2" in out
+    # Ctrl-C reaches torchrun's agent too, which reports it as its own failure (rc 1): what matters is that every
+    # rank ended (communicate returned) instead of waiting on a collective

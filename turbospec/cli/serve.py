@@ -110,6 +110,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         check_lab_sources(a)
     engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
                               loading)
+    from turbospec.parallel import tp
+
+    rank, ranks = tp.world()
+    if ranks > 1:  # under torchrun: rank 0 serves, the others follow its engine calls (turbospec.parallel.tp)
+        if a.parallel > 1 or a.slot_save_path:
+            raise TurboSpecError("under torchrun the server generates one request at a time (no -np > 1) and "
+                                 "has no --slot-save-path yet")
+        if rank != 0:
+            tp.follow(engine)
+            return 0
+        engine = tp.Lockstep(engine)
     name = a.alias or Path(engine.model_path).name
     cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
                        max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,
@@ -125,9 +136,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                          access_log=False, timeout_graceful_shutdown=10))
     origin = f"http://{f'[{a.host}]' if ':' in a.host else a.host}:{a.port}"  # IPv6 addresses in brackets
     page = f"; web page {origin}/" if a.webui else ""
-    return serve_on_main_thread(http, app.state.worker, f"model '{name}' on {origin} "
-                                f"(ctx {engine.ctx}, parallel {a.parallel}, queue {a.max_queue}"
-                                f"{f', {len(keys)} api key(s) accepted' if keys else ''}){page}")
+    try:
+        return serve_on_main_thread(http, app.state.worker, f"model '{name}' on {origin} "
+                                    f"(ctx {engine.ctx}, parallel {a.parallel}, queue {a.max_queue}"
+                                    f"{f', {len(keys)} api key(s) accepted' if keys else ''}"
+                                    f"{f', tensor parallel {ranks}' if ranks > 1 else ''}){page}")
+    finally:
+        if isinstance(engine, tp.Lockstep):
+            engine.close()
 
 
 def check_lab_sources(a: argparse.Namespace) -> None:

@@ -144,3 +144,69 @@ def load_model_tp(path: str, dtype: torch.dtype | str = "float32", group=None):
     model = build_model(shard_config(cfg, ranks), ShardedSource(WeightSource(path), rank, ranks), parse_dtype(dtype))
     parallelize(model, group)
     return model
+
+
+# ---- serving: rank 0 answers HTTP, the other ranks follow its engine calls ----------------------------------------
+def _flag(value: bool | None = None) -> bool:
+    """Rank 0 sends `value`, every other rank receives it (one byte over the group)."""
+    t = torch.tensor([1 if value else 0], dtype=torch.uint8)
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+class Lockstep:
+    """Rank 0's engine for a server under torchrun: every `stream` is announced to the other ranks (`follow`),
+    with rank 0's seed, and after each chunk a flag says whether the stream goes on, so that a client that leaves
+    (the server closes the stream) or a cancelled prefill (`abort`) stops every rank at the same step. Everything
+    else is the engine's own."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name: str):  # model, tokenizer, ctx, drafter, last_stats, config, ...
+        return getattr(self.engine, name)
+
+    def stream(self, prompt, params=None, chat: bool = False, abort=None, progress=None):
+        import secrets
+
+        from turbospec.sampling import SamplingParams
+
+        params = params or SamplingParams()
+        if params.seed is None:  # the followers get this seed with the call
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        dist.broadcast_object_list([("stream", prompt, params, chat)], src=0)
+        gen = self.engine.stream(prompt, params, chat=chat, abort=lambda: _flag(bool(abort and abort())),
+                                 progress=progress)
+        done = False
+        try:
+            for chunk in gen:
+                yield chunk
+                _flag(False)  # the consumer asked for the next chunk: go on
+            done = True
+        finally:
+            if not done:  # closed between chunks (the client left) or failed: the followers stop here too
+                gen.close()
+                _flag(True)
+
+    def close(self) -> None:
+        """The server stopped: the followers return."""
+        dist.broadcast_object_list([("stop",)], src=0)
+
+
+def follow(engine) -> None:
+    """A rank other than 0 of a server: run the engine calls rank 0 announces (`Lockstep`) until it stops."""
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        if command[0] == "stop":
+            return
+        _, prompt, params, chat = command
+        gen = engine.stream(prompt, params, chat=chat, abort=_flag)
+        try:
+            for _ in gen:
+                if _flag():
+                    gen.close()
+                    break
+        except Exception:  # noqa: BLE001 -- rank 0 met the same error at the same step (same input): its stop flag
+            _flag()
