@@ -59,7 +59,7 @@ def worker(rank: int, store: str, jobs: list, out: str) -> None:
 def run_ranks(tmp_path: Path, jobs: list) -> list[dict]:
     out = str(tmp_path / "result")
     mp.start_processes(worker, args=(str(tmp_path / "store"), jobs, out), nprocs=2, start_method="spawn")
-    return [torch.load(f"{out}.{r}") for r in range(2)]
+    return [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
 
 
 def test_two_ranks_equal_one_process(hf_models, tmp_path):
