@@ -132,11 +132,23 @@ class WeightSource(IndexedSource):
                 raise TurboSpecError(f"{f.name}: corrupt or truncated safetensors file ({_one_line(e)})") from None
         return self._handles[f]
 
-    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _file_of(self, name: str) -> Path:
+        """The shard file holding `name` (counted as read for the load's progress); a one-line error if none."""
         if name not in self.index:
             raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
         self._reading(name)
-        f = self.index[name]
+        return self.index[name]
+
+    def _slice(self, name: str):
+        """(file, safetensors slice of `name`): reads only the parts indexed."""
+        f = self._file_of(name)
+        try:
+            return f, self._open(f).get_slice(name)
+        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
+            raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
+
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        f = self._file_of(name)
         try:
             t = self._open(f).get_tensor(name)
         except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
@@ -152,15 +164,8 @@ class WeightSource(IndexedSource):
         """Part `part` of `parts` equal slices of tensor `name` along `dim` (0 or 1) in `dtype`, reading only that
         part's rows (a safetensors slice; along dim 1 each row's part): tensor parallelism's per-rank load.
         `shape`: the whole tensor's, as the config implies."""
-        if name not in self.index:
-            raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
-        self._reading(name)
-        f = self.index[name]
-        try:
-            sl = self._open(f).get_slice(name)
-            stored = tuple(sl.get_shape())
-        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
-            raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
+        _, sl = self._slice(name)
+        stored = tuple(sl.get_shape())
         if stored != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {stored}, config implies {tuple(shape)}")
         n = stored[dim] // parts
@@ -169,12 +174,8 @@ class WeightSource(IndexedSource):
 
     def stacked_part(self, name: str, index: int) -> torch.Tensor:
         """Reads only that part's bytes (a safetensors slice)."""
-        if name not in self.index:
-            raise TurboSpecError(f"missing tensor {name!r} in {self.dir}")
-        self._reading(name)
-        f = self.index[name]
+        f, sl = self._slice(name)
         try:
-            sl = self._open(f).get_slice(name)
             n = sl.get_shape()[0]
             if not 0 <= index < n:
                 raise TurboSpecError(f"{name!r} has {n} parts, no part {index}")
