@@ -165,3 +165,23 @@ def test_serve_under_torchrun(tmp_path):
     assert "turbospec serve: model 'turbospec-tiny'" in out and "tensor parallel 2" in out
     # Ctrl-C reaches torchrun's agent too, which reports it as its own failure (rc 1): what matters is that every
     # rank ended (communicate returned) instead of waiting on a collective
+
+
+def test_bench_under_torchrun(tmp_path):
+    """`torchrun ... bench`: every rank measures in step, rank 0 alone writes the report (marked with the TP size)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_server_cancel import _free_port
+
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(_free_port()), "-m", "turbospec.cli", "bench", "-m", str(BUNDLED), "-p", "8", "-n", "4",
+                        "-r", "1", "--warmup", "0", "-t", "1", "--out", str(out), "-q"],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("wrote ") == 1
+    report = json.loads((out / "report.json").read_text())
+    assert report["env"]["tensor_parallel"] == 2 and report["rows"][0]["decode_tps"] > 0

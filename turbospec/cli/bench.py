@@ -81,6 +81,13 @@ def run(a: argparse.Namespace) -> int:
     else:
         settings = {k: v for k, v in vars(a).items() if k != "func"}
         report = bench.run_local(engine_config(a), opts, settings)
+        from turbospec.parallel import tp
+
+        rank, ranks = tp.world()
+        if ranks > 1:  # under torchrun every rank measured in step; rank 0 alone reports
+            if rank:
+                return 0
+            report["env"]["tensor_parallel"] = ranks
     out = Path(a.out or time.strftime("bench-%Y%m%d-%H%M%S"))
     files = bench.write_reports(report, out, a.plot_format)
     bench.print_table(report)
