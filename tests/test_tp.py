@@ -185,3 +185,44 @@ def test_bench_under_torchrun(tmp_path):
     assert r.stderr.count("wrote ") == 1
     report = json.loads((out / "report.json").read_text())
     assert report["env"]["tensor_parallel"] == 2 and report["rows"][0]["decode_tps"] > 0
+
+
+def test_a_dead_rank_ends_the_job(tmp_path):
+    """Rank 1 of a torchrun server killed: the job ends (torchrun stops rank 0, reporting the failed rank) within
+    seconds, no rank left waiting on a collective."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    psutil = pytest.importorskip("psutil")
+    from tests.test_server_cancel import _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(_free_port()), "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1",
+                             "--port", str(port)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.5)
+        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "RANK" in p.environ()}
+        ranks[1].kill()
+        out = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0 and "rank      : 1" in out
+    assert not ranks[0].is_running()
