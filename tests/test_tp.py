@@ -40,12 +40,16 @@ def greedy(model, path: str, prompt: list[int], cache_type: str | None, spec: tu
 def worker(rank: int, store: str, jobs: list, out: str) -> None:
     from turbospec.parallel import tp
 
+    import os
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     results = {}
     try:
         for key, path, kind, arg in jobs:
+            # the ranks' sums through gloo, or (as torchrun on one host sets it) through shared memory
+            os.environ["LOCAL_WORLD_SIZE"] = "1" if key.endswith("-gloo") else "2"
             model = tp.load_model_tp(path)
             if kind == "logits":
                 results[key] = full_logits(model, IDS)
@@ -68,6 +72,7 @@ def test_two_ranks_equal_one_process(hf_models, tmp_path):
     names = ["qwen3", "qwen2", "qwen3_gqa3"]
     prompt = [int(t) for t in IDS[:12]]
     jobs = [(n, str(hf_models[n]), "logits", None) for n in names]
+    jobs.append(("qwen3-gloo", str(hf_models["qwen3"]), "logits", None))
     jobs += [("q8_0", str(hf_models["qwen3"]), "greedy", (prompt, "q8_0", ())),
              ("mtp", str(BUNDLED), "greedy", (prompt, None, ("draft-mtp",)))]
     ranks = run_ranks(tmp_path, jobs)
@@ -75,6 +80,9 @@ def test_two_ranks_equal_one_process(hf_models, tmp_path):
         ref = full_logits(load_model(hf_models[n], "float32"), IDS)
         for r in ranks:
             assert (r[n] - ref).abs().max().item() < 1e-5, n
+    assert torch.equal(ranks[0]["qwen3"], ranks[1]["qwen3"])  # shared-memory sums: the same bits on every rank
+    for r in ranks:
+        assert (r["qwen3-gloo"] - ranks[0]["qwen3"]).abs().max().item() < 1e-5
     plain_q8 = greedy(load_model(hf_models["qwen3"], "float32"), str(hf_models["qwen3"]), prompt, "q8_0", ())
     plain = greedy(load_model(BUNDLED, "float32"), str(BUNDLED), prompt, None, ())
     for r in ranks:

@@ -103,12 +103,82 @@ class ShardedSource:
         return self.get(name, dtype, shape)
 
 
+class ShmAllReduce:
+    """All-reduce for ranks on one host through a shared-memory file: each rank copies its part into its slot, posts
+    the call's number, waits (spinning) for the others' and sums every slot in rank order, so all ranks get the
+    same bits. Two buffers alternate, so a rank may start the next call while another still reads this one.
+    About 0.57 ms per call with gloo over loopback on this 2-core machine (two per decoder layer and token) against
+    tens of microseconds here. Larger tensors than the buffer (long prefill chunks) go through gloo."""
+
+    def __init__(self, group=None, max_numel: int = 1 << 18, timeout_s: float = TIMEOUT.total_seconds()):
+        import secrets
+        import tempfile
+
+        self.group, self.max_numel, self.timeout_s = group, max_numel, timeout_s
+        self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        name = [f"turbospec-tp-{secrets.token_hex(8)}" if self.rank == 0 else None]
+        dist.broadcast_object_list(name, src=0, group=group)
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.path = os.path.join(folder, name[0])
+        numel = 64 + 2 * self.ranks * max_numel  # 64 int64 flag slots (as float32 pairs), then the buffers
+        if self.rank == 0:
+            with open(self.path, "wb") as f:
+                f.truncate(numel * 4)
+        dist.barrier(group=group)
+        mem = torch.from_file(self.path, shared=True, size=numel, dtype=torch.float32)
+        dist.barrier(group=group)
+        if self.rank == 0:
+            os.unlink(self.path)  # the mappings stay; nothing is left behind when the ranks end
+        self.flags = mem[:64].view(torch.int64)  # 32 slots: rank i's last posted call number at [i]
+        self.data = mem[64:].view(2, self.ranks, max_numel)
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (a new tensor, in x's dtype)."""
+        import time
+
+        n = x.numel()
+        if n > self.max_numel:
+            y = x.clone()
+            dist.all_reduce(y, group=self.group)
+            return y
+        self.calls += 1
+        buf = self.data[self.calls % 2]
+        buf[self.rank, :n].copy_(x.reshape(-1))
+        self.flags[self.rank] = self.calls
+        deadline = None
+        for r in range(self.ranks):
+            while int(self.flags[r]) < self.calls:
+                os.sched_yield()  # ranks may outnumber cores
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout_s
+                elif time.monotonic() > deadline:
+                    raise TurboSpecError(f"tensor parallel rank {r} did not answer within {self.timeout_s:g} s")
+        total = buf[0, :n].clone()
+        for r in range(1, self.ranks):
+            total += buf[r, :n]
+        return total.view(x.shape).to(x.dtype)
+
+
+def reducer(group=None):
+    """`ShmAllReduce` when every rank runs on this host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE), else gloo's."""
+    ranks = dist.get_world_size(group)
+    if group is None and int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == ranks and ranks > 1:
+        return ShmAllReduce(group)
+
+    def gloo(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=group)
+        return x
+
+    return gloo
+
+
 class RowParallel:
     """A linear layer holding this rank's input columns: its product is a partial sum, all-reduced over the
     group (the bias, if any, added once after). Not a `Linear`, so decoder layers take their op-by-op path."""
 
-    def __init__(self, inner, group=None):
-        self.inner, self.group = inner, group
+    def __init__(self, inner, reduce):
+        self.inner, self.reduce = inner, reduce
         self.bias = inner.bias
         inner.bias = None
 
@@ -116,8 +186,7 @@ class RowParallel:
         return getattr(self.inner, name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
-        dist.all_reduce(y, group=self.group)
+        y = self.reduce(self.inner(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -128,9 +197,10 @@ def parallelize(model, group=None) -> None:
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         layers += list(mtp.layers)
+    reduce = reducer(group)
     for layer in layers:
-        layer.attn.o = RowParallel(layer.attn.o, group)
-        layer.mlp.down = RowParallel(layer.mlp.down, group)
+        layer.attn.o = RowParallel(layer.attn.o, reduce)
+        layer.mlp.down = RowParallel(layer.mlp.down, reduce)
 
 
 def load_model_tp(path: str, dtype: torch.dtype | str = "float32", group=None):
