@@ -6,6 +6,7 @@ error."""
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,6 @@ def greedy(model, path: str, prompt: list[int], cache_type: str | None, spec: tu
 def worker(rank: int, store: str, jobs: list, out: str) -> None:
     from turbospec.parallel import tp
 
-    import os
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -120,7 +120,6 @@ def test_a_rank_reads_its_part_only(hf_models):
 def test_serve_under_torchrun(tmp_path):
     """`torchrun --nproc-per-node 2 -m turbospec.cli serve`: rank 0 answers with the single process's greedy text,
     a client that leaves mid-stream stops every rank (the next request still agrees), and Ctrl-C ends every rank."""
-    import os
     import signal
     import subprocess
     import sys
@@ -178,7 +177,6 @@ def test_serve_under_torchrun(tmp_path):
 def test_bench_under_torchrun(tmp_path):
     """`torchrun ... bench`: every rank measures in step, rank 0 alone writes the report (marked with the TP size)."""
     import json
-    import os
     import subprocess
     import sys
 
@@ -198,7 +196,6 @@ def test_bench_under_torchrun(tmp_path):
 def test_a_dead_rank_ends_the_job(tmp_path):
     """Rank 1 of a torchrun server killed: the job ends (torchrun stops rank 0, reporting the failed rank) within
     seconds, no rank left waiting on a collective."""
-    import os
     import signal
     import subprocess
     import sys
