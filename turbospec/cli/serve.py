@@ -106,9 +106,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"warning: --host {a.host} may be reachable from other machines and no API key is set: anyone who "
               f"can reach port {a.port} can use the server; set --api-key-file (or --api-key)",
               file=sys.stderr, flush=True)
+    check_lab_sources(a)
     with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
-        check_lab_sources(a)
-    engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
+        engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
                               loading)
     from turbospec.parallel import tp
 
