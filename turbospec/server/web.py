@@ -16,6 +16,7 @@ not (the page sends the key the user typed)."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import threading
@@ -118,7 +119,8 @@ class Lab:
         entry = None
         if report is not None and kind != "unknown":
             env = report.get("env") or {}
-            entry = {"source": "file", "kind": kind, "title": _title(path, self.folders), "created": _mtime(path),
+            created = datetime.datetime.fromtimestamp(st.st_mtime).isoformat(timespec="seconds")
+            entry = {"source": "file", "kind": kind, "title": _title(path, self.folders), "created": created,
                      "commit": env.get("git_commit") if isinstance(env, dict) else None,
                      "rows": len(rows) if isinstance(rows := report.get("rows"), list) else 0}
         self.entries[path] = (version, entry)
@@ -162,15 +164,6 @@ def _mtime_key(path: Path) -> float:
         return 0.0
 
 
-def _mtime(path: Path) -> str:
-    import datetime
-
-    try:
-        return datetime.datetime.fromtimestamp(path.stat().st_mtime).isoformat(timespec="seconds")
-    except OSError:
-        return ""
-
-
 def _title(path: Path, folders: tuple[Path, ...]) -> str:
     for f in folders:
         try:
@@ -189,6 +182,7 @@ class Web:
         self.model_name = model_name
         self.lab = lab
         self.svg_cache: dict[tuple[str, str, float], str] = {}  # oldest first
+        self.cache_lock = threading.Lock()  # filled from the event loop and from worker threads
 
     async def index(self) -> HTMLResponse:
         return HTMLResponse(asset("index.html"), headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
@@ -215,16 +209,32 @@ class Web:
         from turbospec.lab import plots
 
         report = await run_in_threadpool(self.lab.report, rid)
-        names = await run_in_threadpool(lambda: [name for name, _ in plots.figures(report)])
+        names = await run_in_threadpool(self._draw_all, rid, report)
         return {"id": rid, "kind": plots.report_kind(report), "report": report, "plots": names}
 
     async def plot(self, rid: str, name: str) -> Response:
         key = (rid, name, self.version(rid))
-        if key not in self.svg_cache:
+        text = self.svg_cache.get(key)
+        if text is None:  # not drawn by the report's own request, or since evicted
+            text = await run_in_threadpool(self._draw, rid, name)
+            self._keep(key, text)
+        return Response(text, media_type="image/svg+xml", headers=NOSNIFF)
+
+    def _keep(self, key: tuple[str, str, float], text: str) -> None:
+        with self.cache_lock:
             if len(self.svg_cache) >= SVG_CACHE:
                 self.svg_cache.pop(next(iter(self.svg_cache)))
-            self.svg_cache[key] = await run_in_threadpool(self._draw, rid, name)
-        return Response(self.svg_cache[key], media_type="image/svg+xml", headers=NOSNIFF)
+            self.svg_cache[key] = text
+
+    def _draw_all(self, rid: str, report: dict[str, Any]) -> list[str]:
+        """The names of `report`'s plots, each drawn once into the cache the plot requests that follow read."""
+        from turbospec.lab import plots
+
+        version = self.version(rid)
+        drawn = plots.figures(report)
+        for name, fig in drawn:
+            self._keep((rid, name, version), plots.svg(fig))
+        return [name for name, _ in drawn]
 
     def version(self, rid: str) -> float:
         """What a cached plot of `rid` depends on: its file's modification time (history runs never change)."""
