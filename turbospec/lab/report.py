@@ -11,6 +11,7 @@ import platform
 import statistics
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,23 @@ def cpu_model() -> str:
 
 
 def model_hash(path: str | Path, limit_bytes: int = 1 << 30) -> str:
-    """sha256 over config.json and the weight files (first 1 GiB of each), for identifying the model used."""
+    """sha256 over config.json and the weight files (first 1 GiB of each), for identifying the model used. Kept
+    per process while the files keep their size and modification time: a sweep or `lab seeds` reports the same
+    model many times."""
     p = Path(path)
-    h = hashlib.sha256()
     if p.is_dir():
         files = sorted([*p.glob("config.json"), *p.glob("*.safetensors"), *p.glob("*.gguf")])
     else:
         files = [p]
-    for f in files:
+    stamps = tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
+    return _hash_files(stamps, limit_bytes)
+
+
+@lru_cache(maxsize=64)
+def _hash_files(stamps: tuple[tuple[str, int, int], ...], limit_bytes: int) -> str:
+    h = hashlib.sha256()
+    for path, _, _ in stamps:
+        f = Path(path)
         h.update(f.name.encode())
         with open(f, "rb") as fh:
             left = limit_bytes
@@ -73,6 +83,7 @@ def env_info(model_path: str | None = None) -> dict[str, Any]:
     return info
 
 
+@lru_cache(maxsize=1)  # the code this process runs does not change under it
 def _git_commit() -> str | None:
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
