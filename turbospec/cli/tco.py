@@ -124,8 +124,10 @@ def run(a: argparse.Namespace) -> int:
     if a.plot_format and not a.plot:
         raise TurboSpecError("--plot-format needs --plot PATH")
     if a.plot:
+        from turbospec.lab import plots
+
         paths = [Path(a.plot).with_suffix(f".{f}") for f in a.plot_format] if a.plot_format else [Path(a.plot)]
+        fig = plots.tco_figure(onprem, apis, currency=currency, claimed=claimed)  # drawn once, written per format
         for path in paths:
-            path = tco.plot_tco(onprem, apis, path, currency=currency, claimed=claimed)
-            print(f"plot written to {path}", file=sys.stderr)
+            print(f"plot written to {plots.save(fig, path)}", file=sys.stderr)
     return 0
