@@ -111,11 +111,10 @@ def show_history(a: argparse.Namespace) -> int:
 
 def show_compare(a: argparse.Namespace) -> int:
     """`turbospec bench compare A B --db FILE`: the regression table and a one-line verdict count."""
-    ids = history.resolve(a.db, a.a), history.resolve(a.db, a.b)
-    run_a, run_b = (history.load_run(a.db, i) for i in ids)
     if not a.threshold >= 0:
         raise TurboSpecError("--threshold must be >= 0")
-    result = history.compare(a.db, str(ids[0]), str(ids[1]), a.threshold)
+    run_a, run_b = (history.load_run(a.db, history.resolve(a.db, ref)) for ref in (a.a, a.b))
+    result = history.compare_runs(run_a, run_b, a.threshold)
     engines = any(r.get("engine") is not None for r in result)
     cols = ["engine"] * engines + ["config", "depth", "category", "metric", "A median", "A spread", "B median",
                                    "B spread", "change", "verdict"]

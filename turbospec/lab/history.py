@@ -333,16 +333,17 @@ def verdict(metric: str, a: dict[str, Any], b: dict[str, Any], threshold_pct: fl
     but whose range one of the rows lacks. A change of the medians under `threshold_pct` percent is the same
     whatever the ranges (a few tight repetitions make small shifts look significant)."""
     higher_better = METRICS.get(metric, True)
+    same = "same" if metric == "acc_rate" else SAME
     am, bm = float(a[metric]), float(b[metric])
     if am and abs(bm - am) < threshold_pct / 100.0 * abs(am):
-        return "same" if metric == "acc_rate" else SAME
+        return same
     a_lo, a_hi, _ = _band(a, metric)
     b_lo, b_hi, _ = _band(b, metric)
     if a_lo is None or b_lo is None or a_hi is None or b_hi is None:  # no spread: medians
-        a_lo = a_hi = float(a[metric])
-        b_lo = b_hi = float(b[metric])
-        if abs(b_lo - a_lo) <= 1e-9 * max(1.0, abs(a_lo)):
-            return "same" if metric == "acc_rate" else SAME
+        a_lo = a_hi = am
+        b_lo = b_hi = bm
+        if abs(bm - am) <= 1e-9 * max(1.0, abs(am)):
+            return same
         if metric != "acc_rate":
             return NO_SPREAD
     if b_hi < a_lo:
@@ -350,7 +351,7 @@ def verdict(metric: str, a: dict[str, Any], b: dict[str, Any], threshold_pct: fl
     elif b_lo > a_hi:
         worse = not higher_better
     else:
-        return "same" if metric == "acc_rate" else SAME
+        return same
     if metric == "acc_rate":
         return "lower" if worse else "higher"
     return "slower" if worse else "faster"
@@ -363,7 +364,12 @@ def compare(db: str | Path, a: str | int, b: str | int, threshold_pct: float = D
     a_median, a_min, a_max, b_median, b_min, b_max (the ranges the verdict used; None when unrecorded),
     band ('min-max', 'sd' or None), change_pct (B vs A) and verdict. A row in one run only is one line with
     metric None and verdict 'only in A' / 'only in B'; a metric in one row of a pair only, likewise."""
-    run_a, run_b = load_run(db, resolve(db, a)), load_run(db, resolve(db, b))
+    return compare_runs(load_run(db, resolve(db, a)), load_run(db, resolve(db, b)), threshold_pct)
+
+
+def compare_runs(run_a: dict[str, Any], run_b: dict[str, Any], threshold_pct: float = DEFAULT_THRESHOLD_PCT
+                 ) -> list[dict[str, Any]]:
+    """`compare` of two runs already loaded (`load_run`)."""
     rows_a, rows_b = _keyed(run_a["rows"]), _keyed(run_b["rows"])
     out: list[dict[str, Any]] = []
     for key in list(rows_a) + [k for k in rows_b if k not in rows_a]:
