@@ -17,7 +17,7 @@ from turbospec.cli.args import (
 )
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
-from turbospec.lab.progress import LOAD_DELAY_S, LONG_PROMPT, Progress
+from turbospec.lab.progress import LONG_PROMPT, Progress, loading
 
 DEFAULT_PROMPT = "import os\n\n\nclass FileCache:\n    def __init__(self, path):\n"
 
@@ -45,8 +45,8 @@ def run(a: argparse.Namespace) -> int:
             raise TurboSpecError(f"cannot read prompt file: {e}") from None
     if prompt is None:
         prompt = DEFAULT_PROMPT
-    with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
-        engine = build_engine(engine_config(a), loading)
+    with loading() as load_bar:
+        engine = build_engine(engine_config(a), load_bar)
     from turbospec.parallel import tp
 
     rank, ranks = tp.world()

@@ -17,7 +17,7 @@ from turbospec.cli.args import (
 )
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
-from turbospec.lab.progress import LOAD_DELAY_S, Progress
+from turbospec.lab.progress import loading
 from turbospec.server import DEFAULT_MAX_BODY
 from turbospec.server.security import binds_beyond_loopback
 
@@ -107,9 +107,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
               f"can reach port {a.port} can use the server; set --api-key-file (or --api-key)",
               file=sys.stderr, flush=True)
     check_lab_sources(a)
-    with Progress("loading", unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
+    with loading() as load_bar:
         engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
-                              loading)
+                              load_bar)
     from turbospec.parallel import tp
 
     rank, ranks = tp.world()

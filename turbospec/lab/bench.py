@@ -20,7 +20,7 @@ from turbospec.config import EngineConfig
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
 from turbospec.lab import plots
-from turbospec.lab.progress import LOAD_DELAY_S, Progress, progress
+from turbospec.lab.progress import loading, progress
 from turbospec.lab.report import env_info, markdown_table, summarize, write_csv, write_json
 from turbospec.lab.workload import BenchOptions, load_prompts
 from turbospec.sampling import SamplingParams
@@ -85,8 +85,8 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
         cfg = apply_sweep(config, point)
         cfg = cfg.replace(ctx=max(config.ctx, max(depths) + opts.n_prompt + opts.n_gen + 16,
                                   4096 if prompts else 0))
-        with Progress("loading", opts.quiet, unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
-            engine = build_engine(cfg, loading)
+        with loading(opts.quiet) as load_bar:
+            engine = build_engine(cfg, load_bar)
         model_path = engine.model_path
         vocab = engine.model.cfg.vocab_size
         params = SamplingParams(temperature=opts.temp, top_k=0, top_p=1.0, min_p=0.0, seed=opts.seed,

@@ -63,3 +63,8 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def loading(quiet: bool = False) -> Progress:
+    """The model-load bar: tensors read, shown only when the load lasts over `LOAD_DELAY_S`."""
+    return Progress("loading", quiet, unit=" tensors", delay=LOAD_DELAY_S, leave=False)

@@ -27,7 +27,7 @@ from turbospec.engine import Engine, load_parts
 from turbospec.errors import TurboSpecError
 from turbospec.kv.plan import AttentionPlan
 from turbospec.lab import plots
-from turbospec.lab.progress import LOAD_DELAY_S, Progress, progress
+from turbospec.lab.progress import loading, progress
 from turbospec.lab.report import env_info, markdown_table, write_csv, write_json
 
 PAIRS = ["f16/f16", "q8_0/q8_0", "q4_0/q4_0", "tbq4_0/tbq4_0", "turbo4/turbo4", "turbo3/turbo3",
@@ -194,8 +194,8 @@ def run_quality(config: EngineConfig, opts: QualityOptions, settings: dict[str, 
     for p in pairs + [opts.baseline]:
         parse_pair(p)
     ctxs = list(opts.ctxs)
-    with Progress("loading", opts.quiet, unit=" tensors", delay=LOAD_DELAY_S, leave=False) as loading:
-        path, model, tok = load_parts(config, loading)
+    with loading(opts.quiet) as load_bar:
+        path, model, tok = load_parts(config, load_bar)
     if tok is None:
         raise TurboSpecError(f"{path} has no tokenizer.json (quality measures text)")
     text = read_text(opts.text)[: max(ctxs) * opts.chunks * 8]
