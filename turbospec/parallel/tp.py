@@ -6,7 +6,7 @@ picks the same greedy token.
 
 This slice covers dense models (qwen3, qwen2, llama) with float weights from safetensors, every KV format (a
 rank's cache holds its heads), and the model's MTP layer (sharded the same way). Launch with `torchrun` (one
-process per rank, `TURBOSPEC_TP` unset: WORLD_SIZE ranks). What is not here yet is listed in docs/parallel.md.
+process per rank: WORLD_SIZE ranks). What is not here yet is listed in docs/parallel.md.
 """
 
 from __future__ import annotations
@@ -46,15 +46,19 @@ def init_from_env(timeout: timedelta = TIMEOUT) -> tuple[int, int]:
     return world()
 
 
+def seeded(params):
+    """`params` with a seed: its own, else one drawn at random (as the sampler would draw it)."""
+    import secrets
+
+    return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbits(63))
+
+
 def same_sampling(params):
     """`params` with rank 0's seed on every rank (a request without a seed draws one at random: each rank would
     draw its own and the ranks' tokens, hence their collectives, would part)."""
-    import dataclasses as dc
-    import secrets
-
-    seed = [params.seed if params.seed is not None else secrets.randbits(63)]
+    seed = [seeded(params).seed]
     dist.broadcast_object_list(seed, src=0)
-    return dc.replace(params, seed=seed[0])
+    return dataclasses.replace(params, seed=seed[0])
 
 
 def shard_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
@@ -237,13 +241,9 @@ class Lockstep:
         return getattr(self.engine, name)
 
     def stream(self, prompt, params=None, chat: bool = False, abort=None, progress=None):
-        import secrets
-
         from turbospec.sampling import SamplingParams
 
-        params = params or SamplingParams()
-        if params.seed is None:  # the followers get this seed with the call
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        params = seeded(params or SamplingParams())  # the followers get this seed with the call
         dist.broadcast_object_list([("stream", prompt, params, chat)], src=0)
         gen = self.engine.stream(prompt, params, chat=chat, abort=lambda: _flag(bool(abort and abort())),
                                  progress=progress)
