@@ -56,10 +56,7 @@ def stream_once(base: str, prompt: str, max_tokens: int, temp: float, seed: int,
             "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
-    req = urllib.request.Request(api_base(base) + "/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
+    req = request(api_base(base) + "/completions", api_key, body)
     t0 = time.perf_counter()
     stamps: list[float] = []
     timings: dict[str, Any] = {}
@@ -108,12 +105,19 @@ def filler_text(n_words: int, seed: int) -> str:
 SPEC_COUNTERS = {"draft": ("spec_decode_num_draft_tokens",), "accepted": ("spec_decode_num_accepted_tokens",)}
 
 
+def request(url: str, api_key: str | None, body: dict | None = None) -> urllib.request.Request:
+    """A GET of `url`, or a JSON POST of `body`, with the bearer key when there is one."""
+    req = urllib.request.Request(url) if body is None else urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    return req
+
+
 def scrape_spec_counters(base: str, api_key: str | None) -> dict[str, float] | None:
     """Sum the Prometheus speculative-decoding counters (vLLM `vllm:spec_decode_num_draft_tokens_total`,
     llama-server `llamacpp:spec_decode_...`, turbospec `turbospec:spec_decode_...`) at <server>/metrics."""
-    req = urllib.request.Request(server_root(base) + "/metrics")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
+    req = request(server_root(base) + "/metrics", api_key)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             text = resp.read().decode("utf-8", "replace")

@@ -117,9 +117,7 @@ def check_url(url: str, api_key: str | None, timeout: float = 10) -> None:
     """A one-line error unless something answers HTTP at `url` (any status: the measurement tells the rest)."""
     if not url.startswith(("http://", "https://")):
         raise TurboSpecError(f"--url {url!r}: expected an http(s) base URL such as http://127.0.0.1:8080/v1")
-    req = urllib.request.Request(client.api_base(url) + "/models")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
+    req = client.request(client.api_base(url) + "/models", api_key)
     try:
         with urllib.request.urlopen(req, timeout=timeout):
             pass
