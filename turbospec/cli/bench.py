@@ -66,15 +66,14 @@ def register(sub) -> argparse.ArgumentParser:
     return p
 
 
-def options(a: argparse.Namespace, depths: tuple[int, ...] = (0,)) -> BenchOptions:
+def options(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(n_prompt=a.n_prompt, n_gen=a.n_gen, repetitions=a.repetitions, warmup=a.warmup,
-                        depths=depths, sweep=tuple(a.sweep), categories=a.categories, temp=a.temp,
-                        seed=a.seed, quiet=a.quiet)
+                        depths=tuple(int(d) for d in str(a.depth).split(",")), sweep=tuple(a.sweep),
+                        categories=a.categories, temp=a.temp, seed=a.seed, quiet=a.quiet)
 
 
 def run(a: argparse.Namespace) -> int:
-    depths = tuple(int(d) for d in str(a.depth).split(","))
-    opts = options(a, depths)
+    opts = options(a)
     if a.url:  # servers: depth = that many filler words before the prompt
         settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
         report = client.run_remote(a.url, opts, a.api_key, settings)

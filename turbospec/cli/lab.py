@@ -111,8 +111,8 @@ def configurations(a: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
     for name, ns in bases:
         cfg = engine_config(ns)
         for point in points:
-            tag = ",".join(f"{k}={v}" for k, v in point.items())
-            label = name if not tag else tag if name == "default" else f"{name} {tag}"
+            tag = bench.point_name(point)
+            label = name if not point else tag if name == "default" else f"{name} {tag}"
             out.append((label, bench.apply_sweep(cfg, point)))
     return out
 

@@ -67,7 +67,7 @@ def apply_sweep(config: EngineConfig, point: dict[str, str]) -> EngineConfig:
     try:
         return config.replace(**changes)
     except TypeError:
-        raise TurboSpecError(f"sweep {_point_name(point)}: 'none' is not a value of every key") from None
+        raise TurboSpecError(f"sweep {point_name(point)}: 'none' is not a value of every key") from None
 
 
 def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any] | None = None
@@ -123,7 +123,7 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
                         "per_pos": spec.per_position if spec else None,
                         "experts": st.experts.to_dict() if st.experts is not None else None,
                     })
-                row: dict[str, Any] = {"config": _point_name(point), **point, "depth": depth, "category": cat,
+                row: dict[str, Any] = {"config": point_name(point), **point, "depth": depth, "category": cat,
                                        "n_prompt": len(ptoks), "n_gen": opts.n_gen}
                 for key in ("prefill_tps", "decode_tps", "ttft_ms"):
                     s = summarize([r[key] for r in runs])
@@ -151,7 +151,7 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
     return {"env": env_info(model_path), "settings": settings, "rows": rows}
 
 
-def _point_name(point: dict[str, str]) -> str:
+def point_name(point: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in point.items()) or "default"
 
 
