@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from turbospec.cli.args import add_model_args, add_plot_format_arg, add_spec_args, engine_config
 from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, client, history
+from turbospec.lab.report import console_table
 from turbospec.lab.workload import BenchOptions
 
 
@@ -161,25 +161,6 @@ VERDICT_STYLE = {"slower": "bold red", "lower": "bold red", "faster": "bold gree
 
 
 def _print_table(title: str, cols: list[str], lines: list[list[str]], verdicts: bool = False) -> None:
-    """A rich table as `bench.print_table` prints one (tab-separated text when rich is missing); with
-    `verdicts`, the last column coloured: red slower, green faster. Written to a file or pipe (no COLUMNS
-    set), the table is up to 160 columns wide instead of 80."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-        from rich.text import Text
-    except ImportError:
-        print(title)
-        for line in [cols, *lines]:
-            print("\t".join(line))
-        return
-    t = Table(title=Text(title))
-    for c in cols:  # a narrow terminal folds cells onto more lines instead of cutting them
-        t.add_column(c, overflow="fold")
-    for line in lines:  # as Text: a note or config with [brackets] is not rich markup
-        style = VERDICT_STYLE.get(line[-1], "") if verdicts else ""
-        t.add_row(*(Text(cell) for cell in line[:-1]), Text(line[-1], style=style))
-    console = Console(stderr=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=False, width=160)
-    console.print(t)
+    """`report.console_table`; with `verdicts`, the last column coloured: red slower, green faster."""
+    styles = [VERDICT_STYLE.get(line[-1], "") for line in lines] if verdicts else None
+    console_table(title, cols, lines, styles)

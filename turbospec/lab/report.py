@@ -121,6 +121,32 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         w.writerows(rows)
 
 
+def console_table(title: str, cols: list[str], rows: list[list[str]], styles: list[str] | None = None,
+                  right_align: bool = False) -> None:
+    """A table on stdout with rich: cells as plain text (a label with [brackets] is not markup), folded rather than
+    cut on a narrow terminal, up to 160 columns wide when written to a file or pipe (no COLUMNS set);
+    tab-separated text when rich is missing. `styles`: a rich style per row for its last cell; `right_align`: every
+    column but the first to the right (numbers)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        print(title)
+        for line in [cols, *rows]:
+            print("\t".join(line))
+        return
+    t = Table(title=Text(title))
+    for i, c in enumerate(cols):
+        t.add_column(Text(c), overflow="fold", justify="right" if right_align and i else "left")
+    for i, line in enumerate(rows):
+        t.add_row(*(Text(cell) for cell in line[:-1]), Text(line[-1], style=styles[i] if styles else ""))
+    console = Console(stderr=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=False, width=160)
+    console.print(t)
+
+
 def markdown_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

@@ -26,7 +26,7 @@ from turbospec.config import EngineConfig
 from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, client, quality, tco
 from turbospec.lab.progress import progress
-from turbospec.lab.report import env_info, markdown_table, write_json
+from turbospec.lab.report import console_table, env_info, markdown_table, write_json
 from turbospec.lab.workload import BenchOptions, load_prompts
 
 # the shipped prompt set's categories (turbospec/data/prompts.json) by kind; "math" is neither
@@ -349,28 +349,11 @@ def write_reports(report: dict[str, Any], out: Path, plot_formats: tuple[str, ..
 
 
 def print_tables(report: dict[str, Any]) -> None:
-    """The seeds' table and the cost table on stdout (rich tables; Markdown when rich is missing)."""
+    """The seeds' table and the cost table on stdout (`report.console_table`), then the cost notes."""
     head, cells = table_cells(report)
     cost = report["cost"]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-        from rich.text import Text
-    except ImportError:
-        print(_md(head, cells) + "\n\n" + _md(cost["head"], cost["cells"]))
-        print("\n".join(cost["notes"]))
-        return
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
-    for title, h, rows in (("the seeds' table (turbospec lab seeds)", head, cells),
-                           (f"cost: tco --preset {cost['preset']} at the measured t/s ({cost['currency']})",
-                            cost["head"], cost["cells"])):
-        t = Table(title=Text(title))  # as Text: a label with [brackets] (a --config or --url-name) is not markup
-        for i, c in enumerate(h):
-            t.add_column(Text(c), justify="left" if i == 0 else "right")
-        for r in rows:
-            t.add_row(*(Text(cell) for cell in r))
-        console.print(t)
+    console_table("the seeds' table (turbospec lab seeds)", head, cells, right_align=True)
+    console_table(f"cost: tco --preset {cost['preset']} at the measured t/s ({cost['currency']})", cost["head"],
+                  cost["cells"], right_align=True)
     for n in cost["notes"]:
-        console.print(n, highlight=False, markup=False)
+        print(n)
