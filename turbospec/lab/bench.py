@@ -21,7 +21,7 @@ from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
 from turbospec.lab import plots
 from turbospec.lab.progress import loading, progress
-from turbospec.lab.report import env_info, markdown_table, summarize, write_csv, write_json
+from turbospec.lab.report import env_info, markdown_header, markdown_table, summarize, write_csv, write_json
 from turbospec.lab.workload import BenchOptions, load_prompts
 from turbospec.sampling import SamplingParams
 
@@ -176,11 +176,8 @@ def write_reports(report: dict[str, Any], out: Path, plot_formats: Iterable[str]
                         "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct", "peak_rss_mib", "expert_hit_rate",
                         "expert_loaded_mib_per_tok", "disk_mib_per_tok")
             if any(c in r for r in rows)]
-    env = report["env"]
-    md = ["# turbospec bench", "", "## Environment", ""]
-    md += [f"- {k}: {v}" for k, v in env.items()]
-    md += ["", "## Settings", "", "```", json.dumps(report["settings"], indent=1, default=str), "```", "",
-           "## Results (median of repetitions)", "", markdown_table(rows, cols), ""]
+    md = markdown_header("turbospec bench", report)
+    md += ["## Results (median of repetitions)", "", markdown_table(rows, cols), ""]
     (out / "report.md").write_text("\n".join(md))
     files = [out / "report.json", out / "report.csv", out / "report.md"]
     return files + plots.write_figures(report, out, plot_formats)

@@ -147,6 +147,13 @@ def console_table(title: str, cols: list[str], rows: list[list[str]], styles: li
     console.print(t)
 
 
+def markdown_header(title: str, report: dict[str, Any]) -> list[str]:
+    """A report.md's opening lines: the title, the environment as a list, the settings as JSON."""
+    md = [f"# {title}", "", "## Environment", ""]
+    md += [f"- {k}: {v}" for k, v in report["env"].items()]
+    return md + ["", "## Settings", "", "```", json.dumps(report["settings"], indent=1, default=str), "```", ""]
+
+
 def markdown_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

@@ -13,7 +13,6 @@ runs and folds their rows into the two tables.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import urllib.error
 import urllib.request
@@ -26,7 +25,7 @@ from turbospec.config import EngineConfig
 from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, client, quality, tco
 from turbospec.lab.progress import progress
-from turbospec.lab.report import console_table, env_info, markdown_table, write_json
+from turbospec.lab.report import console_table, env_info, markdown_header, markdown_table, write_json
 from turbospec.lab.workload import BenchOptions, load_prompts
 
 # the shipped prompt set's categories (turbospec/data/prompts.json) by kind; "math" is neither
@@ -310,11 +309,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     """report.md: the seeds' table, the cost table, then the details (per category rows, KLD, tco per engine)."""
     head, cells = table_cells(report)
     cost = report["cost"]
-    env = report["env"]
-    md = ["# turbospec lab seeds", "", "## Environment", ""]
-    md += [f"- {k}: {v}" for k, v in env.items()]
-    md += ["", "## Settings", "", "```", json.dumps(report["settings"], indent=1, default=str), "```", "",
-           "## The seeds' table", "",
+    md = markdown_header("turbospec lab seeds", report)
+    md += ["## The seeds' table", "",
            "code / prose t/s: decode, median over the categories at the shallowest depth; TTFT: median over both; "
            "speed lost: median over categories from the shallowest to the deepest depth; acceptance: median "
            "(speculating configurations only); KLD: mean over the scored tokens, this row's K/V formats vs the "
