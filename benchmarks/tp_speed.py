@@ -29,7 +29,9 @@ def weight_mib(model: Path, rank: int, ranks: int) -> float:
     if ranks == 1:
         built = build_model(cfg, WeightSource(model), torch.float32)
     else:
-        built = build_model(shard_config(cfg, ranks), ShardedSource(WeightSource(model), rank, ranks), torch.float32)
+        local = shard_config(cfg, ranks)
+        built = build_model(local, ShardedSource(WeightSource(model), rank, ranks, local, cfg.num_kv_heads),
+                            torch.float32)
     return built.weight_bytes / 2**20
 
 

@@ -90,6 +90,19 @@ def rows_of(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch
     return _kernel().packed_rows(table, ids).to(dtype).reshape(*ids.shape, in_features(table))
 
 
+def embedding_rows(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a token embedding: a table (`rows_of`), or a split one that looks them up itself
+    (`rows(ids, dtype)`: tensor parallelism's `VocabEmbedding`)."""
+    return rows_of(table, ids, dtype) if isinstance(table, torch.Tensor) else table.rows(ids, dtype)
+
+
+def embedding_bytes(table, head) -> int:
+    """Bytes of a token embedding (a table or a split one, whose `table` is the rows held here) plus those of the
+    LM head `head` when it is not the same matrix (tied)."""
+    t = table if isinstance(table, torch.Tensor) else table.table
+    return t.numel() * t.element_size() + (0 if head.weight is t else head.nbytes)
+
+
 CHUNK_BYTES = 8 << 20  # source bytes converted per step while loading (`consume`)
 BIG_BYTES = 32 << 20  # results this large get their own huge-page mapping (the kernel's ARENA_MIN / 2)
 

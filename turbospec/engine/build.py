@@ -52,20 +52,20 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
     budget = None if config.moe_cache_mem is None else config.moe_cache_mem << 20
     from turbospec.parallel import tp
 
-    if tp.init_from_env()[1] > 1:  # under torchrun: this rank's part of the model (turbospec.parallel.tp)
-        if is_gguf(path) or config.weights != "auto" or budget is not None:
-            raise TurboSpecError("tensor parallelism loads float safetensors checkpoints only (no GGUF, --weights "
-                                 "or --moe-cache-mem yet)")
-        model = tp.load_model_tp(path, config.dtype)
-        tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
-        return path, model, tokenizer
+    # under torchrun: this rank's part of the model (turbospec.parallel.tp)
+    shard = tp.shard_view() if tp.init_from_env()[1] > 1 else None
+    if shard is not None and "medusa" in config.spec.types:
+        raise TurboSpecError("Medusa heads read the whole LM head, which tensor parallelism splits: use draft-mtp, "
+                             "ngram or a draft model under torchrun")
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
-        model = load_gguf(f, config.dtype, config.weights, budget, progress)
+        model = load_gguf(f, config.dtype, config.weights, budget, progress, shard)
         tokenizer = Tokenizer.from_gguf(f.meta) if "tokenizer.ggml.model" in f.meta else None
     else:
-        model = load_model(path, config.dtype, config.weights, budget, progress)
+        model = load_model(path, config.dtype, config.weights, budget, progress, shard)
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+    if shard is not None:
+        tp.parallelize(model)
     return path, model, tokenizer
 
 

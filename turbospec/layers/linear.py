@@ -78,6 +78,10 @@ class Linear:
         self.out_features, self.in_features = self.weight.shape[0], in_features(self.weight)
         self.packed = is_packed(self.weight)
 
+    def take(self, rows: torch.Tensor) -> Linear:
+        """The layer over output rows `rows` alone (in ordinary memory: it may be rebuilt often)."""
+        return Linear(self.weight[rows], None if self.bias is None else self.bias[rows], hugepages=False)
+
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
               dtype: torch.dtype | None = None) -> Linear | SplitLinear:

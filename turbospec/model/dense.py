@@ -14,7 +14,7 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.decoder import DecoderLayer, load_attention, load_embedding, load_ffn
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
-from turbospec.weights import rows_of
+from turbospec.weights import embedding_bytes, embedding_rows
 
 
 class DenseModel:
@@ -53,7 +53,7 @@ class DenseModel:
         one for the next token's logits, an MTP drafter its prompt window), so the last layer attends and projects
         those alone (llama.cpp skips the unused output rows the same way)."""
         cache.begin(tokens.numel())
-        x = rows_of(self.embed, tokens, self.dtype)
+        x = embedding_rows(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -66,9 +66,7 @@ class DenseModel:
 
     @property
     def weight_bytes(self) -> int:
-        n = self.embed.numel() * self.embed.element_size()
+        n = embedding_bytes(self.embed, self.lm_head)
         for layer in self.layers:
             n += layer.attn.qkv.nbytes + layer.attn.o.nbytes + layer.mlp.nbytes
-        if self.lm_head.weight is not self.embed:
-            n += self.lm_head.nbytes
         return n

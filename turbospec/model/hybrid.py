@@ -34,7 +34,7 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.decoder import load_attention, load_embedding, load_ffn
 from turbospec.model.loader import TensorSource
 from turbospec.model.mtp import MTPModule
-from turbospec.weights import rows_of
+from turbospec.weights import embedding_bytes, embedding_rows
 
 log = logging.getLogger("turbospec")
 
@@ -250,7 +250,7 @@ class HybridModel:
                 raise TurboSpecError("hybrid models need tree steps as AttentionPlan.tree(...) (with parents)")
             cache.begin(tokens.numel())
             cache.set_tree(plan.parents)
-        x = rows_of(self.embed, tokens, self.dtype)
+        x = embedding_rows(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -265,11 +265,9 @@ class HybridModel:
 
     @property
     def weight_bytes(self) -> int:
-        n = self.embed.numel() * self.embed.element_size()
+        n = embedding_bytes(self.embed, self.lm_head)
         for layer in self.layers:
             m = layer.mixer
             n += m.nbytes if isinstance(m, GatedDeltaNet) else m.qkv.nbytes + m.o.nbytes
             n += layer.mlp.nbytes
-        if self.lm_head.weight is not self.embed:
-            n += self.lm_head.nbytes
         return n

@@ -159,18 +159,21 @@ class WeightSource(IndexedSource):
             t = consume(t, None, dtype) if t.dim() >= 1 and t.is_contiguous() else t.to(dtype)
         return t
 
-    def shard(self, name: str, dim: int, part: int, parts: int, dtype: torch.dtype, shape: tuple[int, ...]
-              ) -> torch.Tensor:
-        """Part `part` of `parts` equal slices of tensor `name` along `dim` (0 or 1) in `dtype`, reading only that
-        part's rows (a safetensors slice; along dim 1 each row's part): tensor parallelism's per-rank load.
-        `shape`: the whole tensor's, as the config implies."""
-        _, sl = self._slice(name)
+    def shard(self, name: str, dim: int, ranges: list[tuple[int, int]], dtype: torch.dtype | None,
+              shape: tuple[int, ...]) -> torch.Tensor:
+        """The index ranges `ranges` ([start, stop) along `dim`) of tensor `name`, put together along `dim`, in
+        `dtype` (None: as stored), reading only those bytes (safetensors slices; along dim 1 each row's part):
+        tensor parallelism's per-rank load. `shape`: the whole tensor's, as the config implies."""
+        f, sl = self._slice(name)
         stored = tuple(sl.get_shape())
         if stored != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {stored}, config implies {tuple(shape)}")
-        n = stored[dim] // parts
-        t = sl[part * n:(part + 1) * n] if dim == 0 else sl[:, part * n:(part + 1) * n]
-        return t.contiguous().to(dtype)
+        try:
+            parts = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
+        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
+            raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
+        t = (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
+        return t if dtype is None else t.to(dtype)
 
     def stacked_part(self, name: str, index: int) -> torch.Tensor:
         """Reads only that part's bytes (a safetensors slice)."""

@@ -24,7 +24,7 @@ from turbospec.layers.rope import Rope
 from turbospec.model.config import HYBRID_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer, load_attention, load_ffn
 from turbospec.model.loader import TensorSource
-from turbospec.weights import is_packed, rows_of
+from turbospec.weights import embedding_rows, is_packed
 
 
 class MTPModule:
@@ -71,8 +71,8 @@ class MTPModule:
         """tokens x_{j+1} [N] (a tensor or a list of ids), hidden h_j [N, H], plan positions j -> normed MTP
         hidden [N, H]."""
         eps = self.cfg.rms_norm_eps
-        if is_packed(self.embed):
-            e = rows_of(self.embed, torch.as_tensor(tokens), self.dtype)
+        if not isinstance(self.embed, torch.Tensor) or is_packed(self.embed):  # split (tensor parallel) or packed
+            e = embedding_rows(self.embed, torch.as_tensor(tokens), self.dtype)
         elif isinstance(tokens, list):  # drafting: a row view for one token (tensor creation + gather cost ~20 us)
             e = self.embed[tokens[0]:tokens[0] + 1] if len(tokens) == 1 else self.embed[torch.tensor(tokens)]
         else:

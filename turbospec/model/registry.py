@@ -18,6 +18,8 @@ from turbospec.weights import PACKED, WEIGHT_CHOICES, trim_heap
 
 Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
 Progress = Callable[[int, int], None]  # (done, total)
+# (config, source) -> what one part of a split model builds from (tensor parallelism's rank: turbospec.parallel.tp)
+Shard = Callable[[ModelConfig, TensorSource], tuple[ModelConfig, TensorSource]]
 
 
 def _dense(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model:
@@ -45,29 +47,31 @@ def build_model(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model
 
 
 def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = "auto",
-              moe_cache_mem: int | None = None, progress: Progress | None = None) -> Model:
-    """Build the model of an opened GGUF file (`weights`, `moe_cache_mem`, `progress`: as `load_model`)."""
+              moe_cache_mem: int | None = None, progress: Progress | None = None, shard: Shard | None = None) -> Model:
+    """Build the model of an opened GGUF file (`weights`, `moe_cache_mem`, `progress`, `shard`: as `load_model`)."""
     cfg = f.config()
-    return _build(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), dtype, progress)
+    return _build(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), dtype, progress, shard)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto",
-               moe_cache_mem: int | None = None, progress: Progress | None = None) -> Model:
+               moe_cache_mem: int | None = None, progress: Progress | None = None, shard: Shard | None = None) -> Model:
     """Load a checkpoint directory (config.json + safetensors) or a llama.cpp GGUF file into a turbospec model.
     `weights`: "auto" keeps matrices as stored (float ones in `dtype`, a GGUF file's Q8_0 / Q4_0 / Q4_K blocks
     packed); "q8_0" / "q4_0" / "q4_k" quantize the float matrices as they load (llama.cpp's reference blocks).
     `moe_cache_mem`: bytes of mixture-of-experts experts kept in memory, loaded when first routed to and dropped
     least recently used first (None: every expert loaded at once). `progress(done, total)`: told the tensors read
-    so far while the model is built (a load bar), and (total, total) at the end."""
+    so far while the model is built (a load bar), and (total, total) at the end. `shard`: builds one part of the
+    model instead (the config and the tensors it reads through)."""
     if is_gguf(path):
-        return load_gguf(GGUFFile(path), dtype, weights, moe_cache_mem, progress)
-    return _build(load_config(path), _packing(WeightSource(path), weights, moe_cache_mem), dtype, progress)
+        return load_gguf(GGUFFile(path), dtype, weights, moe_cache_mem, progress, shard)
+    return _build(load_config(path), _packing(WeightSource(path), weights, moe_cache_mem), dtype, progress, shard)
 
 
-def _build(cfg: ModelConfig, ws: WeightSource | GGUFWeights, dtype: str | torch.dtype, progress: Progress | None) -> Model:
+def _build(cfg: ModelConfig, ws: WeightSource | GGUFWeights, dtype: str | torch.dtype, progress: Progress | None,
+           shard: Shard | None = None) -> Model:
     ws.progress = progress
     try:
-        model = build_model(cfg, ws, parse_dtype(dtype))
+        model = build_model(*(shard(cfg, ws) if shard is not None else (cfg, ws)), parse_dtype(dtype))
     finally:
         ws.progress = None  # experts loaded later (--moe-cache-mem) are no longer the load's
         ws.seen = None

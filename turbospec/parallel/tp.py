@@ -1,31 +1,49 @@
 """Tensor parallelism over `torch.distributed` (gloo on CPU), Megatron's layout as vLLM uses it: each rank holds
-1/N of every decoder layer's attention heads (their q/k/v rows, their KV cache) and of the MLP's intermediate
-columns; the output projection and the MLP's down projection multiply the rank's part and an all-reduce sums the
-parts. Embedding, final norm and LM head stay whole on every rank, so every rank computes the same logits and
-picks the same greedy token.
+1/N of every decoder layer's attention heads (their q/k/v rows, their KV cache), of the Gated DeltaNet's key and
+value heads (their projections, conv channels and recurrent states), of the MLP's intermediate columns and of
+every MoE expert's (and the shared expert's); the output projections (attention, Gated DeltaNet, MLP down, the
+experts' down) multiply the rank's part and an all-reduce sums the parts, once per mixer and once per feed-forward.
+The token embedding and the LM head are split by vocabulary rows: a lookup sums the ranks' rows (each rank has
+the ids in its range, zeros elsewhere) and the LM head's logits are gathered, so every rank holds the same
+whole-vocabulary logits and, with rank 0's seed, picks the same tokens.
 
-This slice covers dense models (qwen3, qwen2, llama) with float weights from safetensors, every KV format (a
-rank's cache holds its heads), and the model's MTP layer (sharded the same way). Launch with `torchrun` (one
-process per rank: WORLD_SIZE ranks). What is not here yet is listed in docs/parallel.md.
+Launch with `torchrun` (one process per rank: WORLD_SIZE ranks). Dense, hybrid and MoE models, from safetensors
+(each rank reads its slices only) or GGUF (each rank maps the file and keeps its slices), float or packed weights,
+every KV format, and the model's MTP layer (sharded the same way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from turbospec.errors import TurboSpecError
-from turbospec.model.config import DENSE_ARCHS, MOE_ARCHS, ModelConfig
+from turbospec.layers.attention import MLP, Attention
+from turbospec.layers.gated_deltanet import GatedDeltaNet
+from turbospec.layers.linear import Linear
+from turbospec.layers.moe import MoE
+from turbospec.model.config import HYBRID_ARCHS, MOE_ARCHS, ModelConfig
+from turbospec.model.decoder import DecoderLayer
+from turbospec.model.loader import WeightSource
+from turbospec.weights import consume, file_mapping, is_packed, packable, rows_of
 
-# HF tensor name suffix -> the dimension a rank takes its part of (0: output rows, 1: input columns)
-COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-                   "gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias")
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 TIMEOUT = timedelta(seconds=120)  # a rank that dies ends the others' collectives with an error, not a hang
+# tensor name suffix -> the dimension a rank takes its part of: 0 its output rows (heads, channels, intermediate
+# columns), 1 its input columns (the projections whose products are summed over the ranks)
+ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+        "gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias",
+        "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight",
+        ".A_log", ".dt_bias", "experts.gate_proj", "experts.up_proj")
+COLUMNS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")
+QKV_ROWS = ("in_proj_qkv.weight", "conv1d.weight")  # [q | k | v]: each of the three split by heads
+VOCAB = ("embed_tokens.weight", "lm_head.weight")
+KV_ROWS = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
 
 def world() -> tuple[int, int]:
@@ -62,64 +80,186 @@ def same_sampling(params):
 
 
 def shard_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
-    """The config one rank builds: 1/`ranks` of the attention heads, KV heads and MLP width (one clear error when
-    the model does not divide, or is not a dense architecture this slice covers)."""
-    if cfg.arch not in DENSE_ARCHS or cfg.arch in MOE_ARCHS:
-        dense = [a for a in DENSE_ARCHS if a not in MOE_ARCHS]
-        raise TurboSpecError(f"tensor parallelism covers dense models ({', '.join(dense)}) for now; "
-                             f"{cfg.arch} is not one")
-    for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    """The config one rank builds: 1/`ranks` of the attention heads, KV heads, MLP width, Gated DeltaNet heads and
+    expert widths (one clear error naming what the rank count does not divide)."""
+    kv = cfg.num_kv_heads
+    if kv < ranks:  # fewer KV heads than ranks: each rank keeps a copy of the one its query heads read (as vLLM)
+        if ranks % kv:
+            raise TurboSpecError(f"tensor parallel size {ranks} is not a multiple of num_key_value_heads ({kv})")
+        kv = ranks
+    sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", kv),
+             ("intermediate_size", cfg.intermediate_size)]
+    raw = dict(cfg.raw)
+    if cfg.arch in HYBRID_ARCHS:
+        d = cfg.linear_dims()
+        sizes += [("linear_num_key_heads", d["num_k_heads"]), ("linear_num_value_heads", d["num_v_heads"])]
+    if cfg.arch in MOE_ARCHS:
+        m = cfg.moe()
+        sizes += [("moe_intermediate_size", m["inter"])]
+        if m["shared_inter"]:
+            sizes += [("shared_expert_intermediate_size", m["shared_inter"])]
+    for name, value in sizes:
         if value % ranks:
             raise TurboSpecError(f"tensor parallel size {ranks} does not divide {name} ({value})")
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // ranks, num_kv_heads=cfg.num_kv_heads // ranks,
-                               intermediate_size=cfg.intermediate_size // ranks)
+    for name, value in sizes[3:]:
+        raw[name] = value // ranks
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // ranks, num_kv_heads=kv // ranks,
+                               intermediate_size=cfg.intermediate_size // ranks, raw=raw)
+
+
+def vocab_range(vocab: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The token ids [lo, hi) whose embedding and LM head rows rank `rank` holds (sizes differ by at most 1)."""
+    return rank * vocab // ranks, (rank + 1) * vocab // ranks
 
 
 class ShardedSource:
-    """A `TensorSource` giving rank `rank` of `ranks` its part of the sharded tensors (`COLUMN_PARALLEL` rows,
-    `ROW_PARALLEL` columns) and the others whole. The loaders ask for the local shapes; the part is read from the
-    file alone (`WeightSource.shard`: a safetensors slice), so a rank reads about 1/N of the layers' bytes."""
+    """A `TensorSource` giving rank `rank` of `ranks` its part of every split tensor (`ROWS`, `QKV_ROWS`,
+    `COLUMNS`, `VOCAB`) and the others whole. The loaders ask for the local shapes (of `local`, the rank's config;
+    the embedding and LM head with the whole vocabulary). A safetensors checkpoint gives the part alone
+    (`WeightSource.shard`: a rank reads about 1/N of the layers' bytes); another source (a GGUF file) gives the
+    whole tensor, whose part is kept (a view of the file mapping when the part is whole rows)."""
 
-    def __init__(self, source, rank: int, ranks: int):
-        self.source, self.rank, self.ranks = source, rank, ranks
+    def __init__(self, source, rank: int, ranks: int, local: ModelConfig, kv_heads: int | None = None):
+        self.source, self.rank, self.ranks, self.local = source, rank, ranks, local
+        # ranks sharing one KV head (the whole model's `kv_heads` fewer than the ranks), else 1
+        self.kv_copies = ranks // kv_heads if kv_heads is not None and kv_heads < ranks else 1
 
-    def __getattr__(self, name: str):  # names, has, value_tiling, ...: the source's own
+    def __getattr__(self, name: str):  # names, has, expert_budget, ...: the source's own
         return getattr(self.source, name)
 
-    def _dim(self, name: str) -> int | None:
-        if name.endswith(COLUMN_PARALLEL):
-            return 0
-        if name.endswith(ROW_PARALLEL):
-            return 1
-        return None
+    def _split(self, name: str, shape: tuple[int, ...]) -> tuple[int, list[tuple[int, int]], tuple[int, ...]] | None:
+        """(dim, the rank's [start, stop) ranges along it, the whole tensor's shape) for a split tensor asked for
+        with the rank's `shape`; None for a whole one."""
+        if name.endswith(VOCAB):
+            lo, hi = vocab_range(shape[0], self.rank, self.ranks)
+            return 0, [(lo, hi)], tuple(shape)
+        if name.endswith(QKV_ROWS):
+            d = self.local.linear_dims()
+            key, value = d["num_k_heads"] * d["k_head_dim"], d["num_v_heads"] * d["v_head_dim"]
+            dim, parts = 0, [key, key, value]
+        elif name.endswith(ROWS):
+            dim, parts = 0, [shape[0]]
+        elif name.endswith(COLUMNS):
+            dim, parts = 1, [shape[1]]
+        else:
+            return None
+        part, count = self.rank, self.ranks
+        if self.kv_copies > 1 and name.endswith(KV_ROWS):  # the KV head this rank's query heads read
+            part, count = self.rank // self.kv_copies, self.ranks // self.kv_copies
+        ranges, start = [], 0
+        for n in parts:  # each part of the whole tensor is `count` times the rank's, the rank's slice in order
+            ranges.append((start + part * n, start + (part + 1) * n))
+            start += n * count
+        whole = tuple(start if i == dim else s for i, s in enumerate(shape))
+        return dim, ranges, whole
 
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        dim = self._dim(name)
-        if dim is None:
+        split = None if shape is None else self._split(name, shape)
+        if split is None:
+            if shape is None and name.endswith(ROWS + COLUMNS + QKV_ROWS + VOCAB):
+                raise TurboSpecError(f"{name}: a split tensor is read with its local shape")
             return self.source.get(name, dtype, shape)
-        if shape is None or dtype is None:
-            raise TurboSpecError(f"{name}: a sharded tensor is read with its dtype and local shape")
-        full = tuple(s * self.ranks if i == dim else s for i, s in enumerate(shape))
-        return self.source.shard(name, dim, self.rank, self.ranks, dtype, full)  # only this rank's bytes
+        dim, ranges, whole = split
+        if isinstance(self.source, WeightSource):  # only the rank's bytes
+            return self.source.shard(name, dim, ranges, dtype, whole)
+        return _part(self.source.get(name, dtype, whole), dim, ranges)
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        return self.get(name, dtype, shape)
+        split = self._split(name, shape)
+        if split is None:
+            return self.source.matrix(name, dtype, shape)
+        dim, ranges, whole = split
+        pack = getattr(self.source, "pack", None)
+        if isinstance(self.source, WeightSource):
+            if pack is not None and packable(pack, shape):  # quantized from the stored part (--weights)
+                return consume(self.source.shard(name, dim, ranges, None, whole), pack)
+            return self.source.shard(name, dim, ranges, dtype, whole)
+        t = self.source.matrix(name, dtype, whole)
+        if self.source.value_tiling(name) != 1:
+            raise TurboSpecError(f"{name}: this GGUF file keeps the Gated DeltaNet output projection in llama.cpp's "
+                                 f"tiled value-head order, which tensor parallelism cannot split")
+        return _part(t, dim, ranges)
+
+    def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        if name.endswith("experts.gate_up_proj"):  # [gate | up] of one expert: each half split
+            n = shape[0] // 2
+            dim, ranges, whole = 0, [(self.rank * n, (self.rank + 1) * n)], (shape[0] * self.ranks, shape[1])
+            ranges.append((whole[0] // 2 + ranges[0][0], whole[0] // 2 + ranges[0][1]))
+        else:
+            split = self._split(name, shape)
+            if split is None:
+                return self.source.expert_matrix(name, index, dtype, shape)
+            dim, ranges, whole = split
+        return _part(self.source.expert_matrix(name, index, dtype, whole), dim, ranges)
 
 
-class ShmAllReduce:
-    """All-reduce for ranks on one host through a shared-memory file: each rank copies its part into its slot, posts
-    the call's number, waits (spinning) for the others' and sums every slot in rank order, so all ranks get the
-    same bits. Two buffers alternate, so a rank may start the next call while another still reads this one.
-    About 0.57 ms per call with gloo over loopback on this 2-core machine (two per decoder layer and token) against
-    tens of microseconds here. Larger tensors than the buffer (long prefill chunks) go through gloo."""
+def _part(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """`ranges` of `t` along `dim` (in values; a packed matrix's columns in whole blocks), put together: a view
+    when it is one range of rows of a file mapping (its other pages are never touched), else a tensor of its own."""
+    if is_packed(t) and dim == 1:
+        from turbospec.weights import format_of
+
+        step = format_of(t).block_values
+        if any(a % step or b % step for a, b in ranges):
+            raise TurboSpecError(f"a rank's columns of a {format_of(t).name} matrix must be whole {step}-value "
+                                 f"blocks; this split is not")
+        ranges = [(a // step, b // step) for a, b in ranges]
+    parts = [t.narrow(dim, a, b - a) for a, b in ranges]
+    if len(parts) == 1 and dim == 0 and file_mapping(t) is not None:
+        return parts[0]
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+
+
+def shard_view(group=None) -> Callable[[ModelConfig, object], tuple[ModelConfig, ShardedSource]]:
+    """The `shard` argument of `turbospec.model.load_model` for this rank of `group`: its config and its view of
+    the checkpoint."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+
+    def shard(cfg: ModelConfig, source) -> tuple[ModelConfig, ShardedSource]:
+        local = shard_config(cfg, ranks)
+        return local, ShardedSource(source, rank, ranks, local, cfg.num_kv_heads)
+
+    return shard
+
+
+# ---- collectives -------------------------------------------------------------------------------------------------
+class GlooCollective:
+    """Sums and gathers over `group` with gloo's collectives (any hosts)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.ranks = dist.get_world_size(group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (a new tensor)."""
+        y = x.clone()
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every rank's `x` [..., sizes[rank]] put together along the last dimension, in rank order."""
+        pad = max(sizes)
+        y = torch.nn.functional.pad(x, (0, pad - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(y) for _ in sizes]
+        dist.all_gather(parts, y, group=self.group)
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+class ShmCollective(GlooCollective):
+    """Sums and gathers for ranks on one host through a shared-memory file: each rank copies its part into its
+    slot, posts the call's number, waits (spinning) for the others' and reads every slot in rank order, so all
+    ranks get the same bits. Two buffers alternate, so a rank may start the next call while another still reads
+    this one. About 0.54 ms per sum with gloo over loopback on this 2-core machine (two per decoder layer and
+    token) against tens of microseconds here. Tensors larger than the buffer (long prefill chunks) go through
+    gloo."""
 
     def __init__(self, group=None, max_numel: int = 1 << 18, timeout_s: float = TIMEOUT.total_seconds()):
         import secrets
         import tempfile
 
-        self.group, self.max_numel, self.timeout_s = group, max_numel, timeout_s
-        self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__(group)
+        self.max_numel, self.timeout_s = max_numel, timeout_s
+        self.rank = dist.get_rank(group)
         name = [f"turbospec-tp-{secrets.token_hex(8)}" if self.rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=group)
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -137,18 +277,14 @@ class ShmAllReduce:
         self.data = mem[64:].view(2, self.ranks, max_numel)
         self.calls = 0
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks (a new tensor, in x's dtype)."""
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Post `x` (float32 values) in this rank's slot; the call's buffer [ranks, max_numel] once every rank has
+        posted."""
         import time
 
-        n = x.numel()
-        if n > self.max_numel:
-            y = x.clone()
-            dist.all_reduce(y, group=self.group)
-            return y
         self.calls += 1
         buf = self.data[self.calls % 2]
-        buf[self.rank, :n].copy_(x.reshape(-1))
+        buf[self.rank, :x.numel()].copy_(x.reshape(-1))
         self.flags[self.rank] = self.calls
         deadline = None
         for r in range(self.ranks):
@@ -158,31 +294,42 @@ class ShmAllReduce:
                     deadline = time.monotonic() + self.timeout_s
                 elif time.monotonic() > deadline:
                     raise TurboSpecError(f"tensor parallel rank {r} did not answer within {self.timeout_s:g} s")
+        return buf
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        if n > self.max_numel:
+            return super().all_reduce(x)
+        buf = self._exchange(x)
         total = buf[0, :n].clone()
         for r in range(1, self.ranks):
             total += buf[r, :n]
         return total.view(x.shape).to(x.dtype)
 
+    def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        rows = math.prod(x.shape[:-1])
+        if rows * max(sizes) > self.max_numel:
+            return super().all_gather(x, sizes)
+        buf = self._exchange(x)
+        parts = [buf[r, :rows * n].view(*x.shape[:-1], n) for r, n in enumerate(sizes)]
+        return torch.cat(parts, dim=-1).to(x.dtype)
 
-def reducer(group=None):
-    """`ShmAllReduce` when every rank runs on this host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE), else gloo's."""
+
+def collective(group=None, max_numel: int = 1 << 18) -> GlooCollective:
+    """`ShmCollective` when every rank runs on this host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE), else gloo's."""
     ranks = dist.get_world_size(group)
     if group is None and int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == ranks and ranks > 1:
-        return ShmAllReduce(group)
-
-    def gloo(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=group)
-        return x
-
-    return gloo
+        return ShmCollective(group, max_numel)
+    return GlooCollective(group)
 
 
+# ---- the split layers --------------------------------------------------------------------------------------------
 class RowParallel:
-    """A linear layer holding this rank's input columns: its product is a partial sum, all-reduced over the
-    group (the bias, if any, added once after). Not a `Linear`, so decoder layers take their op-by-op path."""
+    """A linear layer holding this rank's input columns: its product is a partial sum, summed over the ranks
+    (the bias, if any, added once after). Not a `Linear`, so decoder layers take their op-by-op path."""
 
-    def __init__(self, inner, reduce):
-        self.inner, self.reduce = inner, reduce
+    def __init__(self, inner, comm: GlooCollective):
+        self.inner, self.comm = inner, comm
         self.bias = inner.bias
         inner.bias = None
 
@@ -190,32 +337,105 @@ class RowParallel:
         return getattr(self.inner, name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.reduce(self.inner(x))
+        y = self.comm.all_reduce(self.inner(x))
         return y if self.bias is None else y + self.bias
 
 
+class ParallelMoE:
+    """A mixture of experts whose experts (and shared expert) hold this rank's intermediate columns: routing is
+    the same on every rank, each expert's product is a partial sum, and one sum over the ranks ends the layer."""
+
+    def __init__(self, inner: MoE, comm: GlooCollective):
+        self.inner, self.comm = inner, comm
+
+    def __getattr__(self, name: str):  # nbytes, experts, ...
+        return getattr(self.inner, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.inner(x))
+
+
+class VocabEmbedding:
+    """The embedding rows of token ids [lo, hi) (this rank's): `rows(ids)` looks up the ids in the range (zeros for
+    the others) and sums over the ranks, so every rank gets every id's row."""
+
+    def __init__(self, table: torch.Tensor, lo: int, hi: int, comm: GlooCollective):
+        self.table, self.lo, self.hi, self.comm = table, lo, hi, comm
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids = torch.as_tensor(ids)
+        mine = (ids >= self.lo) & (ids < self.hi)
+        x = rows_of(self.table, (ids - self.lo).clamp(0, self.hi - self.lo - 1), dtype)
+        return self.comm.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+
+class VocabHead:
+    """An LM head holding the rows of token ids [lo, hi) (this rank's): a call gives the whole vocabulary's logits,
+    every rank's rows gathered in order."""
+
+    def __init__(self, inner: Linear, sizes: list[int], comm: GlooCollective):
+        self.inner, self.sizes, self.comm = inner, sizes, comm
+        self.out_features = sum(sizes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(self.inner(x), self.sizes)
+
+    def take(self, ids: torch.Tensor) -> VocabHead:
+        """The head over token ids `ids` (ascending) alone: each rank keeps the ones in its range."""
+        rank = dist.get_rank()
+        lo = sum(self.sizes[:rank])
+        bounds = [sum(self.sizes[:r]) for r in range(len(self.sizes) + 1)]
+        counts = [int(((ids >= a) & (ids < b)).sum()) for a, b in zip(bounds, bounds[1:])]
+        mine = ids[(ids >= lo) & (ids < lo + self.sizes[rank])] - lo
+        return VocabHead(self.inner.take(mine), counts, self.comm)
+
+    @property
+    def weight(self) -> torch.Tensor:  # this rank's rows
+        return self.inner.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
 def parallelize(model, group=None) -> None:
-    """Wrap every decoder layer's output and down projections (the model's and its MTP module's) in
-    `RowParallel`."""
-    layers = list(model.layers)
+    """Make a model built from `shard_view`'s parts whole: the output projections of every mixer and
+    feed-forward (the model's and its MTP module's) sum over the ranks, the embedding and LM head split by
+    vocabulary."""
+    ranks = dist.get_world_size(group)
+    vocab = model.cfg.vocab_size
+    sizes = [b - a for a, b in (vocab_range(vocab, r, ranks) for r in range(ranks))]
+    comm = collective(group, max_numel=max(1 << 18, 16 * max(sizes)))  # up to 16 rows of logits in shared memory
     mtp = getattr(model, "mtp", None)
-    if mtp is not None:
-        layers += list(mtp.layers)
-    reduce = reducer(group)
+    layers = list(model.layers) + (list(mtp.layers) if mtp is not None else [])
     for layer in layers:
-        layer.attn.o = RowParallel(layer.attn.o, reduce)
-        layer.mlp.down = RowParallel(layer.mlp.down, reduce)
+        mixer = layer.attn if isinstance(layer, DecoderLayer) else layer.mixer
+        if isinstance(mixer, Attention):
+            mixer.o = RowParallel(mixer.o, comm)
+        elif isinstance(mixer, GatedDeltaNet):
+            mixer.out = RowParallel(mixer.out, comm)
+        if isinstance(layer.mlp, MLP):
+            layer.mlp.down = RowParallel(layer.mlp.down, comm)
+        elif isinstance(layer.mlp, MoE):
+            layer.mlp = ParallelMoE(layer.mlp, comm)
+    lo, hi = vocab_range(vocab, dist.get_rank(group), ranks)
+    model.lm_head = VocabHead(model.lm_head, sizes, comm)
+    model.embed = VocabEmbedding(model.embed, lo, hi, comm)
+    if mtp is not None:
+        mtp.embed, mtp.lm_head = model.embed, model.lm_head
 
 
-def load_model_tp(path: str, dtype: torch.dtype | str = "float32", group=None):
-    """Rank `dist.get_rank()`'s part of the dense checkpoint at `path` (a directory of safetensors)."""
-    from turbospec.dtypes import parse_dtype
-    from turbospec.model.loader import WeightSource, load_config
-    from turbospec.model.registry import build_model
+def load_model_tp(path: str, dtype: torch.dtype | str = "float32", weights: str = "auto",
+                  moe_cache_mem: int | None = None, group=None):
+    """Rank `dist.get_rank()`'s part of the checkpoint at `path` (a safetensors directory or a GGUF file),
+    ready to run in step with the other ranks."""
+    from turbospec.model.registry import load_model
 
-    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    cfg = load_config(path)
-    model = build_model(shard_config(cfg, ranks), ShardedSource(WeightSource(path), rank, ranks), parse_dtype(dtype))
+    model = load_model(path, dtype, weights, moe_cache_mem, shard=shard_view(group))
     parallelize(model, group)
     return model
 

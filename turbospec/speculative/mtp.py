@@ -106,8 +106,7 @@ class MTPDrafter(Drafter):
         self._ids |= new | self._base
         self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
         self._head_rows = torch.tensor(self.head_ids, dtype=torch.int64)
-        rows = self.full_head.weight[self._head_rows]
-        self._reduced_head = Linear(rows, hugepages=False)  # rebuilt as tokens arrive: ordinary memory
+        self._reduced_head = self.full_head.take(self._head_rows)  # rebuilt as tokens arrive
 
     def window(self, n: int) -> int:
         """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a
