@@ -169,8 +169,9 @@ def test_a_rank_reads_its_part_only(hf_models):
 
 
 def test_serve_under_torchrun(tmp_path):
-    """`torchrun --nproc-per-node 2 -m turbospec.cli serve`: rank 0 answers with the single process's greedy text,
-    a client that leaves mid-stream stops every rank (the next request still agrees), and Ctrl-C ends every rank."""
+    """`turbospec serve --tp 2` (two ranks under torchrun) on the hybrid model with MTP drafting: rank 0 answers with
+    the single process's greedy text, a client that leaves mid-stream stops every rank (the next request still
+    agrees), and Ctrl-C ends every rank."""
     import signal
     import subprocess
     import sys
@@ -182,9 +183,8 @@ def test_serve_under_torchrun(tmp_path):
 
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1", "-c", "2048", "--port", str(port),
-           "--spec-type", "draft-mtp"]
+    cmd = [sys.executable, "-m", "turbospec.cli", "serve", "--tp", "2", "-m", str(HYBRID), "-c", "2048", "--port",
+           str(port), "--spec-type", "draft-mtp"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -216,11 +216,11 @@ def test_serve_under_torchrun(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             out = proc.communicate()[0]
             raise AssertionError("the ranks did not stop on Ctrl-C:\n" + out[-2000:]) from None
-    engine = build_engine(EngineConfig(model=str(BUNDLED), ctx=2048))
+    engine = build_engine(EngineConfig(model=str(HYBRID), ctx=2048))
     want = "".join(c.text for c in engine.stream("def fib(n):", SamplingParams(temperature=0, max_tokens=24)))
     assert first == want and again == want
     assert (health["running"], health["waiting"]) == (0, 0)
-    assert "turbospec serve: model 'turbospec-tiny'" in out and "tensor parallel 2" in out
+    assert "turbospec serve: model 'turbospec-tiny-hybrid'" in out and "tensor parallel 2" in out
     # Ctrl-C reaches torchrun's agent too, which reports it as its own failure (rc 1): what matters is that every
     # rank ended (communicate returned) instead of waiting on a collective
 

@@ -34,6 +34,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "previous request (on a shared server, that reuse shows in another client's timings)")
 
 
+def add_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                   help="split the model over N processes on this host (tensor parallelism through torchrun and "
+                        "gloo; -t is per process, default the cores split evenly) (default 1)")
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-type", default=None,
                    help="speculative drafters, comma list: draft-mtp, medusa, ngram (prompt lookup), ngram-mod, "

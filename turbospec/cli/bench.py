@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from turbospec.cli.args import add_model_args, add_plot_format_arg, add_spec_args, engine_config
+from turbospec.cli.args import (
+    add_model_args,
+    add_parallel_arg,
+    add_plot_format_arg,
+    add_spec_args,
+    engine_config,
+)
 from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, client, history
 from turbospec.lab.report import console_table
@@ -20,6 +26,7 @@ from turbospec.lab.workload import BenchOptions
 def register(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure prefill/decode speed and acceptance, reproducibly")
     add_model_args(p)
+    add_parallel_arg(p)
     add_spec_args(p)
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("-n", "--n-gen", type=int, default=512, help="generated tokens (default 512)")

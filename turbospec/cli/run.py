@@ -10,6 +10,7 @@ from pathlib import Path
 
 from turbospec.cli.args import (
     add_model_args,
+    add_parallel_arg,
     add_sampling_args,
     add_spec_args,
     engine_config,
@@ -25,6 +26,7 @@ DEFAULT_PROMPT = "import os\n\n\nclass FileCache:\n    def __init__(self, path):
 def register(sub) -> None:
     r = sub.add_parser("run", help="generate text from a prompt, streaming, then print a stats line")
     add_model_args(r)
+    add_parallel_arg(r)
     add_spec_args(r)
     add_sampling_args(r)
     r.add_argument("-p", "--prompt", default=None, help="prompt text (default: a code prompt)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from turbospec import env
 from turbospec.cli.args import (
     add_model_args,
+    add_parallel_arg,
     add_sampling_args,
     add_spec_args,
     engine_config,
@@ -25,6 +26,7 @@ from turbospec.server.security import binds_beyond_loopback
 def register(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     add_model_args(s)
+    add_parallel_arg(s)
     add_spec_args(s)
     add_sampling_args(s, n_help="the most tokens a request may generate, and the default when it gives no max_tokens "
                                 "(a larger max_tokens is clamped: finish_reason length); -1 or 0: no limit but "
