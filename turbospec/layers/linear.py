@@ -6,6 +6,7 @@ the kernel in turbospec/kernels/gemv.cpp reads each weight once per step for up 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import cache
 
@@ -137,6 +138,29 @@ class SplitLinear:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+class RowParallelLinear:
+    """A linear layer holding one part of its input columns (tensor parallelism: this process's part): its product
+    is a partial sum, which `reduce` sums over the parts; the bias, if any, is added once after. The fused decoder
+    layers (turbospec.layers.block) run up to each sum in their kernels and call `reduce` between them."""
+
+    def __init__(self, inner: Linear, reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self.inner, self.reduce = inner, reduce
+        self.bias, inner.bias = inner.bias, None
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:  # this part's columns
+        return self.inner.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.reduce(self.inner(x))
+        return y if self.bias is None else y + self.bias
 
 
 def exact_bf16(lin: Linear | SplitLinear) -> Linear | SplitLinear:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
-from turbospec.weights import WeightFormat, consume, packable, trim_heap
+from turbospec.weights import WeightFormat, consume, packable, release, trim_heap
 
 
 class TensorSource(Protocol):
@@ -162,18 +162,25 @@ class WeightSource(IndexedSource):
     def shard(self, name: str, dim: int, ranges: list[tuple[int, int]], dtype: torch.dtype | None,
               shape: tuple[int, ...]) -> torch.Tensor:
         """The index ranges `ranges` ([start, stop) along `dim`) of tensor `name`, put together along `dim`, in
-        `dtype` (None: as stored), reading only those bytes (safetensors slices; along dim 1 each row's part):
-        tensor parallelism's per-rank load. `shape`: the whole tensor's, as the config implies."""
-        f, sl = self._slice(name)
-        stored = tuple(sl.get_shape())
-        if stored != tuple(shape):
-            raise TurboSpecError(f"shape mismatch for {name!r}: file has {stored}, config implies {tuple(shape)}")
+        `dtype` (None: as stored): tensor parallelism's per-rank load. Only those bytes are copied out of the file
+        mapping (along dim 1, each row's part) and the pages touched are dropped after, so a rank's memory holds its
+        parts alone. `shape`: the whole tensor's, as the config implies."""
+        f = self._file_of(name)
         try:
-            parts = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
+            t = self._open(f).get_tensor(name)  # a view of the file mapping: nothing read yet
         except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
             raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
-        t = (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
-        return t if dtype is None else t.to(dtype)
+        if tuple(t.shape) != tuple(shape):
+            raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies "
+                                 f"{tuple(shape)}")
+        parts = [t.narrow(dim, a, b - a) for a, b in ranges]
+        if len(parts) == 1 and dtype is not None and dtype != t.dtype and t.dim() >= 1:
+            out = consume(parts[0], None, dtype)  # converted in chunks, a large result in its own huge pages
+        else:
+            out = torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone(memory_format=torch.contiguous_format)
+            out = out if dtype is None else out.to(dtype)
+        release(t)  # the file pages the copy touched leave this process's memory
+        return out
 
     def stacked_part(self, name: str, index: int) -> torch.Tensor:
         """Reads only that part's bytes (a safetensors slice)."""

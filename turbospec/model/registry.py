@@ -19,7 +19,7 @@ from turbospec.weights import PACKED, WEIGHT_CHOICES, trim_heap
 Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
 Progress = Callable[[int, int], None]  # (done, total)
 # (config, source) -> what one part of a split model builds from (tensor parallelism's rank: turbospec.parallel.tp)
-Shard = Callable[[ModelConfig, TensorSource], tuple[ModelConfig, TensorSource]]
+Shard = Callable[[ModelConfig, IndexedSource], tuple[ModelConfig, TensorSource]]
 
 
 def _dense(cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype) -> Model:

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from turbospec.errors import TurboSpecError
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.gated_deltanet import GatedDeltaNet
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, RowParallelLinear
 from turbospec.layers.moe import MoE
 from turbospec.model.config import HYBRID_ARCHS, MOE_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer
-from turbospec.model.loader import WeightSource
-from turbospec.weights import consume, file_mapping, is_packed, packable, rows_of
+from turbospec.model.loader import IndexedSource, WeightSource
+from turbospec.weights import consume, file_mapping, is_packed, packable, rows_of, trim_heap
 
 TIMEOUT = timedelta(seconds=120)  # a rank that dies ends the others' collectives with an error, not a hang
 # tensor name suffix -> the dimension a rank takes its part of: 0 its output rows (heads, channels, intermediate
@@ -119,7 +119,7 @@ class ShardedSource:
     (`WeightSource.shard`: a rank reads about 1/N of the layers' bytes); another source (a GGUF file) gives the
     whole tensor, whose part is kept (a view of the file mapping when the part is whole rows)."""
 
-    def __init__(self, source, rank: int, ranks: int, local: ModelConfig, kv_heads: int | None = None):
+    def __init__(self, source: IndexedSource, rank: int, ranks: int, local: ModelConfig, kv_heads: int | None = None):
         self.source, self.rank, self.ranks, self.local = source, rank, ranks, local
         # ranks sharing one KV head (the whole model's `kv_heads` fewer than the ranks), else 1
         self.kv_copies = ranks // kv_heads if kv_heads is not None and kv_heads < ranks else 1
@@ -169,8 +169,9 @@ class ShardedSource:
         if split is None:
             return self.source.matrix(name, dtype, shape)
         dim, ranges, whole = split
-        pack = getattr(self.source, "pack", None)
+        pack = self.source.pack
         if isinstance(self.source, WeightSource):
+            trim_heap()  # the previous matrix's conversion buffers back to the system (as the source's own matrix)
             if pack is not None and packable(pack, shape):  # quantized from the stored part (--weights)
                 return consume(self.source.shard(name, dim, ranges, None, whole), pack)
             return self.source.shard(name, dim, ranges, dtype, whole)
@@ -210,12 +211,12 @@ def _part(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Ten
     return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
 
 
-def shard_view(group=None) -> Callable[[ModelConfig, object], tuple[ModelConfig, ShardedSource]]:
+def shard_view(group=None) -> Callable[[ModelConfig, IndexedSource], tuple[ModelConfig, ShardedSource]]:
     """The `shard` argument of `turbospec.model.load_model` for this rank of `group`: its config and its view of
     the checkpoint."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
 
-    def shard(cfg: ModelConfig, source) -> tuple[ModelConfig, ShardedSource]:
+    def shard(cfg: ModelConfig, source: IndexedSource) -> tuple[ModelConfig, ShardedSource]:
         local = shard_config(cfg, ranks)
         return local, ShardedSource(source, rank, ranks, local, cfg.num_kv_heads)
 
@@ -324,23 +325,6 @@ def collective(group=None, max_numel: int = 1 << 18) -> GlooCollective:
 
 
 # ---- the split layers --------------------------------------------------------------------------------------------
-class RowParallel:
-    """A linear layer holding this rank's input columns: its product is a partial sum, summed over the ranks
-    (the bias, if any, added once after). Not a `Linear`, so decoder layers take their op-by-op path."""
-
-    def __init__(self, inner, comm: GlooCollective):
-        self.inner, self.comm = inner, comm
-        self.bias = inner.bias
-        inner.bias = None
-
-    def __getattr__(self, name: str):  # in_features, nbytes, weight, ...
-        return getattr(self.inner, name)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(self.inner(x))
-        return y if self.bias is None else y + self.bias
-
-
 class ParallelMoE:
     """A mixture of experts whose experts (and shared expert) hold this rank's intermediate columns: routing is
     the same on every rank, each expert's product is a partial sum, and one sum over the ranks ends the layer."""
@@ -415,11 +399,11 @@ def parallelize(model, group=None) -> None:
     for layer in layers:
         mixer = layer.attn if isinstance(layer, DecoderLayer) else layer.mixer
         if isinstance(mixer, Attention):
-            mixer.o = RowParallel(mixer.o, comm)
+            mixer.o = RowParallelLinear(mixer.o, comm.all_reduce)
         elif isinstance(mixer, GatedDeltaNet):
-            mixer.out = RowParallel(mixer.out, comm)
+            mixer.out = RowParallelLinear(mixer.out, comm.all_reduce)
         if isinstance(layer.mlp, MLP):
-            layer.mlp.down = RowParallel(layer.mlp.down, comm)
+            layer.mlp.down = RowParallelLinear(layer.mlp.down, comm.all_reduce)
         elif isinstance(layer.mlp, MoE):
             layer.mlp = ParallelMoE(layer.mlp, comm)
     lo, hi = vocab_range(vocab, dist.get_rank(group), ranks)
