@@ -1,9 +1,10 @@
 """Tensor parallelism (turbospec.parallel.tp) with 2 gloo processes on this CPU: logits equal the single-process
-model's (float32, 1e-5) for dense (qwen3 / qwen2 / a GQA-3 qwen3 / llama), hybrid (Qwen3.5, Qwen3-Next) and MoE
-(Qwen3-MoE, Qwen3-Next-MoE, Qwen3.5-MoE with its MTP layer) checkpoints and for GGUF files (float and Q8_0 / Q4_0
-packed); greedy decoding gives the same tokens with a quantized KV cache and with MTP drafting (the bundled models,
-dense and hybrid, whose MTP layers are sharded too, over the reduced draft vocabulary and the whole one); a bad split is
-one clear error."""
+model's (float32, within 1e-5 of the logits' scale) for dense (qwen3 / qwen2 / a GQA-3 qwen3 / llama), hybrid
+(Qwen3.5, Qwen3-Next) and MoE (Qwen3-MoE, Qwen3-Next-MoE, Qwen3.5-MoE with its MTP layer) checkpoints and for GGUF
+files (float and Q8_0 / Q4_0 packed); greedy decoding gives the same tokens with a quantized KV cache and with MTP
+drafting (the bundled models, dense and hybrid, whose MTP layers are sharded too, over the reduced draft vocabulary
+and the whole one); rank 0 decides the sampled tokens (a rank drawing with another seed still emits rank 0's); a
+bad split is one clear error."""
 
 from __future__ import annotations
 
@@ -28,16 +29,22 @@ IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3))
 
 
 def greedy(model, path: str, prompt: list[int], cache_type: str | None, spec: tuple[str, ...],
-           draft_vocab: int = -1) -> list[int]:
+           draft_vocab: int = -1, seed: int | None = None) -> list[int]:
+    """24 tokens, greedy (or sampled at T = 0.8 with `seed`), as `build_engine` sets an engine up (under tensor
+    parallelism: rank 0 decides every step)."""
     from turbospec.engine.engine import Engine
+    from turbospec.parallel import tp
     from turbospec.speculative.registry import make_drafter
 
     cfg = EngineConfig(model=path, ctx=256, cache_type_k=cache_type, cache_type_v=cache_type,
                        spec=SpecConfig(types=spec, draft_vocab=draft_vocab))
     drafter = make_drafter(cfg.spec, model, cfg.ctx + cfg.spec.depth + 1, model_path=path)
     engine = Engine(model, None, cfg, drafter, model_path=path)
+    if tp.world()[1] > 1:
+        engine.agree = tp.rank0_choice()
+    params = SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, max_tokens=24, ignore_eos=True)
     out: list[int] = []
-    for chunk in engine.stream(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)):
+    for chunk in engine.stream(prompt, params):
         out += chunk.tokens
     return out
 
@@ -57,6 +64,8 @@ def worker(rank: int, store: str, jobs: list, out: str) -> None:
             if kind == "logits":
                 results[key] = full_logits(model, IDS)
                 results[key + ":bytes"] = model.weight_bytes
+            elif kind == "sampled":  # each rank its own seed: rank 0's draws must be every rank's tokens
+                results[key] = greedy(model, path, arg[0], None, (), -1, arg[1] + 1000 * rank)
             else:
                 results[key] = greedy(model, path, *arg)
     finally:
@@ -102,7 +111,8 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
              ("mtp-full-vocab", str(BUNDLED), "greedy", (prompt, None, ("draft-mtp",), 0)),
              ("hybrid-mtp", str(HYBRID), "greedy", (prompt, "q8_0", ("draft-mtp",))),
              ("gguf-q8_0-mtp", str(checkpoints["gguf_q8_0"]), "greedy", (prompt, None, ("draft-mtp",))),
-             ("gguf-q4_0", str(checkpoints["gguf_q4_0"]), "greedy", (prompt, None, ()))]
+             ("gguf-q4_0", str(checkpoints["gguf_q4_0"]), "greedy", (prompt, None, ())),
+             ("rank0-decides", str(BUNDLED), "sampled", (prompt, 7))]
     ranks = run_ranks(tmp_path, jobs)
     for n in LOGITS:
         one = load_model(checkpoints[n], "float32")
@@ -125,6 +135,8 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
     want = {"q8_0": plain(checkpoints["qwen3"], "q8_0"), "mtp": plain(BUNDLED), "hybrid-mtp": plain(HYBRID, "q8_0"),
             "gguf-q8_0-mtp": plain(checkpoints["gguf_q8_0"]), "gguf-q4_0": plain(checkpoints["gguf_q4_0"])}
     want["mtp-full-vocab"] = want["mtp"]
+    want["rank0-decides"] = greedy(load_model(BUNDLED, "float32"), str(BUNDLED), prompt, None, (), seed=7)
+    assert greedy(load_model(BUNDLED, "float32"), str(BUNDLED), prompt, None, (), seed=1007) != want["rank0-decides"]
     for key, tokens in want.items():
         assert len(tokens) == 24
         for r in ranks:

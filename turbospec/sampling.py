@@ -379,6 +379,16 @@ class Sampler:
             self._window.extend(int(t) for t in tokens)
 
     @property
+    def window(self) -> list[int]:
+        """The penalty window's tokens, oldest first (set it to go back to an earlier state)."""
+        return list(self._window)
+
+    @window.setter
+    def window(self, tokens: list[int]) -> None:
+        self._window.clear()
+        self._window.extend(tokens)
+
+    @property
     def recent_tokens(self) -> torch.Tensor:
         return torch.tensor(list(self._window), dtype=torch.int64)
 

@@ -75,6 +75,10 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     path, model, tokenizer = load_parts(config, progress)
     drafter = make_drafter(config.spec, model, config.ctx + config.spec.depth + 1, model_path=path)
     engine = Engine(model, tokenizer, config, drafter, model_path=path)
+    from turbospec.parallel import tp
+
+    if tp.world()[1] > 1:  # rank 0 decides every step's tokens
+        engine.agree = tp.rank0_choice()
     if drafter is not None and config.spec.adaptive:
         engine.step_costs = calibrate(model, config.spec.n_max)  # adaptive speculation's cost model
     return engine

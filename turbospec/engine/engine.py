@@ -51,6 +51,8 @@ class Engine:
         # 15-deep ones in float32 (docs/speculative.md)
         self.step_rows = skinny_rows(model.dtype)
         self.last_stats = GenStats()
+        # tensor parallelism: this rank's (accepted draft nodes, next token) -> rank 0's (turbospec.parallel.tp)
+        self.agree: Callable[[list[int], int], tuple[list[int], int]] | None = None
         # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
         # a decode step allocates enough small objects to trigger collections that would traverse them all.
         gc.freeze()
@@ -137,10 +139,30 @@ class Engine:
         else:
             plan = AttentionPlan.tree(start, [-1] + [p + 1 for p in tree.parents])
         hidden = self.model.forward(toks, plan, self.cache)
-        path, nxt = verify(tree, self.model.logits(hidden), sampler)
+        path, nxt = self.decide(sampler, lambda: verify(tree, self.model.logits(hidden), sampler), tree)
         keep = [0] + [1 + i for i in path]
         self.cache.commit(keep)
         return path, nxt, hidden[keep]
+
+    def decide(self, sampler: Sampler, pick: Callable[[], tuple[list[int], int]], tree: DraftTree | None = None
+               ) -> tuple[list[int], int]:
+        """`pick()`'s (accepted nodes of `tree`, next token). Under tensor parallelism rank 0 decides: every rank
+        picks (the same, from the same gathered logits and seed), then takes rank 0's choice (`agree`), its
+        sampler's penalty window set to match."""
+        if self.agree is None:
+            return pick()
+        window = sampler.window
+        path, nxt = pick()
+        agreed = self.agree(path, nxt)
+        if agreed != (path, nxt):
+            path, nxt = agreed
+            sampler.window = window
+            sampler.accept([tree.tokens[i] for i in path] + [nxt] if tree is not None else [nxt])
+        return path, nxt
+
+    def next_token(self, sampler: Sampler, hidden: torch.Tensor) -> int:
+        """The token after the hidden row [1, H], drawn by `sampler` (rank 0's under tensor parallelism)."""
+        return self.decide(sampler, lambda: ([], sampler.sample(self.model.logits(hidden)[0])))[1]
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -214,7 +236,7 @@ class Engine:
         ctl = self._controller() if drafter is not None and self.config.spec.adaptive else None
         if first is not None:
             yield first
-        pending = [sampler.sample(self.model.logits(hidden[-1:])[0])]
+        pending = [self.next_token(sampler, hidden[-1:])]
         want_lp = params.logprobs is not None  # then pending_lp[i] is the logprobs of pending[i]
         pending_lp = sampler.take_logprobs() if want_lp else []
         context = self.cached_tokens  # grows in place: always the tokens whose KV is committed
@@ -273,7 +295,8 @@ class Engine:
                     accepted = [tree.tokens[i] for i in path]
                 else:
                     hidden_rows = self.step(root)
-                    nxt, accepted = sampler.sample(self.model.logits(hidden_rows)[0]), []
+                    nxt = self.next_token(sampler, hidden_rows)
+                    accepted = []
                 if ctl is not None:
                     depth = max((tree.depth(i) for i in range(len(tree))), default=0)
                     ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step, self.cache.length)

@@ -246,6 +246,13 @@ class GlooCollective:
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` (every rank passes one of the same shape)."""
+        y = x.clone()
+        dist.broadcast(y, src=0, group=self.group)
+        return y
+
+
 class ShmCollective(GlooCollective):
     """Sums and gathers for ranks on one host through a shared-memory file: each rank copies its part into its
     slot, posts the call's number, waits (spinning) for the others' and reads every slot in rank order, so all
@@ -314,6 +321,12 @@ class ShmCollective(GlooCollective):
         buf = self._exchange(x)
         parts = [buf[r, :rows * n].view(*x.shape[:-1], n) for r, n in enumerate(sizes)]
         return torch.cat(parts, dim=-1).to(x.dtype)
+
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > self.max_numel:
+            return super().broadcast(x)
+        return self._exchange(x)[0, :x.numel()].view(x.shape).to(x.dtype)
 
 
 def collective(group=None, max_numel: int = 1 << 18) -> GlooCollective:
@@ -411,6 +424,25 @@ def parallelize(model, group=None) -> None:
     model.embed = VocabEmbedding(model.embed, lo, hi, comm)
     if mtp is not None:
         mtp.embed, mtp.lm_head = model.embed, model.lm_head
+
+
+def rank0_choice(group=None, longest: int = 1024) -> Callable[[list[int], int], tuple[list[int], int]]:
+    """`Engine.agree` for this rank: every rank posts its (accepted draft nodes, next token) of a step and all take
+    rank 0's, so that rank 0 alone decides what is emitted (each rank's own choice comes from the same gathered
+    logits with rank 0's seed, so it agrees unless the ranks' arithmetic differs, as on mixed hosts)."""
+    comm = collective(group, max_numel=longest + 2)
+
+    def agree(path: list[int], nxt: int) -> tuple[list[int], int]:
+        if len(path) > longest:
+            raise TurboSpecError(f"a verification step accepted {len(path)} drafts; at most {longest} are agreed on")
+        mine = torch.zeros(longest + 2, dtype=torch.int64)
+        mine[0], mine[1] = len(path), nxt
+        mine[2:2 + len(path)] = torch.tensor(path, dtype=torch.int64)
+        got = comm.broadcast(mine).tolist()  # (float32 in shared memory: exact for ids below 2^24)
+        n = int(got[0])
+        return [int(i) for i in got[2:2 + n]], int(got[1])
+
+    return agree
 
 
 def load_model_tp(path: str, dtype: torch.dtype | str = "float32", weights: str = "auto",
