@@ -180,27 +180,35 @@ def test_a_rank_reads_its_part_only(hf_models):
         ws.shard("model.layers.0.mlp.down_proj.weight", 1, [(0, 1)], torch.float32, (1, 1))
 
 
-def test_serve_under_torchrun(tmp_path):
-    """`turbospec serve --tp 2` (two ranks under torchrun) on the hybrid model with MTP drafting: rank 0 answers with
-    the single process's greedy text, a client that leaves mid-stream stops every rank (the next request still
-    agrees), and Ctrl-C ends every rank."""
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_serve_under_torchrun(parallel):
+    """`turbospec serve --tp 2` (two ranks under torchrun) on the hybrid model with MTP drafting, one request at a
+    time and with continuous batching (-np 3): rank 0 answers with the single process's greedy text (three clients
+    at once with -np 3), a client that leaves mid-stream stops every rank (the next request still agrees), a server
+    idle for longer than the collectives' timeout still answers, and Ctrl-C ends every rank."""
     import signal
     import subprocess
     import sys
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     httpx = pytest.importorskip("httpx")
     from tests.test_server_cancel import _free_port
     from turbospec.engine import build_engine
 
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TURBOSPEC_TP_TIMEOUT": "8"}
     cmd = [sys.executable, "-m", "turbospec.cli", "serve", "--tp", "2", "-m", str(HYBRID), "-c", "2048", "--port",
-           str(port), "--spec-type", "draft-mtp"]
+           str(port), "--spec-type", "draft-mtp", "-np", str(parallel)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    body = {"prompt": "def fib(n):", "max_tokens": 24, "temperature": 0}
+    prompts = ["def fib(n):", "The river", "import os\n"]
+
+    def complete(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+        return httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
     try:
         deadline = time.time() + 120
         while True:
@@ -212,13 +220,15 @@ def test_serve_under_torchrun(tmp_path):
                 pass
             assert time.time() < deadline, "server did not start"
             time.sleep(0.5)
-        first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(3) as pool:
+            first = list(pool.map(complete, prompts if parallel > 1 else prompts[:1]))
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+                          json={"prompt": prompts[0], "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i > 4:
                     break  # the client leaves
-        again = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        time.sleep(10)  # idle past TURBOSPEC_TP_TIMEOUT: the other rank waits for the next request, not a collective
+        again = complete(prompts[0])
         health = httpx.get(url + "/health", timeout=5).json()
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -229,8 +239,8 @@ def test_serve_under_torchrun(tmp_path):
             out = proc.communicate()[0]
             raise AssertionError("the ranks did not stop on Ctrl-C:\n" + out[-2000:]) from None
     engine = build_engine(EngineConfig(model=str(HYBRID), ctx=2048))
-    want = "".join(c.text for c in engine.stream("def fib(n):", SamplingParams(temperature=0, max_tokens=24)))
-    assert first == want and again == want
+    want = ["".join(c.text for c in engine.stream(p, SamplingParams(temperature=0, max_tokens=24))) for p in prompts]
+    assert first == want[:len(first)] and again == want[0], out[-2000:]
     assert (health["running"], health["waiting"]) == (0, 0)
     assert "turbospec serve: model 'turbospec-tiny-hybrid'" in out and "tensor parallel 2" in out
     # Ctrl-C reaches torchrun's agent too, which reports it as its own failure (rc 1): what matters is that every

@@ -14,6 +14,7 @@ Switches change which code path runs (for benchmarks and debugging), never resul
 | TURBOSPEC_NO_HUGEPAGES | weights and KV in ordinary 4 KB pages (read at import) |
 | TURBOSPEC_SKINNY_MAX_ROWS | most rows the skinny GEMM takes per call, default 16 (read at import) |
 | TURBOSPEC_PREFILL | `upcast` (default): bf16/f16 prefill GEMMs in float32; `native`: in the weight dtype (read at import) |
+| TURBOSPEC_TP_TIMEOUT | tensor parallelism: seconds a rank waits in a collective before it ends with an error, default 120 |
 
 The test suite reads two more, in tests/ only: TURBOSPEC_TEST_THREADS (torch threads, default 2) and
 TURBOSPEC_HYPOTHESIS_EXAMPLES (property-test examples for the KV codecs, default 0: the fixed cases only).
@@ -28,7 +29,7 @@ import os
 
 SWITCHES = ("TURBOSPEC_MODEL", "TURBOSPEC_API_KEY", "TURBOSPEC_NO_KERNEL", "TURBOSPEC_NO_FUSED",
             "TURBOSPEC_NO_ATTN_KERNEL", "TURBOSPEC_NO_ENCODE_KERNEL", "TURBOSPEC_NO_GDN_KERNEL",
-            "TURBOSPEC_NO_HUGEPAGES", "TURBOSPEC_SKINNY_MAX_ROWS", "TURBOSPEC_PREFILL")
+            "TURBOSPEC_NO_HUGEPAGES", "TURBOSPEC_SKINNY_MAX_ROWS", "TURBOSPEC_PREFILL", "TURBOSPEC_TP_TIMEOUT")
 
 
 def get(name: str, default: str = "") -> str:

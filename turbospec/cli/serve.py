@@ -116,11 +116,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     rank, ranks = tp.world()
     if ranks > 1:  # under torchrun: rank 0 serves, the others follow its engine calls (turbospec.parallel.tp)
-        if a.parallel > 1 or a.slot_save_path:
-            raise TurboSpecError("under torchrun the server generates one request at a time (no -np > 1) and "
-                                 "has no --slot-save-path yet")
+        if a.slot_save_path:
+            raise TurboSpecError("tensor parallelism has no --slot-save-path yet")
         if rank != 0:
-            tp.follow(engine)
+            if a.parallel > 1:
+                tp.follow_scheduler(engine.new_scheduler(a.parallel))
+            else:
+                tp.follow(engine)
             return 0
         engine = tp.Lockstep(engine)
     name = a.alias or Path(engine.model_path).name

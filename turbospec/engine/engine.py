@@ -144,6 +144,12 @@ class Engine:
         self.cache.commit(keep)
         return path, nxt, hidden[keep]
 
+    def new_scheduler(self, parallel: int):
+        """A continuous-batching scheduler over this engine's model (`Scheduler.for_engine`)."""
+        from turbospec.engine.scheduler import Scheduler
+
+        return Scheduler.for_engine(self, parallel)
+
     def decide(self, sampler: Sampler, pick: Callable[[], tuple[list[int], int]], tree: DraftTree | None = None
                ) -> tuple[list[int], int]:
         """`pick()`'s (accepted nodes of `tree`, next token). Under tensor parallelism rank 0 decides: every rank

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.gated_deltanet import GatedDeltaNet
@@ -33,7 +34,8 @@ from turbospec.model.decoder import DecoderLayer
 from turbospec.model.loader import IndexedSource, WeightSource
 from turbospec.weights import consume, file_mapping, is_packed, packable, rows_of, trim_heap
 
-TIMEOUT = timedelta(seconds=120)  # a rank that dies ends the others' collectives with an error, not a hang
+# a rank that dies ends the others' collectives with an error, not a hang
+TIMEOUT = timedelta(seconds=float(env.get("TURBOSPEC_TP_TIMEOUT", "120")))
 # tensor name suffix -> the dimension a rank takes its part of: 0 its output rows (heads, channels, intermediate
 # columns), 1 its input columns (the projections whose products are summed over the ranks)
 ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
@@ -457,6 +459,13 @@ def load_model_tp(path: str, dtype: torch.dtype | str = "float32", weights: str 
 
 
 # ---- serving: rank 0 answers HTTP, the other ranks follow its engine calls ----------------------------------------
+def command_group():
+    """A process group for rank 0's announcements to the other ranks of a server, made by every rank at the same
+    point: gloo without a practical timeout, because a server may wait for its next request for hours (the other
+    collectives keep `TIMEOUT`; a rank that dies still ends the job: torchrun stops the others)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+
 def _flag(value: bool | None = None) -> bool:
     """Rank 0 sends `value`, every other rank receives it (one byte over the group)."""
     t = torch.tensor([1 if value else 0], dtype=torch.uint8)
@@ -472,6 +481,7 @@ class Lockstep:
 
     def __init__(self, engine):
         self.engine = engine
+        self.group = command_group()
 
     def __getattr__(self, name: str):  # model, tokenizer, ctx, drafter, last_stats, config, ...
         return getattr(self.engine, name)
@@ -480,7 +490,7 @@ class Lockstep:
         from turbospec.sampling import SamplingParams
 
         params = seeded(params or SamplingParams())  # the followers get this seed with the call
-        dist.broadcast_object_list([("stream", prompt, params, chat)], src=0)
+        dist.broadcast_object_list([("stream", prompt, params, chat)], src=0, group=self.group)
         gen = self.engine.stream(prompt, params, chat=chat, abort=lambda: _flag(bool(abort and abort())),
                                  progress=progress)
         done = False
@@ -494,16 +504,21 @@ class Lockstep:
                 gen.close()
                 _flag(True)
 
+    def new_scheduler(self, parallel: int):
+        """The continuous-batching scheduler, its calls announced to the other ranks."""
+        return SchedulerLockstep(self.engine.new_scheduler(parallel), self.group)
+
     def close(self) -> None:
         """The server stopped: the followers return."""
-        dist.broadcast_object_list([("stop",)], src=0)
+        dist.broadcast_object_list([("stop",)], src=0, group=self.group)
 
 
 def follow(engine) -> None:
     """A rank other than 0 of a server: run the engine calls rank 0 announces (`Lockstep`) until it stops."""
+    group = command_group()
     while True:
         box: list = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         command = box[0]
         if command[0] == "stop":
             return
@@ -516,3 +531,68 @@ def follow(engine) -> None:
                     break
         except Exception:  # noqa: BLE001 -- rank 0 met the same error at the same step (same input): its stop flag
             _flag()
+
+
+class SchedulerLockstep:
+    """Rank 0's continuous-batching scheduler (`serve -np N` under tensor parallelism): the sequences added and
+    aborted since the last step are announced with each step (prompts with the sampling settings, rank 0's seed
+    drawn for those without one), and every other rank (`follow_scheduler`) makes the same calls on its own
+    scheduler before the same step, so every step's forward runs the same rows on every rank."""
+
+    def __init__(self, scheduler, group):
+        self.scheduler, self.group = scheduler, group
+        self.events: list[tuple] = []
+        self.ids: dict = {}  # running sequence -> the number the followers know it by
+        self.added = 0
+
+    def __getattr__(self, name: str):  # pool, counters, slots, ...: the scheduler's own
+        return getattr(self.scheduler, name)
+
+    def add(self, tokens: list[int], params=None):
+        from turbospec.sampling import SamplingParams
+
+        params = seeded(params or SamplingParams())
+        seq = self.scheduler.add(tokens, params)  # (a refused prompt raises here: nothing to announce)
+        self.ids[seq] = self.added
+        self.events.append(("add", self.added, tokens, params))
+        self.added += 1
+        return seq
+
+    def abort(self, seq) -> None:
+        self.scheduler.abort(seq)
+        if seq in self.ids:
+            self.events.append(("abort", self.ids[seq]))
+
+    def step(self):
+        dist.broadcast_object_list([("step", self.events)], src=0, group=self.group)
+        self.events = []
+        outputs = self.scheduler.step()
+        for out in outputs:
+            if out.finished:
+                self.ids.pop(out.seq, None)
+        return outputs
+
+
+def follow_scheduler(scheduler) -> None:
+    """A rank other than 0 of a batching server: make the scheduler calls rank 0 announces (`SchedulerLockstep`)
+    until it stops."""
+    group = command_group()
+    running: dict = {}
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        command = box[0]
+        if command[0] == "stop":
+            return
+        for event in command[1]:
+            if event[0] == "add":
+                running[event[1]] = scheduler.add(event[2], event[3])
+            else:
+                scheduler.abort(running[event[1]])
+        try:
+            outputs = scheduler.step()
+        except Exception:  # noqa: BLE001 -- rank 0 met the same error at the same step: it aborts those sequences next
+            continue
+        done = {out.seq for out in outputs if out.finished}
+        for key in [k for k, seq in running.items() if seq in done]:
+            del running[key]

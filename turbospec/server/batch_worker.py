@@ -19,7 +19,7 @@ from turbospec.server.worker import Job, Worker
 
 class BatchWorker(Worker):
     def __init__(self, engine, max_queue: int, parallel: int, metrics=None, thread: bool = True):
-        self.scheduler: Scheduler = Scheduler.for_engine(engine, parallel)
+        self.scheduler: Scheduler = engine.new_scheduler(parallel)
         self.active: dict[Sequence, Job] = {}
         self._ended: dict[Sequence, str] = {}  # sequences aborted by the worker: the finish reason it reports
         self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}  # scheduler counters in /metrics
