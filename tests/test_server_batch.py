@@ -103,6 +103,11 @@ def test_parallel_refuses_what_it_cannot_batch(engine):
         def eos_ids(self):
             return set()
 
+        def new_scheduler(self, parallel):
+            from turbospec.engine.scheduler import Scheduler
+
+            return Scheduler.for_engine(self, parallel)
+
     with pytest.raises(TurboSpecError, match="medusa is not batched yet"):
         create_app(WithMedusa(), ServerConfig(model_name="m", parallel=2))
 
