@@ -227,9 +227,11 @@ def llama_load_time(bench: Path, file: Path, threads: int) -> float:
     return time.time() - t
 
 
-def run_llama_server(server_bin: Path, file: Path, mtp: bool, gen: int, prompt: int, reps: int, threads: int) -> dict:
+def run_llama_server(server_bin: Path, file: Path, mtp: bool, gen: int, prompt: int, reps: int, threads: int,
+                     depths: list[int] | None = None, depth_reps: int = 1) -> dict:
     """llama-server on the file (plain, or `--spec-type draft-mtp --spec-draft-n-max 3`): one non-streamed greedy
-    completion per repetition with the prompts turbospec's runs use; its own timings (decode t/s, drafts)."""
+    completion per repetition with the prompts turbospec's runs use (at each depth: that many random tokens before
+    the prompt, as turbospec's runs); its own timings (decode t/s, drafts)."""
     import random
 
     import httpx
@@ -237,23 +239,26 @@ def run_llama_server(server_bin: Path, file: Path, mtp: bool, gen: int, prompt: 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from served_speed import free_port, server
 
+    depths = depths or [0]
     port = free_port()
-    cmd = [str(server_bin), "-m", str(file), "--port", str(port), "-c", "1024", "-np", "1", "-t", str(threads),
-           "--no-webui"] + (["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"] if mtp else [])
+    cmd = [str(server_bin), "-m", str(file), "--port", str(port), "-c", str(max(1024, max(depths) + prompt + gen + 64)),
+           "-np", "1", "-t", str(threads), "--no-webui"] + (["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+                                                            if mtp else [])
     runs = []
     t = time.time()
     with server(cmd, port) as url:
         load_s = time.time() - t
-        for rep in range(reps):
-            rnd = random.Random(1000 * rep)
-            ids = [rnd.randrange(3, 240000) for _ in range(prompt)]
-            r = httpx.post(url + "/completion", timeout=1800, json={
-                "prompt": ids, "n_predict": gen, "temperature": 0, "ignore_eos": True, "cache_prompt": False}).json()
-            tm = r.get("timings", {})
-            runs.append({"depth": 0, "rep": rep, "decode_tps": tm.get("predicted_per_second"),
-                         "prefill_tps": tm.get("prompt_per_second"), "drafts": tm.get("draft_n"),
-                         "accepted": tm.get("draft_n_accepted")})
-            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        for depth in depths:
+            for rep in range(reps if depth == 0 else depth_reps):
+                rnd = random.Random(1000 * rep + depth)
+                ids = [rnd.randrange(3, 240000) for _ in range(depth + prompt)]
+                r = httpx.post(url + "/completion", timeout=7200, json={
+                    "prompt": ids, "n_predict": gen, "temperature": 0, "ignore_eos": True, "cache_prompt": False}).json()
+                tm = r.get("timings", {})
+                runs.append({"depth": depth, "rep": rep, "decode_tps": tm.get("predicted_per_second"),
+                             "prefill_tps": tm.get("prompt_per_second"), "drafts": tm.get("draft_n"),
+                             "accepted": tm.get("draft_n_accepted")})
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     return {"cmd": " ".join(cmd), "load_s": load_s, "runs": runs}
 
 
@@ -294,7 +299,8 @@ def main() -> None:
         if name in ("llama_server", "llama_server_mtp"):
             if a.llama_server is None:
                 continue
-            res = run_llama_server(a.llama_server, a.file, name.endswith("mtp"), a.gen, a.prompt, a.reps, a.threads)
+            res = run_llama_server(a.llama_server, a.file, name.endswith("mtp"), a.gen, a.prompt, a.reps, a.threads,
+                                   depths, a.depth_reps)
         elif name == "llama":
             if a.llama_bench is None:
                 continue
