@@ -28,19 +28,20 @@ VARIANTS = {
 }
 
 
-def build(name: str, out: Path, mtp: bool = False) -> Path:
-    """A tiny checkpoint; `mtp`: add random `mtp.*` tensors whose layer is MoE too (as Qwen3.5-35B-A3B's)."""
+def build(name: str, out: Path, mtp: bool = False, **over) -> Path:
+    """A tiny checkpoint; `mtp`: add random `mtp.*` tensors whose layer is MoE too (as Qwen3.5-35B-A3B's); `over`:
+    config fields changed (then the directory is named after them too)."""
     import transformers
 
     cfg_cls, model_cls, extra = VARIANTS[name]
     torch.manual_seed(sum(map(ord, name)))
-    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **over})
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # norms start at 0 (zero-centred) or 1: perturb them, A_log and dt_bias so they matter
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith(("A_log", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
-    path = out / (name + ("_mtp" if mtp else ""))
+    path = out / (name + ("_mtp" if mtp else "") + "".join(f"_{k}{v}" for k, v in over.items()))
     model.save_pretrained(path)
     if mtp:
         f = path / "model.safetensors"

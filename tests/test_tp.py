@@ -60,8 +60,9 @@ def worker(rank: int, store: str, jobs: list, out: str) -> None:
         for key, path, kind, arg in jobs:
             # the ranks' sums through gloo, or (as torchrun on one host sets it) through shared memory
             os.environ["LOCAL_WORLD_SIZE"] = "1" if key.endswith("-gloo") else "2"
-            model = tp.load_model_tp(path)
-            if kind == "logits":
+            # "logits-budget": experts loaded on demand under a budget of about two of them (evictions every step)
+            model = tp.load_model_tp(path, moe_cache_mem=60_000 if kind == "logits-budget" else None)
+            if kind.startswith("logits"):
                 results[key] = full_logits(model, IDS)
                 results[key + ":bytes"] = model.weight_bytes
             elif kind == "sampled":  # each rank its own seed: rank 0's draws must be every rank's tokens
@@ -93,6 +94,8 @@ def checkpoints(hf_models, tmp_path_factory):
     paths["gguf_hybrid_f32"] = export_gguf(paths["qwen3_5"], out / "h.gguf", "f32")
     paths["gguf_q8_0"] = export_gguf(HYBRID, out / "h8.gguf", "q8_0")
     paths["gguf_q4_0"] = export_gguf(BUNDLED, out / "d4.gguf", "q4_0")
+    wide = hf_moe.build("qwen3_moe", out, moe_intermediate_size=256, intermediate_size=128)  # whole Q8_0 blocks per rank, >= 4 KB
+    paths["gguf_moe_q8_0"] = export_gguf(wide, out / "m8.gguf", "q8_0")
     return paths
 
 
@@ -106,6 +109,7 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
     prompt = [int(t) for t in IDS[:12]]
     jobs = [(n, str(checkpoints[n]), "logits", None) for n in LOGITS]
     jobs.append(("qwen3-gloo", str(checkpoints["qwen3"]), "logits", None))
+    jobs.append(("gguf_moe_q8_0", str(checkpoints["gguf_moe_q8_0"]), "logits-budget", None))
     jobs += [("q8_0", str(checkpoints["qwen3"]), "greedy", (prompt, "q8_0", ())),
              ("mtp", str(BUNDLED), "greedy", (prompt, None, ("draft-mtp",))),
              ("mtp-full-vocab", str(BUNDLED), "greedy", (prompt, None, ("draft-mtp",), 0)),
@@ -126,6 +130,10 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
         assert max(r[n + ":bytes"] for r in ranks) < 0.75 * one.weight_bytes, n  # each rank holds its part
     for r in ranks:
         assert (r["qwen3-gloo"] - ranks[0]["qwen3"]).abs().max().item() < 1e-5
+    # packed experts of a GGUF file on demand (a rank's rows: views of the mapping; its columns: copies)
+    ref = full_logits(load_model(checkpoints["gguf_moe_q8_0"], "float32"), IDS)
+    for r in ranks:
+        assert (r["gguf_moe_q8_0"] - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
     def plain(path, cache_type=None):
         from turbospec.model import load_model

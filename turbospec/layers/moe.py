@@ -224,10 +224,15 @@ FOLIO = 2 << 20  # the largest page-cache folio a file's pages come in (see kern
 
 
 def _pages(mlp: MLP, what: str, *args) -> None:
+    """The kernel's `what` ("populate_pages", or "drop_pages" with (unit, map_lo, map_hi)) on each of the expert's
+    matrices in the file mapping (under tensor parallelism an expert's columns are a copy, outside it)."""
     k = load_kernel()
     if k is not None:
         for lin in (*mlp.gate_up.parts, mlp.down):
-            getattr(k, what)(lin.weight, *args)
+            w = lin.weight
+            if what == "drop_pages" and not args[1] <= w.data_ptr() <= args[2] - w.nbytes:
+                continue
+            getattr(k, what)(w, *args)
 
 
 def _meminfo() -> tuple[int | None, int]:

@@ -513,16 +513,21 @@ class Lockstep:
         dist.broadcast_object_list([("stop",)], src=0, group=self.group)
 
 
-def follow(engine) -> None:
-    """A rank other than 0 of a server: run the engine calls rank 0 announces (`Lockstep`) until it stops."""
+def announcements():
+    """On a rank other than 0 of a server: rank 0's announcements (`Lockstep`, `SchedulerLockstep`) as they come,
+    until it stops."""
     group = command_group()
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0, group=group)
-        command = box[0]
-        if command[0] == "stop":
+        if box[0][0] == "stop":
             return
-        _, prompt, params, chat = command
+        yield box[0]
+
+
+def follow(engine) -> None:
+    """A rank other than 0 of a server: run the engine calls rank 0 announces (`Lockstep`) until it stops."""
+    for _, prompt, params, chat in announcements():
         gen = engine.stream(prompt, params, chat=chat, abort=_flag)
         try:
             for _ in gen:
@@ -576,15 +581,9 @@ class SchedulerLockstep:
 def follow_scheduler(scheduler) -> None:
     """A rank other than 0 of a batching server: make the scheduler calls rank 0 announces (`SchedulerLockstep`)
     until it stops."""
-    group = command_group()
     running: dict = {}
-    while True:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        command = box[0]
-        if command[0] == "stop":
-            return
-        for event in command[1]:
+    for _, events in announcements():
+        for event in events:
             if event[0] == "add":
                 running[event[1]] = scheduler.add(event[2], event[3])
             else:
