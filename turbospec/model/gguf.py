@@ -14,7 +14,6 @@ one expert at a time (`expert_matrix`: a view of the memory map for packed types
 
 from __future__ import annotations
 
-import mmap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -133,7 +132,6 @@ class GGUFFile:
             raise TurboSpecError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported "
                                  f"(supported: {', '.join(ARCHS)})")
         self.tensors = {t.name: t for t in contents.tensors}
-        self.mapping = contents.mapping  # the read-only memory map every tensor is a view of
 
     def key(self, name: str, default: Any = None) -> Any:
         """The architecture's metadata value `name` (e.g. "block_count" -> qwen3.block_count)."""
@@ -255,7 +253,6 @@ class GGUFWeights(IndexedSource):
         self.hybrid = f.arch in HYBRID
         self.index: dict[str, str] = {}
         self.tiled: dict[str, int] = {}  # value_tiling
-        self.small_pages = False  # the mapping advised MADV_NOHUGEPAGE (expert_matrix)
         for hf, g in GLOBAL_NAMES.items():
             if g in f.tensors:
                 self.index[hf] = g
@@ -321,11 +318,6 @@ class GGUFWeights(IndexedSource):
         `pack` (--weights)."""
         t, data = self._expert(name, index, shape)
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
-        if self.expert_budget is not None and not self.small_pages:
-            # experts come and go (--moe-cache-mem): map the file in 4 KB pages, so that an expert brings in its
-            # own pages, not the whole 2 MiB page-cache folios around it (its neighbours' too)
-            self.f.mapping.madvise(mmap.MADV_NOHUGEPAGE)
-            self.small_pages = True
         if fmt is not None and load_kernel() is not None and packable(fmt, shape):
             return _mapped(data.reshape(shape[0], shape[1] // fmt.block_values, fmt.block_bytes))
         return super().expert_matrix(name, index, dtype, shape)  # values via stacked_part, packed per `pack`

@@ -8,7 +8,6 @@ format (version 2 and 3, little-endian) with `struct` and keeps python strings a
 
 from __future__ import annotations
 
-import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +45,7 @@ class GGUFContents:
     def __init__(self, path: str | Path):
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        with open(path, "rb") as f:  # (the mapping outlives the descriptor)
-            self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.map = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.map = np.memmap(str(path), mode="r", dtype=np.uint8)
         self.buf = memoryview(self.map)  # type: ignore[arg-type]
         self.pos = 0
         if bytes(self.buf[:4]) != b"GGUF":
