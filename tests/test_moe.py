@@ -53,14 +53,16 @@ def test_matches_transformers(ckpts, refs, name):
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
 def test_expert_budget_same_logits_and_counts(ckpts, refs, name):
     """A budget of 2/3 of the experts (8 per layer, 3-4 MoE layers): experts load when routed to and leave least
-    recently used first; the logits are the same as with every expert loaded."""
+    recently used first; the logits are the same as with every expert loaded. (In bfloat16: converted experts,
+    counted by their bytes; float32 ones would be views of the checkpoint's mapping, counted by the 2 MiB units of
+    the file they lie in, more than this tiny model's budget: test_budget_counts_the_folios_mapped_experts_lie_in.)"""
     ids, _ = refs
-    full = load_model(ckpts[name], "float32")
+    full = load_model(ckpts[name], "bfloat16")
     n_moe = len(moe_layers(full))
     assert full.experts.stats.misses == n_moe * 8 and full.experts.budget is None  # all loaded at start
     one = moe_layers(full)[0].expert_bytes
     budget = n_moe * 8 * 2 // 3 * one
-    small = load_model(ckpts[name], "float32", moe_cache_mem=budget)
+    small = load_model(ckpts[name], "bfloat16", moe_cache_mem=budget)
     assert small.experts.used == 0 and small.experts.stats.misses == 0
     a, b = prefill_then_decode(full, ids), prefill_then_decode(small, ids)
     assert torch.equal(a, b)
@@ -143,6 +145,45 @@ def test_cache_lru_order():
         c.get(key, lambda: expert_mlp(w, w, w.T.contiguous()))
     assert list(c.entries) == [(0, 2), (0, 0), (0, 3)]
     assert (c.stats.hits, c.stats.misses, c.stats.evictions) == (1, 4, 1)
+
+
+def test_budget_counts_the_folios_mapped_experts_lie_in(tmp_path):
+    """Experts that are views of a file mapping cost the page-cache folios they lie in (a fault maps a folio
+    whole), each folio once however many cached experts share it; a folio is given back with the last of them.
+    A matrix outside the mapping (a tensor-parallel rank's copied columns) costs its own bytes."""
+    import warnings
+
+    import numpy as np
+
+    from turbospec.layers.moe import FOLIO, expert_mlp
+    from turbospec.weights import file_mapping
+
+    f = tmp_path / "experts.bin"
+    f.write_bytes(bytes(4 * FOLIO))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (a read-only map)
+        t = torch.from_numpy(np.memmap(f, dtype=np.float32, mode="r"))
+    mapped = file_mapping(t)
+    assert mapped is not None
+    def at(byte: int) -> torch.Tensor:  # a 4 KB matrix at a byte offset of the file
+        return t[byte // 4:byte // 4 + 1024].view(16, 64)
+
+    def expert(*offsets, down=None):
+        return lambda: expert_mlp(at(offsets[0]), at(offsets[1]), down if down is not None else at(offsets[2]))
+
+    c = ExpertCache(budget=2 * FOLIO)
+    c.get((0, 0), expert(0, 4096, 8192), mapped)  # folio 0
+    c.get((0, 1), expert(12288, 16384, 20480), mapped)  # folio 0 again: nothing more
+    assert (c.used, len(c.folios)) == (FOLIO, 1)
+    c.get((0, 2), expert(FOLIO, FOLIO + 4096, FOLIO + 8192), mapped)  # folio 1
+    assert c.used == 2 * FOLIO and c.stats.evictions == 0
+    c.get((0, 3), expert(2 * FOLIO, 3 * FOLIO, 3 * FOLIO + 4096), mapped)  # folios 2 and 3: all three others go
+    assert list(c.entries) == [(0, 3)] and c.used == 2 * FOLIO and c.stats.evictions == 3
+    assert sorted(c.folios) == [mapped[0] + 2 * FOLIO, mapped[0] + 3 * FOLIO]
+    c.get((0, 4), expert(2 * FOLIO + 8192, 2 * FOLIO + 12288, down=torch.zeros(64, 16)), mapped)
+    assert c.used == 2 * FOLIO + 4096 - FOLIO and list(c.entries) == [(0, 4)]  # (0, 3) had to go for the copy
+    c.clear()
+    assert (c.used, len(c.folios)) == (0, 0)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -251,11 +292,11 @@ def test_loading_every_expert_stops_when_memory_runs_out(ckpts, monkeypatch, cap
     import turbospec.layers.moe as moe_mod
 
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
-    full = load_model(ckpts["qwen3_moe"], "float32")
+    full = load_model(ckpts["qwen3_moe"], "bfloat16")  # (converted experts: counted by their bytes)
     want = run(full, ids, full.new_cache(32))
     monkeypatch.setattr(moe_mod, "_meminfo", lambda: (1 << 30, 16 << 30))  # 1 GiB available of 16
     with caplog.at_level("WARNING", logger="turbospec"):
-        low = load_model(ckpts["qwen3_moe"], "float32")
+        low = load_model(ckpts["qwen3_moe"], "bfloat16")
     assert low.experts.budget == low.experts.used == 15 * moe_layers(low)[0].expert_bytes  # checked at the 16th
     assert sum("memory is running out" in r.message for r in caplog.records) == 1
     assert torch.equal(run(low, ids, low.new_cache(32)), want)

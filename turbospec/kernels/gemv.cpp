@@ -742,7 +742,7 @@ bool release_file_pages(torch::Tensor t) {
 }
 
 // The [start, end) addresses of the file mapping (see find_mapping) that holds `t`, (0, 0) when `t` is not in one.
-// Reads /proc/self/maps (~0.2 ms): once per MoE layer, for drop_pages.
+// Reads /proc/self/maps (~0.2 ms): once per MoE layer, for drop_range.
 std::vector<int64_t> file_mapping_bounds(torch::Tensor t) {
   if (!t.is_contiguous() || t.device().type() != torch::kCPU || t.nbytes() < 4096) return {0, 0};
   const Mapping m = find_mapping(t.data_ptr(), t.nbytes());
@@ -750,18 +750,11 @@ std::vector<int64_t> file_mapping_bounds(torch::Tensor t) {
   return {static_cast<int64_t>(m.lo), static_cast<int64_t>(m.hi)};
 }
 
-// release_file_pages without the mapping check, for a tensor the caller knows is a read-only file mapping (a MoE
-// expert of a GGUF file, found once per layer with file_mapping_bounds): evicting an expert costs one madvise. The range
-// is widened to whole `align`-byte units: the page cache holds files in large folios and a fault maps the whole
-// folio, neighbours included, so dropping only the tensor's own pages would leave its neighbours' mapped (a
-// neighbour still in use just faults back in). The caller keeps the range inside the mapping.
-void drop_pages(torch::Tensor t, int64_t align, int64_t map_lo, int64_t map_hi) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr()), u = static_cast<uintptr_t>(align);
-  const uintptr_t lo = std::max<uintptr_t>(a / u * u, static_cast<uintptr_t>(map_lo));
-  const uintptr_t hi = std::min<uintptr_t>((a + t.nbytes() + u - 1) / u * u, static_cast<uintptr_t>(map_hi));
-  TORCH_CHECK(lo >= static_cast<uintptr_t>(map_lo) && a + t.nbytes() <= static_cast<uintptr_t>(map_hi),
-              "drop_pages: tensor outside the mapping");
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+// Drop the whole 4 KB pages of [lo, hi), a range the caller knows lies in a read-only file mapping (the page-cache
+// folios of MoE experts no cached expert uses any more, turbospec/layers/moe.py): one madvise; the file keeps them.
+void drop_range(int64_t lo, int64_t hi) {
+  const uintptr_t a = (static_cast<uintptr_t>(lo) + 4095) / 4096 * 4096, b = static_cast<uintptr_t>(hi) / 4096 * 4096;
+  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
 }
 
 // Map a file-mapped tensor's pages into this process now (MADV_POPULATE_READ, else one read per page): an expert
@@ -851,7 +844,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hugepage_empty", &hugepage_empty, "uninitialised tensor in transparent-huge-page memory");
   m.def("in_arena", &in_arena, "whether a tensor lies in huge-page memory of this module");
   m.def("release_file_pages", &release_file_pages, "drop a file-mapped tensor's pages from this process");
-  m.def("drop_pages", &drop_pages, "drop a known file-mapped tensor's pages, widened to whole units, in a mapping");
+  m.def("drop_range", &drop_range, "drop the pages of an address range of a read-only file mapping");
   m.def("file_mapping_bounds", &file_mapping_bounds, "the file mapping that holds a tensor, (0, 0) if none");
   m.def("populate_pages", &populate_pages, "map a file-mapped tensor's pages in now");
   m.def("trim_heap", &trim_heap, "malloc_trim(0)");

@@ -5,15 +5,17 @@ expert.
 Experts are fetched through an `ExpertCache`: without a budget every expert is loaded once and stays; with one
 (`--moe-cache-mem`), an expert is loaded the first time a token routes to it and the least recently used experts
 are dropped when the budget is full. Loading a packed expert from a GGUF file is a view of the file's memory map
-(no copy: its pages are mapped in at once) and dropping it gives the whole 2 MiB page-cache folios around it back;
-the budget counts the experts' bytes, and the mapped pages run above it by the neighbours those folios bring in
-(docs/moe.md). Experts that need converting (float checkpoints, `--weights`) are converted on load.
+(no copy: its pages are mapped in at once). A fault on a file mapping maps the whole page-cache folio (up to
+2 MiB), neighbouring experts' bytes included, so such an expert is counted by the folios it lies in, each counted
+once however many cached experts share it, and a folio leaves this process when no cached expert uses it: the
+budget bounds the memory the experts occupy here. Experts that need converting (float checkpoints, `--weights`)
+are converted on load and counted by their bytes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,15 +54,19 @@ class ExpertStats:
 
 class ExpertCache:
     """The routed experts of every MoE layer of a model under one budget in bytes (None: no budget, every expert
-    stays once loaded). Least recently used experts are dropped first; `stats` counts lookups."""
+    stays once loaded). Least recently used experts are dropped first; `stats` counts lookups. `used`: the bytes
+    the cached experts occupy in this process: their own bytes, or for views of a file mapping the page-cache
+    folios they lie in (`FOLIO` bytes each, counted once)."""
 
     def __init__(self, budget: int | None = None):
         if budget is not None and budget < 0:
             raise ValueError("expert cache budget must be >= 0")
         self.budget = budget
         self.used = 0
-        # key -> (expert, bounds of the file mapping it is a view of, or None)
-        self.entries: OrderedDict[tuple[int, int], tuple[MLP, tuple[int, int] | None]] = OrderedDict()
+        # key -> (expert, bounds of the file mapping it is a view of or None, its folios there, its other bytes)
+        self.entries: OrderedDict[tuple[int, int], tuple[MLP, tuple[int, int] | None, tuple[int, ...], int]] = \
+            OrderedDict()
+        self.folios: Counter[int] = Counter()  # folio start address -> cached experts lying in it
         self.stats = ExpertStats()
         self._checks = 0
 
@@ -81,7 +87,7 @@ class ExpertCache:
 
     def get(self, key: tuple[int, int], load: Callable[[], MLP], mapped: tuple[int, int] | None = None) -> MLP:
         """The expert `key`, loaded by `load` on a miss; `mapped`: the bounds of the file mapping its weights are
-        views of (their pages are mapped in at once, and dropped from this process when it is evicted)."""
+        views of (their pages are mapped in at once, and leave this process with the last expert of their folios)."""
         entry = self.entries.get(key)
         if entry is not None:
             self.stats.hits += 1
@@ -89,23 +95,34 @@ class ExpertCache:
             return entry[0]
         self.stats.misses += 1
         mlp = load()
-        n = mlp.nbytes
-        self.stats.loaded_bytes += n
+        self.stats.loaded_bytes += mlp.nbytes
+        folios, own = _footprint(mlp, mapped)
         if self.budget is not None:
-            while self.entries and self.used + n > self.budget:
+            while self.entries and self.used + self._cost(folios, own) > self.budget:
                 self._evict()
+        self.used += self._cost(folios, own)
+        self.folios.update(folios)
         if mapped is not None:  # (every expert at load without a budget, as llama.cpp maps the whole file in)
-            _pages(mlp, "populate_pages")
-        self.entries[key] = (mlp, mapped)
-        self.used += n
+            _populate(mlp, mapped)
+        self.entries[key] = (mlp, mapped, folios, own)
         return mlp
 
+    def _cost(self, folios: tuple[int, ...], own: int) -> int:
+        """The bytes an expert adds: its folios no cached expert lies in yet, and its bytes outside the mapping."""
+        return own + FOLIO * sum(1 for f in folios if f not in self.folios)
+
     def _evict(self) -> None:
-        _, (mlp, mapped) = self.entries.popitem(last=False)
-        self.used -= mlp.nbytes
+        _, (_, mapped, folios, own) = self.entries.popitem(last=False)
+        self.used -= own
         self.stats.evictions += 1
-        if mapped is not None:  # its file pages leave this process (whole 2 MiB folios: see drop_pages)
-            _pages(mlp, "drop_pages", FOLIO, *mapped)
+        k = load_kernel()
+        for f in folios:
+            self.folios[f] -= 1
+            if self.folios[f] == 0:  # no cached expert lies in it: its pages leave this process
+                del self.folios[f]
+                self.used -= FOLIO
+                if k is not None and mapped is not None:
+                    k.drop_range(max(f, mapped[0]), min(f + FOLIO, mapped[1]))
 
     def clear(self) -> None:
         while self.entries:
@@ -220,19 +237,34 @@ class MoE:
         return n
 
 
-FOLIO = 2 << 20  # the largest page-cache folio a file's pages come in (see kernels/gemv.cpp drop_pages)
+FOLIO = 2 << 20  # the largest page-cache folio a file's pages come in: a fault maps it whole
 
 
-def _pages(mlp: MLP, what: str, *args) -> None:
-    """The kernel's `what` ("populate_pages", or "drop_pages" with (unit, map_lo, map_hi)) on each of the expert's
-    matrices in the file mapping (under tensor parallelism an expert's columns are a copy, outside it)."""
+def _footprint(mlp: MLP, mapped: tuple[int, int] | None) -> tuple[tuple[int, ...], int]:
+    """(the start addresses of the `FOLIO`-sized units of the file mapping `mapped` that the expert's matrices lie
+    in, counted from the mapping's start; the bytes of its matrices outside the mapping: all of them without one,
+    the copied columns of a tensor-parallel rank)."""
+    folios: set[int] = set()
+    own = 0
+    for lin in (*mlp.gate_up.parts, mlp.down):
+        w = lin.weight
+        a, n = w.data_ptr(), w.numel() * w.element_size()
+        if mapped is None or not mapped[0] <= a <= mapped[1] - n:
+            own += n
+            continue
+        lo = mapped[0]
+        folios.update(lo + i * FOLIO for i in range((a - lo) // FOLIO, (a + n - 1 - lo) // FOLIO + 1))
+    return tuple(sorted(folios)), own
+
+
+def _populate(mlp: MLP, mapped: tuple[int, int]) -> None:
+    """Map the expert's matrices that lie in the file mapping into this process now (one call each)."""
     k = load_kernel()
     if k is not None:
         for lin in (*mlp.gate_up.parts, mlp.down):
             w = lin.weight
-            if what == "drop_pages" and not args[1] <= w.data_ptr() <= args[2] - w.nbytes:
-                continue
-            getattr(k, what)(w, *args)
+            if mapped[0] <= w.data_ptr() <= mapped[1] - w.numel() * w.element_size():
+                k.populate_pages(w)
 
 
 def _meminfo() -> tuple[int | None, int]:
