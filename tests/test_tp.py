@@ -312,3 +312,17 @@ def test_a_dead_rank_ends_the_job(tmp_path):
             proc.communicate()
     assert proc.returncode != 0 and "rank      : 1" in out
     assert not ranks[0].is_running()
+
+
+@pytest.mark.parametrize("spec, match", [(SpecConfig(types=("medusa",)), "Medusa"),
+                                         (SpecConfig(types=("draft-mtp",), adaptive=True), "spec-adaptive")])
+def test_what_tensor_parallelism_refuses(monkeypatch, spec, match):
+    """Medusa heads (the whole LM head) and adaptive speculation (each rank would time its own steps and choose its
+    own draft lengths) are one-line errors under tensor parallelism, before anything loads."""
+    from turbospec.engine.build import load_parts
+    from turbospec.parallel import tp
+
+    monkeypatch.setattr(tp, "init_from_env", lambda: (0, 2))
+    monkeypatch.setattr(tp, "shard_view", lambda: (lambda cfg, ws: (cfg, ws)))
+    with pytest.raises(TurboSpecError, match=match):
+        load_parts(EngineConfig(model=str(BUNDLED), spec=spec))

@@ -57,6 +57,9 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
     if shard is not None and "medusa" in config.spec.types:
         raise TurboSpecError("Medusa heads read the whole LM head, which tensor parallelism splits: use draft-mtp, "
                              "ngram or a draft model under torchrun")
+    if shard is not None and config.spec.adaptive:  # each rank would time its own steps and choose its own drafts
+        raise TurboSpecError("--spec-adaptive is not available under tensor parallelism yet (the ranks would choose "
+                             "different draft lengths); drop it or use --tp 1")
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
         model = load_gguf(f, config.dtype, config.weights, budget, progress, shard)

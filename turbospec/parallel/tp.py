@@ -32,7 +32,7 @@ from turbospec.layers.moe import MoE
 from turbospec.model.config import HYBRID_ARCHS, MOE_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer
 from turbospec.model.loader import IndexedSource, WeightSource
-from turbospec.weights import consume, file_mapping, is_packed, packable, rows_of, trim_heap
+from turbospec.weights import consume, file_mapping, is_packed, packable, release, rows_of, trim_heap
 
 # a rank that dies ends the others' collectives with an error, not a hang
 TIMEOUT = timedelta(seconds=float(env.get("TURBOSPEC_TP_TIMEOUT", "120")))
@@ -198,7 +198,8 @@ class ShardedSource:
 
 def _part(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """`ranges` of `t` along `dim` (in values; a packed matrix's columns in whole blocks), put together: a view
-    when it is one range of rows of a file mapping (its other pages are never touched), else a tensor of its own."""
+    when it is one range of rows of a file mapping (its other pages are never touched), else a tensor of its own
+    (and the pages of `t` the copy touched, when `t` is a view of a file mapping, leave this process)."""
     if is_packed(t) and dim == 1:
         from turbospec.weights import format_of
 
@@ -210,7 +211,9 @@ def _part(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Ten
     parts = [t.narrow(dim, a, b - a) for a, b in ranges]
     if len(parts) == 1 and dim == 0 and file_mapping(t) is not None:
         return parts[0]
-    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+    out = torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone(memory_format=torch.contiguous_format)
+    release(t)
+    return out
 
 
 def shard_view(group=None) -> Callable[[ModelConfig, IndexedSource], tuple[ModelConfig, ShardedSource]]:
@@ -328,7 +331,7 @@ class ShmCollective(GlooCollective):
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > self.max_numel:
             return super().broadcast(x)
-        return self._exchange(x)[0, :x.numel()].view(x.shape).to(x.dtype)
+        return self._exchange(x)[0, :x.numel()].view(x.shape).to(x.dtype, copy=True)  # (the buffer is reused)
 
 
 def collective(group=None, max_numel: int = 1 << 18) -> GlooCollective:
