@@ -170,6 +170,20 @@ def test_split_must_divide(hf_models):
         shard_config(ModelConfig.from_dict(raw), 2)
 
 
+def test_stacked_gate_up_experts_split_by_halves(hf_models):
+    """transformers-5's stacked `experts.gate_up_proj` [E, 2I, H]: a rank takes its rows of the gate half and the
+    same rows of the up half (the tiny checkpoints store experts one by one, so no model test reaches this)."""
+    from turbospec.model.loader import WeightSource, load_config
+    from turbospec.parallel.tp import ShardedSource, shard_config
+
+    cfg = load_config(hf_models["qwen3"])
+    local = shard_config(cfg, 2)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    for rank, want in ((0, [(0, 16), (32, 48)]), (1, [(16, 32), (48, 64)])):
+        source = ShardedSource(WeightSource(hf_models["qwen3"]), rank, 2, local, cfg.num_kv_heads)
+        assert source._split(name, (32, 64)) == (0, want, (64, 64))
+
+
 def test_a_rank_reads_its_part_only(hf_models):
     """`WeightSource.shard` along rows and columns, in one range or several: the parts put back together are the
     stored tensor."""

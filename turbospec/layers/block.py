@@ -40,20 +40,16 @@ def kernel_for(x: torch.Tensor, norm: torch.Tensor):
 def fusable(x: torch.Tensor, mlp, norm: torch.Tensor, mixer):
     """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE) and whose projections are
     single matrices (no `SplitLinear`: the one-call kernels take one matrix each), else None."""
-    if not isinstance(mlp, MLP) or not all(isinstance(m, Linear | RowParallelLinear) and isinstance(_inner(m), Linear)
+    if not isinstance(mlp, MLP) or not all(isinstance(m.inner if isinstance(m, RowParallelLinear) else m, Linear)
                                            for m in (*mlp.linears(), *mixer.linears())):
         return None
     return kernel_for(x, norm)
 
 
-def _inner(m: Linear | RowParallelLinear) -> Linear:
-    return m.inner if isinstance(m, RowParallelLinear) else m
-
-
-def split(mlp: MLP, mixer) -> bool:
-    """Whether the layer's output or down projection is one part of a tensor-parallel sum (`RowParallelLinear`):
-    then its kernels run up to each sum, which the projection does between them."""
-    return isinstance(mlp.down, RowParallelLinear) or any(isinstance(m, RowParallelLinear) for m in mixer.linears())
+def split(*projections) -> bool:
+    """Whether one of a layer's output / down `projections` is one part of a tensor-parallel sum
+    (`RowParallelLinear`): then its kernels run up to each sum, which the projection does between them."""
+    return any(isinstance(p, RowParallelLinear) for p in projections)
 
 
 def fusable_moe(x: torch.Tensor, moe, norm: torch.Tensor, mixer):
@@ -102,7 +98,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                     eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache,
                     layer: int) -> torch.Tensor:
     """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`)."""
-    if _one_call(attn, plan, cache) and split(mlp, attn):  # the attention in one call, then out_mlp's parts
+    if _one_call(attn, plan, cache) and split(attn.o, mlp.down):  # the attention in one call, then out_mlp's parts
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
@@ -139,7 +135,7 @@ def out_mlp(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, m
             eps: float, zc: bool) -> torch.Tensor:
     """x1 = x + o(a * sigmoid(gate)); x1 + mlp(norm(x1)). With a tensor-parallel output or down projection: the
     gate, each projection with its sum, the norm with the gate/up product (one call) and SwiGLU."""
-    if isinstance(o, RowParallelLinear) or isinstance(mlp.down, RowParallelLinear):
+    if split(o, mlp.down):
         if gate is not None:
             a = a * torch.sigmoid(gate)
         x = x + o(a)

@@ -244,27 +244,30 @@ def _footprint(mlp: MLP, mapped: tuple[int, int] | None) -> tuple[tuple[int, ...
     """(the start addresses of the `FOLIO`-sized units of the file mapping `mapped` that the expert's matrices lie
     in, counted from the mapping's start; the bytes of its matrices outside the mapping: all of them without one,
     the copied columns of a tensor-parallel rank)."""
+    inside = _in_mapping(mlp, mapped)
     folios: set[int] = set()
-    own = 0
-    for lin in (*mlp.gate_up.parts, mlp.down):
-        w = lin.weight
-        a, n = w.data_ptr(), w.numel() * w.element_size()
-        if mapped is None or not mapped[0] <= a <= mapped[1] - n:
-            own += n
-            continue
-        lo = mapped[0]
-        folios.update(lo + i * FOLIO for i in range((a - lo) // FOLIO, (a + n - 1 - lo) // FOLIO + 1))
-    return tuple(sorted(folios)), own
+    for w in inside:
+        a, lo = w.data_ptr(), mapped[0]  # (mapped is not None when anything is inside)
+        folios.update(lo + i * FOLIO for i in range((a - lo) // FOLIO, (a + _nbytes(w) - 1 - lo) // FOLIO + 1))
+    return tuple(sorted(folios)), mlp.nbytes - sum(_nbytes(w) for w in inside)
 
 
 def _populate(mlp: MLP, mapped: tuple[int, int]) -> None:
     """Map the expert's matrices that lie in the file mapping into this process now (one call each)."""
     k = load_kernel()
     if k is not None:
-        for lin in (*mlp.gate_up.parts, mlp.down):
-            w = lin.weight
-            if mapped[0] <= w.data_ptr() <= mapped[1] - w.numel() * w.element_size():
-                k.populate_pages(w)
+        for w in _in_mapping(mlp, mapped):
+            k.populate_pages(w)
+
+
+def _in_mapping(mlp: MLP, mapped: tuple[int, int] | None) -> list[torch.Tensor]:
+    """The expert's matrices that lie in the file mapping `mapped` (none without one)."""
+    ws = [lin.weight for lin in (*mlp.gate_up.parts, mlp.down)]
+    return [] if mapped is None else [w for w in ws if mapped[0] <= w.data_ptr() <= mapped[1] - _nbytes(w)]
+
+
+def _nbytes(w: torch.Tensor) -> int:
+    return w.numel() * w.element_size()
 
 
 def _meminfo() -> tuple[int | None, int]:

@@ -124,7 +124,7 @@ class HybridLayer:
         conv, ssm = cache.gdn_state(self.slot)
         gdn = self.mixer
         if (k is not None and cache.track_all_states and load_gdn_kernel() is not None
-                and gdn.out_tiling == 1 and not block.split(self.mlp, gdn)):  # the layer in one call
+                and gdn.out_tiling == 1 and not block.split(gdn.out, self.mlp.down)):  # the layer in one call
             par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
             x, window, states = k.gdn_layer(
                 x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,

@@ -147,12 +147,16 @@ class WeightSource(IndexedSource):
         except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
             raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
 
-    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _mapped(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a view of its file's mapping (nothing read yet)."""
         f = self._file_of(name)
         try:
-            t = self._open(f).get_tensor(name)
+            return self._open(f).get_tensor(name)
         except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
             raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
+
+    def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self._mapped(name)
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies {shape}")
         if dtype is not None and t.dtype != dtype:
@@ -165,11 +169,7 @@ class WeightSource(IndexedSource):
         `dtype` (None: as stored): tensor parallelism's per-rank load. Only those bytes are copied out of the file
         mapping (along dim 1, each row's part) and the pages touched are dropped after, so a rank's memory holds its
         parts alone. `shape`: the whole tensor's, as the config implies."""
-        f = self._file_of(name)
-        try:
-            t = self._open(f).get_tensor(name)  # a view of the file mapping: nothing read yet
-        except Exception as e:  # noqa: BLE001 -- any read failure becomes a one-line error
-            raise TurboSpecError(f"{f.name}: cannot read tensor {name!r} ({_one_line(e)})") from None
+        t = self._mapped(name)
         if tuple(t.shape) != tuple(shape):
             raise TurboSpecError(f"shape mismatch for {name!r}: file has {tuple(t.shape)}, config implies "
                                  f"{tuple(shape)}")

@@ -32,7 +32,16 @@ from turbospec.layers.moe import MoE
 from turbospec.model.config import HYBRID_ARCHS, MOE_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer
 from turbospec.model.loader import IndexedSource, WeightSource
-from turbospec.weights import consume, file_mapping, is_packed, packable, release, rows_of, trim_heap
+from turbospec.weights import (
+    consume,
+    file_mapping,
+    format_of,
+    is_packed,
+    packable,
+    release,
+    rows_of,
+    trim_heap,
+)
 
 # a rank that dies ends the others' collectives with an error, not a hang
 TIMEOUT = timedelta(seconds=float(env.get("TURBOSPEC_TP_TIMEOUT", "120")))
@@ -44,6 +53,7 @@ ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_pro
         ".A_log", ".dt_bias", "experts.gate_proj", "experts.up_proj")
 COLUMNS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")
 QKV_ROWS = ("in_proj_qkv.weight", "conv1d.weight")  # [q | k | v]: each of the three split by heads
+GATE_UP_ROWS = ("experts.gate_up_proj",)  # one expert's [gate | up]: each half split
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 KV_ROWS = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
@@ -139,6 +149,8 @@ class ShardedSource:
             d = self.local.linear_dims()
             key, value = d["num_k_heads"] * d["k_head_dim"], d["num_v_heads"] * d["v_head_dim"]
             dim, parts = 0, [key, key, value]
+        elif name.endswith(GATE_UP_ROWS):
+            dim, parts = 0, [shape[0] // 2] * 2
         elif name.endswith(ROWS):
             dim, parts = 0, [shape[0]]
         elif name.endswith(COLUMNS):
@@ -158,7 +170,7 @@ class ShardedSource:
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         split = None if shape is None else self._split(name, shape)
         if split is None:
-            if shape is None and name.endswith(ROWS + COLUMNS + QKV_ROWS + VOCAB):
+            if shape is None and name.endswith(ROWS + COLUMNS + QKV_ROWS + GATE_UP_ROWS + VOCAB):
                 raise TurboSpecError(f"{name}: a split tensor is read with its local shape")
             return self.source.get(name, dtype, shape)
         dim, ranges, whole = split
@@ -184,15 +196,10 @@ class ShardedSource:
         return _part(t, dim, ranges)
 
     def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        if name.endswith("experts.gate_up_proj"):  # [gate | up] of one expert: each half split
-            n = shape[0] // 2
-            dim, ranges, whole = 0, [(self.rank * n, (self.rank + 1) * n)], (shape[0] * self.ranks, shape[1])
-            ranges.append((whole[0] // 2 + ranges[0][0], whole[0] // 2 + ranges[0][1]))
-        else:
-            split = self._split(name, shape)
-            if split is None:
-                return self.source.expert_matrix(name, index, dtype, shape)
-            dim, ranges, whole = split
+        split = self._split(name, shape)
+        if split is None:
+            return self.source.expert_matrix(name, index, dtype, shape)
+        dim, ranges, whole = split
         return _part(self.source.expert_matrix(name, index, dtype, whole), dim, ranges)
 
 
@@ -201,8 +208,6 @@ def _part(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Ten
     when it is one range of rows of a file mapping (its other pages are never touched), else a tensor of its own
     (and the pages of `t` the copy touched, when `t` is a view of a file mapping, leave this process)."""
     if is_packed(t) and dim == 1:
-        from turbospec.weights import format_of
-
         step = format_of(t).block_values
         if any(a % step or b % step for a, b in ranges):
             raise TurboSpecError(f"a rank's columns of a {format_of(t).name} matrix must be whole {step}-value "
