@@ -253,7 +253,9 @@ torch::Tensor hadamard_rows(torch::Tensor x, torch::Tensor s1, torch::Tensor s2,
   return y;
 }
 
+#ifndef TURBOSPEC_EMBED_ENCODE  // gemv.cpp includes this file for its one-call decode step over a packed cache
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_into", &encode_into, "encode K/V rows into a packed KV cache's buffers");
   m.def("hadamard_rows", &hadamard_rows, "blockwise randomized Hadamard rotation (or its inverse) of rows");
 }
+#endif

@@ -114,5 +114,5 @@ def load_kernel():
     goes into the build flags, so that torch rebuilds the module when any of the files changes. Cached: callers (RMSNorm, every
     `Linear`) ask per call."""
     here = Path(__file__).parent
-    deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp", "quant.cpp", "bf16dot.cpp"))).hexdigest()[:16]
+    deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp", "quant.cpp", "bf16dot.cpp", "encode.cpp"))).hexdigest()[:16]
     return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

@@ -32,6 +32,7 @@ from turbospec.kernels import encode as encoder
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
+from turbospec.kv.hadamard import rot_block_for
 from turbospec.kv.plan import AttentionPlan
 
 DEFAULT_BLOCK = 1024
@@ -226,6 +227,31 @@ class QuantKVCache(CachePositions):
         """Per layer, the K and V buffers in the attention kernel's field order (needs `_kernel_specs`)."""
         ks, vs = self._kernel_specs
         return [([self.k[f][i] for f in ks[2]], [self.v[f][i] for f in vs[2]]) for i in range(self.num_layers)]
+
+    def step_args(self, layer: int) -> tuple | None:
+        """The K and V arguments of the kernels' one-call decode step over this cache (`layer_packed` /
+        `attn_packed` in kernels/gemv.cpp: per format its ints (kind, bits, width, norm mode), tables and this
+        layer's buffers), or None when a format has no C++ encoder or attention path here."""
+        sides = self._step_sides
+        return None if sides is None else sides[layer]
+
+    @cached_property
+    def _step_sides(self) -> list[tuple] | None:
+        specs = self._encode_specs
+        if self._kernel_specs is None or specs is None or None in specs:
+            return None
+        d = self.head_dim
+        for fmt, spec in zip((self.k_fmt, self.v_fmt), specs):
+            if spec.width != fmt.padded_dim(d) or (fmt.rotated and spec.s1.numel() != rot_block_for(d)):
+                return None  # not the widths and rotation blocks the general path uses
+        out = []
+        for layer in range(self.num_layers):
+            args: tuple = ()
+            for spec, fields in zip(specs, self._encode_fields[layer]):
+                args += ([spec.kind, spec.bits, spec.width, spec.norm_mode], [spec.cent, spec.bounds, spec.s1, spec.s2],
+                         fields)
+            out.append(args)
+        return out
 
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
         """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel."""

@@ -19,6 +19,7 @@ from turbospec import env
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear, RowParallelLinear, skinny_rows
 from turbospec.layers.moe import MoE
@@ -65,7 +66,9 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
     """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
     `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
     `moe_tail`."""
-    if _one_call(attn, plan, cache):
+    if (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
+        a, gate = r
+    elif _one_call(attn, plan, cache):
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
@@ -104,6 +107,16 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
                                plan.parents if plan.mask is not None else [])
         return out_mlp(k, x, a, attn.split(qkv, x.shape[0])[3], attn.o, mlp, post_norm, eps, zc)
+    if _packed_step(x, attn, plan, cache):
+        if not split(attn.o, mlp.down):
+            out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+                                 rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
+                                 cache.length, cache.base, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
+                                 post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
+            if out is not None:
+                return out
+        elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
+            return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
     if _one_call(attn, plan, cache):
         return k.layer_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
@@ -119,6 +132,27 @@ def _one_call(attn: Attention, plan: AttentionPlan, cache) -> bool:
     kernel call (`layer_decode`, `attn_decode`), each row equal to the single-token step that decodes it."""
     return ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
             and plan.start == cache.length)
+
+
+def _packed_step(x: torch.Tensor, attn: Attention, plan: AttentionPlan, cache) -> bool:
+    """One decode token over a packed cache whose formats the kernels encode and read: the step's K/V stored and
+    the attention run inside one kernel call (`layer_packed`, `attn_packed`), as `QuantKVCache.attend` computes
+    them (the same bytes in the cache, the same output)."""
+    return (x.shape[0] == 1 and plan.mask is None and isinstance(cache, QuantKVCache) and attn.hd % 8 == 0
+            and plan.start == cache.length and cache.step_args(0) is not None)
+
+
+def _packed_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
+                      rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache, layer: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(attention output [1, H*D], output gate or None) of one decode token over a packed cache in one call, or
+    None: not such a step, or a K/V value that is not finite (the general path then raises the error)."""
+    if not _packed_step(x, attn, plan, cache):
+        return None
+    r = k.attn_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0], rope[1],
+                      attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer), cache.length, cache.base,
+                      1.0 / math.sqrt(attn.hd))
+    return (r[0], attn.split(r[1], 1)[3]) if r else None
 
 
 def _attend(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
