@@ -1,0 +1,71 @@
+"""KV formats against f16 through the real path: `turbospec bench` (prefill to the depth, then decode), one process
+per run, the types interleaved within each round, the median of each round's ratio to f16 (issue #26 item 5's
+measurement). The benchmark shape (`models/demo-qwen3`, made if missing) in float16 by default.
+
+    python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
+
+
+def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int) -> float:
+    """decode t/s of one `turbospec bench` run (its median over `reps` repetitions)."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p", "16",
+               "-n", str(gen), "-r", str(reps), "-c", str(depth + gen + 64), "-ctk", kv, "-ctv", kv, "-q",
+               "--out", out]
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return json.loads((Path(out) / "report.json").read_text())["rows"][0]["decode_tps"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/demo-qwen3")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--types", nargs="*", default=TYPES)
+    ap.add_argument("--depths", type=int, nargs="*", default=[512, 8192, 32768])
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not (ROOT / a.model / "config.json").exists():
+        from turbospec.demo import make_demo_model
+
+        make_demo_model(ROOT / a.model)
+    if "f16" not in a.types:
+        a.types = ["f16", *a.types]
+    rows = []
+    for depth in a.depths:
+        tps: dict[str, list[float]] = {t: [] for t in a.types}
+        for r in range(a.rounds):
+            for t in a.types:
+                tps[t].append(bench(a.model, a.dtype, t, depth, a.gen, a.reps))
+            print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f}" for t, v in tps.items()), flush=True)
+        for t in a.types:
+            ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
+            rows.append({"type": t, "depth": depth, "decode_tps": statistics.median(tps[t]), "runs": tps[t],
+                         "ratio_vs_f16": statistics.median(ratios), "ratios": ratios})
+    print(f"\n{'type':>8} {'depth':>6} {'t/s':>8} {'x f16':>6}")
+    for row in rows:
+        print(f"{row['type']:>8} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}")
+    if a.out:
+        meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
+                "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds}
+        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
