@@ -25,7 +25,9 @@ def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int) -> f
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p", "16",
                "-n", str(gen), "-r", str(reps), "-c", str(depth + gen + 64), "-ctk", kv, "-ctv", kv, "-q",
                "--out", out]
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
         return json.loads((Path(out) / "report.json").read_text())["rows"][0]["decode_tps"]
 
 
