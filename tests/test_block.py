@@ -117,11 +117,20 @@ def test_mtp_input_fused_matches_op_by_op(tmp_path, dtype, monkeypatch):
     assert (outs[True] - outs[False]).abs().max().item() <= tol * max(scale, 1.0)
 
 
+KV = [None, ("tbq4_0", "tbq4_0"), ("q4_0", "q8_0"), ("turbo3", "turbo4")]  # None: the plain cache
+
+
+def new_cache(model, n: int, kv):
+    return model.new_cache(n) if kv is None else model.new_cache(n, k_type=kv[0], v_type=kv[1])
+
+
+@pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_chain_verification_rows_equal_single_steps_bit_for_bit(dtype):
-    """A k-token causal step over a plain cache gives each row exactly the hidden state of decoding that token alone
-    at its position (same tiles, same order), also where the rows straddle a 256-position attention tile, so
-    verifying a draft chain reproduces token-by-token decoding."""
+def test_chain_verification_rows_equal_single_steps_bit_for_bit(dtype, kv):
+    """A k-token causal step over a plain or packed cache gives each row exactly the hidden state of decoding that
+    token alone at its position (same tiles, same order), also where the rows straddle a 256-position attention tile,
+    so verifying a draft chain reproduces token-by-token decoding; a packed cache also from a base position (an MTP
+    drafter's cache skips a prompt prefix)."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
@@ -131,11 +140,13 @@ def test_chain_verification_rows_equal_single_steps_bit_for_bit(dtype):
     ids = torch.randint(3, 900, (520,), generator=torch.Generator().manual_seed(5))
     for start in (40, 253, 509):
         for k in (2, 7):
-            one = model.new_cache(520)
-            many = model.new_cache(520)
+            base = 0 if kv is None else start % 37
+            one = new_cache(model, 520, kv)
+            many = new_cache(model, 520, kv)
             for c in (one, many):
                 model.forward(ids[:start], AttentionPlan.causal(0, start), c)
                 c.commit()
+                c.base = base
             rows = []
             for t in range(start, start + k):
                 rows.append(model.forward(ids[t:t + 1], AttentionPlan.causal(t, 1), one))
@@ -144,8 +155,9 @@ def test_chain_verification_rows_equal_single_steps_bit_for_bit(dtype):
             assert torch.equal(got, torch.cat(rows)), (start, k)
 
 
+@pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tree_verification_rows_equal_single_steps_bit_for_bit(dtype):
+def test_tree_verification_rows_equal_single_steps_bit_for_bit(dtype, kv):
     """Each row of a draft tree verified over a plain cache equals decoding its branch token by token, also where a
     branch straddles a 256-position attention tile: trees stay exact like chains (greedy speculation with trees is
     plain decoding in every dtype)."""
@@ -161,7 +173,7 @@ def test_tree_verification_rows_equal_single_steps_bit_for_bit(dtype):
     parents = [-1, 0, 1, 0, 3, 2, 1]
     tree_ids = torch.randint(3, 900, (len(parents),), generator=g)
     for start in (40, 250, 255, 509):
-        many = model.new_cache(530)
+        many = new_cache(model, 530, kv)
         model.forward(ids[:start], AttentionPlan.causal(0, start), many)
         many.commit()
         got = model.forward(tree_ids, AttentionPlan.tree(start, parents), many)
@@ -169,7 +181,7 @@ def test_tree_verification_rows_equal_single_steps_bit_for_bit(dtype):
             return (branch(parents[i]) if parents[i] >= 0 else []) + [i]
 
         for i in range(len(parents)):
-            one = model.new_cache(530)
+            one = new_cache(model, 530, kv)
             model.forward(ids[:start], AttentionPlan.causal(0, start), one)
             one.commit()
             for d, node in enumerate(branch(i)):

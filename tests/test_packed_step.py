@@ -1,6 +1,7 @@
 """One decode token over a packed KV cache in one kernel call (`layer_packed` / `attn_packed`, turbospec/layers/
 block.py) against the general path (`attn_in`, `QuantKVCache.attend`, `out_mlp`): the same logits and the same
-cache bytes, bit for bit, for every format the kernels encode, dense and hybrid (gated attention) targets."""
+cache bytes, bit for bit, for every format the kernels encode, dense and hybrid (gated attention) targets.
+(Verification rows through the same call equal single steps: tests/test_block.py.)"""
 
 import pytest
 import torch
@@ -19,8 +20,10 @@ _packed_step = block._packed_step
 
 
 def decode(model, ids, kt, vt, monkeypatch, one_call: bool, base: int = 0):
-    """Prefill 40 tokens, then decode 6 single tokens: their logits and the cache."""
-    monkeypatch.setattr(block, "_packed_step", _packed_step if one_call else (lambda *a: False))
+    """Prefill 40 tokens, then decode 6 single tokens (`one_call`: through the one-call step, else the general
+    path; the prefill the same way both times): their logits and the cache."""
+    general = (lambda x, *a: x.shape[0] > 1 and _packed_step(x, *a))
+    monkeypatch.setattr(block, "_packed_step", _packed_step if one_call else general)
     cache = model.new_cache(64, k_type=kt, v_type=vt)
     model.forward(ids[:40], AttentionPlan.causal(0, 40), cache)
     cache.commit()

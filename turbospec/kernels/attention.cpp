@@ -623,107 +623,104 @@ void put_row_any(const T* src, torch::Tensor& cache, int64_t h, int64_t pos, int
 
 constexpr int64_t TILE = 256;  // positions per tile of a decode step (as attend_partial's callers use)
 
-template <typename T>
-torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
-                            int64_t nkv, int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents) {
-  const int64_t n = qkv.size(0), width = qkv.size(1);
-  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride, g = nh / nkv;
-  for (int64_t i = 0; i < n; ++i) {
-    const T* row = qkv.data_ptr<T>() + i * width;
-    for (int64_t h = 0; h < nkv; ++h) {
-      put_row_any(row + q_width + h * hd, kc, h, pos + i, hd);
-      put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos + i, hd);
-    }
-  }
-  const int64_t kind_k = plain_kind(kc.scalar_type()), kind_v = plain_kind(vc.scalar_type());
-  auto none = torch::empty({0});
-  const Source ks = make_source(kind_k, 0, hd, {kc}, none), vs = make_source(kind_v, 0, hd, {vc}, none);
-  auto out = torch::empty({n, nh * hd}, qkv.options());
-  const float sc = static_cast<float>(scale);
-  auto q_of = [&](int64_t i, int64_t h, float* dst) {  // token i's query heads of KV head h, scaled
-    const T* row = qkv.data_ptr<T>() + i * width;
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t c = 0; c < hd; ++c) dst[j * hd + c] = static_cast<float>(row[(h * g + j) * q_stride + c]) * sc;
-  };
+// A field's bytes per position (the inner dims of a [heads, positions, ...] buffer).
+inline int64_t row_bytes(const torch::Tensor& f) {
+  return f.numel() / std::max<int64_t>(1, f.size(0) * f.size(1)) * f.element_size();
+}
+
+// The attention rows of a decode or verification step of n tokens whose K/V are already in the cache at
+// [pos, pos + n): q float32 [n, nh, kw] (scaled; rotated where K is rotated), fields [KVH, T, ...] of any format
+// (plain or packed, as make_source reads them). Row i equals the single-token step that decodes it: attend_core over
+// [base, pos + i + 1) in tiles of TILE from `base` (a tree: parents[i] < i, -1 for the context; row i attends to
+// [base, pos) and its ancestors, the positions its own step would see). Writes out float32 [n, nh, dv] (acc / l).
+// The whole tiles below the step are the same for every token: computed once for all n x g rows (the cache read
+// once, not n times); each token's last tile(s) on their own, merged in the single step's order.
+void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, int64_t k_kind, int64_t k_bits,
+               const std::vector<torch::Tensor>& k_fields, const torch::Tensor& k_cent, int64_t v_kind, int64_t v_bits,
+               int64_t dv, const std::vector<torch::Tensor>& v_fields, const torch::Tensor& v_cent, int64_t pos,
+               int64_t base, const std::vector<int64_t>& parents, float* out) {
+  const int64_t g = nh / nkv;
+  const Source ks = make_source(k_kind, k_bits, kw, k_fields, k_cent), vs = make_source(v_kind, v_bits, dv, v_fields, v_cent);
   const bool tree = !parents.empty();
-  if (n == 1 && !tree) {  // decode: one call over [0, pos]
-    std::vector<float> qp(nh * hd), m(nh), l(nh), acc(nh * hd);
-    for (int64_t h = 0; h < nkv; ++h) q_of(0, h, qp.data() + h * g * hd);
-    attend_core(qp.data(), nkv, g, hd, ks, kind_k, 0, vs, kind_v, 0, 0, pos + 1, TILE, m.data(), l.data(), acc.data());
-    T* op = out.data_ptr<T>();
+  if (n == 1 && !tree) {  // decode: one call over [base, pos]
+    std::vector<float> m(nh), l(nh), acc(nh * dv);
+    attend_core(q, nkv, g, kw, ks, k_kind, k_bits, vs, v_kind, v_bits, base, pos + 1, TILE, m.data(), l.data(),
+                acc.data());
     for (int64_t h = 0; h < nh; ++h)
-      for (int64_t j = 0; j < hd; ++j) op[h * hd + j] = static_cast<T>(acc[h * hd + j] / l[h]);
-    return out;
+      for (int64_t j = 0; j < dv; ++j) out[h * dv + j] = acc[h * dv + j] / l[h];
+    return;
   }
-  // Token i attends to [0, pos + i]: the tiles of a single decode step at that position, merged in the same order,
-  // so each row equals that step bit for bit. The whole tiles below pos + 1 are the same for every token: they are
-  // computed once for all n x g rows (the cache read once, not n times); each token's last tile(s) on their own.
-  // A tree (parents[i]: the row before row i, -1: the context) puts row i at position pos + depth(i) of the step
-  // that would decode it: its last tiles read the context's tail and its ancestors, gathered in that order.
   std::vector<int64_t> depth(n, 0);
   for (int64_t i = 0; i < n && tree; ++i) {
     TORCH_CHECK(parents[i] < i, "tree rows must come after their parents");
     depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
   }
   auto end_of = [&](int64_t i) { return pos + (tree ? depth[i] : i) + 1; };  // keys of row i's single step
-  const int64_t shared = (tree ? pos : pos + 1) / TILE * TILE, st = shared / TILE, rows = n * g;
-  const int64_t rows4 = (rows + 3) / 4 * 4, g4 = (g + 3) / 4 * 4;
+  const int64_t shared = base + ((tree ? pos : pos + 1) - base) / TILE * TILE, st = (shared - base) / TILE;
+  const int64_t rows = n * g, rows4 = (rows + 3) / 4 * 4, g4 = (g + 3) / 4 * 4;
   // tree: row i's keys/values from `shared` on as its single step sees them (the context's tail, then its
-  // ancestors root first), copied into head i * nkv + h of one scratch pair
-  torch::Tensor tail_kc, tail_vc;
+  // ancestors root first), copied field by field into head i * nkv + h of scratch buffers
+  std::vector<torch::Tensor> tail_kf, tail_vf;
   Source tail_k, tail_v;
   if (tree) {
     const int64_t ctx_tail = pos - shared;
     const int64_t len = ctx_tail + *std::max_element(depth.begin(), depth.end()) + 1;
-    tail_kc = torch::empty({n * nkv, len, hd}, kc.options());
-    tail_vc = torch::empty({n * nkv, len, hd}, vc.options());
     std::vector<int64_t> anc;
-    for (int64_t i = 0; i < n; ++i) {
-      anc.clear();
-      for (int64_t a = i; a >= 0; a = parents[a]) anc.push_back(pos + a);
-      std::reverse(anc.begin(), anc.end());
-      for (const torch::Tensor* pair : {&kc, &vc}) {
-        const torch::Tensor& src = *pair;
-        torch::Tensor& dst = pair == &kc ? tail_kc : tail_vc;
-        const int64_t es = src.element_size(), row = hd * es;
-        for (int64_t h = 0; h < nkv; ++h) {
-          const char* from = static_cast<const char*>(src.data_ptr()) + h * src.stride(0) * es;
-          char* to = static_cast<char*>(dst.data_ptr()) + (i * nkv + h) * len * row;
-          for (int64_t s = shared; s < pos; ++s) std::memcpy(to + (s - shared) * row, from + s * src.stride(1) * es, row);
-          for (size_t d = 0; d < anc.size(); ++d)
-            std::memcpy(to + (ctx_tail + d) * row, from + anc[d] * src.stride(1) * es, row);
+    for (const std::vector<torch::Tensor>* side : {&k_fields, &v_fields}) {
+      std::vector<torch::Tensor>& dst_fields = side == &k_fields ? tail_kf : tail_vf;
+      for (const torch::Tensor& src : *side) {
+        const int64_t rb = row_bytes(src), es = src.element_size();
+        torch::Tensor dst = torch::empty({n * nkv, len, rb}, torch::kByte);
+        for (int64_t i = 0; i < n; ++i) {
+          anc.clear();
+          for (int64_t a = i; a >= 0; a = parents[a]) anc.push_back(pos + a);
+          std::reverse(anc.begin(), anc.end());
+          for (int64_t h = 0; h < nkv; ++h) {
+            const char* from = static_cast<const char*>(src.data_ptr()) + h * src.stride(0) * es;
+            char* to = static_cast<char*>(dst.data_ptr()) + (i * nkv + h) * len * rb;
+            for (int64_t s = shared; s < pos; ++s) std::memcpy(to + (s - shared) * rb, from + s * src.stride(1) * es, rb);
+            for (size_t d = 0; d < anc.size(); ++d)
+              std::memcpy(to + (ctx_tail + d) * rb, from + anc[d] * src.stride(1) * es, rb);
+          }
         }
+        dst_fields.push_back(dst);
       }
     }
-    tail_k = make_source(kind_k, 0, hd, {tail_kc}, none);
-    tail_v = make_source(kind_v, 0, hd, {tail_vc}, none);
+    tail_k = make_source(k_kind, k_bits, kw, tail_kf, k_cent);
+    tail_v = make_source(v_kind, v_bits, dv, tail_vf, v_cent);
   }
-  const ScoreFn score = pick<ScorePick>(kind_k, 0);
-  const AccFn accumulate = pick<AccPick>(kind_v, 0);
-  std::vector<float> qa(nkv * rows4 * hd, 0.0f), qt(nkv * n * g4 * hd, 0.0f);
+  const ScoreFn score = pick<ScorePick>(k_kind, k_bits);
+  const AccFn accumulate = pick<AccPick>(v_kind, v_bits);
+  // qa: the shared tiles' rows [nkv, rows4, kw] (row i * g + j: token i, query head j of the group); qt: each
+  // token's own rows [nkv, n, g4, kw]
+  std::vector<float> qa(nkv * rows4 * kw, 0.0f), qt(nkv * n * g4 * kw, 0.0f);
   for (int64_t h = 0; h < nkv; ++h)
     for (int64_t i = 0; i < n; ++i) {
-      q_of(i, h, qa.data() + (h * rows4 + i * g) * hd);
-      q_of(i, h, qt.data() + ((h * n + i) * g4) * hd);
+      const float* src = q + (i * nh + h * g) * kw;
+      std::copy(src, src + g * kw, qa.begin() + (h * rows4 + i * g) * kw);
+      std::copy(src, src + g * kw, qt.begin() + ((h * n + i) * g4) * kw);
     }
-  const std::vector<float> zsum(4, 0.0f);  // plain caches: no per-block offsets
+  // per-K-block sums of the rows (q4_0 / tbq4_0 keys' offset; empty steps for the other kinds)
+  const std::vector<float> qsum_a = block_sums(qa.data(), nkv, rows4, kw, k_kind);
+  const std::vector<float> qsum_t = block_sums(qt.data(), nkv * n, g4, kw, k_kind);
+  const int64_t qstep = qsum_group_step(k_kind, kw);
   // tail tiles of token i: [shared, end_of(i)) in tiles of TILE (1 or 2)
   std::vector<int64_t> tail_first(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (end_of(i) - shared + TILE - 1) / TILE;
   const int64_t tails = tail_first[n];
-  std::vector<float> sm(nkv * st * rows4), sl(nkv * st * rows4), sa(nkv * st * rows4 * hd);
-  std::vector<float> tm(nkv * tails * g4), tl(nkv * tails * g4), ta(nkv * tails * g4 * hd);
+  std::vector<float> sm(nkv * st * rows4), sl(nkv * st * rows4), sa(nkv * st * rows4 * dv);
+  std::vector<float> tm(nkv * tails * g4), tl(nkv * tails * g4), ta(nkv * tails * g4 * dv);
   at::parallel_for(0, nkv * (st + tails), 1, [&](int64_t t0, int64_t t1) {
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ | DAZ, as attend_core
-    std::vector<float> scr(rows4 * TILE), pn(4 * TILE);
+    std::vector<float> scr(std::max(rows4, g4) * TILE), pn(4 * TILE);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task / (st + tails), j = task % (st + tails);
       if (j < st) {
         const int64_t at = h * st + j;
-        tile_partial(ks, vs, score, accumulate, h, j * TILE, (j + 1) * TILE, qa.data() + h * rows4 * hd, zsum.data(),
-                     0, rows4, hd, TILE, scr.data(), pn.data(), sm.data() + at * rows4, sl.data() + at * rows4,
-                     sa.data() + at * rows4 * hd);
+        tile_partial(ks, vs, score, accumulate, h, base + j * TILE, base + (j + 1) * TILE, qa.data() + h * rows4 * kw,
+                     qsum_a.data() + h * (rows4 / 4) * qstep, qstep, rows4, kw, TILE, scr.data(), pn.data(),
+                     sm.data() + at * rows4, sl.data() + at * rows4, sa.data() + at * rows4 * dv);
       } else {
         const int64_t u = j - st;
         int64_t i = 0;
@@ -731,40 +728,66 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
         const int64_t s0 = shared + (u - tail_first[i]) * TILE, s1 = std::min(end_of(i), s0 + TILE);
         const int64_t at = h * tails + u, off = tree ? shared : 0;  // tree tails are gathered from `shared` on
         tile_partial(tree ? tail_k : ks, tree ? tail_v : vs, score, accumulate, tree ? i * nkv + h : h, s0 - off,
-                     s1 - off, qt.data() + ((h * n + i) * g4) * hd, zsum.data(), 0, g4, hd, TILE, scr.data(), pn.data(),
-                     tm.data() + at * g4, tl.data() + at * g4, ta.data() + at * g4 * hd);
+                     s1 - off, qt.data() + ((h * n + i) * g4) * kw, qsum_t.data() + (h * n + i) * (g4 / 4) * qstep,
+                     qstep, g4, kw, TILE, scr.data(), pn.data(), tm.data() + at * g4, tl.data() + at * g4,
+                     ta.data() + at * g4 * dv);
       }
     }
     _mm_setcsr(csr);
   });
   // merge each row's tiles in order: its partials gathered into one table, as attend_core merges them
-  std::vector<float> pm, pl, pa, acc(hd);
+  std::vector<float> pm, pl, pa, acc(dv);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t nt = st + tail_first[i + 1] - tail_first[i];
     pm.assign(nt, 0.0f);
     pl.assign(nt, 0.0f);
-    pa.assign(nt * hd, 0.0f);
-    T* op = out.data_ptr<T>() + i * nh * hd;
+    pa.assign(nt * dv, 0.0f);
     for (int64_t h = 0; h < nkv; ++h)
       for (int64_t jg = 0; jg < g; ++jg) {
         for (int64_t t = 0; t < nt; ++t) {
           const float *m_src, *l_src, *a_src;
           if (t < st) {
             const int64_t idx = (h * st + t) * rows4 + i * g + jg;
-            m_src = sm.data() + idx, l_src = sl.data() + idx, a_src = sa.data() + idx * hd;
+            m_src = sm.data() + idx, l_src = sl.data() + idx, a_src = sa.data() + idx * dv;
           } else {
             const int64_t idx = (h * tails + tail_first[i] + t - st) * g4 + jg;
-            m_src = tm.data() + idx, l_src = tl.data() + idx, a_src = ta.data() + idx * hd;
+            m_src = tm.data() + idx, l_src = tl.data() + idx, a_src = ta.data() + idx * dv;
           }
           pm[t] = *m_src, pl[t] = *l_src;
-          std::copy(a_src, a_src + hd, pa.begin() + t * hd);
+          std::copy(a_src, a_src + dv, pa.begin() + t * dv);
         }
         float m, l;
-        merge_row(pm.data(), pl.data(), pa.data(), nt, 1, 0, hd, &m, &l, acc.data());
+        merge_row(pm.data(), pl.data(), pa.data(), nt, 1, 0, dv, &m, &l, acc.data());
         (void)m;
-        for (int64_t c = 0; c < hd; ++c) op[(h * g + jg) * hd + c] = static_cast<T>(acc[c] / l);
+        float* o = out + (i * nh + h * g + jg) * dv;
+        for (int64_t c = 0; c < dv; ++c) o[c] = acc[c] / l;
       }
   }
+}
+
+template <typename T>
+torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
+                            int64_t nkv, int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents) {
+  const int64_t n = qkv.size(0), width = qkv.size(1);
+  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
+  std::vector<float> q(n * nh * hd);
+  const float sc = static_cast<float>(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = qkv.data_ptr<T>() + i * width;
+    for (int64_t h = 0; h < nkv; ++h) {
+      put_row_any(row + q_width + h * hd, kc, h, pos + i, hd);
+      put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos + i, hd);
+    }
+    for (int64_t h = 0; h < nh; ++h)  // token i's query heads, scaled
+      for (int64_t c = 0; c < hd; ++c) q[(i * nh + h) * hd + c] = static_cast<float>(row[h * q_stride + c]) * sc;
+  }
+  auto none = torch::empty({0});
+  std::vector<float> o(n * nh * hd);
+  step_rows(q.data(), n, nh, nkv, hd, plain_kind(kc.scalar_type()), 0, {kc}, none, plain_kind(vc.scalar_type()), 0, hd,
+            {vc}, none, pos, 0, parents, o.data());
+  auto out = torch::empty({n, nh * hd}, qkv.options());
+  T* op = out.data_ptr<T>();
+  for (int64_t j = 0; j < n * nh * hd; ++j) op[j] = static_cast<T>(o[j]);
   return out;
 }
 

@@ -594,83 +594,92 @@ struct PackedSide {
   attn::Source source() const { return attn::make_source(kind, bits, width, fields, cent); }
 };
 
-// The attention of one decode token (qkv [1, W], after attn_in) over a packed cache, as QuantKVCache.attend
-// computes it for one token: its K/V encoded at `pos`, q rotated where K is, scaled, attending to [base, pos + 1),
-// the output divided by the softmax sum and rotated back where V is rotated. [1, nh * hd] in qkv's dtype; None when
-// a K/V value is not finite or the cache is full (nothing read; the caller's general path raises the error).
+// The attention of a decode or verification step (qkv [N, W], after attn_in) over a packed cache: the N tokens'
+// K/V encoded at [pos, pos + N), q rotated where K is and scaled, each row attending as the single-token step that
+// decodes it (QuantKVCache.attend for one token: [base, its position], tiles from base; a tree's row its
+// ancestors, `parents` as layer_decode), the output divided by the softmax sum and rotated back where V is rotated.
+// [N, nh * hd] in qkv's dtype; None when a K/V value is not finite or the cache is full (nothing written; the
+// caller's general path raises the error).
 template <typename T>
 c10::optional<torch::Tensor> packed_step_t(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
                                            const PackedSide& K, const PackedSide& V, int64_t pos, int64_t base,
-                                           double scale) {
-  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride, g = nh / nkv;
-  const T* row = qkv.data_ptr<T>();
-  if (pos + 1 > K.fields[0].size(1) || pos + 1 > V.fields[0].size(1)) return c10::nullopt;
-  auto kf = torch::empty({nkv, 1, hd}, torch::kFloat), vf = torch::empty({nkv, 1, hd}, torch::kFloat);
+                                           double scale, const std::vector<int64_t>& parents) {
+  const int64_t n = qkv.size(0), width = qkv.size(1);
+  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
+  if (pos + n > K.fields[0].size(1) || pos + n > V.fields[0].size(1)) return c10::nullopt;
+  auto kf = torch::empty({nkv, n, hd}, torch::kFloat), vf = torch::empty({nkv, n, hd}, torch::kFloat);
   float* kp = kf.data_ptr<float>();
   float* vp = vf.data_ptr<float>();
-  for (int64_t i = 0; i < nkv * hd; ++i) {
-    kp[i] = static_cast<float>(row[q_width + i]);
-    vp[i] = static_cast<float>(row[q_width + nkv * hd + i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = qkv.data_ptr<T>() + i * width;
+    for (int64_t h = 0; h < nkv; ++h)
+      for (int64_t c = 0; c < hd; ++c) {
+        kp[(h * n + i) * hd + c] = static_cast<float>(row[q_width + h * hd + c]);
+        vp[(h * n + i) * hd + c] = static_cast<float>(row[q_width + (nkv + h) * hd + c]);
+      }
   }
   if (!K.encode(kf, pos) || !V.encode(vf, pos)) return c10::nullopt;
   const int64_t kw = K.width, vw = V.width;
-  std::vector<float> q(nh * kw, 0.0f), m(nh), l(nh), acc(nh * vw);
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t c = 0; c < hd; ++c) q[h * kw + c] = static_cast<float>(row[h * q_stride + c]);
+  std::vector<float> q(n * nh * kw, 0.0f), o(n * nh * vw);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t c = 0; c < hd; ++c)
+        q[(i * nh + h) * kw + c] = static_cast<float>(qkv.data_ptr<T>()[i * width + h * q_stride + c]);
   if (K.rotated()) {
     const int64_t blk = K.s1.numel();
-    for (int64_t off = 0; off < nh * kw; off += blk)
+    for (int64_t off = 0; off < n * nh * kw; off += blk)
       enc::rotate_block(q.data() + off, blk, K.s1.data_ptr<float>(), K.s2.data_ptr<float>());
   }
   const float sc = static_cast<float>(scale);
   for (float& v : q) v *= sc;
-  attn::attend_core(q.data(), nkv, g, kw, K.source(), K.kind, K.bits, V.source(), V.kind, V.bits, base, pos + 1,
-                    attn::TILE, m.data(), l.data(), acc.data());
-  auto out = torch::empty({1, nh * hd}, qkv.options());
+  attn::step_rows(q.data(), n, nh, nkv, kw, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, vw, V.fields, V.cent,
+                  pos, base, parents, o.data());
+  auto out = torch::empty({n, nh * hd}, qkv.options());
   T* op = out.data_ptr<T>();
-  for (int64_t h = 0; h < nh; ++h) {
-    float* a = acc.data() + h * vw;
-    for (int64_t c = 0; c < vw; ++c) a[c] = a[c] / l[h];
+  for (int64_t r = 0; r < n * nh; ++r) {
+    float* a = o.data() + r * vw;
     if (V.rotated()) {  // the inverse rotation: signs in the other order
       const int64_t blk = V.s1.numel();
       for (int64_t off = 0; off < vw; off += blk)
         enc::rotate_block(a + off, blk, V.s2.data_ptr<float>(), V.s1.data_ptr<float>());
     }
-    for (int64_t c = 0; c < hd; ++c) op[h * hd + c] = static_cast<T>(a[c]);
+    for (int64_t c = 0; c < hd; ++c) op[r * hd + c] = static_cast<T>(a[c]);
   }
   return out;
 }
 
 c10::optional<torch::Tensor> packed_step(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
                                          const PackedSide& K, const PackedSide& V, int64_t pos, int64_t base,
-                                         double scale) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == 1 && qkv.is_contiguous(), "one decode token");
+                                         double scale, const std::vector<int64_t>& parents) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous [N, W]");
   TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd && nh % nkv == 0, "qkv width mismatch");
   TORCH_CHECK(K.width >= hd && V.width >= hd && K.width % 8 == 0 && V.width % 8 == 0, "bad cache widths");
   TORCH_CHECK(!K.rotated() || (K.s1.numel() > 0 && K.width % K.s1.numel() == 0), "bad K rotation");
   TORCH_CHECK(!V.rotated() || (V.s1.numel() > 0 && V.width % V.s1.numel() == 0), "bad V rotation");
   TORCH_CHECK(base >= 0 && base <= pos, "bad base");
+  TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == qkv.size(0), "one parent per row");
   return by_dtype(qkv.scalar_type(), [&](auto tag) {
-    return packed_step_t<decltype(tag)>(qkv, nh, nkv, hd, gated, K, V, pos, base, scale);
+    return packed_step_t<decltype(tag)>(qkv, nh, nkv, hd, gated, K, V, pos, base, scale, parents);
   });
 }
 
-// attn_decode over a packed cache for one decode token: [attention output [1, nh*hd], qkv], or [] (see packed_step).
+// attn_decode over a packed cache: [attention output [N, nh*hd], qkv], or [] (see packed_step).
 std::vector<torch::Tensor> attn_packed(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
                                        c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                                        c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
                                        int64_t nh, int64_t nkv, int64_t hd, bool gated, std::vector<int64_t> k_ints,
                                        std::vector<torch::Tensor> k_tabs, std::vector<torch::Tensor> k_fields,
                                        std::vector<int64_t> v_ints, std::vector<torch::Tensor> v_tabs,
-                                       std::vector<torch::Tensor> v_fields, int64_t pos, int64_t base, double scale) {
+                                       std::vector<torch::Tensor> v_fields, int64_t pos, int64_t base, double scale,
+                                       std::vector<int64_t> parents) {
   auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
   auto a = packed_step(qkv, nh, nkv, hd, gated, PackedSide(k_ints, k_tabs, k_fields), PackedSide(v_ints, v_tabs, v_fields),
-                       pos, base, scale);
+                       pos, base, scale, parents);
   if (!a.has_value()) return {};
   return {*a, qkv};
 }
 
-// layer_decode over a packed cache for one decode token: x + attention + MLP [1, H], or None (see packed_step).
+// layer_decode over a packed cache: x + attention + MLP [N, H], or None (see packed_step).
 c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
                                           c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                                           c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
@@ -680,12 +689,13 @@ c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, d
                                           std::vector<torch::Tensor> v_fields, int64_t pos, int64_t base, double scale,
                                           torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w,
                                           torch::Tensor w_gu, c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
-                                          c10::optional<torch::Tensor> b_dn) {
+                                          c10::optional<torch::Tensor> b_dn, std::vector<int64_t> parents) {
   auto r = attn_packed(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated, k_ints, k_tabs,
-                       k_fields, v_ints, v_tabs, v_fields, pos, base, scale);
+                       k_fields, v_ints, v_tabs, v_fields, pos, base, scale, parents);
   if (r.empty()) return c10::nullopt;
   c10::optional<torch::Tensor> gate;
-  if (gated) gate = r[1].narrow(1, 0, nh * 2 * hd).reshape({1, nh, 2 * hd}).narrow(2, hd, hd).reshape({1, nh * hd});
+  const int64_t n = r[1].size(0);
+  if (gated) gate = r[1].narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
   return out_mlp(x, r[0], gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
 }
 
@@ -964,7 +974,7 @@ torch::Tensor hugepage_zeros(std::vector<int64_t> sizes, at::ScalarType dtype) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_decode", &layer_decode, "a decoder layer for one token over a plain KV cache");
   m.def("attn_decode", &attn_decode, "layer_decode's attention half (for mixture-of-experts layers)");
-  m.def("layer_packed", &layer_packed, "a decoder layer for one decode token over a packed KV cache");
+  m.def("layer_packed", &layer_packed, "a decoder layer for a few causal or tree tokens over a packed KV cache");
   m.def("attn_packed", &attn_packed, "layer_packed's attention half");
   m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");

@@ -72,7 +72,7 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
-                               plan.parents if plan.mask is not None else [])
+                               _parents(plan))
         gate = attn.split(qkv, x.shape[0])[3]
     else:
         a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
@@ -105,14 +105,15 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
-                               plan.parents if plan.mask is not None else [])
+                               _parents(plan))
         return out_mlp(k, x, a, attn.split(qkv, x.shape[0])[3], attn.o, mlp, post_norm, eps, zc)
     if _packed_step(x, attn, plan, cache):
         if not split(attn.o, mlp.down):
             out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                  rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
                                  cache.length, cache.base, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
-                                 post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
+                                 post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
+                                 _parents(plan))
             if out is not None:
                 return out
         elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
@@ -122,7 +123,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                               cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
                               post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
-                              plan.parents if plan.mask is not None else [])
+                              _parents(plan))
     a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
     return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
 
@@ -135,24 +136,29 @@ def _one_call(attn: Attention, plan: AttentionPlan, cache) -> bool:
 
 
 def _packed_step(x: torch.Tensor, attn: Attention, plan: AttentionPlan, cache) -> bool:
-    """One decode token over a packed cache whose formats the kernels encode and read: the step's K/V stored and
-    the attention run inside one kernel call (`layer_packed`, `attn_packed`), as `QuantKVCache.attend` computes
-    them (the same bytes in the cache, the same output)."""
-    return (x.shape[0] == 1 and plan.mask is None and isinstance(cache, QuantKVCache) and attn.hd % 8 == 0
-            and plan.start == cache.length and cache.step_args(0) is not None)
+    """Causal tokens (decode, chain verification) or a draft tree over a packed cache whose formats the kernels
+    encode and read: the step's K/V stored and the attention run inside one kernel call (`layer_packed`,
+    `attn_packed`), each row equal to the single-token step that decodes it (a decode token: the same cache bytes
+    and output as `QuantKVCache.attend`)."""
+    return ((plan.mask is None or plan.parents is not None) and isinstance(cache, QuantKVCache) and attn.hd % 8 == 0
+            and cache.base <= plan.start == cache.length and cache.step_args(0) is not None)
+
+
+def _parents(plan: AttentionPlan) -> list[int]:
+    return plan.parents if plan.mask is not None else []
 
 
 def _packed_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
                       rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache, layer: int
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(attention output [1, H*D], output gate or None) of one decode token over a packed cache in one call, or
-    None: not such a step, or a K/V value that is not finite (the general path then raises the error)."""
+    """(attention output [N, H*D], output gate or None) of a step over a packed cache in one call, or None: not
+    such a step, or a K/V value that is not finite (the general path then raises the error)."""
     if not _packed_step(x, attn, plan, cache):
         return None
     r = k.attn_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0], rope[1],
                       attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer), cache.length, cache.base,
-                      1.0 / math.sqrt(attn.hd))
-    return (r[0], attn.split(r[1], 1)[3]) if r else None
+                      1.0 / math.sqrt(attn.hd), _parents(plan))
+    return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
 
 
 def _attend(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
