@@ -1,8 +1,11 @@
 """KV formats against f16 through the real path: `turbospec bench` (prefill to the depth, then decode), one process
 per run, the types interleaved within each round, the median of each round's ratio to f16 (issue #26 item 5's
-measurement). The benchmark shape (`models/demo-qwen3`, made if missing) in float16 by default.
+measurement). The benchmark shape (`models/demo-qwen3`, made if missing) in float16 by default. `--spec T` also
+runs every type with `--spec-type T` (rows `type+T`, their ratios still to plain f16).
 
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
+    python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
+        --types f16 q8_0 tbq4_0 turbo3 --depths 0 2048 8192 --gen 128 --out docs/results/kv_bench_cli_mtp.json
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 
 
-def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int) -> float:
+def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec: str | None = None,
+          categories: str | None = None) -> float:
     """decode t/s of one `turbospec bench` run (its median over `reps` repetitions)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p", "16",
                "-n", str(gen), "-r", str(reps), "-c", str(depth + gen + 64), "-ctk", kv, "-ctv", kv, "-q",
-               "--out", out]
+               "--out", out, *(["--spec-type", spec] if spec else []), *(["--categories", categories] if categories else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -40,6 +44,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spec", default=None, help="also run each type with this --spec-type")
+    ap.add_argument("--categories", default=None, help="bench prompt category (default: bench's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not (ROOT / a.model / "config.json").exists():
@@ -50,21 +56,24 @@ def main() -> int:
         a.types = ["f16", *a.types]
     rows = []
     for depth in a.depths:
-        tps: dict[str, list[float]] = {t: [] for t in a.types}
+        runs = [(t, None) for t in a.types] + ([(t, a.spec) for t in a.types] if a.spec else [])
+        names = [t if sp is None else f"{t}+{sp}" for t, sp in runs]
+        tps: dict[str, list[float]] = {n: [] for n in names}
         for r in range(a.rounds):
-            for t in a.types:
-                tps[t].append(bench(a.model, a.dtype, t, depth, a.gen, a.reps))
+            for name, (t, sp) in zip(names, runs):
+                tps[name].append(bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories))
             print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f}" for t, v in tps.items()), flush=True)
-        for t in a.types:
+        for t in names:
             ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
             rows.append({"type": t, "depth": depth, "decode_tps": statistics.median(tps[t]), "runs": tps[t],
                          "ratio_vs_f16": statistics.median(ratios), "ratios": ratios})
-    print(f"\n{'type':>8} {'depth':>6} {'t/s':>8} {'x f16':>6}")
+    print(f"\n{'type':>16} {'depth':>6} {'t/s':>8} {'x f16':>6}")
     for row in rows:
-        print(f"{row['type']:>8} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}")
+        print(f"{row['type']:>16} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}")
     if a.out:
         meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
-                "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds}
+                "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
+                "categories": a.categories}
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
