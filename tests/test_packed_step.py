@@ -87,3 +87,30 @@ def test_a_non_finite_value_still_raises_and_writes_nothing(hf_models, monkeypat
     with pytest.raises(ValueError, match="non-finite"):
         model.forward(torch.tensor([5]), AttentionPlan.causal(3, 1), cache)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.buffers()))
+
+
+def test_a_non_finite_value_in_v_alone_writes_nothing(hf_models):
+    """K encodes, V does not: the one call puts K's rows back before handing the step to the general path (which
+    then raises the usual error)."""
+    model = load_model(hf_models["qwen3"], "float32")
+    cache = model.new_cache(16, k_type="q8_0", v_type="q4_0")
+    model.forward(torch.tensor([1, 2, 3]), AttentionPlan.causal(0, 3), cache)
+    cache.commit()
+    before = [b.clone() for b in cache.buffers()]
+    attn = model.layers[0].attn
+    attn.qkv.weight[-attn.kv_width:] = float("nan")  # layer 0's V rows
+    k = load_kernel()
+    orig, seen = k.layer_packed, []
+
+    def spy(*a):
+        out = orig(*a)
+        seen.append((out, [torch.equal(x, y) for x, y in zip(before, cache.buffers())]))
+        return out
+
+    try:
+        k.layer_packed = spy
+        with pytest.raises(ValueError, match="non-finite"):
+            model.forward(torch.tensor([5]), AttentionPlan.causal(3, 1), cache)
+    finally:
+        k.layer_packed = orig
+    assert len(seen) == 1 and seen[0][0] is None and all(seen[0][1])

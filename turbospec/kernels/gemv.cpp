@@ -569,9 +569,15 @@ std::vector<torch::Tensor> attn_decode(torch::Tensor x, torch::Tensor in_w, doub
 #define TURBOSPEC_EMBED_ENCODE
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
 namespace enc {
 #include "encode.cpp"
 }  // namespace enc
+#ifdef __clang__
+#pragma clang fp contract(on)
+#endif
 #pragma GCC pop_options
 
 // One format's side of a packed cache (QuantKVCache.step_args): ints (kind, index bits, padded width, norm mode),
@@ -579,7 +585,7 @@ namespace enc {
 struct PackedSide {
   int64_t kind, bits, width, norm_mode;
   torch::Tensor cent, bounds, s1, s2;
-  const std::vector<torch::Tensor>& fields;
+  std::vector<torch::Tensor> fields;
   PackedSide(const std::vector<int64_t>& ints, const std::vector<torch::Tensor>& tabs,
              const std::vector<torch::Tensor>& f)
       : fields(f) {
@@ -591,7 +597,29 @@ struct PackedSide {
   bool encode(const torch::Tensor& x, int64_t pos) const {
     return enc::encode_into(x, kind, bits, width, fields, pos, cent, bounds, s1, s2, norm_mode);
   }
-  attn::Source source() const { return attn::make_source(kind, bits, width, fields, cent); }
+  // The bytes of positions [pos, pos + n) of every head and field (to put back when the other side fails).
+  std::vector<uint8_t> save(int64_t pos, int64_t n) const {
+    std::vector<uint8_t> out;
+    for (const auto& f : fields)
+      for (int64_t h = 0; h < f.size(0); ++h)
+        for (int64_t t = pos; t < pos + n; ++t) {
+          const uint8_t* p = at(f, h, t);
+          out.insert(out.end(), p, p + attn::row_bytes(f));
+        }
+    return out;
+  }
+  void restore(int64_t pos, int64_t n, const std::vector<uint8_t>& saved) const {
+    const uint8_t* src = saved.data();
+    for (const auto& f : fields)
+      for (int64_t h = 0; h < f.size(0); ++h)
+        for (int64_t t = pos; t < pos + n; ++t) {
+          std::memcpy(at(f, h, t), src, attn::row_bytes(f));
+          src += attn::row_bytes(f);
+        }
+  }
+  static uint8_t* at(const torch::Tensor& f, int64_t h, int64_t t) {
+    return static_cast<uint8_t*>(f.data_ptr()) + (h * f.stride(0) + t * f.stride(1)) * f.element_size();
+  }
 };
 
 // The attention of a decode or verification step (qkv [N, W], after attn_in) over a packed cache: the N tokens'
@@ -618,7 +646,12 @@ c10::optional<torch::Tensor> packed_step_t(const torch::Tensor& qkv, int64_t nh,
         vp[(h * n + i) * hd + c] = static_cast<float>(row[q_width + (nkv + h) * hd + c]);
       }
   }
-  if (!K.encode(kf, pos) || !V.encode(vf, pos)) return c10::nullopt;
+  const std::vector<uint8_t> k_before = K.save(pos, n);
+  if (!K.encode(kf, pos)) return c10::nullopt;
+  if (!V.encode(vf, pos)) {  // nothing written: K's rows put back
+    K.restore(pos, n, k_before);
+    return c10::nullopt;
+  }
   const int64_t kw = K.width, vw = V.width;
   std::vector<float> q(n * nh * kw, 0.0f), o(n * nh * vw);
   for (int64_t i = 0; i < n; ++i)
@@ -658,6 +691,9 @@ c10::optional<torch::Tensor> packed_step(const torch::Tensor& qkv, int64_t nh, i
   TORCH_CHECK(!V.rotated() || (V.s1.numel() > 0 && V.width % V.s1.numel() == 0), "bad V rotation");
   TORCH_CHECK(base >= 0 && base <= pos, "bad base");
   TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == qkv.size(0), "one parent per row");
+  for (size_t i = 0; i < parents.size(); ++i)
+    TORCH_CHECK(parents[i] < static_cast<int64_t>(i), "tree rows must come after their parents");
+  TORCH_CHECK(K.fields[0].size(0) == nkv && V.fields[0].size(0) == nkv, "KV heads mismatch");
   return by_dtype(qkv.scalar_type(), [&](auto tag) {
     return packed_step_t<decltype(tag)>(qkv, nh, nkv, hd, gated, K, V, pos, base, scale, parents);
   });

@@ -242,8 +242,8 @@ class QuantKVCache(CachePositions):
             return None
         d = self.head_dim
         for fmt, spec in zip((self.k_fmt, self.v_fmt), specs):
-            if spec.width != fmt.padded_dim(d) or (fmt.rotated and spec.s1.numel() != rot_block_for(d)):
-                return None  # not the widths and rotation blocks the general path uses
+            if fmt.rotated and spec.s1.numel() != rot_block_for(d):
+                return None  # not the rotation block the general path rotates q / the output with
         out = []
         for layer in range(self.num_layers):
             args: tuple = ()
