@@ -22,8 +22,8 @@ _packed_step = block._packed_step
 def decode(model, ids, kt, vt, monkeypatch, one_call: bool, base: int = 0):
     """Prefill 40 tokens, then decode 6 single tokens (`one_call`: through the one-call step, else the general
     path; the prefill the same way both times): their logits and the cache."""
-    def general(x, *a):
-        return x.shape[0] > 1 and _packed_step(x, *a)
+    def general(attn, plan, cache):
+        return plan.n > 1 and _packed_step(attn, plan, cache)
 
     monkeypatch.setattr(block, "_packed_step", _packed_step if one_call else general)
     cache = model.new_cache(64, k_type=kt, v_type=vt)

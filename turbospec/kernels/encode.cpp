@@ -110,15 +110,26 @@ bool turbo_block(const Turbo& tq, float* y, uint16_t& norm16, uint8_t* codes) {
 
 }  // namespace
 
-// x: float32 [KVH, N, D] (contiguous). Writes positions [start, start + N) of the fields (list of the layer's
-// buffers, [KVH, T, ...], in the format's field order). width: padded length (multiple of the block).
-bool encode_into(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std::vector<torch::Tensor> fields,
-                 int64_t start, torch::Tensor cent, torch::Tensor bounds, torch::Tensor s1, torch::Tensor s2,
-                 int64_t norm_mode) {
+// Encoded rows waiting to be written (stage, then scatter): every row's fields, one after the other.
+struct Staged {
+  std::vector<uint8_t> bytes;
+  std::vector<int64_t> lens;  // bytes of each field per position
+  std::vector<Out> out;
+  int64_t rows = 0, n = 0, start = 0;  // rows: KVH x N, head-major
+};
+
+// x: float32 [KVH, N, D] (contiguous), encoded for positions [start, start + N) of the fields (list of the layer's
+// buffers, [KVH, T, ...], in the format's field order) into `st`; nothing is written yet. width: padded length
+// (multiple of the block). False when a value or scale is not finite.
+bool stage(const torch::Tensor& x, int64_t kind, int64_t bits, int64_t width, const std::vector<torch::Tensor>& fields,
+           int64_t start, const torch::Tensor& cent, const torch::Tensor& bounds, const torch::Tensor& s1,
+           const torch::Tensor& s2, int64_t norm_mode, Staged& st) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.is_contiguous(), "x: float32 [KVH, N, D]");
   const int64_t kvh = x.size(0), n = x.size(1), d = x.size(2);
   TORCH_CHECK(width >= d, "width < head size");
-  std::vector<Out> out;
+  std::vector<Out>& out = st.out;
+  out.clear();
+  st.n = n, st.start = start;
   for (auto& f : fields) {
     TORCH_CHECK(f.dim() >= 2 && f.size(0) == kvh && f.size(1) >= start + n, "field shape");
     const int64_t isz = f.element_size();
@@ -139,14 +150,17 @@ bool encode_into(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std
   }
   const float* xp = x.data_ptr<float>();
   const int64_t rows = kvh * n;
+  st.rows = 0;  // set once every row is staged
   // encode every row into a staging area first: nothing is written if any row is not finite
-  std::vector<int64_t> lens;  // bytes of each field per position
+  std::vector<int64_t>& lens = st.lens;
+  lens.clear();
   int64_t bytes_per_row = 0;
   for (auto& f : fields) {
     lens.push_back(f.numel() / (f.size(0) * f.size(1)) * f.element_size());
     bytes_per_row += lens.back();
   }
-  std::vector<uint8_t> stage(rows * bytes_per_row);
+  std::vector<uint8_t>& stage = st.bytes;
+  stage.assign(rows * bytes_per_row, 0);
   std::vector<float> buf(width);
   std::vector<uint8_t> codes(width);
   for (int64_t r = 0; r < rows; ++r) {
@@ -227,15 +241,29 @@ bool encode_into(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std
       TORCH_CHECK(false, "unknown KV kind ", kind);
     }
   }
-  // scatter the staged rows into the fields (field i's bytes follow field i-1's in a staged row)
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = r / n, t = start + r % n;
-    const uint8_t* src = stage.data() + r * bytes_per_row;
-    for (size_t i = 0; i < fields.size(); ++i) {
-      std::memcpy(out[i].at(h, t), src, lens[i]);
-      src += lens[i];
+  st.rows = rows;
+  return true;
+}
+
+// Writes staged rows into their fields (field i's bytes follow field i-1's in a staged row).
+void scatter(const Staged& st) {
+  const uint8_t* src = st.bytes.data();
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const int64_t h = r / st.n, t = st.start + r % st.n;
+    for (size_t i = 0; i < st.out.size(); ++i) {
+      std::memcpy(st.out[i].at(h, t), src, st.lens[i]);
+      src += st.lens[i];
     }
   }
+}
+
+// stage, then scatter: positions [start, start + N) of the fields, or false (nothing written).
+bool encode_into(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std::vector<torch::Tensor> fields,
+                 int64_t start, torch::Tensor cent, torch::Tensor bounds, torch::Tensor s1, torch::Tensor s2,
+                 int64_t norm_mode) {
+  Staged st;
+  if (!stage(x, kind, bits, width, fields, start, cent, bounds, s1, s2, norm_mode, st)) return false;
+  scatter(st);
   return true;
 }
 

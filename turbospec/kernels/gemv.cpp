@@ -594,31 +594,9 @@ struct PackedSide {
     cent = tabs[0], bounds = tabs[1], s1 = tabs[2], s2 = tabs[3];
   }
   bool rotated() const { return kind == enc::TURBO || kind == enc::TURBO64; }
-  bool encode(const torch::Tensor& x, int64_t pos) const {
-    return enc::encode_into(x, kind, bits, width, fields, pos, cent, bounds, s1, s2, norm_mode);
-  }
-  // The bytes of positions [pos, pos + n) of every head and field (to put back when the other side fails).
-  std::vector<uint8_t> save(int64_t pos, int64_t n) const {
-    std::vector<uint8_t> out;
-    for (const auto& f : fields)
-      for (int64_t h = 0; h < f.size(0); ++h)
-        for (int64_t t = pos; t < pos + n; ++t) {
-          const uint8_t* p = at(f, h, t);
-          out.insert(out.end(), p, p + attn::row_bytes(f));
-        }
-    return out;
-  }
-  void restore(int64_t pos, int64_t n, const std::vector<uint8_t>& saved) const {
-    const uint8_t* src = saved.data();
-    for (const auto& f : fields)
-      for (int64_t h = 0; h < f.size(0); ++h)
-        for (int64_t t = pos; t < pos + n; ++t) {
-          std::memcpy(at(f, h, t), src, attn::row_bytes(f));
-          src += attn::row_bytes(f);
-        }
-  }
-  static uint8_t* at(const torch::Tensor& f, int64_t h, int64_t t) {
-    return static_cast<uint8_t*>(f.data_ptr()) + (h * f.stride(0) + t * f.stride(1)) * f.element_size();
+  // this side's rows x [KVH, N, D] encoded for positions [pos, pos + N) into st (written by enc::scatter)
+  bool stage(const torch::Tensor& x, int64_t pos, enc::Staged& st) const {
+    return enc::stage(x, kind, bits, width, fields, pos, cent, bounds, s1, s2, norm_mode, st);
   }
 };
 
@@ -646,12 +624,10 @@ c10::optional<torch::Tensor> packed_step_t(const torch::Tensor& qkv, int64_t nh,
         vp[(h * n + i) * hd + c] = static_cast<float>(row[q_width + (nkv + h) * hd + c]);
       }
   }
-  const std::vector<uint8_t> k_before = K.save(pos, n);
-  if (!K.encode(kf, pos)) return c10::nullopt;
-  if (!V.encode(vf, pos)) {  // nothing written: K's rows put back
-    K.restore(pos, n, k_before);
-    return c10::nullopt;
-  }
+  enc::Staged k_rows, v_rows;  // both sides staged before either is written
+  if (!K.stage(kf, pos, k_rows) || !V.stage(vf, pos, v_rows)) return c10::nullopt;
+  enc::scatter(k_rows);
+  enc::scatter(v_rows);
   const int64_t kw = K.width, vw = V.width;
   std::vector<float> q(n * nh * kw, 0.0f), o(n * nh * vw);
   for (int64_t i = 0; i < n; ++i)

@@ -32,7 +32,6 @@ from turbospec.kernels import encode as encoder
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
-from turbospec.kv.hadamard import rot_block_for
 from turbospec.kv.plan import AttentionPlan
 
 DEFAULT_BLOCK = 1024
@@ -229,9 +228,9 @@ class QuantKVCache(CachePositions):
         return [([self.k[f][i] for f in ks[2]], [self.v[f][i] for f in vs[2]]) for i in range(self.num_layers)]
 
     def step_args(self, layer: int) -> tuple | None:
-        """The K and V arguments of the kernels' one-call decode step over this cache (`layer_packed` /
-        `attn_packed` in kernels/gemv.cpp: per format its ints (kind, bits, width, norm mode), tables and this
-        layer's buffers), or None when a format has no C++ encoder or attention path here."""
+        """The K and V arguments of the kernels' one-call decode / verification step over this cache
+        (`layer_packed` / `attn_packed` in kernels/gemv.cpp: per format its ints (kind, bits, width, norm mode),
+        tables and this layer's buffers), or None when a format has no C++ encoder or attention path here."""
         sides = self._step_sides
         return None if sides is None else sides[layer]
 
@@ -240,10 +239,6 @@ class QuantKVCache(CachePositions):
         specs = self._encode_specs
         if self._kernel_specs is None or specs is None or None in specs:
             return None
-        d = self.head_dim
-        for fmt, spec in zip((self.k_fmt, self.v_fmt), specs):
-            if fmt.rotated and spec.s1.numel() != rot_block_for(d):
-                return None  # not the rotation block the general path rotates q / the output with
         out = []
         for layer in range(self.num_layers):
             args: tuple = ()

@@ -66,7 +66,8 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
     """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
     `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
     `moe_tail`."""
-    if (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
+    if _packed_step(attn, plan, cache) and (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache,
+                                                                    layer)) is not None:
         a, gate = r
     elif _one_call(attn, plan, cache):
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
@@ -107,7 +108,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
                                _parents(plan))
         return out_mlp(k, x, a, attn.split(qkv, x.shape[0])[3], attn.o, mlp, post_norm, eps, zc)
-    if _packed_step(x, attn, plan, cache):
+    if _packed_step(attn, plan, cache):
         if not split(attn.o, mlp.down):
             out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                  rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
@@ -128,20 +129,23 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
     return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
 
 
+def _step_rows(attn: Attention, plan: AttentionPlan, cache) -> bool:
+    """Causal tokens (decode, chain verification) or a draft tree at the cache's end, head size a multiple of 8:
+    the rows the one-call kernels compute, each equal to the single-token step that decodes it."""
+    return (plan.mask is None or plan.parents is not None) and attn.hd % 8 == 0 and plan.start == cache.length
+
+
 def _one_call(attn: Attention, plan: AttentionPlan, cache) -> bool:
-    """Causal tokens (decode, chain verification) or a draft tree over a plain cache: the attention runs inside one
-    kernel call (`layer_decode`, `attn_decode`), each row equal to the single-token step that decodes it."""
-    return ((plan.mask is None or plan.parents is not None) and isinstance(cache, KVCache) and attn.hd % 8 == 0
-            and plan.start == cache.length)
+    """`_step_rows` over a plain cache: the attention runs inside one kernel call (`layer_decode`, `attn_decode`)."""
+    return isinstance(cache, KVCache) and _step_rows(attn, plan, cache)
 
 
-def _packed_step(x: torch.Tensor, attn: Attention, plan: AttentionPlan, cache) -> bool:
-    """Causal tokens (decode, chain verification) or a draft tree over a packed cache whose formats the kernels
-    encode and read: the step's K/V stored and the attention run inside one kernel call (`layer_packed`,
-    `attn_packed`), each row equal to the single-token step that decodes it (a decode token: the same cache bytes
-    and output as `QuantKVCache.attend`)."""
-    return ((plan.mask is None or plan.parents is not None) and isinstance(cache, QuantKVCache) and attn.hd % 8 == 0
-            and cache.base <= plan.start == cache.length and cache.step_args(0) is not None)
+def _packed_step(attn: Attention, plan: AttentionPlan, cache) -> bool:
+    """`_step_rows` over a packed cache whose formats the kernels encode and read: the step's K/V stored and the
+    attention run inside one kernel call (`layer_packed`, `attn_packed`; a decode token: the same cache bytes and
+    output as `QuantKVCache.attend`)."""
+    return (isinstance(cache, QuantKVCache) and _step_rows(attn, plan, cache) and cache.base <= plan.start
+            and cache.step_args(0) is not None)
 
 
 def _parents(plan: AttentionPlan) -> list[int]:
@@ -151,10 +155,8 @@ def _parents(plan: AttentionPlan) -> list[int]:
 def _packed_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
                       rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache, layer: int
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(attention output [N, H*D], output gate or None) of a step over a packed cache in one call, or None: not
-    such a step, or a K/V value that is not finite (the general path then raises the error)."""
-    if not _packed_step(x, attn, plan, cache):
-        return None
+    """(attention output [N, H*D], output gate or None) of a `_packed_step` in one call, or None: a K/V value that
+    is not finite (the general path then raises the error)."""
     r = k.attn_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0], rope[1],
                       attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer), cache.length, cache.base,
                       1.0 / math.sqrt(attn.hd), _parents(plan))

@@ -394,10 +394,10 @@ class VocabHead:
     def take(self, ids: torch.Tensor) -> VocabHead:
         """The head over token ids `ids` (ascending) alone: each rank keeps the ones in its range."""
         rank = dist.get_rank()
-        lo = sum(self.sizes[:rank])
         bounds = [sum(self.sizes[:r]) for r in range(len(self.sizes) + 1)]
         counts = [int(((ids >= a) & (ids < b)).sum()) for a, b in zip(bounds, bounds[1:])]
-        mine = ids[(ids >= lo) & (ids < lo + self.sizes[rank])] - lo
+        lo, hi = bounds[rank], bounds[rank + 1]
+        mine = ids[(ids >= lo) & (ids < hi)] - lo
         return VocabHead(self.inner.take(mine), counts, self.comm)
 
     @property
