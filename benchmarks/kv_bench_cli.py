@@ -23,8 +23,9 @@ TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 
 
 def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec: str | None = None,
-          categories: str | None = None) -> float:
-    """decode t/s of one `turbospec bench` run (its median over `reps` repetitions)."""
+          categories: str | None = None) -> tuple[float, float | None]:
+    """(decode t/s, draft acceptance rate or None) of one `turbospec bench` run (medians over `reps`
+    repetitions)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p", "16",
                "-n", str(gen), "-r", str(reps), "-c", str(depth + gen + 64), "-ctk", kv, "-ctv", kv, "-q",
@@ -32,7 +33,8 @@ def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-        return json.loads((Path(out) / "report.json").read_text())["rows"][0]["decode_tps"]
+        row = json.loads((Path(out) / "report.json").read_text())["rows"][0]
+        return row["decode_tps"], row.get("acc_rate")
 
 
 def main() -> int:
@@ -59,14 +61,17 @@ def main() -> int:
         runs = [(t, None) for t in a.types] + ([(t, a.spec) for t in a.types] if a.spec else [])
         names = [t if sp is None else f"{t}+{sp}" for t, sp in runs]
         tps: dict[str, list[float]] = {n: [] for n in names}
+        acc: dict[str, list[float | None]] = {n: [] for n in names}
         for r in range(a.rounds):
             for name, (t, sp) in zip(names, runs):
-                tps[name].append(bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories))
+                speed, rate = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories)
+                tps[name].append(speed)
+                acc[name].append(rate)
             print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f}" for t, v in tps.items()), flush=True)
         for t in names:
             ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
             rows.append({"type": t, "depth": depth, "decode_tps": statistics.median(tps[t]), "runs": tps[t],
-                         "ratio_vs_f16": statistics.median(ratios), "ratios": ratios})
+                         "ratio_vs_f16": statistics.median(ratios), "ratios": ratios, "acc_rate": acc[t]})
     print(f"\n{'type':>16} {'depth':>6} {'t/s':>8} {'x f16':>6}")
     for row in rows:
         print(f"{row['type']:>16} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}")
