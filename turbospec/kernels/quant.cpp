@@ -53,6 +53,7 @@ struct QRow {
   std::vector<int16_t> half16;  // the sum of each 16 q (Q6_K's 16-value scales)
   std::vector<int8_t> qp;      // Q4_0 on AVX-512: q reordered as the nibbles unpack (q4_0_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
+  std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (a product lane's offset)
 };
 
 // The AVX-512 Q4_0 input layout of a quantized row (row_dot_q4_0_avx512), for whole groups of 8 blocks: per 4
@@ -299,83 +300,136 @@ inline void unpack_scales(const uint8_t* s, uint32_t u[4]) {
   u[0] &= 0x3f3f3f3fu;
 }
 
-// Q4_K with AVX-512 (BW + VNNI), where the CPU has it: 64 values (two sub-blocks) per multiply, the scales
-// applied by int16 dot products (the same integers as the AVX2 path; the float sums differ in order only).
+// The AVX-512 kernels below take R weight rows (R = 4, or 1 for the last rows of a range) at a time against NX (1
+// or 2) input rows: the input's loads and the constants are shared by the R rows and the accumulators stay in
+// registers. Each (weight row, input row) pair's arithmetic is the same whatever R and NX are, so a row's result
+// does not depend on the rows beside it.
 #define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-TS_AVX512 void row_dot_q4k_avx512(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int nx,
-                                   float* out) {
+#define TS_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+
+// The lane sums of 4 vectors, each added exactly as _mm512_reduce_add_ps adds its lanes (the same pairs in the same
+// order: halves, quarters, then (0 + 2) + (1 + 3)), in one pass.
+TS_AVX512 inline __m128 reduce4(const __m512* a) {
+  __m128 q[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)),
+                                   _mm512_castps512_ps256(a[i]));
+    q[i] = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  }
+  const __m128 p = _mm_add_ps(_mm_movelh_ps(q[0], q[1]), _mm_movehl_ps(q[1], q[0]));
+  const __m128 s = _mm_add_ps(_mm_movelh_ps(q[2], q[3]), _mm_movehl_ps(q[3], q[2]));
+  return _mm_hadd_ps(p, s);
+}
+
+// t[r * NX + j] = the lane sum of acc[r][j] (reduce4 for R = 4).
+template <int R, int NX>
+TS_AVX512 inline void reduce_all(const __m512 (&acc)[R][NX], float* t) {
+  if constexpr (R == 4) {
+    for (int j = 0; j < NX; ++j) {
+      const __m512 a[4] = {acc[0][j], acc[1][j], acc[2][j], acc[3][j]};
+      alignas(16) float s[4];
+      _mm_store_ps(s, reduce4(a));
+      for (int r = 0; r < 4; ++r) t[r * NX + j] = s[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NX; ++j) t[r * NX + j] = _mm512_reduce_add_ps(acc[r][j]);
+  }
+}
+
+// Q4_K with AVX-512 (BW + VNNI): 64 values (two sub-blocks) per multiply, the scales applied by int16 dot products
+// (the same integers as the AVX2 path; the float sums differ in order only).
+template <int R, int NX>
+TS_AVX512 void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   const __m512i low = _mm512_set1_epi8(15);
   alignas(64) static const int16_t lanes[4][32] = {  // sub-block pair j: 16 int16 lanes each of scales 2j, 2j+1
       {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
       {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
       {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
       {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  float c0 = 0.f, c1 = 0.f;
-  for (int64_t b = 0; b < nb; ++b, w += 144) {
-    const float d = f16(w), dmin = f16(w + 2);
-    uint32_t u[4];
-    unpack_scales(w + 4, u);
-    const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
-    const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * j));
-      const __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
-      const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[j]), sc16);
-      i0 = _mm512_dpwssd_epi32(i0, _mm512_maddubs_epi16(q, _mm512_loadu_si512(&x0->q[b * 256 + 64 * j])), s);
-      if (nx > 1) i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(q, _mm512_loadu_si512(&x1->q[b * 256 + 64 * j])), s);
-    }
-    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
-    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(d * x0->d[b]), acc0);
-    c0 += dmin * x0->d[b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(&x0->sum16[b * 8]))));
-    if (nx > 1) {
-      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(d * x1->d[b]), acc1);
-      c1 += dmin * x1->d[b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(&x1->sum16[b * 8]))));
-    }
-  }
-  out[0] = _mm512_reduce_add_ps(acc0) - c0;
-  if (nx > 1) out[1] = _mm512_reduce_add_ps(acc1) - c1;
-}
-
-// Q8_0 with AVX-512 VNNI: two blocks (64 values) per multiply, 8 blocks' scales in one vector.
-TS_AVX512 void row_dot_q8_0_avx512(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int nx,
-                                   float* out) {
-  constexpr int64_t BB = 34;
-  // lanes of pair p's products -> which of the 8 scales they take (8 lanes per block)
-  alignas(64) static const int32_t lanes[4][16] = {
-      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {
-    alignas(16) uint16_t dh[8];
-    for (int k = 0; k < 8; ++k) std::memcpy(&dh[k], w + (b + k) * BB, 2);
-    const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
-    const __m512 s0 = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(&x0->d[b])));
-    const __m512 s1 = nx > 1 ? _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(&x1->d[b]))) : s0;
-    for (int p = 0; p < 4; ++p) {
-      const uint8_t* blk = w + (b + 2 * p) * BB;
-      const __m512i v = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BB + 2)), 1);
-      const __m512i q = _mm512_abs_epi8(v);
-      const __mmask64 neg = _mm512_movepi8_mask(v);
-      const __m512i idx = _mm512_load_si512(lanes[p]);
-      const __m512i xa = _mm512_loadu_si512(&x0->q[(b + 2 * p) * 32]);
-      const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q,
-                                             _mm512_mask_sub_epi8(xa, neg, _mm512_setzero_si512(), xa));
-      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(idx, s0), acc0);
-      if (nx > 1) {
-        const __m512i xb = _mm512_loadu_si512(&x1->q[(b + 2 * p) * 32]);
-        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q,
-                                               _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb));
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(idx, s1), acc1);
+  const int8_t* xq[NX];
+  const float* xd[NX];
+  const int16_t* xs[NX];
+  for (int j = 0; j < NX; ++j) xq[j] = x[j]->q.data(), xd[j] = x[j]->d.data(), xs[j] = x[j]->sum16.data();
+  __m512 acc[R][NX];
+  float c[R][NX];  // the mins' terms
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NX; ++j) acc[r][j] = _mm512_setzero_ps(), c[r][j] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {  // unrolled: the sums stay in registers
+      const uint8_t* wb = w + r * row_bytes + b * 144;
+      const float d = f16(wb), dmin = f16(wb + 2);
+      uint32_t u[4];
+      unpack_scales(wb + 4, u);
+      const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
+      const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      __m512i ii[NX];
+      for (int j = 0; j < NX; ++j) ii[j] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16 + 32 * p));
+        const __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+        const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[p]), sc16);
+        for (int j = 0; j < NX; ++j)
+          ii[j] = _mm512_dpwssd_epi32(ii[j], _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq[j] + b * 256 + 64 * p)), s);
+      }
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
+      for (int j = 0; j < NX; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ii[j]), _mm512_set1_ps(d * xd[j][b]), acc[r][j]);
+        c[r][j] += dmin * xd[j][b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(xs[j] + b * 8))));
       }
     }
   }
-  out[0] = tail_blocks<Fmt::Q8_0>(w, b, nb, x0, _mm512_reduce_add_ps(acc0));
-  if (nx > 1) out[1] = tail_blocks<Fmt::Q8_0>(w, b, nb, x1, _mm512_reduce_add_ps(acc1));
+  reduce_all<R, NX>(acc, out);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NX; ++j) out[r * NX + j] -= c[r][j];
+}
+
+// Q8_0 with AVX-512 VNNI: two blocks (64 values) per multiply, 8 blocks' scales in one vector. The weights go in
+// offset by 128 (w ^ 0x80, unsigned) and the products start from -128 x the input's sum per lane (QRow::off8), so
+// each lane's int32 is the signed product exactly.
+template <int R, int NX>
+TS_AVX512 void rows_q8_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
+  constexpr int64_t BB = 34;
+  alignas(64) static const int32_t lanes[4][16] = {  // lanes of pair p's products -> their block's scale
+      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xq[NX];
+  const float* xd[NX];
+  const int32_t* xo[NX];
+  for (int j = 0; j < NX; ++j) xq[j] = x[j]->q.data(), xd[j] = x[j]->d.data(), xo[j] = x[j]->off8.data();
+  __m512 acc[R][NX];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NX; ++j) acc[r][j] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {  // unrolled: the sums stay in registers
+      const uint8_t* wb = w + r * row_bytes + b * BB;
+      alignas(16) uint16_t dh[8];
+      for (int k = 0; k < 8; ++k) std::memcpy(&dh[k], wb + k * BB, 2);
+      const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+      __m512 s[NX];
+      for (int j = 0; j < NX; ++j) s[j] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(xd[j] + b)));
+      for (int p = 0; p < 4; ++p) {
+        const uint8_t* blk = wb + 2 * p * BB;
+        const __m512i u = _mm512_xor_si512(flip, _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BB + 2)), 1));
+        const __m512i idx = _mm512_load_si512(lanes[p]);
+        for (int j = 0; j < NX; ++j) {
+          const int64_t v = (b + 2 * p) * 32;
+          const __m512i i = _mm512_dpbusd_epi32(_mm512_loadu_si512(xo[j] + v / 4), u, _mm512_loadu_si512(xq[j] + v));
+          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(idx, s[j]), acc[r][j]);
+        }
+      }
+    }
+  }
+  reduce_all<R, NX>(acc, out);
+  if (b < nb)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<Fmt::Q8_0>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
 }
 
 // Q4_0 with AVX-512 VBMI + VNNI: 8 blocks (144 bytes) per step. Byte permutes gather the nibbles of 4 + 4 blocks
@@ -403,38 +457,48 @@ inline const Q40Index& q40_index() {
   return t;
 }
 
-#define TS_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
-TS_VBMI void row_dot_q4_0_avx512(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int nx,
-                                 float* out) {
+template <int R, int NX>
+TS_VBMI void rows_q4_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   const Q40Index& ix = q40_index();
   const __m512i lo4 = _mm512_load_si512(ix.lo4), hi4 = _mm512_load_si512(ix.hi4);
   const __m512i sci = _mm512_load_si512(ix.scale);
   const __m512i la = _mm512_load_si512(ix.lane[0]), lb = _mm512_load_si512(ix.lane[1]);
   const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  const QRow* xs[2] = {x0, x1};
+  const int8_t* xp[NX];
+  const int32_t* xo[NX];
+  const float* xd[NX];
+  for (int j = 0; j < NX; ++j) xp[j] = x[j]->qp.data(), xo[j] = x[j]->off.data(), xd[j] = x[j]->d.data();
+  __m512 acc[R][NX];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NX; ++j) acc[r][j] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
-    const uint8_t* g = w + b * 18;
-    const __m512i A = _mm512_loadu_si512(g), B = _mm512_loadu_si512(g + 64);
-    const __m512i D = _mm512_maskz_loadu_epi8(0xFFFFull, g + 128);  // the group's last 16 bytes only
-    const __m256 dw = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(A, sci, B)));
-    const __m512i va = _mm512_permutex2var_epi8(A, lo4, B), vb = _mm512_permutex2var_epi8(B, hi4, D);
-    const __m512i a_lo = _mm512_and_si512(va, low), a_hi = _mm512_and_si512(_mm512_srli_epi16(va, 4), low);
-    const __m512i b_lo = _mm512_and_si512(vb, low), b_hi = _mm512_and_si512(_mm512_srli_epi16(vb, 4), low);
-    for (int r = 0; r < nx; ++r) {
-      const int8_t* xp = &xs[r]->qp[b * 32];
-      const int32_t* op = &xs[r]->off[b * 4];
-      __m512i ia = _mm512_dpbusd_epi32(_mm512_loadu_si512(op), a_lo, _mm512_loadu_si512(xp));
-      ia = _mm512_dpbusd_epi32(ia, a_hi, _mm512_loadu_si512(xp + 64));
-      __m512i ib = _mm512_dpbusd_epi32(_mm512_loadu_si512(op + 16), b_lo, _mm512_loadu_si512(xp + 128));
-      ib = _mm512_dpbusd_epi32(ib, b_hi, _mm512_loadu_si512(xp + 192));
-      const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(&xs[r]->d[b])));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_permutexvar_ps(la, s), acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(lb, s), acc[r]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {  // unrolled: the sums stay in registers
+      const uint8_t* g = w + r * row_bytes + b * 18;
+      const __m512i A = _mm512_loadu_si512(g), B = _mm512_loadu_si512(g + 64);
+      const __m512i D = _mm512_maskz_loadu_epi8(0xFFFFull, g + 128);  // the group's last 16 bytes only
+      const __m256 dw = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(A, sci, B)));
+      const __m512i va = _mm512_permutex2var_epi8(A, lo4, B), vb = _mm512_permutex2var_epi8(B, hi4, D);
+      const __m512i a_lo = _mm512_and_si512(va, low), a_hi = _mm512_and_si512(_mm512_srli_epi16(va, 4), low);
+      const __m512i b_lo = _mm512_and_si512(vb, low), b_hi = _mm512_and_si512(_mm512_srli_epi16(vb, 4), low);
+      for (int j = 0; j < NX; ++j) {
+        const int8_t* q = xp[j] + b * 32;
+        const int32_t* o = xo[j] + b * 4;
+        __m512i ia = _mm512_dpbusd_epi32(_mm512_loadu_si512(o), a_lo, _mm512_loadu_si512(q));
+        ia = _mm512_dpbusd_epi32(ia, a_hi, _mm512_loadu_si512(q + 64));
+        __m512i ib = _mm512_dpbusd_epi32(_mm512_loadu_si512(o + 16), b_lo, _mm512_loadu_si512(q + 128));
+        ib = _mm512_dpbusd_epi32(ib, b_hi, _mm512_loadu_si512(q + 192));
+        const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(xd[j] + b)));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_permutexvar_ps(la, s), acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_permutexvar_ps(lb, s), acc[r][j]);
+      }
     }
   }
-  for (int r = 0; r < nx; ++r) out[r] = tail_blocks<Fmt::Q4_0>(w, b, nb, xs[r], _mm512_reduce_add_ps(acc[r]));
+  reduce_all<R, NX>(acc, out);
+  if (b < nb)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<Fmt::Q4_0>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
 }
 
 // AVX-512 paths when the CPU has AVX-512 BW + VL + VNNI (Cascade Lake, Ice Lake, Zen 4 and later; Q4_0's also
@@ -451,6 +515,17 @@ inline bool use_vbmi() {
   return yes;
 }
 
+// x (in values) quantized for products with format f's weights on this CPU: quantize_row, plus the AVX-512
+// kernels' input layouts.
+inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
+  quantize_row(x, in, block_values(f), r);
+  if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
+  if (f == Fmt::Q8_0 && use_avx512()) {
+    r.off8.resize(in / 4);
+    for (int64_t i = 0; i < in / 4; ++i) r.off8[i] = -128 * (r.q[4 * i] + r.q[4 * i + 1] + r.q[4 * i + 2] + r.q[4 * i + 3]);
+  }
+}
+
 // fn(integral_constant<Fmt, f>): a packed format as a compile-time value.
 template <typename Fn>
 inline void by_fmt(Fmt f, Fn&& fn) {
@@ -462,36 +537,52 @@ inline void by_fmt(Fmt f, Fn&& fn) {
   }
 }
 
-// One weight row times one or two quantized input rows, by the CPU's best kernel for the format.
+// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI; Q6_K has none).
 template <Fmt F>
-inline void dot_rows(const uint8_t* wr, int64_t nb, const QRow* x0, const QRow* x1, int nx, float* t, bool avx512,
-                     bool vbmi) {
-  if (!avx512 || F == Fmt::Q6_K || (F == Fmt::Q4_0 && !vbmi))
-    row_dot<F>(wr, nb, x0, x1, nx, t);
-  else if constexpr (F == Fmt::Q4_K)
-    row_dot_q4k_avx512(wr, nb, x0, x1, nx, t);
-  else if constexpr (F == Fmt::Q8_0)
-    row_dot_q8_0_avx512(wr, nb, x0, x1, nx, t);
-  else if constexpr (F == Fmt::Q4_0)
-    row_dot_q4_0_avx512(wr, nb, x0, x1, nx, t);
+inline bool avx512_rows() {
+  return F != Fmt::Q6_K && use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
 }
 
-// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y).
+// out[r * nx + j] = weight row r (at w + r * row_bytes, `nb` blocks) . input row x[j], for r < R and j < nx (1 or
+// 2), by the AVX-512 kernel where `avx512` (avx512_rows), else one row at a time (AVX2).
+template <Fmt F, int R>
+inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, int nx, float* out,
+                     bool avx512) {
+  if (avx512) {
+    const auto go = [&](auto n) {
+      constexpr int NX = decltype(n)::value;
+      if constexpr (F == Fmt::Q4_K) rows_q4k_avx512<R, NX>(w, row_bytes, nb, x, out);
+      else if constexpr (F == Fmt::Q8_0) rows_q8_0_avx512<R, NX>(w, row_bytes, nb, x, out);
+      else if constexpr (F == Fmt::Q4_0) rows_q4_0_avx512<R, NX>(w, row_bytes, nb, x, out);
+    };
+    if (nx > 1) go(std::integral_constant<int, 2>{});
+    else go(std::integral_constant<int, 1>{});
+    return;
+  }
+  for (int r = 0; r < R; ++r) row_dot<F>(w + r * row_bytes, nb, x[0], nx > 1 ? x[1] : nullptr, nx, out + r * nx);
+}
+
+// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y): 4 weight rows at a time, each against the input
+// rows in pairs.
 template <Fmt F>
 void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
          int64_t out) {
-  const bool avx512 = use_avx512(), vbmi = use_vbmi();
+  const bool avx512 = avx512_rows<F>();
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint8_t* wr = w + o * row_bytes;
+    const auto rows = [&](int64_t o, auto n) {
+      constexpr int R = decltype(n)::value;
       for (int64_t r = 0; r < m; r += 2) {
-        float t[2];
         const int nx = r + 1 < m ? 2 : 1;
-        dot_rows<F>(wr, nb, &xq[r], nx > 1 ? &xq[r + 1] : nullptr, nx, t, avx512, vbmi);
-        y[r * out + o] = t[0];
-        if (nx > 1) y[(r + 1) * out + o] = t[1];
+        const QRow* x[2] = {&xq[r], nx > 1 ? &xq[r + 1] : nullptr};
+        float t[2 * R];
+        dot_rows<F, R>(w + o * row_bytes, row_bytes, nb, x, nx, t, avx512);
+        for (int k = 0; k < R; ++k)
+          for (int j = 0; j < nx; ++j) y[(r + j) * out + o + k] = t[k * nx + j];
       }
-    }
+    };
+    int64_t o = o0;
+    for (; o + 4 <= o1; o += 4) rows(o, std::integral_constant<int, 4>{});
+    for (; o < o1; ++o) rows(o, std::integral_constant<int, 1>{});
   });
 }
 
@@ -501,13 +592,13 @@ void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow
 template <Fmt F>
 void pair_products(const std::vector<const uint8_t*>& w, const std::vector<const uint8_t*>* second, int64_t rows_first,
                    int64_t rows_each, int64_t nb, int64_t row_bytes, const std::vector<const QRow*>& x, float* y) {
-  const bool avx512 = use_avx512(), vbmi = use_vbmi();
+  const bool avx512 = avx512_rows<F>();
   const int64_t n = static_cast<int64_t>(w.size());
   at::parallel_for(0, n * rows_each, 64, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t p = i / rows_each, o = i % rows_each;
       const uint8_t* wr = o < rows_first ? w[p] + o * row_bytes : (*second)[p] + (o - rows_first) * row_bytes;
-      dot_rows<F>(wr, nb, x[p], nullptr, 1, &y[i], avx512, vbmi);
+      dot_rows<F, 1>(wr, row_bytes, nb, &x[p], 1, &y[i], avx512);
     }
   });
 }
@@ -522,13 +613,8 @@ void moe_experts(const float* x, int64_t m, int64_t hidden, const std::vector<to
                  const std::vector<int64_t>& row, const std::vector<double>& weight, float* out) {
   const int64_t n = static_cast<int64_t>(gate.size()), inter = gate[0].size(0);
   const Fmt fg = fmt_of(gate[0]), fd = fmt_of(down[0]);
-  const int64_t qg = block_values(fg), qd = block_values(fd);
-  const bool pg = fg == Fmt::Q4_0 && use_vbmi(), pd = fd == Fmt::Q4_0 && use_vbmi();
   std::vector<QRow> xq(m);
-  for (int64_t r = 0; r < m; ++r) {
-    quantize_row(x + r * hidden, hidden, qg, xq[r]);
-    if (pg) q4_0_layout(xq[r], hidden);
-  }
+  for (int64_t r = 0; r < m; ++r) prepare_row(x + r * hidden, hidden, fg, xq[r]);
   std::vector<const uint8_t*> wg(n), wu(n), wd(n);
   std::vector<const QRow*> xs(n);
   for (int64_t p = 0; p < n; ++p) {
@@ -548,8 +634,7 @@ void moe_experts(const float* x, int64_t m, int64_t hidden, const std::vector<to
     const float* g = &gu[p * 2 * inter];
     silu_all(g, h.data(), inter);
     for (int64_t i = 0; i < inter; ++i) h[i] *= g[inter + i];
-    quantize_row(h.data(), inter, qd, hq[p]);
-    if (pd) q4_0_layout(hq[p], inter);
+    prepare_row(h.data(), inter, fd, hq[p]);
     xs[p] = &hq[p];
   }
   std::vector<float> y(n * hidden);
@@ -570,11 +655,7 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
   const int64_t nb = w.size(1), out = w.size(0), qk = block_values(f), in = nb * qk, row_bytes = nb * w.size(2);
   thread_local std::vector<QRow> xq;  // reused: no allocation per product once warm
   if (static_cast<int64_t>(xq.size()) < m) xq.resize(m);
-  const bool pairs = f == Fmt::Q4_0 && use_vbmi();
-  for (int64_t r = 0; r < m; ++r) {
-    quantize_row(x + r * in, in, qk, xq[r]);
-    if (pairs) q4_0_layout(xq[r], in);
-  }
+  for (int64_t r = 0; r < m; ++r) prepare_row(x + r * in, in, f, xq[r]);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   by_fmt(f, [&](auto fc) { run<decltype(fc)::value>(wp, nb, row_bytes, xq, y, m, out); });
 }
