@@ -51,7 +51,7 @@ struct QRow {
   std::vector<int32_t> sum32;
   std::vector<int16_t> sum16;  // the same sums as int16 (|sum| <= 32 * 127)
   std::vector<int16_t> half16;  // the sum of each 16 q (Q6_K's 16-value scales)
-  std::vector<int8_t> qp;      // Q4_0 on AVX-512: q reordered as the nibbles unpack (q4_0_layout)
+  std::vector<int8_t> qp;      // on AVX-512: q reordered as the nibbles unpack (q4_0_layout, q4_k_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
   std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (a product lane's offset)
 };
@@ -75,6 +75,15 @@ inline void q4_0_layout(QRow& r, int64_t in) {
       r.off[h * 16 + lane] = -8 * t;
     }
   }
+}
+
+// The AVX-512 Q4_K input layout (rows_q4k_avx512): in each 128 values, the 32-value sub-blocks in the order 0, 2,
+// 1, 3 (a 64-byte load of the weights holds sub-blocks 0 and 2 in its low nibbles, 1 and 3 in its high ones).
+inline void q4_k_layout(QRow& r, int64_t in) {
+  r.qp.resize(in);
+  static constexpr int order[4] = {0, 2, 1, 3};
+  for (int64_t c = 0; c < in; c += 128)
+    for (int k = 0; k < 4; ++k) std::memcpy(&r.qp[c + 32 * k], &r.q[c + 32 * order[k]], 32);
 }
 
 inline int32_t hsum_i(__m256i v) {
@@ -337,52 +346,78 @@ TS_AVX512 inline void reduce_all(const __m512 (&acc)[R][NX], float* t) {
   }
 }
 
+// Q4_K's 8 scales (bytes 0..7) and 8 mins (bytes 8..15) from a block's 12 scale bytes at s (unpack_scales in
+// one vector; reads 16 bytes).
+TS_AVX512 inline __m128i q4k_scales(const uint8_t* s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));  // dwords u0, u1, u2
+  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i lo = _mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                   _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(lo, hi);
+}
+
 // Q4_K with AVX-512 (BW + VNNI): 64 values (two sub-blocks) per multiply, the scales applied by int16 dot products
-// (the same integers as the AVX2 path; the float sums differ in order only).
+// (the same integers as the AVX2 path; the float sums differ in order only), against the input in q4_k_layout.
 template <int R, int NX>
 TS_AVX512 void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   const __m512i low = _mm512_set1_epi8(15);
-  alignas(64) static const int16_t lanes[4][32] = {  // sub-block pair j: 16 int16 lanes each of scales 2j, 2j+1
-      {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
-      {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
-      {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
-      {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+  alignas(64) static const int16_t lanes[4][32] = {  // multiply k: 16 int16 lanes each of the 2 sub-blocks' scales
+      {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+      {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
+      {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
   const int8_t* xq[NX];
   const float* xd[NX];
   const int16_t* xs[NX];
-  for (int j = 0; j < NX; ++j) xq[j] = x[j]->q.data(), xd[j] = x[j]->d.data(), xs[j] = x[j]->sum16.data();
+  for (int j = 0; j < NX; ++j) xq[j] = x[j]->qp.data(), xd[j] = x[j]->d.data(), xs[j] = x[j]->sum16.data();
   __m512 acc[R][NX];
-  float c[R][NX];  // the mins' terms
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NX; ++j) acc[r][j] = _mm512_setzero_ps(), c[r][j] = 0.f;
+  __m128 c[NX];  // lane r: row r's mins term
+  for (int j = 0; j < NX; ++j) {
+    c[j] = _mm_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r][j] = _mm512_setzero_ps();
+  }
   for (int64_t b = 0; b < nb; ++b) {
+    __m128i mt[NX][4];  // per row, the 4 int32 parts of its mins . input sums
+    alignas(16) float dmin[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < NX; ++j)
+      for (int r = 0; r < 4; ++r) mt[j][r] = _mm_setzero_si128();
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {  // unrolled: the sums stay in registers
       const uint8_t* wb = w + r * row_bytes + b * 144;
-      const float d = f16(wb), dmin = f16(wb + 2);
-      uint32_t u[4];
-      unpack_scales(wb + 4, u);
-      const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
-      const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      const float d = f16(wb);
+      dmin[r] = f16(wb + 2);
+      const __m128i sm = q4k_scales(wb + 4);
+      const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));
+      const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
       __m512i ii[NX];
       for (int j = 0; j < NX; ++j) ii[j] = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16 + 32 * p));
-        const __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
-        const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[p]), sc16);
-        for (int j = 0; j < NX; ++j)
-          ii[j] = _mm512_dpwssd_epi32(ii[j], _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq[j] + b * 256 + 64 * p)), s);
+      for (int h = 0; h < 2; ++h) {  // 64 bytes: sub-blocks 4h, 4h + 2 in the low nibbles, 4h + 1, 4h + 3 high
+        const __m512i v = _mm512_loadu_si512(wb + 16 + 64 * h);
+        const __m512i q[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+        for (int k = 0; k < 2; ++k) {
+          const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[2 * h + k]), sc16);
+          for (int j = 0; j < NX; ++j)
+            ii[j] = _mm512_dpwssd_epi32(ii[j], _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq[j] + b * 256 + 128 * h + 64 * k)), s);
+        }
       }
-      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
       for (int j = 0; j < NX; ++j) {
         acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ii[j]), _mm512_set1_ps(d * xd[j][b]), acc[r][j]);
-        c[r][j] += dmin * xd[j][b] * static_cast<float>(hsum4(_mm_madd_epi16(mins, load_sums(xs[j] + b * 8))));
+        mt[j][r] = _mm_madd_epi16(mins, load_sums(xs[j] + b * 8));
       }
+    }
+    const __m128 dm = _mm_load_ps(dmin);
+    for (int j = 0; j < NX; ++j) {  // the R rows' sums in one vector, then c += dmin * xd * sum in every lane
+      const __m128i t = _mm_hadd_epi32(_mm_hadd_epi32(mt[j][0], mt[j][1]), _mm_hadd_epi32(mt[j][2], mt[j][3]));
+      c[j] = _mm_fmadd_ps(_mm_mul_ps(dm, _mm_set1_ps(xd[j][b])), _mm_cvtepi32_ps(t), c[j]);
     }
   }
   reduce_all<R, NX>(acc, out);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NX; ++j) out[r * NX + j] -= c[r][j];
+  for (int j = 0; j < NX; ++j) {
+    alignas(16) float cs[4];
+    _mm_store_ps(cs, c[j]);
+    for (int r = 0; r < R; ++r) out[r * NX + j] -= cs[r];
+  }
 }
 
 // Q8_0 with AVX-512 VNNI: two blocks (64 values) per multiply, 8 blocks' scales in one vector. The weights go in
@@ -520,6 +555,7 @@ inline bool use_vbmi() {
 inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
   quantize_row(x, in, block_values(f), r);
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
+  if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) {
     r.off8.resize(in / 4);
     for (int64_t i = 0; i < in / 4; ++i) r.off8[i] = -128 * (r.q[4 * i] + r.q[4 * i + 1] + r.q[4 * i + 2] + r.q[4 * i + 3]);
