@@ -346,6 +346,10 @@ TS_AVX512 inline void reduce_all(const __m512 (&acc)[R][NX], float* t) {
   }
 }
 
+struct Q4KLanes {
+  alignas(64) int8_t b[4][64];
+};
+
 // Q4_K's 8 scales (bytes 0..7) and 8 mins (bytes 8..15) from a block's 12 scale bytes at s (unpack_scales in
 // one vector; reads 16 bytes).
 TS_AVX512 inline __m128i q4k_scales(const uint8_t* s) {
@@ -360,13 +364,20 @@ TS_AVX512 inline __m128i q4k_scales(const uint8_t* s) {
 // Q4_K with AVX-512 (BW + VNNI): 64 values (two sub-blocks) per multiply, the scales applied by int16 dot products
 // (the same integers as the AVX2 path; the float sums differ in order only), against the input in q4_k_layout.
 template <int R, int NX>
-TS_AVX512 void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
+TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   const __m512i low = _mm512_set1_epi8(15);
-  alignas(64) static const int16_t lanes[4][32] = {  // multiply k: 16 int16 lanes each of the 2 sub-blocks' scales
-      {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
-      {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
-      {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
-      {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+  // multiply k's int16 lanes 0..15 take sub-block A_k's scale, 16..31 B_k's: byte shuffles of the 8 scale bytes
+  // (copied to every 16-byte lane), low byte the scale, high byte zero
+  static const Q4KLanes ln = [] {
+    static constexpr int A[4] = {0, 1, 4, 5}, B[4] = {2, 3, 6, 7};
+    Q4KLanes t{};
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 32; ++i) {
+        t.b[k][2 * i] = static_cast<int8_t>(i < 16 ? A[k] : B[k]);
+        t.b[k][2 * i + 1] = -128;
+      }
+    return t;
+  }();
   const int8_t* xq[NX];
   const float* xd[NX];
   const int16_t* xs[NX];
@@ -388,7 +399,7 @@ TS_AVX512 void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, 
       const float d = f16(wb);
       dmin[r] = f16(wb + 2);
       const __m128i sm = q4k_scales(wb + 4);
-      const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));
+      const __m512i sc4 = _mm512_broadcast_i32x4(sm);
       const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
       __m512i ii[NX];
       for (int j = 0; j < NX; ++j) ii[j] = _mm512_setzero_si512();
@@ -396,7 +407,7 @@ TS_AVX512 void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, 
         const __m512i v = _mm512_loadu_si512(wb + 16 + 64 * h);
         const __m512i q[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
         for (int k = 0; k < 2; ++k) {
-          const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[2 * h + k]), sc16);
+          const __m512i s = _mm512_shuffle_epi8(sc4, _mm512_load_si512(ln.b[2 * h + k]));
           for (int j = 0; j < NX; ++j)
             ii[j] = _mm512_dpwssd_epi32(ii[j], _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq[j] + b * 256 + 128 * h + 64 * k)), s);
         }
@@ -424,7 +435,7 @@ TS_AVX512 void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, 
 // offset by 128 (w ^ 0x80, unsigned) and the products start from -128 x the input's sum per lane (QRow::off8), so
 // each lane's int32 is the signed product exactly.
 template <int R, int NX>
-TS_AVX512 void rows_q8_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
+TS_AVX512 __attribute__((always_inline)) inline void rows_q8_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   constexpr int64_t BB = 34;
   alignas(64) static const int32_t lanes[4][16] = {  // lanes of pair p's products -> their block's scale
       {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
@@ -493,7 +504,7 @@ inline const Q40Index& q40_index() {
 }
 
 template <int R, int NX>
-TS_VBMI void rows_q4_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
+TS_VBMI __attribute__((always_inline)) inline void rows_q4_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   const Q40Index& ix = q40_index();
   const __m512i lo4 = _mm512_load_si512(ix.lo4), hi4 = _mm512_load_si512(ix.hi4);
   const __m512i sci = _mm512_load_si512(ix.scale);
@@ -535,6 +546,32 @@ TS_VBMI void rows_q4_0_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, c
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<Fmt::Q4_0>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
 }
+
+// y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m: 4 weight rows per step against the
+// input rows in pairs, the kernels inlined (one loop per format and target).
+template <int R, int NX>
+__attribute__((always_inline)) inline void put_rows(const float* t, float* y, int64_t out, int64_t o) {
+  for (int k = 0; k < R; ++k)
+    for (int j = 0; j < NX; ++j) y[j * out + o + k] = t[k * NX + j];
+}
+
+#define TS_RANGE_STEP(KERNEL, R)                                                                                \
+  for (int64_t j = 0; j + 1 < m; j += 2)                                                                        \
+    KERNEL<R, 2>(w + o * row_bytes, row_bytes, nb, x + j, t), put_rows<R, 2>(t, y + j * out, out, o);           \
+  if (m % 2) KERNEL<R, 1>(w + o * row_bytes, row_bytes, nb, x + m - 1, t), put_rows<R, 1>(t, y + (m - 1) * out, out, o);
+#define TS_RANGE(TARGET, NAME, KERNEL)                                                                          \
+  TARGET void NAME(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, int64_t m, int64_t o0, \
+                   int64_t o1, float* y, int64_t out) {                                                        \
+    float t[8];                                                                                                \
+    int64_t o = o0;                                                                                            \
+    for (; o + 4 <= o1; o += 4) { TS_RANGE_STEP(KERNEL, 4) }                                                   \
+    for (; o < o1; ++o) { TS_RANGE_STEP(KERNEL, 1) }                                                           \
+  }
+TS_RANGE(TS_AVX512, range_q4k_avx512, rows_q4k_avx512)
+TS_RANGE(TS_AVX512, range_q8_0_avx512, rows_q8_0_avx512)
+TS_RANGE(TS_VBMI, range_q4_0_avx512, rows_q4_0_avx512)
+#undef TS_RANGE_STEP
+#undef TS_RANGE
 
 // AVX-512 paths when the CPU has AVX-512 BW + VL + VNNI (Cascade Lake, Ice Lake, Zen 4 and later; Q4_0's also
 // VBMI), unless TURBOSPEC_NO_AVX512 is set; AVX2 otherwise.
@@ -579,46 +616,35 @@ inline bool avx512_rows() {
   return F != Fmt::Q6_K && use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
 }
 
-// out[r * nx + j] = weight row r (at w + r * row_bytes, `nb` blocks) . input row x[j], for r < R and j < nx (1 or
-// 2), by the AVX-512 kernel where `avx512` (avx512_rows), else one row at a time (AVX2).
-template <Fmt F, int R>
-inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, int nx, float* out,
-                     bool avx512) {
+// y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m: the AVX-512 kernels where `avx512`
+// (avx512_rows), else one row at a time against the input rows in pairs (AVX2).
+template <Fmt F>
+inline void dot_range(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, int64_t m, int64_t o0,
+                      int64_t o1, float* y, int64_t out, bool avx512) {
   if (avx512) {
-    const auto go = [&](auto n) {
-      constexpr int NX = decltype(n)::value;
-      if constexpr (F == Fmt::Q4_K) rows_q4k_avx512<R, NX>(w, row_bytes, nb, x, out);
-      else if constexpr (F == Fmt::Q8_0) rows_q8_0_avx512<R, NX>(w, row_bytes, nb, x, out);
-      else if constexpr (F == Fmt::Q4_0) rows_q4_0_avx512<R, NX>(w, row_bytes, nb, x, out);
-    };
-    if (nx > 1) go(std::integral_constant<int, 2>{});
-    else go(std::integral_constant<int, 1>{});
+    if constexpr (F == Fmt::Q4_K) range_q4k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
+    else if constexpr (F == Fmt::Q8_0) range_q8_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
+    else if constexpr (F == Fmt::Q4_0) range_q4_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     return;
   }
-  for (int r = 0; r < R; ++r) row_dot<F>(w + r * row_bytes, nb, x[0], nx > 1 ? x[1] : nullptr, nx, out + r * nx);
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t j = 0; j < m; j += 2) {
+      const int nx = j + 1 < m ? 2 : 1;
+      float t[2];
+      row_dot<F>(w + o * row_bytes, nb, x[j], nx > 1 ? x[j + 1] : nullptr, nx, t);
+      for (int k = 0; k < nx; ++k) y[(j + k) * out + o] = t[k];
+    }
 }
 
-// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y): 4 weight rows at a time, each against the input
-// rows in pairs.
+// y[m, out] = x[m, in] . W^T for a packed W (float32 x and y), each thread a range of weight rows.
 template <Fmt F>
 void run(const uint8_t* w, int64_t nb, int64_t row_bytes, const std::vector<QRow>& xq, float* y, int64_t m,
          int64_t out) {
   const bool avx512 = avx512_rows<F>();
+  std::vector<const QRow*> x(m);
+  for (int64_t r = 0; r < m; ++r) x[r] = &xq[r];
   at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-    const auto rows = [&](int64_t o, auto n) {
-      constexpr int R = decltype(n)::value;
-      for (int64_t r = 0; r < m; r += 2) {
-        const int nx = r + 1 < m ? 2 : 1;
-        const QRow* x[2] = {&xq[r], nx > 1 ? &xq[r + 1] : nullptr};
-        float t[2 * R];
-        dot_rows<F, R>(w + o * row_bytes, row_bytes, nb, x, nx, t, avx512);
-        for (int k = 0; k < R; ++k)
-          for (int j = 0; j < nx; ++j) y[(r + j) * out + o + k] = t[k * nx + j];
-      }
-    };
-    int64_t o = o0;
-    for (; o + 4 <= o1; o += 4) rows(o, std::integral_constant<int, 4>{});
-    for (; o < o1; ++o) rows(o, std::integral_constant<int, 1>{});
+    dot_range<F>(w, row_bytes, nb, x.data(), m, o0, o1, y, out, avx512);
   });
 }
 
@@ -634,7 +660,7 @@ void pair_products(const std::vector<const uint8_t*>& w, const std::vector<const
     for (int64_t i = a; i < b; ++i) {
       const int64_t p = i / rows_each, o = i % rows_each;
       const uint8_t* wr = o < rows_first ? w[p] + o * row_bytes : (*second)[p] + (o - rows_first) * row_bytes;
-      dot_rows<F, 1>(wr, row_bytes, nb, &x[p], 1, &y[i], avx512);
+      dot_range<F>(wr, row_bytes, nb, &x[p], 1, 0, 1, &y[i], 1, avx512);
     }
   });
 }
