@@ -84,6 +84,19 @@ def test_fused_product_matches_the_float_product(fmt, cols):
     assert torch.equal(k.packed_linear(x[:16], p, b, 16), solo)  # a row's result does not depend on its batch
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_weight_rows_result_does_not_depend_on_its_neighbours(fmt):
+    """The kernels take 4 weight rows per step (1 at a range's end): rows moved to other positions of a step, or
+    into a tail, give the same bits."""
+    w, k = matrix(71, 768), load_kernel()
+    p = W.quantize(w, fmt)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(2))
+    for m in (1, 2, 5):
+        full = k.packed_linear(x[:m], p, None, 16)
+        for a, b in ((1, 71), (2, 9), (3, 4), (5, 70)):
+            assert torch.equal(k.packed_linear(x[:m], p[a:b].contiguous(), None, 16), full[:, a:b]), (m, a, b)
+
+
 def test_avx2_and_avx512_paths_agree():
     """The same products with TURBOSPEC_NO_AVX512=1 (the AVX2 path) in a child process: the same int8 sums,
     float sums in another order."""
