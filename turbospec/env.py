@@ -13,7 +13,7 @@ Switches change which code path runs (for benchmarks and debugging), never resul
 | TURBOSPEC_NO_GDN_KERNEL | Gated DeltaNet recurrence in torch instead of C++ |
 | TURBOSPEC_NO_HUGEPAGES | weights and KV in ordinary 4 KB pages (read at import) |
 | TURBOSPEC_SKINNY_MAX_ROWS | most rows the skinny GEMM takes per call, default 16 (read at import) |
-| TURBOSPEC_PREFILL | `upcast` (default): bf16/f16 prefill GEMMs in float32; `native`: in the weight dtype (read at import) |
+| TURBOSPEC_PREFILL | prefill GEMMs: `auto` (default) bf16 weights in bf16 where the CPU has AVX-512 BF16 / AMX, the rest in float32 (oneDNN); `upcast`: always float32; `native`: the weight dtype, torch's default GEMM (read at import) |
 | TURBOSPEC_TP_TIMEOUT | tensor parallelism: seconds a rank waits in a collective before it ends with an error, default 120 |
 
 The test suite reads two more, in tests/ only: TURBOSPEC_TEST_THREADS (torch threads, default 2) and
@@ -60,4 +60,4 @@ def all_set() -> dict[str, str]:
 FUSED = not on("TURBOSPEC_NO_FUSED")
 HUGEPAGES = not on("TURBOSPEC_NO_HUGEPAGES")
 SKINNY_MAX_ROWS = int(get("TURBOSPEC_SKINNY_MAX_ROWS", "16"))
-PREFILL_MODE = get("TURBOSPEC_PREFILL", "upcast")
+PREFILL_MODE = get("TURBOSPEC_PREFILL", "auto")

@@ -20,8 +20,10 @@ from turbospec.weights import format_of, in_features, is_packed, release
 # env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
 # than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
 # them (e.g. the mmapped checkpoint).
-# env.PREFILL_MODE: prefill GEMMs for 16-bit weights: "upcast" multiplies in float32 (weights converted per call),
-# "native" uses torch's bf16/fp16 GEMM. Which is faster depends on the CPU (AVX-512 BF16 vs AVX2); docs/speed.md.
+# env.PREFILL_MODE: prefill GEMMs. "auto": bf16 weights in torch's bf16 GEMM (oneDNN) where the CPU has AVX-512
+# BF16 or AMX, everything else in float32 (16-bit weights converted per call); "upcast": always float32; "native":
+# always the weight dtype. float32 GEMMs go through oneDNN where torch has it (on AMD CPUs MKL's sgemm keeps to
+# AVX2: 2.3x slower at the benchmark shape); docs/speed.md.
 
 
 # Packed matrices multiply up to this many rows with the int8 kernel, whose per-row results do not depend on the
@@ -39,6 +41,34 @@ def skinny_rows(dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16 and _bf16_dot():
         return max(env.SKINNY_MAX_ROWS, BF16_DOT_ROWS)
     return env.SKINNY_MAX_ROWS
+
+
+@cache
+def bf16_prefill_gemm() -> bool:
+    """Whether bf16 prefill GEMMs run in bf16 (PREFILL_MODE, and for "auto" the CPU)."""
+    if env.PREFILL_MODE in ("native", "upcast"):
+        return env.PREFILL_MODE == "native"
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@cache
+def _onednn_f32() -> bool:
+    return torch.backends.mkldnn.is_available() and env.PREFILL_MODE != "native"
+
+
+def prefill_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for many rows (prefill) of float weights, in x's dtype: bf16 weights in bf16 where
+    `bf16_prefill_gemm`, else in float32 (oneDNN's GEMM where torch has it)."""
+    if w.dtype == torch.bfloat16 and bf16_prefill_gemm() and x.dtype == torch.bfloat16:
+        return F.linear(x, w, b)
+    if env.PREFILL_MODE == "native" and w.dtype == x.dtype:
+        return F.linear(x, w, b)
+    xf, wf, bf = x.float(), w.float(), b.float() if b is not None else None
+    if _onednn_f32() and w.device.type == "cpu":
+        y = torch.ops.mkldnn._linear_pointwise(xf, wf, bf, "none", [], "")
+    else:
+        y = F.linear(xf, wf, bf)
+    return y.to(x.dtype)
 
 
 @cache
@@ -110,10 +140,7 @@ class Linear:
             return self.kernel.packed_linear(x, self.weight, self.bias, max(env.SKINNY_MAX_ROWS, PACKED_ROW_LIMIT))
         if self.kernel is not None and rows <= skinny_rows(x.dtype):
             return self.kernel.skinny_linear(x, self.weight, self.bias)
-        if env.PREFILL_MODE == "upcast" and self.weight.dtype in (torch.bfloat16, torch.float16):
-            b = self.bias.float() if self.bias is not None else None
-            return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        return prefill_product(x, self.weight, self.bias)
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from turbospec import dtypes
 from turbospec.errors import TurboSpecError
 from turbospec.lab.fit.arch import Arch
+from turbospec.layers.linear import bf16_prefill_gemm
 from turbospec.weights import CHUNK_BYTES, PACKED, WeightFormat
 
 # CPU baselines measured on the development box (Python 3.11, torch 2.13, Linux x86-64, 2 cores) with
@@ -265,13 +266,15 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
         # prefill of packed matrices: a ~4 MB float32 tile of weight rows and its bfloat16 copy
         b.upcast_scratch = 6 * 2**20 if rows > 16 else 0
     if cpu and setup.weights_bpw is None and float_mats and dtypes.nbytes(setup.dtype) == 2:
-        # Linear's prefill path ("upcast") converts the weight of a layer projection to float32 per call (the
-        # lm_head only ever sees <= 1 + n_max rows, which take the skinny kernel instead)
+        # Linear's prefill path converts the weight of a layer projection to float32 per call, or where bf16
+        # GEMMs run in bf16 (linear.bf16_prefill_gemm) oneDNN reorders a bf16 copy of it (the lm_head only ever
+        # sees <= 1 + n_max rows, which take the skinny kernel instead)
+        per_value = 2 if dtypes.short_name(setup.dtype) == "bf16" and bf16_prefill_gemm() else 4
         q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
         biggest = max(arch.hidden * 2 * arch.intermediate,
                       arch.hidden * (q + 2 * arch.n_kv_heads * arch.head_dim),
                       arch.hidden * (arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim))
-        b.upcast_scratch = max(b.upcast_scratch, biggest * 4 if rows > 16 else 0)
+        b.upcast_scratch = max(b.upcast_scratch, biggest * per_value if rows > 16 else 0)
     if mode == "mtp":
         if cpu:
             # turbospec's MTP drafter reads the trunk's hidden rows of its prompt window (auto: a quarter of
