@@ -11,6 +11,7 @@
     python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
     python benchmarks/step_profile.py attention --dtype bfloat16 # the one-call layer's attention (fixed cost at 16)
     python benchmarks/step_profile.py prefill_rows              # prefill: every row vs the last row in the last layer
+    python benchmarks/step_profile.py gemm                      # prefill GEMM rates: bf16, oneDNN / MKL float32, float16
     perf record -F 1000 -- python benchmarks/step_profile.py loop --dtype bfloat16   # decode steps only, for perf
 
 `dense`: median step time of single-token decoding (512-token context) and, in a second pass with every `Linear`
@@ -347,10 +348,24 @@ def prefill_rows(dtype: str) -> None:
     print(f"{dtype} prefill 512: every row {full:.0f} t/s, last row only {last:.0f} t/s ({last / full:.2f}x)")
 
 
+def gemm() -> None:
+    """GFLOP/s of a prefill-sized product (512 x 512 rows times a 3072 x 512 matrix) per GEMM turbospec could use:
+    torch's bf16 (oneDNN), oneDNN float32 (`linear.prefill_product`'s), torch's default float32 (MKL) and float16."""
+    x, w = torch.randn(512, 512), torch.randn(3072, 512)
+    xb, wb, xh, wh = x.bfloat16(), w.bfloat16(), x.half(), w.half()
+    runs = {"bf16 (torch, oneDNN)": lambda: xb @ wb.t(),
+            "float32 (oneDNN)": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            "float32 (torch default)": lambda: x @ w.t(),
+            "float16 (torch)": lambda: xh @ wh.t()}
+    for name, f in runs.items():
+        ms = _median_ms(f, 5 if "float16" in name else 30)
+        print(f"{name:24s} {ms:7.2f} ms  {2 * 512 * 512 * 3072 / ms / 1e6:6.0f} GFLOP/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "bf16held",
-                                     "attention", "prefill_rows", "loop"])
+                                     "attention", "prefill_rows", "loop", "gemm"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="chain: input rows per product")
@@ -360,7 +375,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
      "dtypes": dtypes, "kvpages": kvpages, "bf16held": bf16held, "attention": lambda: attention(a.dtype),
-     "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps)}[a.what]()
+     "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps), "gemm": gemm}[a.what]()
 
 
 if __name__ == "__main__":
