@@ -167,6 +167,32 @@ def test_batched_greedy_equals_solo(model, kv):
     assert pool.num_free == pool.num_blocks  # every block back
 
 
+@pytest.mark.parametrize("kv", [None, "q4_0", "turbo3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_paged_decode_equals_the_general_path(kv, dtype, monkeypatch):
+    """Decode rows over a paged pool in one kernel call per layer (`block._paged_rows`): the same pool bytes and
+    logprobs as the op-by-op path (attn_in, PagedBatch.attend)."""
+    from turbospec.layers import block
+
+    m = load_model(str(TINY), dtype)
+    prompts, params, steps = _requests(3, 5)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2) for _ in params]
+    runs, taken = [], []
+    for fused_rows in (True, False):
+        if not fused_rows:
+            monkeypatch.setattr(block, "_paged_rows", lambda attn, cache: False)
+        else:
+            real = block._paged_rows
+            monkeypatch.setattr(block, "_paged_rows", lambda attn, cache: taken.append(r := real(attn, cache)) or r)
+        pool = pool_for(m, 4096, kv, kv)
+        got = _drive(Scheduler(m, pool, max_seqs=4, max_step_tokens=96, ctx=2048), list(zip(steps, prompts, params)))
+        runs.append(([g[0] for g in got.values()], [[c.logprobs for c in g[3]] for g in got.values()],
+                     [t.clone() for t in (*pool.k.values(), *pool.v.values())]))
+    assert any(taken)  # the one-call path ran
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+
+
 def test_preemption_recomputes_without_changing_outputs(model):
     rnd = random.Random(2)
     # four prompts that fill a block each, then grow past it: a 4-block pool must preempt to go on

@@ -43,8 +43,15 @@ TS_BF16 inline void tile(const uint16_t* w, const uint16_t* x, int64_t in, int64
       for (int q = 0; q < NO; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], wv[q], xv);
     }
   }
-  for (int q = 0; q < NO; ++q)
-    for (int r = 0; r < NR; ++r) y[r * out + q] = _mm512_reduce_add_ps(acc[q][r]);
+  if constexpr (NO == 4) {  // the 4 sums of a row in one pass, paired as _mm512_reduce_add_ps pairs them
+    for (int r = 0; r < NR; ++r) {
+      const __m512 a[4] = {acc[0][r], acc[1][r], acc[2][r], acc[3][r]};
+      _mm_storeu_ps(y + r * out, packed::reduce4(a));
+    }
+  } else {
+    for (int q = 0; q < NO; ++q)
+      for (int r = 0; r < NR; ++r) y[r * out + q] = _mm512_reduce_add_ps(acc[q][r]);
+  }
 }
 
 // All m rows against NO weight rows, 4 input rows per pass; each pass prefetches its share of the block at pf.

@@ -257,6 +257,19 @@ void scatter(const Staged& st) {
   }
 }
 
+// Writes staged rows (staged as positions [0, N)) to positions slots[0..N) of their fields instead (a paged pool:
+// each row's own physical position).
+void scatter_slots(const Staged& st, const int64_t* slots) {
+  const uint8_t* src = st.bytes.data();
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const int64_t h = r / st.n, t = slots[r % st.n];
+    for (size_t i = 0; i < st.out.size(); ++i) {
+      std::memcpy(st.out[i].at(h, t), src, st.lens[i]);
+      src += st.lens[i];
+    }
+  }
+}
+
 // stage, then scatter: positions [start, start + N) of the fields, or false (nothing written).
 bool encode_into(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std::vector<torch::Tensor> fields,
                  int64_t start, torch::Tensor cent, torch::Tensor bounds, torch::Tensor s1, torch::Tensor s2,
@@ -264,6 +277,22 @@ bool encode_into(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std
   Staged st;
   if (!stage(x, kind, bits, width, fields, start, cent, bounds, s1, s2, norm_mode, st)) return false;
   scatter(st);
+  return true;
+}
+
+// stage, then scatter_slots: row i of x [KVH, N, D] to position slots[i] (int64 [N], each < the fields' length) of
+// the fields, or false (nothing written).
+bool encode_slots(torch::Tensor x, int64_t kind, int64_t bits, int64_t width, std::vector<torch::Tensor> fields,
+                  torch::Tensor slots, torch::Tensor cent, torch::Tensor bounds, torch::Tensor s1, torch::Tensor s2,
+                  int64_t norm_mode) {
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(1),
+              "slots: int64, one per row");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    for (auto& f : fields) TORCH_CHECK(sl[i] >= 0 && sl[i] < f.size(1), "slot out of range");
+  Staged st;
+  if (!stage(x, kind, bits, width, fields, 0, cent, bounds, s1, s2, norm_mode, st)) return false;
+  scatter_slots(st, sl);
   return true;
 }
 
@@ -284,6 +313,7 @@ torch::Tensor hadamard_rows(torch::Tensor x, torch::Tensor s1, torch::Tensor s2,
 #ifndef TURBOSPEC_EMBED_ENCODE  // gemv.cpp includes this file for its one-call decode step over a packed cache
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_into", &encode_into, "encode K/V rows into a packed KV cache's buffers");
+  m.def("encode_slots", &encode_slots, "encode K/V rows into given positions of a paged pool's buffers");
   m.def("hadamard_rows", &hadamard_rows, "blockwise randomized Hadamard rotation (or its inverse) of rows");
 }
 #endif

@@ -52,6 +52,15 @@ def encode_into(x: torch.Tensor, spec: EncodeSpec, fields: list[torch.Tensor], s
                            spec.cent, spec.bounds, spec.s1, spec.s2, spec.norm_mode)
 
 
+def encode_slots(x: torch.Tensor, spec: EncodeSpec, fields: list[torch.Tensor], slots: torch.Tensor,
+                 mod=None) -> bool:
+    """x [KVH, N, D] (any float dtype), row i into position slots[i] (int64 [N]) of `fields` (a paged pool's layer
+    buffers [KVH, T, ...] in `spec.fields` order). False (nothing written) for non-finite input."""
+    mod = mod or load()
+    return mod.encode_slots(x.to(torch.float32).contiguous(), spec.kind, spec.bits, spec.width, fields, slots,
+                            spec.cent, spec.bounds, spec.s1, spec.s2, spec.norm_mode)
+
+
 def hadamard_rows(x: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, inverse: bool,
                   mod=None) -> torch.Tensor:
     """The randomized Walsh-Hadamard rotation (signs s1, s2 float32 [block]) of float32 rows x [..., W], W a

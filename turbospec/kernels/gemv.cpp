@@ -711,6 +711,91 @@ c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, d
   return out_mlp(x, r[0], gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
 }
 
+// ---- Decode rows of many sequences over a paged KV pool (continuous batching) ----
+// attn_in for S rows (one per sequence), each row's K/V encoded into its sequence's physical position slots[s] of
+// the pool's layer buffers (any format the encoder writes: PackedSide), q rotated where K is and scaled, then the
+// paged attention (attn::attend_paged: sequence s over its first lens[s] positions in blocks tables[s]) and the
+// output rotated back where V is. [attention output [S, nh * hd], qkv], the same arithmetic as PagedBatch.attend
+// for decode rows; [] when a K/V value is not finite (nothing written: the caller's general path handles it).
+template <typename T>
+c10::optional<torch::Tensor> paged_rows_t(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
+                                          const PackedSide& K, const PackedSide& V, const torch::Tensor& slots,
+                                          const torch::Tensor& tables, const torch::Tensor& lens, int64_t block,
+                                          double scale) {
+  const int64_t n = qkv.size(0), width = qkv.size(1);
+  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < K.fields[0].size(1) && slot[i] < V.fields[0].size(1), "slot out of range");
+  auto kf = torch::empty({nkv, n, hd}, torch::kFloat), vf = torch::empty({nkv, n, hd}, torch::kFloat);
+  float* kp = kf.data_ptr<float>();
+  float* vp = vf.data_ptr<float>();
+  const T* src = qkv.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < nkv; ++h)
+      for (int64_t c = 0; c < hd; ++c) {
+        kp[(h * n + i) * hd + c] = static_cast<float>(src[i * width + q_width + h * hd + c]);
+        vp[(h * n + i) * hd + c] = static_cast<float>(src[i * width + q_width + (nkv + h) * hd + c]);
+      }
+  enc::Staged k_rows, v_rows;  // staged as positions [0, S), both sides before either is written
+  if (!K.stage(kf, 0, k_rows) || !V.stage(vf, 0, v_rows)) return c10::nullopt;
+  enc::scatter_slots(k_rows, slot);
+  enc::scatter_slots(v_rows, slot);
+  const int64_t kw = K.width, vw = V.width;
+  auto q = torch::zeros({n, nkv, nh / nkv, kw}, torch::kFloat);  // [S, KVH, G, Dk]: head h = kv head * G + g
+  float* qp = q.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t c = 0; c < hd; ++c) qp[(i * nh + h) * kw + c] = static_cast<float>(src[i * width + h * q_stride + c]);
+  if (K.rotated()) {
+    const int64_t blk = K.s1.numel();
+    for (int64_t off = 0; off < n * nh * kw; off += blk)
+      enc::rotate_block(qp + off, blk, K.s1.data_ptr<float>(), K.s2.data_ptr<float>());
+  }
+  const float sc = static_cast<float>(scale);
+  for (int64_t i = 0; i < n * nh * kw; ++i) qp[i] *= sc;
+  auto o = attn::attend_paged(q, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, vw, V.fields, V.cent, tables, lens,
+                              block);
+  auto out = torch::empty({n, nh * hd}, qkv.options());
+  T* op = out.data_ptr<T>();
+  float* ob = o.data_ptr<float>();
+  for (int64_t r = 0; r < n * nh; ++r) {
+    float* a = ob + r * vw;
+    if (V.rotated()) {  // the inverse rotation: signs in the other order
+      const int64_t blk = V.s1.numel();
+      for (int64_t off = 0; off < vw; off += blk)
+        enc::rotate_block(a + off, blk, V.s2.data_ptr<float>(), V.s1.data_ptr<float>());
+    }
+    for (int64_t c = 0; c < hd; ++c) op[r * hd + c] = static_cast<T>(a[c]);
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, double eps, bool zc,
+                                           torch::Tensor w_qkv, c10::optional<torch::Tensor> b_qkv,
+                                           c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                                           torch::Tensor cos, torch::Tensor sin, int64_t nh, int64_t nkv, int64_t hd,
+                                           bool gated, std::vector<int64_t> k_ints, std::vector<torch::Tensor> k_tabs,
+                                           std::vector<torch::Tensor> k_fields, std::vector<int64_t> v_ints,
+                                           std::vector<torch::Tensor> v_tabs, std::vector<torch::Tensor> v_fields,
+                                           torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t block,
+                                           double scale) {
+  const PackedSide K(k_ints, k_tabs, k_fields), V(v_ints, v_tabs, v_fields);
+  TORCH_CHECK(K.width >= hd && V.width >= hd && K.width % 8 == 0 && V.width % 8 == 0, "bad cache widths");
+  TORCH_CHECK(!K.rotated() || (K.s1.numel() > 0 && K.width % K.s1.numel() == 0), "bad K rotation");
+  TORCH_CHECK(!V.rotated() || (V.s1.numel() > 0 && V.width % V.s1.numel() == 0), "bad V rotation");
+  TORCH_CHECK(K.fields[0].size(0) == nkv && V.fields[0].size(0) == nkv && nh % nkv == 0, "KV heads mismatch");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
+              "slots: int64, one per row");
+  auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+  TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
+  auto a = by_dtype(qkv.scalar_type(), [&](auto tag) {
+    return paged_rows_t<decltype(tag)>(qkv, nh, nkv, hd, gated, K, V, slots, tables, lens, block, scale);
+  });
+  if (!a.has_value()) return {};
+  return {*a, qkv};
+}
+
 // ---- A Gated DeltaNet decoder layer for a few tokens: norm + input projection, the mixer, out_mlp ----
 #define TURBOSPEC_EMBED_DELTANET
 namespace gdn {
@@ -988,6 +1073,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attn_decode", &attn_decode, "layer_decode's attention half (for mixture-of-experts layers)");
   m.def("layer_packed", &layer_packed, "a decoder layer for a few causal or tree tokens over a packed KV cache");
   m.def("attn_packed", &attn_packed, "layer_packed's attention half");
+  m.def("attn_paged_rows", &attn_paged_rows, "attn_in and the attention of decode rows of many sequences over a paged KV pool");
   m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");

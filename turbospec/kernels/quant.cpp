@@ -318,7 +318,7 @@ inline void unpack_scales(const uint8_t* s, uint32_t u[4]) {
 
 // The lane sums of 4 vectors, each added exactly as _mm512_reduce_add_ps adds its lanes (the same pairs in the same
 // order: halves, quarters, then (0 + 2) + (1 + 3)), in one pass.
-TS_AVX512 inline __m128 reduce4(const __m512* a) {
+__attribute__((target("avx512f"))) inline __m128 reduce4(const __m512* a) {
   __m128 q[4];
   for (int i = 0; i < 4; ++i) {
     const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)),

@@ -2,8 +2,9 @@
 
 The kernels (turbospec/kernels/attention.py, encode.py) know nothing of `KVFormat`: this module, in the KV
 layer, says whether and how they read or write a format. `attention_spec(fmt, dim)` -> the fused attention
-kernel's spec or None; `encode_spec(fmt, dim)` -> the encoder's `EncodeSpec` or None; `rotate_fast` is the
-turbo* rotation through the encode kernel when it is here.
+kernel's spec or None; `encode_spec(fmt, dim)` -> the encoder's `EncodeSpec` or None; `step_sides(...)` -> a
+cache's per-layer arguments of the one-call layer steps; `rotate_fast` is the turbo* rotation through the encode
+kernel when it is here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from turbospec.kernels.encode import EncodeSpec
 from turbospec.kv.formats import (
     NORM_MODES,
     KVFormat,
+    Packed,
     PlainFormat,
     Q4_0Format,
     Q8_0Format,
@@ -90,3 +92,25 @@ def _signs(block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation's sign vectors (s1, s2) for `block`, float32."""
     s1, s2 = rotation_signs(block)
     return s1.to(torch.float32).contiguous(), s2.to(torch.float32).contiguous()
+
+
+def step_sides(k_fmt: KVFormat, v_fmt: KVFormat, dim: int, k: Packed, v: Packed, num_layers: int) -> list[tuple] | None:
+    """Per layer, the K and V arguments of the kernels' one-call steps over a packed cache or pool
+    (`layer_packed` / `attn_packed` / `attn_paged_rows` in kernels/gemv.cpp): per format its ints (kind, bits,
+    padded width, norm mode), tables and that layer's buffers in the encoder's field order; None when a format has
+    no C++ encoder or attention path here. `k` / `v`: the buffers, [layers, KVH, positions, ...] per field."""
+    if attention_spec(k_fmt, dim) is None or attention_spec(v_fmt, dim) is None or attention.load() is None:
+        return None
+    if encode.load() is None:
+        return None
+    specs = encode_spec(k_fmt, dim), encode_spec(v_fmt, dim)
+    if None in specs:
+        return None
+    out = []
+    for layer in range(num_layers):
+        args: tuple = ()
+        for spec, buf in zip(specs, (k, v)):
+            args += ([spec.kind, spec.bits, spec.width, spec.norm_mode], [spec.cent, spec.bounds, spec.s1, spec.s2],
+                     [buf[f][layer] for f in spec.fields])
+        out.append(args)
+    return out

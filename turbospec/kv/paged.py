@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
+from turbospec.kernels import encode as encoder
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
@@ -127,9 +128,13 @@ class BlockPool:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Encode k, v [KVH, N, D] into the physical positions `slots` (int64 [N]) of `layer` (plain formats: a copy,
         as the contiguous `KVCache` stores them)."""
-        for fmt, buf, x in ((self.k_fmt, self.k, k), (self.v_fmt, self.v, v)):
+        specs = self._encode_specs if k.shape[0] * k.shape[1] <= encoder.MAX_ROWS else (None, None)
+        for fmt, buf, x, spec in ((self.k_fmt, self.k, k, specs[0]), (self.v_fmt, self.v, v, specs[1])):
             if isinstance(fmt, PlainFormat):
                 buf["data"][layer].index_copy_(1, slots, x.to(buf["data"].dtype))
+                continue
+            # the C++ encoder where it is here, for as many rows as QuantKVCache.store gives it: the same bytes
+            if spec is not None and encoder.encode_slots(x, spec, [buf[f][layer] for f in spec.fields], slots):
                 continue
             for name, t in fmt.encode(x).items():
                 buf[name][layer].index_copy_(1, slots, t.to(buf[name].dtype))
@@ -157,6 +162,24 @@ class BlockPool:
         return self.nbytes // self.num_blocks
 
     # ---- the decode kernel ------------------------------------------------------------------------------
+    def step_args(self, layer: int) -> tuple | None:
+        """The K and V arguments of the one-call attention of decode rows (`attn_paged_rows` in kernels/gemv.cpp:
+        per format its ints, tables and this layer's buffers), or None when a format has no C++ encoder or
+        attention path here."""
+        sides = self._step_sides
+        return None if sides is None else sides[layer]
+
+    @cached_property
+    def _step_sides(self) -> list[tuple] | None:
+        return kernel_args.step_sides(self.k_fmt, self.v_fmt, self.head_dim, self.k, self.v, self.num_layers)
+
+    @cached_property
+    def _encode_specs(self) -> tuple:
+        """(K spec, V spec) of the C++ encoder (an entry None: that format uses its torch encoder)."""
+        if encoder.load() is None:
+            return None, None
+        return kernel_args.encode_spec(self.k_fmt, self.head_dim), kernel_args.encode_spec(self.v_fmt, self.head_dim)
+
     @cached_property
     def kernel_specs(self):
         """(K spec, V spec) of the paged attention kernel, or None (no kernel here, or a format it cannot read)."""
@@ -282,6 +305,7 @@ class PagedBatch:
         one = [s for s in segments if s.n == 1 and s.plan.mask is None]
         self.decode_rows = torch.tensor([s.row for s in one], dtype=torch.int64)
         self.others = [s for s in segments if not (s.n == 1 and s.plan.mask is None)]
+        self.decode_only = bool(one) and not self.others  # one row per sequence: the one-call attention's case
         if one:
             width = max(len(s.seq.blocks) for s in one)
             table = torch.full((len(one), width), -1, dtype=torch.int32)

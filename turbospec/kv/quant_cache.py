@@ -236,17 +236,7 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _step_sides(self) -> list[tuple] | None:
-        specs = self._encode_specs
-        if self._kernel_specs is None or specs is None or None in specs:
-            return None
-        out = []
-        for layer in range(self.num_layers):
-            args: tuple = ()
-            for spec, fields in zip(specs, self._encode_fields[layer]):
-                args += ([spec.kind, spec.bits, spec.width, spec.norm_mode], [spec.cent, spec.bounds, spec.s1, spec.s2],
-                         fields)
-            out.append(args)
-        return out
+        return kernel_args.step_sides(self.k_fmt, self.v_fmt, self.head_dim, self.k, self.v, self.num_layers)
 
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
         """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel."""

@@ -18,6 +18,7 @@ import torch
 from turbospec import env
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.cache import KVCache
+from turbospec.kv.paged import PagedBatch
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.attention import MLP, Attention
@@ -69,6 +70,9 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
     if _packed_step(attn, plan, cache) and (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache,
                                                                     layer)) is not None:
         a, gate = r
+    elif _paged_rows(attn, cache) and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache,
+                                                               layer)) is not None:
+        a, gate = r
     elif _one_call(attn, plan, cache):
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
@@ -119,6 +123,9 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                 return out
         elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
             return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
+    if _paged_rows(attn, cache) and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache,
+                                                            layer)) is not None:
+        return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
     if _one_call(attn, plan, cache):
         return k.layer_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
@@ -146,6 +153,25 @@ def _packed_step(attn: Attention, plan: AttentionPlan, cache) -> bool:
     output as `QuantKVCache.attend`)."""
     return (isinstance(cache, QuantKVCache) and _step_rows(attn, plan, cache) and cache.base <= plan.start
             and cache.step_args(0) is not None)
+
+
+def _paged_rows(attn: Attention, cache) -> bool:
+    """Decode rows of many sequences (one each) over a paged pool whose formats the kernels encode and read: the
+    rows' K/V stored and their attention run inside one kernel call (`attn_paged_rows`; the same arithmetic as
+    `PagedBatch.attend`)."""
+    return (isinstance(cache, PagedBatch) and cache.decode_only and attn.hd % 8 == 0
+            and cache.pool.step_args(0) is not None)
+
+
+def _paged_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
+                     rope: tuple[torch.Tensor, torch.Tensor], cache: PagedBatch, layer: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(attention output [S, H*D], output gate or None) of `_paged_rows` in one call, or None: a K/V value that is
+    not finite (the general path then handles the step)."""
+    r = k.attn_paged_rows(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
+                          rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.pool.step_args(layer), cache.slots,
+                          cache.tables, cache.lens, cache.pool.block, 1.0 / math.sqrt(attn.hd))
+    return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
 
 
 def _parents(plan: AttentionPlan) -> list[int]:
