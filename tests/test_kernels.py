@@ -115,6 +115,22 @@ def test_greedy_sample_uses_same_argmax():
     assert sample(x, SamplingParams(temperature=0)) == 17 == int(torch.argmax(x))
 
 
+def test_argmax_rows_of_many_rows_equals_argmax_of_each():
+    """The scheduler's one call for all plain-greedy rows (`sampling.argmax_rows`) picks what `argmax` picks per row,
+    float32 through the kernel and bfloat16 through torch."""
+    from turbospec.sampling import Sampler, SamplingParams, argmax, argmax_rows
+
+    x = torch.randint(-4, 4, (9, 3000), generator=torch.Generator().manual_seed(3)).float()
+    x[2, 100] = float("nan")
+    for rows in (x, x.bfloat16()):
+        assert argmax_rows(rows) == [argmax(r) for r in rows]
+    assert Sampler(SamplingParams(temperature=0)).plain_greedy
+    assert not Sampler(SamplingParams(temperature=0, logprobs=1)).plain_greedy
+    assert not Sampler(SamplingParams(temperature=0, repeat_penalty=1.2, repeat_last_n=8)).plain_greedy
+    assert not Sampler(SamplingParams(temperature=0, logit_bias={3: 1.0})).plain_greedy
+    assert not Sampler(SamplingParams(temperature=0.7)).plain_greedy
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 2 * 13), (4, 2 * 64), (300, 2 * 200)])
 def test_silu_mul_matches_op_by_op(dtype, shape):

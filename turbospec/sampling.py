@@ -317,6 +317,15 @@ def argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """`argmax` of every row of ``logits[R, V]``, in one call."""
+    if logits.dtype == torch.float32 and not logits.is_cuda:
+        k = load_kernel()
+        if k is not None:
+            return k.argmax_rows(logits.contiguous()).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def draw_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of non-negative (not necessarily normalized) ``probs[..., V]``; int64 ``[...]``.
 
@@ -417,6 +426,19 @@ class Sampler:
         """The logprobs recorded since the last call, one per chosen token, in order."""
         out, self.logprobs = self.logprobs, []
         return out
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy over the raw logits (no bias, penalties or logprobs): the token is the row's `argmax`, which a
+        caller may take for many rows at once and hand over with :meth:`took`."""
+        p = self.params
+        return p.greedy and self._bias is None and not p.has_penalties and p.logprobs is None
+
+    def took(self, token: int) -> int:
+        """A :attr:`plain_greedy` sampler's token chosen outside it (its logits row's argmax), recorded as
+        :meth:`sample` records its own draw."""
+        self.accept(token)
+        return token
 
     def sample(self, logits: torch.Tensor, accept: bool = True) -> int:
         processed = self.process(logits)

@@ -27,7 +27,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.slot_file import SlotData, check_fields
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
-from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, argmax_rows, logprobs_of
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
@@ -270,6 +270,7 @@ class Scheduler:
         if self.prefix_cache:
             for s, _, _ in work:
                 self._remember(s)
+        greedy = self._greedy_tokens(work, wanted, logits)
         at = 0
         for i, ((s, n, tree), seg, w) in enumerate(zip(work, segments, wanted)):
             rows_of_seq = hidden[seg.row:seg.row + n]
@@ -282,7 +283,7 @@ class Scheduler:
                 decoding = s.began
                 if s.drafter is not None and not s.began:
                     self._begin_drafter(s)
-                outputs.append(self._sample(s, logits[at], rows_of_seq if decoding else None))
+                outputs.append(self._sample(s, logits[at], rows_of_seq if decoding else None, greedy.get(at)))
             at += len(w)
         return outputs
 
@@ -607,9 +608,25 @@ class Scheduler:
             b = min(a + 64, end)
             got += logprobs_of(self.model.logits(hidden[a - start:b - start]), s.tokens[a + 1:b + 1], k)
 
-    def _sample(self, s: Sequence, logits: torch.Tensor, row: torch.Tensor | None = None) -> Output:
-        """Sample the sequence's next token, apply the stop rules, and say what goes out (`row`: the hidden row of a
-        decode step, which the sequence's drafter is told with the token, as after a verification)."""
+    @staticmethod
+    def _greedy_tokens(work, wanted: list[list[int]], logits: torch.Tensor | None) -> dict[int, int]:
+        """logits row -> token for the rows sampled one per sequence (decode rows, prompts' last rows) whose
+        samplers are plain greedy: one argmax call for all of them instead of one per sequence."""
+        picks, at = [], 0
+        for (s, _, tree), w in zip(work, wanted):
+            if tree is None and w and s.sampler.plain_greedy:
+                picks.append(at)
+            at += len(w)
+        if logits is None or len(picks) < 2:
+            return {}
+        every = len(picks) == logits.shape[0]  # all rows (a decode step): no gathered copy
+        return dict(zip(picks, argmax_rows(logits if every else logits[picks])))
+
+    def _sample(self, s: Sequence, logits: torch.Tensor, row: torch.Tensor | None = None,
+                token: int | None = None) -> Output:
+        """Sample the sequence's next token (`token`: its argmax, taken with other rows', for a plain greedy
+        sampler), apply the stop rules, and say what goes out (`row`: the hidden row of a decode step, which the
+        sequence's drafter is told with the token, as after a verification)."""
         st, params = s.stats, s.params
         now = time.perf_counter()
         first = s.t_first is None
@@ -623,7 +640,7 @@ class Scheduler:
                 st.finish_reason = "length"
                 self._finish(s)
                 return Output(s, Chunk([], "", prompt_logprobs=prompt_lp) if prompt_lp else None, True)
-        tok = s.sampler.sample(logits)
+        tok = s.sampler.sample(logits) if token is None else s.sampler.took(token)
         if first:
             s.t_first = now
             st.ttft_s = now - s.arrived

@@ -796,6 +796,25 @@ std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, 
   return {*a, qkv};
 }
 
+// attn_paged_rows, then out_mlp: x + attention + MLP [S, H] for decode rows over a paged pool, or None (see
+// paged_rows_t).
+c10::optional<torch::Tensor> layer_paged_rows(
+    torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv, c10::optional<torch::Tensor> b_qkv,
+    c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
+    int64_t nh, int64_t nkv, int64_t hd, bool gated, std::vector<int64_t> k_ints, std::vector<torch::Tensor> k_tabs,
+    std::vector<torch::Tensor> k_fields, std::vector<int64_t> v_ints, std::vector<torch::Tensor> v_tabs,
+    std::vector<torch::Tensor> v_fields, torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t block,
+    double scale, torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w, torch::Tensor w_gu,
+    c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn, c10::optional<torch::Tensor> b_dn) {
+  auto r = attn_paged_rows(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated, k_ints, k_tabs,
+                           k_fields, v_ints, v_tabs, v_fields, slots, tables, lens, block, scale);
+  if (r.empty()) return c10::nullopt;
+  c10::optional<torch::Tensor> gate;
+  const int64_t n = r[1].size(0);
+  if (gated) gate = r[1].narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
+  return out_mlp(x, r[0], gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+}
+
 // ---- A Gated DeltaNet decoder layer for a few tokens: norm + input projection, the mixer, out_mlp ----
 #define TURBOSPEC_EMBED_DELTANET
 namespace gdn {
@@ -1074,6 +1093,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_packed", &layer_packed, "a decoder layer for a few causal or tree tokens over a packed KV cache");
   m.def("attn_packed", &attn_packed, "layer_packed's attention half");
   m.def("attn_paged_rows", &attn_paged_rows, "attn_in and the attention of decode rows of many sequences over a paged KV pool");
+  m.def("layer_paged_rows", &layer_paged_rows, "a decoder layer for decode rows of many sequences over a paged KV pool");
   m.def("gdn_layer", &gdn_layer, "a Gated DeltaNet decoder layer for a few tokens");
   m.def("hugepage_zeros", &hugepage_zeros, "zero-filled tensor in transparent-huge-page memory");
   m.def("hugepage_copy", &hugepage_copy, "copy a tensor into transparent-huge-page memory");

@@ -123,9 +123,17 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                 return out
         elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
             return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
-    if _paged_rows(attn, cache) and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache,
-                                                            layer)) is not None:
-        return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
+    if _paged_rows(attn, cache):
+        if not split(attn.o, mlp.down):
+            out = k.layer_paged_rows(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+                                     rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated,
+                                     *cache.pool.step_args(layer), cache.slots, cache.tables, cache.lens,
+                                     cache.pool.block, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias, post_norm,
+                                     mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
+            if out is not None:
+                return out
+        elif (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None:
+            return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
     if _one_call(attn, plan, cache):
         return k.layer_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
