@@ -600,6 +600,59 @@ struct PackedSide {
   }
 };
 
+// The step's K and V rows of qkv [N, W] (after attn_in) as float32 [KVH, N, D] each (for PackedSide::stage).
+template <typename T>
+std::pair<torch::Tensor, torch::Tensor> step_kv(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd,
+                                                bool gated) {
+  const int64_t n = qkv.size(0), width = qkv.size(1), q_width = nh * (gated ? 2 * hd : hd);
+  auto kf = torch::empty({nkv, n, hd}, torch::kFloat), vf = torch::empty({nkv, n, hd}, torch::kFloat);
+  float* kp = kf.data_ptr<float>();
+  float* vp = vf.data_ptr<float>();
+  const T* src = qkv.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < nkv; ++h)
+      for (int64_t c = 0; c < hd; ++c) {
+        kp[(h * n + i) * hd + c] = static_cast<float>(src[i * width + q_width + h * hd + c]);
+        vp[(h * n + i) * hd + c] = static_cast<float>(src[i * width + q_width + (nkv + h) * hd + c]);
+      }
+  return {kf, vf};
+}
+
+// The step's q rows of qkv into qp [N, nh, K.width] (zero-filled by the caller, the padding stays zero), rotated
+// where K is rotated, then scaled.
+template <typename T>
+void step_q(const torch::Tensor& qkv, int64_t nh, int64_t hd, bool gated, const PackedSide& K, double scale, float* qp) {
+  const int64_t n = qkv.size(0), width = qkv.size(1), q_stride = gated ? 2 * hd : hd, kw = K.width;
+  const T* src = qkv.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t c = 0; c < hd; ++c) qp[(i * nh + h) * kw + c] = static_cast<float>(src[i * width + h * q_stride + c]);
+  if (K.rotated()) {
+    const int64_t blk = K.s1.numel();
+    for (int64_t off = 0; off < n * nh * kw; off += blk)
+      enc::rotate_block(qp + off, blk, K.s1.data_ptr<float>(), K.s2.data_ptr<float>());
+  }
+  const float sc = static_cast<float>(scale);
+  for (int64_t i = 0; i < n * nh * kw; ++i) qp[i] *= sc;
+}
+
+// Attention output rows o [N * nh, V.width] (normalised) rotated back where V is rotated, as [N, nh * hd] in T.
+template <typename T>
+torch::Tensor step_out(float* o, int64_t n, int64_t nh, int64_t hd, const PackedSide& V, const torch::Tensor& like) {
+  auto out = torch::empty({n, nh * hd}, like.options());
+  T* op = out.data_ptr<T>();
+  for (int64_t r = 0; r < n * nh; ++r) {
+    float* a = o + r * V.width;
+    if (V.rotated()) {  // the inverse rotation: signs in the other order
+      const int64_t blk = V.s1.numel();
+      for (int64_t off = 0; off < V.width; off += blk)
+        enc::rotate_block(a + off, blk, V.s2.data_ptr<float>(), V.s1.data_ptr<float>());
+    }
+    for (int64_t c = 0; c < hd; ++c) op[r * hd + c] = static_cast<T>(a[c]);
+  }
+  return out;
+}
+
 // The attention of a decode or verification step (qkv [N, W], after attn_in) over a packed cache: the N tokens'
 // K/V encoded at [pos, pos + N), q rotated where K is and scaled, each row attending as the single-token step that
 // decodes it (QuantKVCache.attend for one token: [base, its position], tiles from base; a tree's row its
@@ -610,51 +663,18 @@ template <typename T>
 c10::optional<torch::Tensor> packed_step_t(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
                                            const PackedSide& K, const PackedSide& V, int64_t pos, int64_t base,
                                            double scale, const std::vector<int64_t>& parents) {
-  const int64_t n = qkv.size(0), width = qkv.size(1);
-  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
+  const int64_t n = qkv.size(0);
   if (pos + n > K.fields[0].size(1) || pos + n > V.fields[0].size(1)) return c10::nullopt;
-  auto kf = torch::empty({nkv, n, hd}, torch::kFloat), vf = torch::empty({nkv, n, hd}, torch::kFloat);
-  float* kp = kf.data_ptr<float>();
-  float* vp = vf.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* row = qkv.data_ptr<T>() + i * width;
-    for (int64_t h = 0; h < nkv; ++h)
-      for (int64_t c = 0; c < hd; ++c) {
-        kp[(h * n + i) * hd + c] = static_cast<float>(row[q_width + h * hd + c]);
-        vp[(h * n + i) * hd + c] = static_cast<float>(row[q_width + (nkv + h) * hd + c]);
-      }
-  }
+  const auto [kf, vf] = step_kv<T>(qkv, nh, nkv, hd, gated);
   enc::Staged k_rows, v_rows;  // both sides staged before either is written
   if (!K.stage(kf, pos, k_rows) || !V.stage(vf, pos, v_rows)) return c10::nullopt;
   enc::scatter(k_rows);
   enc::scatter(v_rows);
-  const int64_t kw = K.width, vw = V.width;
-  std::vector<float> q(n * nh * kw, 0.0f), o(n * nh * vw);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < nh; ++h)
-      for (int64_t c = 0; c < hd; ++c)
-        q[(i * nh + h) * kw + c] = static_cast<float>(qkv.data_ptr<T>()[i * width + h * q_stride + c]);
-  if (K.rotated()) {
-    const int64_t blk = K.s1.numel();
-    for (int64_t off = 0; off < n * nh * kw; off += blk)
-      enc::rotate_block(q.data() + off, blk, K.s1.data_ptr<float>(), K.s2.data_ptr<float>());
-  }
-  const float sc = static_cast<float>(scale);
-  for (float& v : q) v *= sc;
-  attn::step_rows(q.data(), n, nh, nkv, kw, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, vw, V.fields, V.cent,
-                  pos, base, parents, o.data());
-  auto out = torch::empty({n, nh * hd}, qkv.options());
-  T* op = out.data_ptr<T>();
-  for (int64_t r = 0; r < n * nh; ++r) {
-    float* a = o.data() + r * vw;
-    if (V.rotated()) {  // the inverse rotation: signs in the other order
-      const int64_t blk = V.s1.numel();
-      for (int64_t off = 0; off < vw; off += blk)
-        enc::rotate_block(a + off, blk, V.s2.data_ptr<float>(), V.s1.data_ptr<float>());
-    }
-    for (int64_t c = 0; c < hd; ++c) op[r * hd + c] = static_cast<T>(a[c]);
-  }
-  return out;
+  std::vector<float> q(n * nh * K.width, 0.0f), o(n * nh * V.width);
+  step_q<T>(qkv, nh, hd, gated, K, scale, q.data());
+  attn::step_rows(q.data(), n, nh, nkv, K.width, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, V.width, V.fields,
+                  V.cent, pos, base, parents, o.data());
+  return step_out<T>(o.data(), n, nh, hd, V, qkv);
 }
 
 c10::optional<torch::Tensor> packed_step(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
@@ -722,53 +742,20 @@ c10::optional<torch::Tensor> paged_rows_t(const torch::Tensor& qkv, int64_t nh, 
                                           const PackedSide& K, const PackedSide& V, const torch::Tensor& slots,
                                           const torch::Tensor& tables, const torch::Tensor& lens, int64_t block,
                                           double scale) {
-  const int64_t n = qkv.size(0), width = qkv.size(1);
-  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
+  const int64_t n = qkv.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(slot[i] >= 0 && slot[i] < K.fields[0].size(1) && slot[i] < V.fields[0].size(1), "slot out of range");
-  auto kf = torch::empty({nkv, n, hd}, torch::kFloat), vf = torch::empty({nkv, n, hd}, torch::kFloat);
-  float* kp = kf.data_ptr<float>();
-  float* vp = vf.data_ptr<float>();
-  const T* src = qkv.data_ptr<T>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < nkv; ++h)
-      for (int64_t c = 0; c < hd; ++c) {
-        kp[(h * n + i) * hd + c] = static_cast<float>(src[i * width + q_width + h * hd + c]);
-        vp[(h * n + i) * hd + c] = static_cast<float>(src[i * width + q_width + (nkv + h) * hd + c]);
-      }
+  const auto [kf, vf] = step_kv<T>(qkv, nh, nkv, hd, gated);
   enc::Staged k_rows, v_rows;  // staged as positions [0, S), both sides before either is written
   if (!K.stage(kf, 0, k_rows) || !V.stage(vf, 0, v_rows)) return c10::nullopt;
   enc::scatter_slots(k_rows, slot);
   enc::scatter_slots(v_rows, slot);
-  const int64_t kw = K.width, vw = V.width;
-  auto q = torch::zeros({n, nkv, nh / nkv, kw}, torch::kFloat);  // [S, KVH, G, Dk]: head h = kv head * G + g
-  float* qp = q.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < nh; ++h)
-      for (int64_t c = 0; c < hd; ++c) qp[(i * nh + h) * kw + c] = static_cast<float>(src[i * width + h * q_stride + c]);
-  if (K.rotated()) {
-    const int64_t blk = K.s1.numel();
-    for (int64_t off = 0; off < n * nh * kw; off += blk)
-      enc::rotate_block(qp + off, blk, K.s1.data_ptr<float>(), K.s2.data_ptr<float>());
-  }
-  const float sc = static_cast<float>(scale);
-  for (int64_t i = 0; i < n * nh * kw; ++i) qp[i] *= sc;
-  auto o = attn::attend_paged(q, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, vw, V.fields, V.cent, tables, lens,
-                              block);
-  auto out = torch::empty({n, nh * hd}, qkv.options());
-  T* op = out.data_ptr<T>();
-  float* ob = o.data_ptr<float>();
-  for (int64_t r = 0; r < n * nh; ++r) {
-    float* a = ob + r * vw;
-    if (V.rotated()) {  // the inverse rotation: signs in the other order
-      const int64_t blk = V.s1.numel();
-      for (int64_t off = 0; off < vw; off += blk)
-        enc::rotate_block(a + off, blk, V.s2.data_ptr<float>(), V.s1.data_ptr<float>());
-    }
-    for (int64_t c = 0; c < hd; ++c) op[r * hd + c] = static_cast<T>(a[c]);
-  }
-  return out;
+  auto q = torch::zeros({n, nkv, nh / nkv, K.width}, torch::kFloat);  // [S, KVH, G, Dk]: head h = kv head * G + g
+  step_q<T>(qkv, nh, hd, gated, K, scale, q.data_ptr<float>());
+  auto o = attn::attend_paged(q, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, V.width, V.fields, V.cent, tables,
+                              lens, block);
+  return step_out<T>(o.data_ptr<float>(), n, nh, hd, V, qkv);
 }
 
 std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, double eps, bool zc,
