@@ -48,12 +48,26 @@ def bf16_prefill_gemm() -> bool:
     """Whether bf16 prefill GEMMs run in bf16 (PREFILL_MODE, and for "auto" the CPU)."""
     if env.PREFILL_MODE in ("native", "upcast"):
         return env.PREFILL_MODE == "native"
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
+
+
+def _cpu_has(check: str) -> bool:
+    """torch.cpu's (private) feature check `check`, False where this torch lacks it."""
+    f = getattr(torch.cpu, check, None)
+    return bool(f()) if f is not None else False
 
 
 @cache
 def _onednn_f32() -> bool:
-    return torch.backends.mkldnn.is_available() and env.PREFILL_MODE != "native"
+    """Whether float32 prefill GEMMs go through oneDNN (`torch.ops.mkldnn._linear_pointwise`): torch has it and
+    a first product through it equals F.linear's within float rounding."""
+    if not torch.backends.mkldnn.is_available() or env.PREFILL_MODE == "native":
+        return False
+    try:
+        x, w = torch.ones(2, 8), torch.ones(3, 8)
+        return bool(torch.allclose(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w)))
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def prefill_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
