@@ -41,7 +41,8 @@ def test_prefill_product_matches_float64(mode, m, dtype):
 
 def test_auto_uses_the_bf16_gemm_only_where_the_cpu_has_it(mode):
     mode("auto")
-    flags = open("/proc/cpuinfo").read().split() if Path("/proc/cpuinfo").exists() else []
+    info = Path("/proc/cpuinfo")
+    flags = info.read_text().split() if info.exists() else []
     if not flags:
         pytest.skip("no /proc/cpuinfo")
     has = "avx512_bf16" in flags or "amx_tile" in flags

@@ -178,12 +178,14 @@ def test_one_call_paged_decode_equals_the_general_path(kv, dtype, monkeypatch):
     prompts, params, steps = _requests(3, 5)
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2) for _ in params]
     runs, taken = [], []
+    real = block._paged_rows
+
+    def counted(attn, cache):
+        taken.append(r := real(attn, cache))
+        return r
+
     for fused_rows in (True, False):
-        if not fused_rows:
-            monkeypatch.setattr(block, "_paged_rows", lambda attn, cache: False)
-        else:
-            real = block._paged_rows
-            monkeypatch.setattr(block, "_paged_rows", lambda attn, cache: taken.append(r := real(attn, cache)) or r)
+        monkeypatch.setattr(block, "_paged_rows", counted if fused_rows else (lambda attn, cache: False))
         pool = pool_for(m, 4096, kv, kv)
         got = _drive(Scheduler(m, pool, max_seqs=4, max_step_tokens=96, ctx=2048), list(zip(steps, prompts, params)))
         runs.append(([g[0] for g in got.values()], [[c.logprobs for c in g[3]] for g in got.values()],

@@ -67,11 +67,10 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
     """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
     `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
     `moe_tail`."""
-    if _packed_step(attn, plan, cache) and (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache,
-                                                                    layer)) is not None:
-        a, gate = r
-    elif _paged_rows(attn, cache) and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache,
-                                                               layer)) is not None:
+    if ((_packed_step(attn, plan, cache)
+         and (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None)
+            or (_paged_rows(attn, cache)
+                and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None)):
         a, gate = r
     elif _one_call(attn, plan, cache):
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
