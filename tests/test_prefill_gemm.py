@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from turbospec import env
+from turbospec.errors import TurboSpecError
 from turbospec.layers import linear
 
 
@@ -14,12 +15,15 @@ from turbospec.layers import linear
 def mode(monkeypatch):
     def set_mode(m: str) -> None:
         monkeypatch.setattr(env, "PREFILL_MODE", m)
-        linear.bf16_prefill_gemm.cache_clear()
-        linear._onednn_f32.cache_clear()
+        clear()
+
+    def clear() -> None:
+        for f in (linear._prefill_mode, linear.bf16_prefill_gemm, linear._onednn_f32):
+            f.cache_clear()
 
     yield set_mode
-    linear.bf16_prefill_gemm.cache_clear()
-    linear._onednn_f32.cache_clear()
+    monkeypatch.undo()
+    clear()
 
 
 @pytest.mark.parametrize("m", ["auto", "upcast", "native"])
@@ -52,3 +56,9 @@ def test_auto_uses_the_bf16_gemm_only_where_the_cpu_has_it(mode):
     mode("native")
     assert linear.bf16_prefill_gemm() and not linear._onednn_f32()
     assert not linear._cpu_has("_no_such_check")
+
+
+def test_an_unknown_mode_is_a_one_line_error(mode):
+    mode("fast")
+    with pytest.raises(TurboSpecError, match="TURBOSPEC_PREFILL must be auto, upcast or native"):
+        linear.prefill_product(torch.ones(20, 8), torch.ones(3, 8), None)

@@ -167,14 +167,17 @@ def test_batched_greedy_equals_solo(model, kv):
     assert pool.num_free == pool.num_blocks  # every block back
 
 
-@pytest.mark.parametrize("kv", [None, "q4_0", "turbo3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_paged_decode_equals_the_general_path(kv, dtype, monkeypatch):
+@pytest.mark.parametrize("which,kv,dtype", [
+    ("dense", None, torch.float32), ("dense", "q4_0", torch.float32), ("dense", "turbo3", torch.float32),
+    ("dense", None, torch.bfloat16), ("dense", "q4_0", torch.bfloat16), ("dense", "turbo3", torch.bfloat16),
+    ("hybrid", "turbo3", torch.float32), ("hybrid", None, torch.bfloat16),  # gated attention, GDN layers between
+])
+def test_one_call_paged_decode_equals_the_general_path(which, kv, dtype, monkeypatch):
     """Decode rows over a paged pool in one kernel call per layer (`block._paged_rows`): the same pool bytes and
     logprobs as the op-by-op path (attn_in, PagedBatch.attend)."""
     from turbospec.layers import block
 
-    m = load_model(str(TINY), dtype)
+    m = load_model(str(TINY if which == "dense" else HYBRID), dtype)
     prompts, params, steps = _requests(3, 5)
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2) for _ in params]
     runs, taken = [], []
@@ -186,8 +189,12 @@ def test_one_call_paged_decode_equals_the_general_path(kv, dtype, monkeypatch):
 
     for fused_rows in (True, False):
         monkeypatch.setattr(block, "_paged_rows", counted if fused_rows else (lambda attn, cache: False))
-        pool = pool_for(m, 4096, kv, kv)
-        got = _drive(Scheduler(m, pool, max_seqs=4, max_step_tokens=96, ctx=2048), list(zip(steps, prompts, params)))
+        if which == "dense":
+            sch = Scheduler(m, pool_for(m, 4096, kv, kv), max_seqs=4, max_step_tokens=96, ctx=2048)
+        else:
+            sch = _hybrid_scheduler(m, 4096, kv)
+        pool = sch.pool
+        got = _drive(sch, list(zip(steps, prompts, params)))
         runs.append(([g[0] for g in got.values()], [[c.logprobs for c in g[3]] for g in got.values()],
                      [t.clone() for t in (*pool.k.values(), *pool.v.values())]))
     assert any(taken)  # the one-call path ran

@@ -4,7 +4,8 @@
 // instruction, ~1.2 ms per row of the benchmark model from 4 rows on; this one ~0.3-0.5 ms per row at 32-64 rows.
 // (One row streams slower here than through the AVX2 path, measured: that path keeps decode and verification.)
 // Every output (o, r) is the same chain of instructions whatever the number of rows in the call: acc = 0, one
-// vdpbf16ps per 32 values in order, then a fixed reduction; so a row's result does not depend on its batch.
+// vdpbf16ps per 32 values in order, then a fixed reduction (reduce4 for a tile's 4 weight rows, which pairs the
+// lanes as _mm512_reduce_add_ps does); so a row's result does not depend on its batch.
 // Included by gemv.cpp (after quant.cpp, for use_avx512).
 
 namespace bf16dot {

@@ -735,8 +735,10 @@ c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, d
 // attn_in for S rows (one per sequence), each row's K/V encoded into its sequence's physical position slots[s] of
 // the pool's layer buffers (any format the encoder writes: PackedSide), q rotated where K is and scaled, then the
 // paged attention (attn::attend_paged: sequence s over its first lens[s] positions in blocks tables[s]) and the
-// output rotated back where V is. [attention output [S, nh * hd], qkv], the same arithmetic as PagedBatch.attend
-// for decode rows; [] when a K/V value is not finite (nothing written: the caller's general path handles it).
+// output rotated back where V is: the attention output [S, nh * hd] in qkv's dtype, the same arithmetic as
+// PagedBatch.attend for decode rows (which stores through the same C++ encoder up to encoder.MAX_ROWS vectors);
+// None when a K/V value is not finite (nothing written: the caller's general path handles it). attn_paged_rows:
+// attn_in, then this: [attention output, qkv], or [].
 template <typename T>
 c10::optional<torch::Tensor> paged_rows_t(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
                                           const PackedSide& K, const PackedSide& V, const torch::Tensor& slots,

@@ -56,7 +56,7 @@ struct QRow {
   std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (a product lane's offset)
 };
 
-// The AVX-512 Q4_0 input layout of a quantized row (row_dot_q4_0_avx512), for whole groups of 8 blocks: per 4
+// The AVX-512 Q4_0 input layout of a quantized row (rows_q4_0_avx512), for whole groups of 8 blocks: per 4
 // blocks, values 0..15 of each block, then values 16..31 of each (as the nibbles unpack), and per 4-byte lane of
 // those 128 bytes -8 x the lane's input sum (low and high part), the weights' q - 8.
 inline void q4_0_layout(QRow& r, int64_t in) {
@@ -362,7 +362,8 @@ TS_AVX512 inline __m128i q4k_scales(const uint8_t* s) {
 }
 
 // Q4_K with AVX-512 (BW + VNNI): 64 values (two sub-blocks) per multiply, the scales applied by int16 dot products
-// (the same integers as the AVX2 path; the float sums differ in order only), against the input in q4_k_layout.
+// (the same integers as the AVX2 path; the float sums differ in order and, for the mins, in one fused
+// multiply-add), against the input in q4_k_layout.
 template <int R, int NX>
 TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
   const __m512i low = _mm512_set1_epi8(15);
@@ -547,8 +548,7 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4_0_avx512(const uint8_
       for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<Fmt::Q4_0>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
 }
 
-// y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m: 4 weight rows per step against the
-// input rows in pairs, the kernels inlined (one loop per format and target).
+// The kernel's results t[k * NX + j] (weight row o + k, input row j) into y[j * out + o + k].
 template <int R, int NX>
 __attribute__((always_inline)) inline void put_rows(const float* t, float* y, int64_t out, int64_t o) {
   for (int k = 0; k < R; ++k)
@@ -559,6 +559,8 @@ __attribute__((always_inline)) inline void put_rows(const float* t, float* y, in
   for (int64_t j = 0; j + 1 < m; j += 2)                                                                        \
     KERNEL<R, 2>(w + o * row_bytes, row_bytes, nb, x + j, t), put_rows<R, 2>(t, y + j * out, out, o);           \
   if (m % 2) KERNEL<R, 1>(w + o * row_bytes, row_bytes, nb, x + m - 1, t), put_rows<R, 1>(t, y + (m - 1) * out, out, o);
+// NAME: y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m, 4 weight rows per step against
+// the input rows in pairs, the kernel inlined (one loop per format and target).
 #define TS_RANGE(TARGET, NAME, KERNEL)                                                                          \
   TARGET void NAME(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, int64_t m, int64_t o0, \
                    int64_t o1, float* y, int64_t out) {                                                        \

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospec import env
+from turbospec.errors import TurboSpecError
 from turbospec.kernels.gemv import load_kernel
 from turbospec.weights import format_of, in_features, is_packed, release
 
@@ -44,10 +45,17 @@ def skinny_rows(dtype: torch.dtype) -> int:
 
 
 @cache
+def _prefill_mode() -> str:
+    if env.PREFILL_MODE not in ("auto", "native", "upcast"):
+        raise TurboSpecError(f"TURBOSPEC_PREFILL must be auto, upcast or native, not {env.PREFILL_MODE!r}")
+    return env.PREFILL_MODE
+
+
+@cache
 def bf16_prefill_gemm() -> bool:
-    """Whether bf16 prefill GEMMs run in bf16 (PREFILL_MODE, and for "auto" the CPU)."""
-    if env.PREFILL_MODE in ("native", "upcast"):
-        return env.PREFILL_MODE == "native"
+    """Whether bf16 prefill GEMMs run in bf16 (TURBOSPEC_PREFILL, and for "auto" the CPU)."""
+    if _prefill_mode() in ("native", "upcast"):
+        return _prefill_mode() == "native"
     return _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
 
 
@@ -61,7 +69,7 @@ def _cpu_has(check: str) -> bool:
 def _onednn_f32() -> bool:
     """Whether float32 prefill GEMMs go through oneDNN (`torch.ops.mkldnn._linear_pointwise`): torch has it and
     a first product through it equals F.linear's within float rounding."""
-    if not torch.backends.mkldnn.is_available() or env.PREFILL_MODE == "native":
+    if not torch.backends.mkldnn.is_available() or _prefill_mode() == "native":
         return False
     try:
         x, w = torch.ones(2, 8), torch.ones(3, 8)
@@ -75,7 +83,7 @@ def prefill_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     `bf16_prefill_gemm`, else in float32 (oneDNN's GEMM where torch has it)."""
     if w.dtype == torch.bfloat16 and bf16_prefill_gemm() and x.dtype == torch.bfloat16:
         return F.linear(x, w, b)
-    if env.PREFILL_MODE == "native" and w.dtype == x.dtype:
+    if _prefill_mode() == "native" and w.dtype == x.dtype:
         return F.linear(x, w, b)
     xf, wf, bf = x.float(), w.float(), b.float() if b is not None else None
     if _onednn_f32() and w.device.type == "cpu":
