@@ -385,8 +385,15 @@ inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccF
     score(ks, h, s0, s1, qh + r0 * dk, qsum + (r0 / 4) * qsum_step, sc + r0 * tile, tile);
   for (int64_t r = 0; r < rows4; ++r) {
     float* row = sc + r * tile;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < len; ++i) mx = std::max(mx, row[i]);
+    // the row's max, 8 lanes at a time: _mm256_max_ps(x, m) keeps m when x is NaN, as std::max(m, x) does
+    __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(row + j), m8);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
+    float mx = lanes[0];
+    for (int k = 1; k < 8; ++k) mx = std::max(mx, lanes[k]);
+    for (; j < len; ++j) mx = std::max(mx, row[j]);
     __m256 sum8 = _mm256_setzero_ps();
     const __m256 mx8 = _mm256_set1_ps(mx);
     int64_t i = 0;
