@@ -53,7 +53,7 @@ struct QRow {
   std::vector<int16_t> half16;  // the sum of each 16 q (Q6_K's 16-value scales)
   std::vector<int8_t> qp;      // on AVX-512: q reordered as the nibbles unpack (q4_0_layout, q4_k_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
-  std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (a product lane's offset)
+  std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (q8_0_layout)
 };
 
 // The AVX-512 Q4_0 input layout of a quantized row (rows_q4_0_avx512), for whole groups of 8 blocks: per 4
@@ -75,6 +75,12 @@ inline void q4_0_layout(QRow& r, int64_t in) {
       r.off[h * 16 + lane] = -8 * t;
     }
   }
+}
+
+// The AVX-512 Q8_0 input offsets (rows_q8_0_avx512): per 4 values, -128 x their sum (the weights go in + 128).
+inline void q8_0_layout(QRow& r, int64_t in) {
+  r.off8.resize(in / 4);
+  for (int64_t i = 0; i < in / 4; ++i) r.off8[i] = -128 * (r.q[4 * i] + r.q[4 * i + 1] + r.q[4 * i + 2] + r.q[4 * i + 3]);
 }
 
 // The AVX-512 Q4_K input layout (rows_q4k_avx512): in each 128 values, the 32-value sub-blocks in the order 0, 2,
@@ -346,6 +352,17 @@ TS_AVX512 inline void reduce_all(const __m512 (&acc)[R][NX], float* t) {
   }
 }
 
+// out[r * NX + j] = the lane sum of acc[r][j] plus row r's products with input row j over blocks [b, nb) (the blocks
+// after the last whole group of 8, one at a time): the end of the Q8_0 / Q4_0 kernels.
+template <Fmt F, int R, int NX>
+TS_AVX512 inline void finish_rows(const __m512 (&acc)[R][NX], const uint8_t* w, int64_t row_bytes, int64_t b,
+                                  int64_t nb, const QRow* const* x, float* out) {
+  reduce_all<R, NX>(acc, out);
+  if (b < nb)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<F>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
+}
+
 struct Q4KLanes {
   alignas(64) int8_t b[4][64];
 };
@@ -473,10 +490,7 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q8_0_avx512(const uint
       }
     }
   }
-  reduce_all<R, NX>(acc, out);
-  if (b < nb)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<Fmt::Q8_0>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
+  finish_rows<Fmt::Q8_0, R, NX>(acc, w, row_bytes, b, nb, x, out);
 }
 
 // Q4_0 with AVX-512 VBMI + VNNI: 8 blocks (144 bytes) per step. Byte permutes gather the nibbles of 4 + 4 blocks
@@ -542,10 +556,7 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4_0_avx512(const uint8_
       }
     }
   }
-  reduce_all<R, NX>(acc, out);
-  if (b < nb)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NX; ++j) out[r * NX + j] = tail_blocks<Fmt::Q4_0>(w + r * row_bytes, b, nb, x[j], out[r * NX + j]);
+  finish_rows<Fmt::Q4_0, R, NX>(acc, w, row_bytes, b, nb, x, out);
 }
 
 // The kernel's results t[k * NX + j] (weight row o + k, input row j) into y[j * out + o + k].
@@ -595,10 +606,7 @@ inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
   quantize_row(x, in, block_values(f), r);
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
-  if (f == Fmt::Q8_0 && use_avx512()) {
-    r.off8.resize(in / 4);
-    for (int64_t i = 0; i < in / 4; ++i) r.off8[i] = -128 * (r.q[4 * i] + r.q[4 * i + 1] + r.q[4 * i + 2] + r.q[4 * i + 3]);
-  }
+  if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
 }
 
 // fn(integral_constant<Fmt, f>): a packed format as a compile-time value.

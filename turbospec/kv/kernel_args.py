@@ -2,7 +2,7 @@
 
 The kernels (turbospec/kernels/attention.py, encode.py) know nothing of `KVFormat`: this module, in the KV
 layer, says whether and how they read or write a format. `attention_spec(fmt, dim)` -> the fused attention
-kernel's spec or None; `encode_spec(fmt, dim)` -> the encoder's `EncodeSpec` or None; `step_sides(...)` -> a
+kernel's spec or None; `encode_spec(fmt, dim)` -> the encoder's `EncodeSpec` or None (`encode_specs` for K and V); `step_sides(...)` -> a
 cache's per-layer arguments of the one-call layer steps; `rotate_fast` is the turbo* rotation through the encode
 kernel when it is here.
 """
@@ -72,6 +72,14 @@ def encode_spec(fmt: KVFormat, dim: int) -> EncodeSpec | None:
     return EncodeSpec(kind, 0, width, fields, e, e, e, e, 0)
 
 
+def encode_specs(k_fmt: KVFormat, v_fmt: KVFormat, dim: int) -> tuple[EncodeSpec | None, EncodeSpec | None]:
+    """(K spec, V spec) of the C++ encoder for a cache's formats; an entry None where that format uses its torch
+    encoder (both when the encode kernel is not here)."""
+    if encode.load() is None:
+        return None, None
+    return encode_spec(k_fmt, dim), encode_spec(v_fmt, dim)
+
+
 def rotate_fast(x: torch.Tensor, inverse: bool = False, dim: int | None = None, mod=None) -> torch.Tensor:
     """`rotate(x)` / `unrotate(x, dim)` of turbospec.kv.hadamard for float32 x, as one C++ call (a fast
     Walsh-Hadamard transform: the same map, rounded differently) when the encode kernel is here."""
@@ -101,9 +109,7 @@ def step_sides(k_fmt: KVFormat, v_fmt: KVFormat, dim: int, k: Packed, v: Packed,
     no C++ encoder or attention path here. `k` / `v`: the buffers, [layers, KVH, positions, ...] per field."""
     if attention_spec(k_fmt, dim) is None or attention_spec(v_fmt, dim) is None or attention.load() is None:
         return None
-    if encode.load() is None:
-        return None
-    specs = encode_spec(k_fmt, dim), encode_spec(v_fmt, dim)
+    specs = encode_specs(k_fmt, v_fmt, dim)
     if None in specs:
         return None
     out = []

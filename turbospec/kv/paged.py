@@ -175,10 +175,7 @@ class BlockPool:
 
     @cached_property
     def _encode_specs(self) -> tuple:
-        """(K spec, V spec) of the C++ encoder (an entry None: that format uses its torch encoder)."""
-        if encoder.load() is None:
-            return None, None
-        return kernel_args.encode_spec(self.k_fmt, self.head_dim), kernel_args.encode_spec(self.v_fmt, self.head_dim)
+        return kernel_args.encode_specs(self.k_fmt, self.v_fmt, self.head_dim)
 
     @cached_property
     def kernel_specs(self):

@@ -76,9 +76,9 @@ class QuantKVCache(CachePositions):
         if self.length + n > self.max_len:
             raise TurboSpecError(f"context full: {self.length} + {n} > {self.max_len}")
         end = self.length + n
-        specs = self._encode_specs if k.shape[0] * n <= encoder.MAX_ROWS else None
+        specs = self._encode_specs if k.shape[0] * n <= encoder.MAX_ROWS else (None, None)
         for i, (fmt, buf, x) in enumerate(((self.k_fmt, self.k, k), (self.v_fmt, self.v, v))):
-            spec = specs[i] if specs is not None else None
+            spec = specs[i]
             if spec is not None and encoder.encode_into(x, spec, self._encode_fields[layer][i], self.length,
                                                         self._encoder):
                 continue
@@ -200,17 +200,13 @@ class QuantKVCache(CachePositions):
         return encoder.load()
 
     @cached_property
-    def _encode_specs(self):
-        """(K spec, V spec) of the C++ encoder (an entry None: that format uses its torch encoder), or None."""
-        if self._encoder is None:
-            return None
-        d = self.head_dim
-        return kernel_args.encode_spec(self.k_fmt, d), kernel_args.encode_spec(self.v_fmt, d)
+    def _encode_specs(self) -> tuple:
+        return kernel_args.encode_specs(self.k_fmt, self.v_fmt, self.head_dim)
 
     @cached_property
     def _encode_fields(self) -> list[tuple[list[torch.Tensor] | None, ...]]:
         """Per layer, the K and V buffers in the C++ encoder's field order (None: that format has no C++ encoder)."""
-        specs = self._encode_specs or (None, None)
+        specs = self._encode_specs
         return [tuple(None if spec is None else [buf[f][i] for f in spec.fields] for spec, buf in zip(specs, (self.k, self.v)))
                 for i in range(self.num_layers)]
 
