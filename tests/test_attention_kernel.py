@@ -11,6 +11,7 @@ from turbospec.kv.formats import get_format, rotate
 from turbospec.kv.kernel_args import attention_spec
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
+from turbospec.kv.query_rounding import key_block, round_queries
 from turbospec.layers.attention import _decode_attention
 
 pytestmark = pytest.mark.skipif(fused.load() is None, reason="attention kernel not available on this machine")
@@ -41,7 +42,7 @@ def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
     kd, vd = kd.reshape(kvh, t, width), vd.reshape(kvh, t, width)
     qq = rotate(q) if fmt.rotated else F.pad(q, (0, width - d))
     s, e = 7, 590
-    scores = qq @ kd[:, s:e].transpose(1, 2)
+    scores = round_queries(qq, key_block(fmt)) @ kd[:, s:e].transpose(1, 2)  # integer keys: q read at 8 bits
     m_ref = scores.amax(-1)
     p = torch.exp(scores - m_ref[..., None])
     out_ref = (p @ vd[:, s:e]) / p.sum(-1, keepdim=True)

@@ -11,6 +11,7 @@ from turbospec.kv.cache import KVCache
 from turbospec.kv.formats import FORMATS
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
+from turbospec.kv.query_rounding import key_block, round_queries
 from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
 
@@ -30,10 +31,14 @@ LOOSE = {"f32": 1e-5, "f16": 2e-3, "bf16": 1e-2, "q8_0": 0.03, "q4_0": 0.25, "tb
          "turbo4": 0.3, "turbo4p": 0.3, "turbo3": 0.45, "turbo3p": 0.5, "turbo2": 0.7, "turbo2p": 0.75}
 
 
-def dense_ref(q, k, v, plan):
+def dense_ref(q, k, v, plan, q_block=None):
+    """SDPA; with `q_block` (integer keys) over q rounded as the cache reads it (turbospec.kv.query_rounding)."""
     mask, causal = plan.sdpa_mask()
+    scale = None
+    if q_block is not None:
+        q, scale = round_queries(q / q.shape[-1] ** 0.5, q_block), 1.0
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
-                                          enable_gqa=q.shape[0] != k.shape[0])[0]
+                                          enable_gqa=q.shape[0] != k.shape[0], scale=scale)[0]
 
 
 def rel(a, b):
@@ -51,7 +56,7 @@ def run_steps(cache, q_all, k_all, v_all, sizes):
         cache.begin(n)
         out = cache.attend(0, q_all[:, sl], k_all[:, sl], v_all[:, sl], plan)
         kd, vd = cache.read(0, 0, pos + n)
-        tight = max(tight, (out - dense_ref(q_all[:, sl], kd, vd, plan)).abs().max().item())
+        tight = max(tight, (out - dense_ref(q_all[:, sl], kd, vd, plan, key_block(cache.k_fmt))).abs().max().item())
         loose = max(loose, rel(out, dense_ref(q_all[:, sl], k_all[:, :pos + n], v_all[:, :pos + n], plan)))
         cache.commit()
         pos += n
@@ -114,7 +119,7 @@ def test_tree_mask_and_commit_compaction(fmt):
     out = cache.attend(1, qn, kn, vn, plan)
     cache.attend(0, qn, kn, vn, plan)
     kd, vd = cache.read(1, 0, start + n)
-    assert (out - dense_ref(qn, kd, vd, plan)).abs().max().item() < 2e-5
+    assert (out - dense_ref(qn, kd, vd, plan, key_block(cache.k_fmt))).abs().max().item() < 2e-5
     keep = [0, 2, 4]
     before = {(kv, name): t[:, :, start:start + n].clone() for kv, buf in (("k", cache.k), ("v", cache.v))
               for name, t in buf.items()}
@@ -147,7 +152,7 @@ def test_masked_prefix_base_and_truncate():
     c.begin(5)
     out = c.attend(0, q, k, v, plan)
     kd, vd = c.read(0, 10, 15)
-    assert (out - dense_ref(q, kd, vd, AttentionPlan.causal(0, 5))).abs().max().item() < 2e-5
+    assert (out - dense_ref(q, kd, vd, AttentionPlan.causal(0, 5), key_block(c.k_fmt))).abs().max().item() < 2e-5
     c.commit()
     c.truncate(12)
     assert c.length == 12

@@ -218,12 +218,25 @@ inline void for_pairs(int64_t c0, int64_t c1, Fn&& fn) {
   acc##2 = _mm256_fmadd_ps(w2, x, acc##2);      \
   acc##3 = _mm256_fmadd_ps(w3, x, acc##3)
 
+// The query rows of one group of 4 (one KV head) as the score kernels read them: q [4, dk] float32 (for integer
+// keys -- q8_0, q4_0, tbq4_0 -- rounded to 8 bits per key block, see round_queries); per key block and row
+// ([blocks][4]): qsum, the rows' sums of q (the raw-value offset of q4_0 / tbq4_0 keys), and for integer keys the
+// int8 rows qi [4, dk] with their scales (q = qi * scale) and integer sums isum.
+struct QGroup {
+  const float* q;
+  const float* qsum;
+  const int8_t* qi;
+  const float* scale;
+  const int32_t* isum;
+};
+
 // Scores of 4 query rows (q4: [4, width]) against positions [s0, s1) of head h: sc[i * tile + (t - s0)].
 // Two accumulators per row (the two chunks of a pair) keep 8 independent FMA chains in flight. Block formats:
 // per block, score += scale * (sum q * raw - OFFSET * sum q), with qsum [blocks][4] the rows' sums of q.
 template <int64_t KIND, int BITS>
-void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const float* q4, const float* qsum, float* sc,
-            int64_t tile) {
+void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& qg, float* sc, int64_t tile) {
+  const float* q4 = qg.q;
+  const float* qsum = qg.qsum;
   constexpr int64_t H = pair_dist<KIND>(), SPAN = span_chunks<KIND>();
   constexpr float OFF = raw_offset<KIND>();
   const int64_t chunks = ks.width / 8, w = ks.width;
@@ -265,6 +278,98 @@ void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const float* q4
     sc[tile + t - s0] = s4[1];
     sc[2 * tile + t - s0] = s4[2];
     sc[3 * tile + t - s0] = s4[3];
+  }
+}
+
+// ---- Integer keys (q8_0, q4_0, tbq4_0) with AVX-512 VNNI ----
+// 16 positions at a time, one per 32-bit lane: 16 key bytes of each position are transposed (lane i of T[j] =
+// dword j of position i) and vpdpbusd multiplies 4 key bytes (unsigned: nibbles, or q8_0's int8 + 128) with 4 int8
+// query values broadcast from memory. A lane computes its own position alone: a position's score does not depend on
+// which positions share its group (a partial group repeats its last position).
+#define TS_ATT512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+inline bool att_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                          !std::getenv("TURBOSPEC_NO_AVX512");
+  return yes;
+}
+
+// Bytes [off, off + 16) of the rows p[0..15] -> T[j]: lane i = dword j of row i.
+TS_ATT512 inline void transpose16x4(const uint8_t* const* p, int64_t off, __m512i* T) {
+  __m512i A[4];
+  for (int k = 0; k < 4; ++k) {  // A[k], 128-bit lane l: row k + 4l
+    __m512i a = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + off)));
+    a = _mm512_inserti32x4(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k + 4] + off)), 1);
+    a = _mm512_inserti32x4(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k + 8] + off)), 2);
+    A[k] = _mm512_inserti32x4(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k + 12] + off)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
+  T[0] = _mm512_unpacklo_epi64(t0, t2);
+  T[1] = _mm512_unpackhi_epi64(t0, t2);
+  T[2] = _mm512_unpacklo_epi64(t1, t3);
+  T[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+TS_ATT512 inline __m512i bcast4(const int8_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return _mm512_set1_epi32(x);
+}
+
+// score4 for integer keys from the rows' int8 values: per key block, sum(qi * stored) - OFFSET * sum(qi) in int32
+// (stored = raw + OFFSET: nibbles + 8, q8_0 + 128), then * scale * the block's fp16 scale. The same value as
+// score4 over the rounded q (q = qi * scale) up to float rounding.
+template <int64_t KIND>
+TS_ATT512 void score_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& qg, float* sc,
+                          int64_t tile) {
+  constexpr int64_t BV = KIND == TBQ4_0 ? 64 : 32;    // values per block
+  constexpr int64_t BB = KIND == Q8_0 ? 32 : BV / 2;  // key bytes per block
+  constexpr int32_t OFF = KIND == Q8_0 ? 128 : 8;
+  const int64_t w = ks.width, nb = w / BV;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* kq[16];
+  const uint8_t* kd[16];
+  alignas(32) uint16_t dh[16];
+  for (int64_t t0 = s0; t0 < s1; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, s1 - t0);
+    for (int i = 0; i < 16; ++i) {
+      const int64_t t = t0 + std::min<int64_t>(i, n - 1);
+      kd[i] = ks.f[0].at(h, t);
+      kq[i] = ks.f[1].at(h, t);
+    }
+    __m512 fs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      const int8_t* qb = qg.qi + b * BV;
+      for (int64_t u = 0; u < BB / 16; ++u) {
+        __m512i T[4];
+        transpose16x4(kq, b * BB + 16 * u, T);
+        for (int j = 0; j < 4; ++j) {
+          const int64_t v = 16 * u + 4 * j;  // the block's values of T[j] (nibble kinds: low nibbles)
+          if constexpr (KIND == Q8_0) {
+            const __m512i x = _mm512_xor_si512(T[j], flip);
+            for (int r = 0; r < 4; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], x, bcast4(qb + r * w + v));
+          } else {  // byte m: value m (low nibble) and m + BV / 2 (high nibble)
+            const __m512i lo = _mm512_and_si512(T[j], low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(T[j], 4), low4);
+            for (int r = 0; r < 4; ++r) {
+              acc[r] = _mm512_dpbusd_epi32(acc[r], lo, bcast4(qb + r * w + v));
+              acc[r] = _mm512_dpbusd_epi32(acc[r], hi, bcast4(qb + r * w + v + BV / 2));
+            }
+          }
+        }
+      }
+      for (int i = 0; i < 16; ++i) std::memcpy(dh + i, kd[i] + 2 * b, 2);
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+      for (int r = 0; r < 4; ++r) {
+        const __m512i raw = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(OFF * qg.isum[4 * b + r]));
+        fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(raw), _mm512_mul_ps(d, _mm512_set1_ps(qg.scale[4 * b + r])), fs[r]);
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int r = 0; r < 4; ++r) _mm512_mask_storeu_ps(sc + r * tile + (t0 - s0), keep, fs[r]);
   }
 }
 
@@ -332,7 +437,59 @@ void accumulate4(const Source& vs, int64_t h, int64_t s0, int64_t s1, const floa
   }
 }
 
-using ScoreFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, const float*, float*, int64_t);
+// accumulate4 for integer values (q8_0, q4_0, tbq4_0) with AVX-512: per value block, the weights times each
+// position's block scale (pn) 16 positions at a time, then one pass over the positions with the block's 4 rows x
+// BV / 16 accumulators in registers (a decoded block feeds all 4 rows).
+template <int64_t KIND>
+TS_ATT512 void accumulate_int512(const Source& vs, int64_t h, int64_t s0, int64_t s1, const float* p, int64_t tile,
+                                 float* acc4, float* pn) {
+  constexpr int64_t BV = KIND == TBQ4_0 ? 64 : 32, NV = BV / 16;  // values, vectors per block
+  constexpr int64_t BB = KIND == Q8_0 ? 32 : BV / 2;               // stored bytes per block
+  constexpr float OFF = KIND == Q8_0 ? 0.0f : 8.0f;
+  const int64_t w = vs.width, nb = w / BV, len = s1 - s0;
+  alignas(32) uint16_t dh[16];
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 ps[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i0 = 0; i0 < len; i0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - i0);
+      for (int i = 0; i < 16; ++i) std::memcpy(dh + i, vs.f[0].at(h, s0 + i0 + std::min<int64_t>(i, n - 1)) + 2 * b, 2);
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+      for (int r = 0; r < 4; ++r) {
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + r * tile + i0), d);
+        _mm512_mask_storeu_ps(pn + r * tile + i0, keep, x);
+        ps[r] = _mm512_add_ps(ps[r], x);
+      }
+    }
+    __m512 a[4][NV];
+    for (int r = 0; r < 4; ++r)
+      for (int k = 0; k < NV; ++k) a[r][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; ++i) {
+      const uint8_t* q = vs.f[1].at(h, s0 + i) + b * BB;
+      __m512 x[NV];
+      if constexpr (KIND == Q8_0) {
+        x[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        x[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+      } else {  // byte m: value m (low nibble), m + BV / 2 (high)
+        for (int k = 0; k < NV / 2; ++k) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k)));
+          x[k] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+          x[k + NV / 2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512 wr = _mm512_set1_ps(pn[r * tile + i]);
+        for (int k = 0; k < NV; ++k) a[r][k] = _mm512_fmadd_ps(wr, x[k], a[r][k]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      const __m512 off = _mm512_set1_ps(OFF * _mm512_reduce_add_ps(ps[r]));
+      for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc4 + r * w + b * BV + 16 * k, _mm512_sub_ps(a[r][k], off));
+    }
+  }
+}
+
+using ScoreFn = void (*)(const Source&, int64_t, int64_t, int64_t, const QGroup&, float*, int64_t);
 using AccFn = void (*)(const Source&, int64_t, int64_t, int64_t, const float*, int64_t, float*, float*);
 
 template <template <int64_t, int> class Pick, int64_t KIND>
@@ -370,19 +527,111 @@ struct ScorePick { static constexpr ScoreFn fn = score4<K, B>; };
 template <int64_t K, int B>
 struct AccPick { static constexpr AccFn fn = accumulate4<K, B>; };
 
+// The score kernel of a K kind: score_vnni for integer keys where the CPU has AVX-512 VNNI, else score4.
+inline ScoreFn pick_score(int64_t kind, int64_t bits) {
+  if (att_vnni()) {
+    if (kind == Q8_0) return score_vnni<Q8_0>;
+    if (kind == Q4_0) return score_vnni<Q4_0>;
+    if (kind == TBQ4_0) return score_vnni<TBQ4_0>;
+  }
+  return pick<ScorePick>(kind, bits);
+}
+
+// The accumulate kernel of a V kind: accumulate_int512 for integer values where score_vnni runs, else accumulate4.
+inline AccFn pick_acc(int64_t kind, int64_t bits) {
+  if (att_vnni()) {
+    if (kind == Q8_0) return accumulate_int512<Q8_0>;
+    if (kind == Q4_0) return accumulate_int512<Q4_0>;
+    if (kind == TBQ4_0) return accumulate_int512<TBQ4_0>;
+  }
+  return pick<AccPick>(kind, bits);
+}
+
 }  // namespace
 
 namespace {
 
-// One tile of the flash-decoding split: scores of rows4 query rows (qh [rows4, Dk], qsum their per-K-block sums
-// for offset kinds) against positions [s0, s1) of head h, softmax partial m / l [rows4] and the unnormalized
-// accumulator acc [rows4, Dv]. sc (rows4 * tile) and pn (4 * tile) are scratch.
+// Integer keys (q8_0, q4_0, tbq4_0): the key block over which a query row is rounded to 8 bits; 0 for the others.
+inline int64_t int_key_block(int64_t k_kind) {
+  return k_kind == Q8_0 || k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64 : 0;
+}
+
+// One key block of a query row rounded to 8 bits, in place, with the float32 operations of the Python side's
+// turbospec.kv.query.round_queries: scale = amax / 127, qi = rint(q * (127 / amax)), q <- qi * scale. Writes qi,
+// scale and sum(qi); a zero block stays zero (scale 0), a non-finite one stays as it is (scale NaN: NaN scores).
+inline void round_block(float* x, int64_t n, int8_t* qi, float* scale, int32_t* isum) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    finite = finite && std::isfinite(x[j]);
+    amax = std::max(amax, std::fabs(x[j]));
+  }
+  *isum = 0;
+  std::fill(qi, qi + n, 0);
+  if (!finite || amax == 0.0f) {
+    *scale = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float inv = 127.0f / amax, s = amax / 127.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = std::nearbyint(x[j] * inv);
+    qi[j] = static_cast<int8_t>(v);
+    *isum += qi[j];
+    x[j] = v * s;
+  }
+  *scale = s;
+}
+
+// The query rows of a call as the score kernels read them, group by group (QGroup): q [groups * 4, dk] (rounded in
+// place for integer keys) and per (group, key block, row) the sums of q, and for integer keys the int8 rows, their
+// scales and integer sums.
+struct QTable {
+  const float* q = nullptr;
+  int64_t dk = 0, kblocks = 0;
+  std::vector<float> qsum, scale;
+  std::vector<int8_t> qi;
+  std::vector<int32_t> isum;
+  QGroup group(int64_t g) const {
+    const int64_t e = g * kblocks * 4;
+    if (kblocks == 0) return {q + g * 4 * dk, nullptr, nullptr, nullptr, nullptr};
+    return {q + g * 4 * dk, qsum.data() + e, qi.data() + g * 4 * dk, scale.data() + e, isum.data() + e};
+  }
+};
+
+// q [heads, rows4, dk] float32 (rows padded to groups of 4), rounded in place for integer keys.
+QTable prepare_queries(float* q, int64_t heads, int64_t rows4, int64_t dk, int64_t k_kind) {
+  QTable t;
+  t.q = q;
+  t.dk = dk;
+  const int64_t kb = int_key_block(k_kind);
+  if (kb == 0) return t;
+  TORCH_CHECK(dk % kb == 0, "K width is not a multiple of its block");
+  t.kblocks = dk / kb;
+  const int64_t rows = heads * rows4, entries = rows / 4 * t.kblocks * 4;
+  t.qsum.assign(entries, 0.0f);
+  t.scale.assign(entries, 0.0f);
+  t.isum.assign(entries, 0);
+  t.qi.assign(rows * dk, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < t.kblocks; ++b) {
+      const int64_t e = ((r / 4) * t.kblocks + b) * 4 + r % 4;
+      float* x = q + r * dk + b * kb;
+      round_block(x, kb, t.qi.data() + r * dk + b * kb, &t.scale[e], &t.isum[e]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < kb; ++j) sum += x[j];
+      t.qsum[e] = sum;
+    }
+  return t;
+}
+
+// One tile of the flash-decoding split: scores of rows4 query rows (groups g0, g0 + 1, ... of qt) against positions
+// [s0, s1) of head h, softmax partial m / l [rows4] and the unnormalized accumulator acc [rows4, Dv]. sc (rows4 *
+// tile) and pn (4 * tile) are scratch.
 inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccFn accumulate, int64_t h, int64_t s0,
-                         int64_t s1, const float* qh, const float* qsum, int64_t qsum_step, int64_t rows4, int64_t dk,
-                         int64_t tile, float* sc, float* pn, float* m, float* l, float* acc) {
+                         int64_t s1, const QTable& qt, int64_t g0, int64_t rows4, int64_t tile, float* sc, float* pn,
+                         float* m, float* l, float* acc) {
   const int64_t len = s1 - s0, dv = vs.width;
-  for (int64_t r0 = 0; r0 < rows4; r0 += 4)
-    score(ks, h, s0, s1, qh + r0 * dk, qsum + (r0 / 4) * qsum_step, sc + r0 * tile, tile);
+  for (int64_t r0 = 0; r0 < rows4; r0 += 4) score(ks, h, s0, s1, qt.group(g0 + r0 / 4), sc + r0 * tile, tile);
   for (int64_t r = 0; r < rows4; ++r) {
     float* row = sc + r * tile;
     // the row's max, 8 lanes at a time: _mm256_max_ps(x, m) keeps m when x is NaN, as std::max(m, x) does
@@ -433,29 +682,6 @@ inline void merge_row(const float* pm, const float* pl, const float* pacc, int64
   *l_out = sum;
 }
 
-// Per (head, group of 4 rows, K block): the 4 rows' sums of q over the block, for the raw-value offset of q4_0 /
-// tbq4_0 keys (score4 reads them only for those kinds). q [heads, rows4, dk]; returns the table (size >= 4).
-std::vector<float> block_sums(const float* q, int64_t heads, int64_t rows4, int64_t dk, int64_t k_kind) {
-  const bool k_offset = k_kind == Q4_0 || k_kind == TBQ4_0;
-  const int64_t kblock = k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64 : dk;
-  TORCH_CHECK(dk % kblock == 0, "K width is not a multiple of its block");
-  const int64_t kblocks = dk / kblock, groups = rows4 / 4;
-  std::vector<float> qsum(k_offset ? heads * groups * kblocks * 4 : 4, 0.0f);
-  if (k_offset)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t r = 0; r < rows4; ++r)
-        for (int64_t j = 0; j < dk; ++j)
-          qsum[((h * groups + r / 4) * kblocks + j / kblock) * 4 + r % 4] += q[(h * rows4 + r) * dk + j];
-  return qsum;
-}
-
-// The step between two (head, group) entries of block_sums' table, and between groups (0: no offset).
-inline int64_t qsum_group_step(int64_t k_kind, int64_t dk) {
-  if (k_kind == Q4_0) return dk / 32 * 4;
-  if (k_kind == TBQ4_0) return dk / 64 * 4;
-  return 0;
-}
-
 }  // namespace
 
 // The attention of `rows` query rows per KV head over positions [start, end) of two sources, on raw buffers:
@@ -468,17 +694,16 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
   std::vector<float> qp4(kvh * rows4 * dk, 0.0f);
   for (int64_t h = 0; h < kvh; ++h)
     std::copy(q + h * rows * dk, q + (h + 1) * rows * dk, qp4.begin() + h * rows4 * dk);
-  const ScoreFn score = pick<ScorePick>(k_kind, k_bits);
-  const AccFn accumulate = pick<AccPick>(v_kind, v_bits);
+  const ScoreFn score = pick_score(k_kind, k_bits);
+  const AccFn accumulate = pick_acc(v_kind, v_bits);
   const int64_t dv = vs.width;
   const int64_t n = std::max<int64_t>(0, end - start);
   tile = std::max<int64_t>(tile, 1);
   const int64_t tiles = (n + tile - 1) / tile;
   const int64_t tasks = kvh * tiles;
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
-  const float* qp = qp4.data();
-  const std::vector<float> qsum = block_sums(qp, kvh, rows4, dk, k_kind);
-  const int64_t qstep = qsum_group_step(k_kind, dk), groups = rows4 / 4;
+  const QTable qt = prepare_queries(qp4.data(), kvh, rows4, dk, k_kind);
+  const int64_t groups = rows4 / 4;
 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     // flush denormals: tiny softmax weights times small values would otherwise hit the slow denormal path
@@ -488,9 +713,8 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task / tiles, s0 = start + (task % tiles) * tile;
       const int64_t s1 = std::min(end, s0 + tile);
-      tile_partial(ks, vs, score, accumulate, h, s0, s1, qp + h * rows4 * dk, qsum.data() + h * groups * qstep, qstep,
-                   rows4, dk, tile, sc.data(), pn.data(), pm.data() + task * rows4, pl.data() + task * rows4,
-                   pacc.data() + task * rows4 * dv);
+      tile_partial(ks, vs, score, accumulate, h, s0, s1, qt, h * groups, rows4, tile, sc.data(), pn.data(),
+                   pm.data() + task * rows4, pl.data() + task * rows4, pacc.data() + task * rows4 * dv);
     }
     _mm_setcsr(csr);
   });
@@ -540,10 +764,9 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
   const float* qsrc = q.data_ptr<float>();
   for (int64_t sh = 0; sh < ns * kvh; ++sh)
     std::copy(qsrc + sh * rows * dk, qsrc + (sh + 1) * rows * dk, qp4.begin() + sh * rows4 * dk);
-  const ScoreFn score = pick<ScorePick>(k_kind, k_bits);
-  const AccFn accumulate = pick<AccPick>(v_kind, v_bits);
-  const std::vector<float> qsum = block_sums(qp4.data(), ns * kvh, rows4, dk, k_kind);
-  const int64_t qstep = qsum_group_step(k_kind, dk);
+  const ScoreFn score = pick_score(k_kind, k_bits);
+  const AccFn accumulate = pick_acc(v_kind, v_bits);
+  const QTable qt = prepare_queries(qp4.data(), ns * kvh, rows4, dk, k_kind);
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     const unsigned int csr = _mm_getcsr();
@@ -556,8 +779,7 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
       const int64_t p0 = static_cast<int64_t>(tab[s * tables.size(1) + j]) * block;
       const int64_t n = std::min(block, len[s] - j * block);
       const int64_t sh = s * kvh + h;
-      tile_partial(ks, vs, score, accumulate, h, p0, p0 + n, qp4.data() + sh * rows4 * dk,
-                   qsum.data() + sh * groups * qstep, qstep, rows4, dk, block, sc.data(), pn.data(),
+      tile_partial(ks, vs, score, accumulate, h, p0, p0 + n, qt, sh * groups, rows4, block, sc.data(), pn.data(),
                    pm.data() + task * rows4, pl.data() + task * rows4, pacc.data() + task * rows4 * dv);
     }
     _mm_setcsr(csr);
@@ -696,8 +918,8 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
     tail_k = make_source(k_kind, k_bits, kw, tail_kf, k_cent);
     tail_v = make_source(v_kind, v_bits, dv, tail_vf, v_cent);
   }
-  const ScoreFn score = pick<ScorePick>(k_kind, k_bits);
-  const AccFn accumulate = pick<AccPick>(v_kind, v_bits);
+  const ScoreFn score = pick_score(k_kind, k_bits);
+  const AccFn accumulate = pick_acc(v_kind, v_bits);
   // qa: the shared tiles' rows [nkv, rows4, kw] (row i * g + j: token i, query head j of the group); qt: each
   // token's own rows [nkv, n, g4, kw]
   std::vector<float> qa(nkv * rows4 * kw, 0.0f), qt(nkv * n * g4 * kw, 0.0f);
@@ -707,10 +929,8 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
       std::copy(src, src + g * kw, qa.begin() + (h * rows4 + i * g) * kw);
       std::copy(src, src + g * kw, qt.begin() + ((h * n + i) * g4) * kw);
     }
-  // per-K-block sums of the rows (q4_0 / tbq4_0 keys' offset; empty steps for the other kinds)
-  const std::vector<float> qsum_a = block_sums(qa.data(), nkv, rows4, kw, k_kind);
-  const std::vector<float> qsum_t = block_sums(qt.data(), nkv * n, g4, kw, k_kind);
-  const int64_t qstep = qsum_group_step(k_kind, kw);
+  const QTable tab_a = prepare_queries(qa.data(), nkv, rows4, kw, k_kind);
+  const QTable tab_t = prepare_queries(qt.data(), nkv * n, g4, kw, k_kind);
   // tail tiles of token i: [shared, end_of(i)) in tiles of TILE (1 or 2)
   std::vector<int64_t> tail_first(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (end_of(i) - shared + TILE - 1) / TILE;
@@ -725,9 +945,9 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
       const int64_t h = task / (st + tails), j = task % (st + tails);
       if (j < st) {
         const int64_t at = h * st + j;
-        tile_partial(ks, vs, score, accumulate, h, base + j * TILE, base + (j + 1) * TILE, qa.data() + h * rows4 * kw,
-                     qsum_a.data() + h * (rows4 / 4) * qstep, qstep, rows4, kw, TILE, scr.data(), pn.data(),
-                     sm.data() + at * rows4, sl.data() + at * rows4, sa.data() + at * rows4 * dv);
+        tile_partial(ks, vs, score, accumulate, h, base + j * TILE, base + (j + 1) * TILE, tab_a, h * (rows4 / 4),
+                     rows4, TILE, scr.data(), pn.data(), sm.data() + at * rows4, sl.data() + at * rows4,
+                     sa.data() + at * rows4 * dv);
       } else {
         const int64_t u = j - st;
         int64_t i = 0;
@@ -735,9 +955,8 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
         const int64_t s0 = shared + (u - tail_first[i]) * TILE, s1 = std::min(end_of(i), s0 + TILE);
         const int64_t at = h * tails + u, off = tree ? shared : 0;  // tree tails are gathered from `shared` on
         tile_partial(tree ? tail_k : ks, tree ? tail_v : vs, score, accumulate, tree ? i * nkv + h : h, s0 - off,
-                     s1 - off, qt.data() + ((h * n + i) * g4) * kw, qsum_t.data() + (h * n + i) * (g4 / 4) * qstep,
-                     qstep, g4, kw, TILE, scr.data(), pn.data(), tm.data() + at * g4, tl.data() + at * g4,
-                     ta.data() + at * g4 * dv);
+                     s1 - off, tab_t, (h * n + i) * (g4 / 4), g4, TILE, scr.data(), pn.data(), tm.data() + at * g4,
+                     tl.data() + at * g4, ta.data() + at * g4 * dv);
       }
     }
     _mm_setcsr(csr);

@@ -24,6 +24,7 @@ from turbospec.kernels import encode as encoder
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.query_rounding import key_block, round_queries
 
 Key = tuple  # (hash of the previous block's key or 0, the block's tokens)
 BLOCK = 256  # positions per block; equal to the attention kernel's tile, so a decode row's arithmetic is the same
@@ -160,6 +161,11 @@ class BlockPool:
     @property
     def bytes_per_block(self) -> int:
         return self.nbytes // self.num_blocks
+
+    @cached_property
+    def q_block(self) -> int | None:
+        """The key block over which queries are rounded to 8 bits (integer keys; turbospec.kv.query_rounding)."""
+        return key_block(self.k_fmt)
 
     # ---- the decode kernel ------------------------------------------------------------------------------
     def step_args(self, layer: int) -> tuple | None:
@@ -336,12 +342,15 @@ class PagedBatch:
         for s in self.others:
             rows = slice(s.row, s.row + s.n)
             keys, values = pool.gather(layer, s.seq.slots(0, s.seq.length + s.n))
-            qs = q[:, rows]
+            qs, sdpa_scale = q[:, rows], scale
             if not keys.dtype == values.dtype == qs.dtype:
                 qs, keys, values = qs.float(), keys.float(), values.float()
+            if pool.q_block is not None:  # integer keys: q rounded as the kernels round it
+                qs, sdpa_scale = round_queries(qs * scale, pool.q_block), 1.0
             mask, causal = s.plan.sdpa_mask()
             o = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                               attn_mask=mask, is_causal=causal, enable_gqa=g > 1, scale=scale)[0]
+                                               attn_mask=mask, is_causal=causal, enable_gqa=g > 1,
+                                               scale=sdpa_scale)[0]
             out[:, rows] = o.to(q.dtype)
         return out
 
@@ -352,7 +361,7 @@ class PagedBatch:
         qf = q.to(torch.float32).reshape(kvh, g, s, d).permute(2, 0, 1, 3)  # [S, KVH, G, D]
         specs = pool.kernel_specs
         if specs is None:
-            return self._decode_torch(layer, qf * scale, d)
+            return self._decode_torch(layer, round_queries(qf * scale, pool.q_block), d)
         kf, vf = pool.k_fmt, pool.v_fmt
         if kf.rotated:
             qf = kernel_args.rotate_fast(qf.contiguous())

@@ -33,6 +33,7 @@ from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.query_rounding import key_block, round_queries
 
 DEFAULT_BLOCK = 1024
 
@@ -135,12 +136,18 @@ class QuantKVCache(CachePositions):
             m = torch.full((kvh, rows, 1), -math.inf)
             lsum = torch.zeros(kvh, rows, 1)
             acc = torch.zeros(kvh, rows, self.v_fmt.padded_dim(d) if self.v_fmt.rotated else d)
-        if fused_end < total:
-            m, lsum, acc = self._attend_blocks(layer, qf, d, plan, fused_end, m, lsum, acc)
+        if fused_end < total:  # the kernel rounds q for integer keys itself, the torch blocks here
+            qr = round_queries(qf, self._q_block)
+            m, lsum, acc = self._attend_blocks(layer, qr, d, plan, fused_end, m, lsum, acc)
         out = acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
         if self.v_fmt.rotated:
             out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
         return out.reshape(h, n, d).to(q.dtype)
+
+    @cached_property
+    def _q_block(self) -> int | None:
+        """The key block over which queries are rounded to 8 bits (integer keys; turbospec.kv.query_rounding)."""
+        return key_block(self.k_fmt)
 
     @cached_property
     def _one_row(self) -> bool:
