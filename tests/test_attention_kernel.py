@@ -1,6 +1,10 @@
 """The fused C++ attention kernel against torch references, for every format it reads."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +115,64 @@ def test_dense_decode_torch_fallback_agrees_with_kernel(monkeypatch):
     monkeypatch.setenv("TURBOSPEC_NO_ATTN_KERNEL", "1")
     assert fused.dense_decode(q, keys, values, 0.125) is None
     assert torch.allclose(_decode_attention(q, keys, values), with_kernel, atol=1e-5)
+
+
+def test_round_queries_puts_each_block_on_an_8_bit_grid():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 64, generator=g)
+    q[1, 32:] = 0.0
+    r = round_queries(q, 32)
+    for x, y in zip(q.unflatten(-1, (-1, 32)).reshape(-1, 32), r.unflatten(-1, (-1, 32)).reshape(-1, 32)):
+        if not x.any():
+            assert not y.any()  # a zero block stays zero
+            continue
+        scale = x.abs().max() / 127
+        steps = y / scale
+        assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() <= 127.001
+        assert (y - x).abs().max() <= scale / 2 + 1e-6
+    # a partial last block is rounded as the kernels' zero-padded rows are
+    assert torch.equal(round_queries(q[:, :40], 32), round_queries(F.pad(q[:, :40], (0, 24)), 32)[:, :40])
+    assert round_queries(q, None) is q
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "tbq4_0", "turbo3", "turbo4"])
+def test_a_position_scores_the_same_in_any_range(name):
+    """The AVX-512 score kernels take 16 positions per vector (a partial group repeats its last position): a
+    position's score depends on that position alone. The max over one position is its score; over a range, the max
+    of those, bit for bit, whatever the range's start and length."""
+    g = torch.Generator().manual_seed(5)
+    fmt, d, t = get_format(name), 64, 50
+    spec, width = attention_spec(fmt, d), fmt.padded_dim(d)
+    kp, vp = fmt.encode(torch.randn(1, t, d, generator=g)), fmt.encode(torch.randn(1, t, d, generator=g))
+    q = torch.randn(1, 4, d, generator=g) * 0.3
+    q = (rotate(q) if fmt.rotated else F.pad(q, (0, width - d))).contiguous()
+    kf, vf = [kp[f] for f in spec[2]], [vp[f] for f in spec[2]]
+    single = torch.stack([fused.partial(q, spec, kf, spec, vf, width, i, i + 1)[0] for i in range(t)])
+    for s, e in ((0, 50), (3, 50), (5, 21), (17, 33), (1, 2)):
+        assert torch.equal(fused.partial(q, spec, kf, spec, vf, width, s, e)[0], single[s:e].amax(0)), (s, e)
+
+
+def test_avx2_and_avx512_attention_agree():
+    """The same attention with TURBOSPEC_NO_AVX512=1 (AVX2: float products of the rounded queries) in a child
+    process: integer keys give the same scores through int8 products, the others the same sums in another order."""
+    code = ("import torch,sys,torch.nn.functional as F; from turbospec.kernels import attention as A\n"
+            "from turbospec.kv.formats import get_format, rotate; from turbospec.kv.kernel_args import attention_spec\n"
+            "g=torch.Generator().manual_seed(6); out=[]\n"
+            "for n in ('q8_0','q4_0','tbq4_0','turbo3','turbo4','f16'):\n"
+            "  f=get_format(n); s=attention_spec(f,128); w=f.padded_dim(128)\n"
+            "  k=f.encode(torch.randn(2,300,128,generator=g)); v=f.encode(torch.randn(2,300,128,generator=g))\n"
+            "  q=torch.randn(2,6,128,generator=g)*0.2; q=(rotate(q) if f.rotated else q).contiguous()\n"
+            "  m,l,a=A.partial(q,s,[k[x] for x in s[2]],s,[v[x] for x in s[2]],w,0,300); out.append(a/l[...,None])\n"
+            "torch.save(out, sys.argv[1])\n")
+    got = {}
+    for flag in ("0", "1"):
+        path = f"{os.environ.get('TMPDIR', '/tmp')}/attn_avx_{flag}_{os.getpid()}.pt"
+        env = dict(os.environ)
+        env.pop("TURBOSPEC_NO_AVX512", None)
+        if flag == "1":
+            env["TURBOSPEC_NO_AVX512"] = "1"
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, cwd=Path(__file__).parents[1])
+        got[flag] = torch.load(path, weights_only=True)
+        os.unlink(path)
+    for a, b in zip(got["0"], got["1"]):
+        assert torch.allclose(a, b, atol=1e-5)

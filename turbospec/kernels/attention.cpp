@@ -33,6 +33,7 @@ struct Source {
   int64_t width = 0;  // decoded (padded) values per row, multiple of 8
   Field f[3];         // plain: data | ggml-like: d, qs | turbo: norm, qs[, qh]
   __m256 cent_lo, cent_hi;  // turbo lookup tables (see make_source)
+  float cent[16] = {0};     // turbo: the 2^bits centroids (the AVX-512 kernels' one-register table)
 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -185,6 +186,7 @@ Source make_source(int64_t kind, int64_t bits, int64_t width, const std::vector<
     TORCH_CHECK(width % turbo_block(kind) == 0, "turbo width must be a multiple of its block");
     auto c = cent.contiguous();
     const float* t = c.data_ptr<float>();
+    std::copy(t, t + (1 << bits), s.cent);
     // lookup tables indexed by the low 3 bits of a lane (see turbo_pair)
     const int period = bits == 3 ? 4 : std::min<int>(1 << bits, 8);
     for (int i = 0; i < 8; ++i) {
@@ -312,6 +314,28 @@ TS_ATT512 inline void transpose16x4(const uint8_t* const* p, int64_t off, __m512
   T[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// Block b's fp16 scales (field f, nb per position) of the n <= 16 positions from t0, as float32 (lanes >= n: 0).
+// Positions stored back to back with nb in {1, 2, 4}: masked loads and a 16-bit permute; else one at a time.
+TS_ATT512 inline __m512 scale16(const Field& f, int64_t h, int64_t t0, int64_t n, int64_t nb, int64_t b) {
+  const uint8_t* p = f.at(h, t0);
+  if (f.st == 2 * nb && (nb == 1 || nb == 2 || nb == 4)) {
+    const auto upto = [](int64_t k) {  // mask of the first k of 32 halves
+      return k >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>(k <= 0 ? 0u : (1u << k) - 1);
+    };
+    const __m512i z0 = _mm512_maskz_loadu_epi16(upto(n * nb), p);
+    if (nb == 1) return _mm512_cvtph_ps(_mm512_castsi512_si256(z0));
+    const __m512i z1 = nb == 4 ? _mm512_maskz_loadu_epi16(upto(n * nb - 32), p + 64) : _mm512_setzero_si512();
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                          12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx = _mm512_add_epi16(_mm512_mullo_epi16(iota, _mm512_set1_epi16(static_cast<int16_t>(nb))),
+                                         _mm512_set1_epi16(static_cast<int16_t>(b)));
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(z0, idx, z1)));
+  }
+  alignas(32) uint16_t dh[16] = {0};
+  for (int64_t i = 0; i < n; ++i) std::memcpy(dh + i, f.at(h, t0 + i) + 2 * b, 2);
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+}
+
 TS_ATT512 inline __m512i bcast4(const int8_t* p) {
   int32_t x;
   std::memcpy(&x, p, 4);
@@ -330,14 +354,10 @@ TS_ATT512 void score_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, c
   const int64_t w = ks.width, nb = w / BV;
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const uint8_t* kq[16];
-  const uint8_t* kd[16];
-  alignas(32) uint16_t dh[16];
   for (int64_t t0 = s0; t0 < s1; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, s1 - t0);
     for (int i = 0; i < 16; ++i) {
-      const int64_t t = t0 + std::min<int64_t>(i, n - 1);
-      kd[i] = ks.f[0].at(h, t);
-      kq[i] = ks.f[1].at(h, t);
+      kq[i] = ks.f[1].at(h, t0 + std::min<int64_t>(i, n - 1));
     }
     __m512 fs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
@@ -361,8 +381,7 @@ TS_ATT512 void score_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, c
           }
         }
       }
-      for (int i = 0; i < 16; ++i) std::memcpy(dh + i, kd[i] + 2 * b, 2);
-      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+      const __m512 d = scale16(ks.f[0], h, t0, n, nb, b);
       for (int r = 0; r < 4; ++r) {
         const __m512i raw = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(OFF * qg.isum[4 * b + r]));
         fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(raw), _mm512_mul_ps(d, _mm512_set1_ps(qg.scale[4 * b + r])), fs[r]);
@@ -447,13 +466,11 @@ TS_ATT512 void accumulate_int512(const Source& vs, int64_t h, int64_t s0, int64_
   constexpr int64_t BB = KIND == Q8_0 ? 32 : BV / 2;               // stored bytes per block
   constexpr float OFF = KIND == Q8_0 ? 0.0f : 8.0f;
   const int64_t w = vs.width, nb = w / BV, len = s1 - s0;
-  alignas(32) uint16_t dh[16];
   for (int64_t b = 0; b < nb; ++b) {
     __m512 ps[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t i0 = 0; i0 < len; i0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - i0);
-      for (int i = 0; i < 16; ++i) std::memcpy(dh + i, vs.f[0].at(h, s0 + i0 + std::min<int64_t>(i, n - 1)) + 2 * b, 2);
-      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+      const __m512 d = scale16(vs.f[0], h, s0 + i0, n, nb, b);
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
       for (int r = 0; r < 4; ++r) {
         const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + r * tile + i0), d);
@@ -485,6 +502,110 @@ TS_ATT512 void accumulate_int512(const Source& vs, int64_t h, int64_t s0, int64_
     for (int r = 0; r < 4; ++r) {
       const __m512 off = _mm512_set1_ps(OFF * _mm512_reduce_add_ps(ps[r]));
       for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc4 + r * w + b * BV + 16 * k, _mm512_sub_ps(a[r][k], off));
+    }
+  }
+}
+
+// ---- Turbo formats with AVX-512: 16 centroid indices at a time, looked up in one register (vpermps) ----
+
+// Bits [sh, sh + W) of 16 bytes (P >= 16: bytes o .. o + 15) or of 8 bytes twice (P = 8: values 0-7 at bit sh, 8-15
+// at bit sh + 1; only W = 1 has P = 8), one 32-bit lane per value.
+template <int W>
+TS_ATT512 inline __m512i plane16(const uint8_t* plane, int64_t P, int64_t j0) {
+  const __m512i mask = _mm512_set1_epi32((1 << W) - 1);
+  if (P >= 16) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane + j0 % P)));
+    return _mm512_and_si512(_mm512_srli_epi32(v, static_cast<unsigned>((j0 / P) * W)), mask);
+  }
+  int64_t bytes8;
+  std::memcpy(&bytes8, plane, 8);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_set1_epi64x(bytes8));
+  const __m512i sh = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j0 / 8)),
+                                      _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+  return _mm512_and_si512(_mm512_srlv_epi32(v, sh), mask);
+}
+
+// Centroid values of a turbo row's values [j0, j0 + 16) of block blk (j0 a multiple of 16).
+template <int64_t KIND, int BITS>
+TS_ATT512 inline __m512 turbo16(const Row& r, int64_t blk, int64_t j0, __m512 table) {
+  constexpr int64_t B = turbo_block(KIND);
+  constexpr int W = BITS == 3 ? 2 : BITS;
+  constexpr int64_t P = B * W / 8;
+  __m512i idx = plane16<W>(r.b + blk * P, P, j0);
+  if constexpr (BITS == 3) idx = _mm512_or_si512(idx, _mm512_slli_epi32(plane16<1>(r.c + blk * (B / 8), B / 8, j0), 2));
+  return _mm512_permutexvar_ps(idx, table);
+}
+
+// Lane sums of 4 vectors: lane i of the result = sum of a[i]'s 16 lanes.
+TS_ATT512 inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// score4 for turbo keys: per block, the 4 rows' dot products with the centroid values, times the block's norm.
+template <int64_t KIND, int BITS>
+TS_ATT512 void score_turbo512(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& qg, float* sc,
+                              int64_t tile) {
+  constexpr int64_t B = turbo_block(KIND);
+  const int64_t w = ks.width, nb = w / B;
+  const float* q = qg.q;
+  const __m512 table = _mm512_loadu_ps(ks.cent);
+  for (int64_t t = s0; t < s1; ++t) {
+    const Row row = row_of(ks, h, t);
+    __m128 tot = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t j0 = 0; j0 < B; j0 += 16) {
+        const __m512 x = turbo16<KIND, BITS>(row, b, j0, table);
+        const float* qj = q + b * B + j0;
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qj), x, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + w), x, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 2 * w), x, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 3 * w), x, a3);
+      }
+      tot = _mm_fmadd_ps(sum4x16(a0, a1, a2, a3), _mm_set1_ps(block_scale(row, b)), tot);
+    }
+    alignas(16) float s4[4];
+    _mm_store_ps(s4, tot);
+    for (int r = 0; r < 4; ++r) sc[r * tile + t - s0] = s4[r];
+  }
+}
+
+// accumulate4 for turbo values: per block the weights times each position's norm (pn), then passes of up to 64
+// values over the positions with 4 rows x 4 accumulators in registers.
+template <int64_t KIND, int BITS>
+TS_ATT512 void accumulate_turbo512(const Source& vs, int64_t h, int64_t s0, int64_t s1, const float* p, int64_t tile,
+                                   float* acc4, float* pn) {
+  constexpr int64_t B = turbo_block(KIND), SPAN = B < 64 ? B : 64, NV = SPAN / 16;
+  const int64_t w = vs.width, nb = w / B, len = s1 - s0;
+  const __m512 table = _mm512_loadu_ps(vs.cent);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t i0 = 0; i0 < len; i0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - i0);
+      const __m512 d = scale16(vs.f[0], h, s0 + i0, n, nb, b);
+      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+      for (int r = 0; r < 4; ++r)
+        _mm512_mask_storeu_ps(pn + r * tile + i0, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + r * tile + i0), d));
+    }
+    for (int64_t c0 = 0; c0 < B; c0 += SPAN) {
+      __m512 a[4][NV];
+      for (int r = 0; r < 4; ++r)
+        for (int k = 0; k < NV; ++k) a[r][k] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < len; ++i) {
+        const Row row = row_of(vs, h, s0 + i);
+        __m512 x[NV];
+        for (int k = 0; k < NV; ++k) x[k] = turbo16<KIND, BITS>(row, b, c0 + 16 * k, table);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 wr = _mm512_set1_ps(pn[r * tile + i]);
+          for (int k = 0; k < NV; ++k) a[r][k] = _mm512_fmadd_ps(wr, x[k], a[r][k]);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc4 + r * w + b * B + c0 + 16 * k, a[r][k]);
     }
   }
 }
@@ -526,6 +647,10 @@ template <int64_t K, int B>
 struct ScorePick { static constexpr ScoreFn fn = score4<K, B>; };
 template <int64_t K, int B>
 struct AccPick { static constexpr AccFn fn = accumulate4<K, B>; };
+template <int64_t K, int B>  // the AVX-512 turbo kernels (pick_score / pick_acc call these for turbo kinds only)
+struct TurboScorePick { static constexpr ScoreFn fn = is_turbo(K) ? score_turbo512<K, B> : score4<K, B>; };
+template <int64_t K, int B>
+struct TurboAccPick { static constexpr AccFn fn = is_turbo(K) ? accumulate_turbo512<K, B> : accumulate4<K, B>; };
 
 // The score kernel of a K kind: score_vnni for integer keys where the CPU has AVX-512 VNNI, else score4.
 inline ScoreFn pick_score(int64_t kind, int64_t bits) {
@@ -533,6 +658,7 @@ inline ScoreFn pick_score(int64_t kind, int64_t bits) {
     if (kind == Q8_0) return score_vnni<Q8_0>;
     if (kind == Q4_0) return score_vnni<Q4_0>;
     if (kind == TBQ4_0) return score_vnni<TBQ4_0>;
+    if (is_turbo(kind)) return pick<TurboScorePick>(kind, bits);
   }
   return pick<ScorePick>(kind, bits);
 }
@@ -543,6 +669,7 @@ inline AccFn pick_acc(int64_t kind, int64_t bits) {
     if (kind == Q8_0) return accumulate_int512<Q8_0>;
     if (kind == Q4_0) return accumulate_int512<Q4_0>;
     if (kind == TBQ4_0) return accumulate_int512<TBQ4_0>;
+    if (is_turbo(kind)) return pick<TurboAccPick>(kind, bits);
   }
   return pick<AccPick>(kind, bits);
 }
