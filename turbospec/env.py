@@ -11,6 +11,7 @@ Switches change which code path runs (for benchmarks and debugging), never resul
 | TURBOSPEC_NO_ATTN_KERNEL | packed-KV attention in torch instead of the fused C++ kernel |
 | TURBOSPEC_NO_ENCODE_KERNEL | KV encoders in torch instead of C++ |
 | TURBOSPEC_NO_GDN_KERNEL | Gated DeltaNet recurrence in torch instead of C++ |
+| TURBOSPEC_NO_AVX512 | C++ kernels: the AVX2 paths instead of AVX-512 (packed-weight products, attention; read by the C++ kernels, once per process) |
 | TURBOSPEC_NO_HUGEPAGES | weights and KV in ordinary 4 KB pages (read at import) |
 | TURBOSPEC_SKINNY_MAX_ROWS | most rows the skinny GEMM takes per call, default 16 (read at import) |
 | TURBOSPEC_PREFILL | prefill GEMMs: `auto` (default) bf16 weights in bf16 where the CPU has AVX-512 BF16 / AMX, the rest in float32 (oneDNN); `upcast`: always float32; `native`: the weight dtype, torch's default GEMM (read at import) |
@@ -29,7 +30,7 @@ import os
 
 SWITCHES = ("TURBOSPEC_MODEL", "TURBOSPEC_API_KEY", "TURBOSPEC_NO_KERNEL", "TURBOSPEC_NO_FUSED",
             "TURBOSPEC_NO_ATTN_KERNEL", "TURBOSPEC_NO_ENCODE_KERNEL", "TURBOSPEC_NO_GDN_KERNEL",
-            "TURBOSPEC_NO_HUGEPAGES", "TURBOSPEC_SKINNY_MAX_ROWS", "TURBOSPEC_PREFILL", "TURBOSPEC_TP_TIMEOUT")
+            "TURBOSPEC_NO_AVX512", "TURBOSPEC_NO_HUGEPAGES", "TURBOSPEC_SKINNY_MAX_ROWS", "TURBOSPEC_PREFILL", "TURBOSPEC_TP_TIMEOUT")
 
 
 def get(name: str, default: str = "") -> str:
