@@ -3,7 +3,7 @@
 // int8, fp16/bf16 or Lloyd-Max centroid indices -> float32) and consumed at once, never materializing the
 // cache. Positions are split into tiles processed in parallel (flash-decoding); each tile returns a partial
 // softmax (max, sum, unnormalized accumulator) and the tiles are merged at the end.
-// Needs AVX2 + FMA + F16C.
+// Needs AVX2 + FMA + F16C; AVX-512 VNNI kernels for the packed formats where the CPU has them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -652,7 +652,8 @@ struct TurboScorePick { static constexpr ScoreFn fn = is_turbo(K) ? score_turbo5
 template <int64_t K, int B>
 struct TurboAccPick { static constexpr AccFn fn = is_turbo(K) ? accumulate_turbo512<K, B> : accumulate4<K, B>; };
 
-// The score kernel of a K kind: score_vnni for integer keys where the CPU has AVX-512 VNNI, else score4.
+// The score kernel of a K kind where the CPU has AVX-512 VNNI: score_vnni (integer keys), score_turbo512 (turbo);
+// score4 otherwise (and for plain keys).
 inline ScoreFn pick_score(int64_t kind, int64_t bits) {
   if (att_vnni()) {
     if (kind == Q8_0) return score_vnni<Q8_0>;
@@ -663,7 +664,8 @@ inline ScoreFn pick_score(int64_t kind, int64_t bits) {
   return pick<ScorePick>(kind, bits);
 }
 
-// The accumulate kernel of a V kind: accumulate_int512 for integer values where score_vnni runs, else accumulate4.
+// The accumulate kernel of a V kind, chosen as pick_score chooses: accumulate_int512 (integer values),
+// accumulate_turbo512 (turbo), accumulate4.
 inline AccFn pick_acc(int64_t kind, int64_t bits) {
   if (att_vnni()) {
     if (kind == Q8_0) return accumulate_int512<Q8_0>;

@@ -4,8 +4,8 @@ Against q8_0, q4_0 and tbq4_0 keys the attention rounds each query row to 8 bits
 as llama.cpp's CPU attention quantizes Q to q8_0 for quantized K): the C++ kernels then multiply int8 queries with the
 stored integer keys (AVX-512 VNNI; turbospec/kernels/attention.cpp `round_block`), and every other path -- the torch
 blocks of a step's own positions, the paths without the kernel -- rounds q the same way here, so all of them compute
-the same attention. Scores move by about 1/254 of a block's largest query value times the key; the formats' own
-rounding is ~15x (q8_0) to ~250x (4-bit) larger.
+the same attention. The query's grid (a step of amax / 127 per block) is as fine as q8_0's own grid for K and ~18x
+finer than the 4-bit formats' (amax / 7).
 """
 
 from __future__ import annotations
