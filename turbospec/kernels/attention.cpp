@@ -283,6 +283,10 @@ void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& q
   }
 }
 
+// Integer formats (q8_0, q4_0, tbq4_0): values per block (the block over which a query row is rounded to 8 bits
+// against such keys); 0 for the other kinds.
+constexpr int64_t int_block(int64_t kind) { return kind == Q8_0 || kind == Q4_0 ? 32 : kind == TBQ4_0 ? 64 : 0; }
+
 // ---- Integer keys (q8_0, q4_0, tbq4_0) with AVX-512 VNNI ----
 // 16 positions at a time, one per 32-bit lane: 16 key bytes of each position are transposed (lane i of T[j] =
 // dword j of position i) and vpdpbusd multiplies 4 key bytes (unsigned: nibbles, or q8_0's int8 + 128) with 4 int8
@@ -336,6 +340,24 @@ TS_ATT512 inline __m512 scale16(const Field& f, int64_t h, int64_t t0, int64_t n
   return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
 }
 
+// pn[r * tile + i] = p[r * tile + i] * block b's scale at position s0 + i (field f, nb blocks per position) for the
+// 4 rows and i < len; sums[r] = the sum of row r's pn.
+TS_ATT512 inline void scaled_weights(const Field& f, int64_t h, int64_t s0, int64_t len, int64_t nb, int64_t b,
+                                     const float* p, int64_t tile, float* pn, float* sums) {
+  __m512 ps[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - i0);
+    const __m512 d = scale16(f, h, s0 + i0, n, nb, b);
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + r * tile + i0), d);
+      _mm512_mask_storeu_ps(pn + r * tile + i0, keep, x);
+      ps[r] = _mm512_add_ps(ps[r], x);
+    }
+  }
+  for (int r = 0; r < 4; ++r) sums[r] = _mm512_reduce_add_ps(ps[r]);
+}
+
 TS_ATT512 inline __m512i bcast4(const int8_t* p) {
   int32_t x;
   std::memcpy(&x, p, 4);
@@ -348,7 +370,7 @@ TS_ATT512 inline __m512i bcast4(const int8_t* p) {
 template <int64_t KIND>
 TS_ATT512 void score_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& qg, float* sc,
                           int64_t tile) {
-  constexpr int64_t BV = KIND == TBQ4_0 ? 64 : 32;    // values per block
+  constexpr int64_t BV = int_block(KIND);
   constexpr int64_t BB = KIND == Q8_0 ? 32 : BV / 2;  // key bytes per block
   constexpr int32_t OFF = KIND == Q8_0 ? 128 : 8;
   const int64_t w = ks.width, nb = w / BV;
@@ -462,22 +484,13 @@ void accumulate4(const Source& vs, int64_t h, int64_t s0, int64_t s1, const floa
 template <int64_t KIND>
 TS_ATT512 void accumulate_int512(const Source& vs, int64_t h, int64_t s0, int64_t s1, const float* p, int64_t tile,
                                  float* acc4, float* pn) {
-  constexpr int64_t BV = KIND == TBQ4_0 ? 64 : 32, NV = BV / 16;  // values, vectors per block
+  constexpr int64_t BV = int_block(KIND), NV = BV / 16;  // values, vectors per block
   constexpr int64_t BB = KIND == Q8_0 ? 32 : BV / 2;               // stored bytes per block
   constexpr float OFF = KIND == Q8_0 ? 0.0f : 8.0f;
   const int64_t w = vs.width, nb = w / BV, len = s1 - s0;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512 ps[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t i0 = 0; i0 < len; i0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - i0);
-      const __m512 d = scale16(vs.f[0], h, s0 + i0, n, nb, b);
-      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-      for (int r = 0; r < 4; ++r) {
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + r * tile + i0), d);
-        _mm512_mask_storeu_ps(pn + r * tile + i0, keep, x);
-        ps[r] = _mm512_add_ps(ps[r], x);
-      }
-    }
+    float ps[4];
+    scaled_weights(vs.f[0], h, s0, len, nb, b, p, tile, pn, ps);
     __m512 a[4][NV];
     for (int r = 0; r < 4; ++r)
       for (int k = 0; k < NV; ++k) a[r][k] = _mm512_setzero_ps();
@@ -500,7 +513,7 @@ TS_ATT512 void accumulate_int512(const Source& vs, int64_t h, int64_t s0, int64_
       }
     }
     for (int r = 0; r < 4; ++r) {
-      const __m512 off = _mm512_set1_ps(OFF * _mm512_reduce_add_ps(ps[r]));
+      const __m512 off = _mm512_set1_ps(OFF * ps[r]);
       for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc4 + r * w + b * BV + 16 * k, _mm512_sub_ps(a[r][k], off));
     }
   }
@@ -584,13 +597,8 @@ TS_ATT512 void accumulate_turbo512(const Source& vs, int64_t h, int64_t s0, int6
   const int64_t w = vs.width, nb = w / B, len = s1 - s0;
   const __m512 table = _mm512_loadu_ps(vs.cent);
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t i0 = 0; i0 < len; i0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - i0);
-      const __m512 d = scale16(vs.f[0], h, s0 + i0, n, nb, b);
-      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-      for (int r = 0; r < 4; ++r)
-        _mm512_mask_storeu_ps(pn + r * tile + i0, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + r * tile + i0), d));
-    }
+    float ps[4];  // unused: turbo values have no offset
+    scaled_weights(vs.f[0], h, s0, len, nb, b, p, tile, pn, ps);
     for (int64_t c0 = 0; c0 < B; c0 += SPAN) {
       __m512 a[4][NV];
       for (int r = 0; r < 4; ++r)
@@ -647,10 +655,10 @@ template <int64_t K, int B>
 struct ScorePick { static constexpr ScoreFn fn = score4<K, B>; };
 template <int64_t K, int B>
 struct AccPick { static constexpr AccFn fn = accumulate4<K, B>; };
-template <int64_t K, int B>  // the AVX-512 turbo kernels (pick_score / pick_acc call these for turbo kinds only)
-struct TurboScorePick { static constexpr ScoreFn fn = is_turbo(K) ? score_turbo512<K, B> : score4<K, B>; };
+template <int64_t K, int B>  // the AVX-512 turbo kernels (TURBO / TURBO64 kinds)
+struct TurboScorePick { static constexpr ScoreFn fn = score_turbo512<K, B>; };
 template <int64_t K, int B>
-struct TurboAccPick { static constexpr AccFn fn = is_turbo(K) ? accumulate_turbo512<K, B> : accumulate4<K, B>; };
+struct TurboAccPick { static constexpr AccFn fn = accumulate_turbo512<K, B>; };
 
 // The score kernel of a K kind where the CPU has AVX-512 VNNI: score_vnni (integer keys), score_turbo512 (turbo);
 // score4 otherwise (and for plain keys).
@@ -659,7 +667,8 @@ inline ScoreFn pick_score(int64_t kind, int64_t bits) {
     if (kind == Q8_0) return score_vnni<Q8_0>;
     if (kind == Q4_0) return score_vnni<Q4_0>;
     if (kind == TBQ4_0) return score_vnni<TBQ4_0>;
-    if (is_turbo(kind)) return pick<TurboScorePick>(kind, bits);
+    if (kind == TURBO) return pick_bits<TurboScorePick, TURBO>(bits);
+    if (kind == TURBO64) return pick_bits<TurboScorePick, TURBO64>(bits);
   }
   return pick<ScorePick>(kind, bits);
 }
@@ -671,7 +680,8 @@ inline AccFn pick_acc(int64_t kind, int64_t bits) {
     if (kind == Q8_0) return accumulate_int512<Q8_0>;
     if (kind == Q4_0) return accumulate_int512<Q4_0>;
     if (kind == TBQ4_0) return accumulate_int512<TBQ4_0>;
-    if (is_turbo(kind)) return pick<TurboAccPick>(kind, bits);
+    if (kind == TURBO) return pick_bits<TurboAccPick, TURBO>(bits);
+    if (kind == TURBO64) return pick_bits<TurboAccPick, TURBO64>(bits);
   }
   return pick<AccPick>(kind, bits);
 }
@@ -680,13 +690,8 @@ inline AccFn pick_acc(int64_t kind, int64_t bits) {
 
 namespace {
 
-// Integer keys (q8_0, q4_0, tbq4_0): the key block over which a query row is rounded to 8 bits; 0 for the others.
-inline int64_t int_key_block(int64_t k_kind) {
-  return k_kind == Q8_0 || k_kind == Q4_0 ? 32 : k_kind == TBQ4_0 ? 64 : 0;
-}
-
 // One key block of a query row rounded to 8 bits, in place, with the float32 operations of the Python side's
-// turbospec.kv.query.round_queries: scale = amax / 127, qi = rint(q * (127 / amax)), q <- qi * scale. Writes qi,
+// turbospec.kv.query_rounding.round_queries: scale = amax / 127, qi = rint(q * (127 / amax)), q <- qi * scale. Writes qi,
 // scale and sum(qi); a zero block stays zero (scale 0), a non-finite one stays as it is (scale NaN: NaN scores).
 inline void round_block(float* x, int64_t n, int8_t* qi, float* scale, int32_t* isum) {
   float amax = 0.0f;
@@ -732,7 +737,7 @@ QTable prepare_queries(float* q, int64_t heads, int64_t rows4, int64_t dk, int64
   QTable t;
   t.q = q;
   t.dk = dk;
-  const int64_t kb = int_key_block(k_kind);
+  const int64_t kb = int_block(k_kind);
   if (kb == 0) return t;
   TORCH_CHECK(dk % kb == 0, "K width is not a multiple of its block");
   t.kblocks = dk / kb;
