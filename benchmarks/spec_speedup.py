@@ -13,16 +13,21 @@ earlier requests), nm (ngram-mod's most draft tokens), merge (1: a chain's draft
 --temp > 0). Prompts: the shipped bench set
 (`turbospec/data/prompts.json`, the categories of `turbospec bench`), plus with `--random N` a prompt of N random
 token ids (where drafts rarely hit); `--depths` puts that many tokens of the shipped prose text before every prompt
-(decode at depth; the prefill is not in the decode speed). `--edit N` adds N edit prompts: a held-out source file
+(decode at depth; the prefill is not in the decode speed), or with `--filler random` random token ids (as
+`turbospec bench -d`: a context the drafter cannot learn from). `--edit N` adds N edit prompts: a held-out source file
 (`turbospec/data/eval/code.jsonl`, about --edit-tokens tokens) and the start of its rewrite with one identifier
 renamed, which the model goes on rewriting. `--repeat` sends every prompt twice to one engine and times the second
 request (an agent that re-sends a request; with `shared=1` the suffix drafter drafts from the first answer).
+`--keep` runs every configuration on one engine per depth, so a request prefills only what follows the longest
+prefix already in that engine's cache (the depth's filler is prefilled once per configuration instead of once per
+run: what makes 32K-64K depths affordable), and adaptive speculation keeps the step costs it measured on that
+engine (as a server does) instead of starting every run from the start-up calibration; decode is timed as without it.
 
     python benchmarks/spec_speedup.py --categories code --edit 4 --gen 256 --reps 3 \
         --configs ngram-mod "suffix" "draft-mtp:n=3" "suffix,draft-mtp:n=3" --out docs/results/spec_suffix.json
 
     python benchmarks/spec_speedup.py --categories code explain --random 200 --depths 0 8192 32768 65536 \
-        --configs "draft-mtp:n=3,adaptive=1" "draft-mtp:n=3" --reps 3 --out docs/results/spec_adaptive.json
+        --configs "draft-mtp:n=3,adaptive=1" "draft-mtp:n=3" --reps 3 --keep --out docs/results/spec_adaptive.json
 """
 
 from __future__ import annotations
@@ -96,15 +101,22 @@ def edit_prompts(tok: Tokenizer, n: int, tokens: int) -> dict[str, list[int]]:
     return out
 
 
-def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int,
-             repeat: bool = False, temp: float = 0.0, seed: int = 0) -> dict:
-    ctx = len(prompt) + gen + 64
+def new_engine(model, tok, path: str, cfg: SpecConfig | None, ctx: int) -> Engine:
     drafter = make_drafter(cfg, model, ctx + 8 + (cfg.depth if cfg else 0), path) if cfg is not None else None
-    eng = Engine(model, tok, EngineConfig(ctx=ctx, spec=cfg or SpecConfig()), drafter=drafter)
-    if cfg is not None and cfg.adaptive:
+    return Engine(model, tok, EngineConfig(ctx=ctx, spec=cfg or SpecConfig()), drafter=drafter)
+
+
+def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int,
+             repeat: bool = False, temp: float = 0.0, seed: int = 0, eng: Engine | None = None) -> dict:
+    """One timed request, on `eng` (kept between runs) or on a new engine."""
+    keep = eng is not None
+    if eng is None:
+        eng = new_engine(model, tok, path, cfg, len(prompt) + gen + 64)
+    if cfg is not None and cfg.adaptive and (eng.step_costs is None or not keep):
         if cfg.n_max not in COSTS:
             COSTS[cfg.n_max] = calibrate(model, cfg.n_max)
-        eng.step_costs = copy.deepcopy(COSTS[cfg.n_max])  # (each run starts from the start-up costs)
+        # each run starts from the start-up costs; on a kept engine (--keep) the costs it measured stay, as in a server
+        eng.step_costs = copy.deepcopy(COSTS[cfg.n_max])
     sp = SamplingParams(max_tokens=gen, temperature=temp, ignore_eos=True, seed=seed)
     if repeat:  # the first request, untimed
         list(eng.stream(prompt, sp))
@@ -136,6 +148,10 @@ def main() -> None:
     ap.add_argument("--edit-tokens", type=int, default=400, help="tokens of each edited file")
     ap.add_argument("--repeat", action="store_true", help="time the second of two identical requests")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ap.add_argument("--filler", choices=["prose", "random"], default="prose",
+                    help="what fills --depths: the shipped prose text, or random token ids (as `turbospec bench -d`)")
+    ap.add_argument("--keep", action="store_true",
+                    help="one engine per configuration and depth: requests reuse the cached prefix (the filler)")
     ap.add_argument("--dump-prompts", default=None, metavar="DIR",
                     help="write each prompt's text to DIR/<name>.txt (for `turbospec run -f`) and exit")
     a = ap.parse_args()
@@ -154,20 +170,37 @@ def main() -> None:
         for name, ids in base.items():
             (out_dir / (name.replace(":", "_").replace("/", "_") + ".txt")).write_text(tok.decode(ids))
         return
-    lines = (Path(__file__).resolve().parents[1] / "turbospec/data/eval/prose.jsonl").read_text().splitlines()
-    filler = tok.encode(" ".join(json.loads(x)["text"] for x in lines[:400] if x.strip()))
-    while len(filler) < max(a.depths):
-        filler = filler + filler
+    if a.filler == "random":  # as `turbospec bench -d` (and llama-bench -d): nothing for a drafter to learn from
+        g = torch.Generator().manual_seed(1)
+        filler = torch.randint(3, model.cfg.vocab_size, (max(a.depths),), generator=g).tolist()
+    else:
+        lines = (Path(__file__).resolve().parents[1] / "turbospec/data/eval/prose.jsonl").read_text().splitlines()
+        filler = tok.encode(" ".join(json.loads(x)["text"] for x in lines[:400] if x.strip()))
+        while len(filler) < max(a.depths):
+            filler = filler + filler
     prompts = {f"{c}@{d}" if len(a.depths) > 1 or d else c: filler[:d] + p for d in a.depths for c, p in base.items()}
     configs = {c: parse_config(c) for c in a.configs}
+    engines: dict[tuple[int, str], Engine] = {}  # --keep: (depth, config) -> its engine
+
+    def engine(d: int, name: str) -> Engine | None:
+        if not a.keep:
+            return None
+        if any(k[0] != d for k in engines):
+            engines.clear()  # one depth's engines at a time: their caches hold the whole context
+        if (d, name) not in engines:
+            ctx = max(len(p) for p in base.values()) + d + a.gen + 64
+            engines[(d, name)] = new_engine(model, tok, path, configs.get(name), ctx)
+        return engines[(d, name)]
+
     results = {}
     for cat, prompt in prompts.items():
+        d = int(cat.rpartition("@")[2]) if "@" in cat else a.depths[0]
         run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
         for rep in range(a.reps):
-            rows["plain"].append(run_once(model, tok, path, prompt, None, a.gen, a.repeat, a.temp, rep))
-            for name, cfg in configs.items():
-                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat, a.temp, rep))
+            for name, cfg in [("plain", None), *configs.items()]:
+                rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat, a.temp, rep,
+                                           engine(d, name)))
         plain = [r["decode_tps"] for r in rows["plain"]]
         res = {"plain_tps_median": statistics.median(plain), "configs": {}}
         for name in configs:
@@ -187,7 +220,7 @@ def main() -> None:
         results[cat] = res
     if a.out:
         meta = {"model": path, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
-                "repeat": a.repeat, "temp": a.temp, "edit_tokens": a.edit_tokens if a.edit else None,
+                "repeat": a.repeat, "keep": a.keep, "filler": a.filler, "temp": a.temp, "edit_tokens": a.edit_tokens if a.edit else None,
                 "date": time.strftime("%Y-%m-%d")}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -364,15 +364,19 @@ def test_step_costs_follow_the_measured_times():
 
     c = StepCosts([1.0, 1.2, 1.4])  # calibrated: 1 + 0.2 per row
     assert abs(c.step(0) - 1.0) < 1e-9 and abs(c.step(2) - 1.4) < 1e-9
-    for _ in range(100):  # deeper: a plain step 2.0, every verification row 1.0 more, drafts 0.3 per token
-        c.observe(0, 2.0, 0.0)
-        c.observe(1, 3.0, 0.3)
-        c.observe(2, 4.0, 0.6)
-    base, row = c.fit
-    assert abs(base - 2.0) < 0.05 and abs(row - 1.0) < 0.05 and abs(c.draft - 0.3) < 1e-6
-    assert abs(c.step(2) - (2.0 + 2 * 1.3)) < 0.1
-    c.observe(1, 100.0, 0.3)  # a hiccup: clipped
+    assert c.plain_is_stale(0)  # no plain step timed yet
+    c.observe(0, 2.0, 0.0, depth=4096)  # a plain step at a new depth sets the plain cost (no clipping)
+    assert c.step(0) == 2.0 and not c.plain_is_stale(4096) and c.plain_is_stale(8192) and c.plain_is_stale(0)
+    for _ in range(100):  # at that depth every verification row costs 1.0 more, drafts 0.3 per token
+        c.observe(0, 2.0, 0.0, 4096)
+        c.observe(1, 3.0, 0.3, 4096)
+        c.observe(2, 4.0, 0.6, 4096)
+    assert abs(c.plain - 2.0) < 1e-6 and abs(c.row - 1.0) < 0.01 and abs(c.draft - 0.3) < 1e-6
+    assert abs(c.step(2) - (2.0 + 2 * 1.3)) < 0.05
+    c.observe(1, 100.0, 0.3, 4096)  # a hiccup: clipped
     assert c.step(1) < 4.0
+    c.observe(0, 0.5, 0.0, 0)  # a new request's short context: measured again
+    assert c.step(0) == 0.5
 
 
 @pytest.mark.parametrize("spec", ["ngram-mod", "draft-mtp"])

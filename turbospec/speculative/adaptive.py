@@ -1,9 +1,10 @@
 """Adaptive speculation: each step, the draft length (0: no draft) that maximises expected tokens per second.
 
-Cost model (`StepCosts`): a target step over 1 + k rows costs base + k x row, fitted by least squares to the
-times calibrated at start-up on a scratch cache (`calibrate`) and then to every measured step, older ones weighing
-less (at depth a verification row costs more: attention over the whole context); a drafted token costs the running
-mean of the drafts' times. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
+Cost model (`StepCosts`): a target step over 1 + k rows costs plain + k x row, where plain is the running time of
+the plain steps measured at about the current depth and row the running (verification time - plain) / k of the
+verifications (at depth a verification row costs more: attention over the whole context), both starting from the
+times calibrated at start-up on a scratch cache (`calibrate`); a drafted token costs the running mean of the drafts'
+times. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
 target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = base + k x (row + draft); the step takes the k with the best
 E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice changes only for a gain of at least 3%
@@ -32,64 +33,65 @@ WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in 
 PROBE_MIN, PROBE_MAX = 8, 256
 EXPLORE = 16
 HYSTERESIS = 0.03
-PRIOR_WEIGHT = 2.0  # weight of each calibrated point in the step-time fit
-FORGET = 0.95  # the fit's older steps weigh this much less per new one (a memory of ~20 steps)
+PLAIN_RATE = 0.2  # share of a new plain step's time in the running plain cost (a memory of ~5 steps)
+ROW_RATE = 0.1  # share of a new verification's per-row cost in the running one (a memory of ~10 steps)
+STALE_SHARE, STALE_MIN = 0.25, 512  # the plain cost is re-measured once the context moved by this much
 
 
 @dataclass
 class StepCosts:
-    """T(k) = base + k x row (the target's step over 1 + k rows) + k x draft. `verify` (calibrated at start-up)
-    seeds a least-squares fit of base and row that every measured step then updates, older steps weighing less;
-    draft is the running mean per drafted token."""
+    """T(k) = plain + k x (row + draft): the target's plain step at the current depth, plus per draft token one
+    verification row and one drafted token.
+
+    `verify` (calibrated at start-up on a short scratch context) gives the first plain and row costs. Then `plain`
+    follows the measured plain steps (a request's first step is one when the context moved since the last, see
+    `plain_is_stale`), and `row` the measured verifications: (verify time - plain) / k. A verification row's cost
+    grows with the context (its attention) differently from a plain step's, and rows are read against the plain
+    step at about the same depth, so a deep context's row is not extrapolated from a shallow calibration."""
 
     verify: list[float]  # verify[k]: seconds of a target step over 1 + k rows (calibrated)
     draft: float = 0.0  # seconds per drafted token
+    plain: float = -1.0  # seconds of a plain step at about `plain_depth` positions (-1: verify[0])
+    row: float = -1.0  # seconds per verification row beyond the first (-1: from `verify`)
     plain_depth: int = -1  # context length at the last measured plain step (-1: none yet)
-    _sums: list[float] = field(default_factory=list)  # weighted n, sum k, sum k^2, sum t, sum k t
+    _row_obs: int = 0  # verifications read since the plain cost was set at a new depth
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
 
     def __post_init__(self) -> None:
-        if not self._sums:
-            self._sums = [0.0] * 5
-            for k, t in enumerate(self.verify):
-                self._add(k, t, PRIOR_WEIGHT)
-
-    def _add(self, k: int, t: float, w: float) -> None:
-        s = self._sums
-        for i, v in enumerate((1.0, k, k * k, t, k * t)):
-            s[i] += w * v
-
-    @property
-    def fit(self) -> tuple[float, float]:
-        """(base, row) seconds."""
-        n, sk, skk, st, skt = self._sums
-        den = n * skk - sk * sk
-        row = max(0.0, (n * skt - sk * st) / den) if den > 1e-12 else 0.0
-        return (st - row * sk) / n, row
+        if self.plain < 0:
+            self.plain = self.verify[0]
+        if self.row < 0:
+            n = len(self.verify) - 1
+            self.row = max(0.0, (self.verify[-1] - self.verify[0]) / n) if n else 0.0
 
     def step(self, k: int) -> float:
-        base, row = self.fit
-        return base + k * (row + self.draft)
+        return self.plain + k * (self.row + self.draft)
 
     def plain_is_stale(self, depth: int) -> bool:
-        """Whether the context grew enough since a plain step was last timed that its cost should be measured."""
-        return self.plain_depth < 0 or depth > 1.25 * self.plain_depth + 512
+        """Whether the context moved enough (grown, or a new request's shorter one) since a plain step was last
+        timed that its cost should be measured."""
+        return self.plain_depth < 0 or abs(depth - self.plain_depth) > STALE_SHARE * self.plain_depth + STALE_MIN
 
     def observe(self, k: int, verify_s: float, draft_s: float, depth: int = 0) -> None:
         """A step with k draft tokens after `depth` positions took `verify_s` seconds in the target and `draft_s`
-        drafting. One odd step (a hiccup of the machine) moves the fit little: its time is clipped to half / twice
-        the predicted one."""
-        if k == 0:
-            self.plain_depth = depth
-        base, row = self.fit
-        pred = base + k * row
-        self._sums = [v * FORGET for v in self._sums]
-        self._add(k, min(max(verify_s, pred / 2), 2 * pred), 1.0)
-        if k:
+        drafting. One odd step (a hiccup of the machine) moves the costs little: its time is clipped to half /
+        twice the predicted one -- except a plain step at a new depth, which sets the plain cost."""
+        pred = self.plain + k * self.row
+        if k == 0 and self.plain_is_stale(depth):
+            self.plain = verify_s
+            self._row_obs = 0  # the rows seen at the old depth say little here: the next ones weigh more
+        elif k == 0:
+            self.plain += PLAIN_RATE * (min(max(verify_s, pred / 2), 2 * pred) - self.plain)
+        else:
+            t = min(max(verify_s, pred / 2), 2 * pred)
+            self._row_obs += 1
+            self.row += max(ROW_RATE, 1.0 / self._row_obs) * (max(0.0, t - self.plain) / k - self.row)
             self._draft_obs += 1
             if self._draft_obs > 0:
                 w = max(0.1, 1.0 / self._draft_obs)
                 self.draft += w * (draft_s / k - self.draft)
+        if k == 0:
+            self.plain_depth = depth
 
 
 @dataclass
@@ -157,10 +159,13 @@ class Controller:
         if drafted <= 0:
             return
         probing = self._since >= self.probe
-        for i in range(min(drafted, accepted + 1, self.n_max)):
-            c = self.counts[i]
-            c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
-            c[1] = (1 - RATE) * c[1] + 1.0
+        seen = min(drafted, accepted + 1, self.n_max)
+        for i, c in enumerate(self.counts):  # every position forgets, observed or not: one not drafted for a
+            c[0] *= 1 - RATE                   # while leans on the position before it again (and gets tried)
+            c[1] *= 1 - RATE
+            if i < seen:
+                c[0] += 1.0 if i < accepted else 0.0
+                c[1] += 1.0
         self._since = 0
         if probing:  # a probe: keep probing rarely while its draft misses, often once it hits
             self.probe = PROBE_MIN if accepted else min(PROBE_MAX, self.probe * 2)
