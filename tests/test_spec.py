@@ -338,8 +338,12 @@ def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_back
 
     costs = StepCosts([1.0, 1.05, 1.1, 1.15], draft=0.02)
     ctl = Controller(costs, 3)
-    assert ctl.choose(3) == 0  # a request's first step is plain: its cost at this depth is measured
-    assert ctl.choose(3) == 3  # the prior (0.8 per position) pays for the whole draft at these costs
+    for _ in range(2):  # a request's first two steps are plain: their cost at this depth is measured
+        assert ctl.choose(3) == 0
+        costs.observe(0, 1.0, 0.0, 0)
+    assert ctl.choose(3) == 1  # the first draft is one token long
+    ctl.observe(1, 1)  # ... and hit
+    assert ctl.choose(3) == 3  # the evidence and the prior (0.8 per position) pay for the whole draft
     ctl.costs = StepCosts([1.0, 1.2, 1.3, 1.4], draft=0.05)  # dearer verification: misses do not pay
     for _ in range(20):  # drafts that always miss
         ctl.observe(ctl.choose(3) or 1, 0)
