@@ -287,15 +287,17 @@ class Engine:
                 # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
                 room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.depth)
                 slots = min(self.ctx - self.cache.length, self.cache.step_rows, self.step_rows) - 1
+                shadow = False  # a probe of adaptive speculation: a draft checked against a plain step, not verified
                 if ctl is not None and min(room, slots) > 0:
                     room = ctl.choose(min(room, slots), self.cache.length)
-                    spec.skipped += room == 0
+                    shadow = ctl.shadow
+                    spec.skipped += room == 0 or shadow
                 t_step = time.perf_counter()
                 tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
                 if len(tree):
                     tree = tree.limit(room, slots)
                 t_drafted = time.perf_counter()
-                if len(tree):
+                if len(tree) and not shadow:
                     path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
                     spec.record(tree, len(path))
                     accepted = [tree.tokens[i] for i in path]
@@ -304,9 +306,15 @@ class Engine:
                     nxt = self.next_token(sampler, hidden_rows)
                     accepted = []
                 if ctl is not None:
-                    depth = max((tree.depth(i) for i in range(len(tree))), default=0)
-                    ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step, self.cache.length)
-                    ctl.observe(depth, len(path) if len(tree) else 0)
+                    if shadow:  # the plain step's token is what a verification would have accepted first
+                        hit = any(tree.tokens[i] == nxt for i in range(len(tree)) if tree.depth(i) == 1)
+                        ctl.costs.observe(0, time.perf_counter() - t_drafted, 0.0, self.cache.length)
+                        ctl.observe(1 if len(tree) else 0, int(hit))
+                    else:
+                        depth = max((tree.depth(i) for i in range(len(tree))), default=0)
+                        ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step,
+                                          self.cache.length)
+                        ctl.observe(depth, len(path) if len(tree) else 0)
                 if drafter is not None:
                     drafter.accept([root] + accepted, hidden_rows, nxt)
                 context += accepted

@@ -10,11 +10,13 @@ E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = plain + k x (row + draft);
 E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice changes only for a gain of at least 3%
 (the machine's step times are noisy).
 
-While drafting is off the estimates cannot learn, so the controller probes: one short draft every `probe` steps,
-the interval doubling (up to 256) each time the probe's draft misses and back to the minimum when one hits; and
+While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
+one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
+draft, not a verification row), the interval doubling (up to 256) each time the probe misses and back to the minimum
+when one hits; a request's first draft is one token long (verified), so the prior's optimism costs one row; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
-pay is found, and every second of those is a plain step instead, as are a request's first two steps when the
-plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
+pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
+the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
 step's cost grows with the context (attention) differently from a verification's, so it is measured, not scaled. The
 drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
 """
@@ -37,7 +39,8 @@ HYSTERESIS = 0.03
 # only from drafts that reach them, runs below the truth (once the first tokens are accepted the later ones are
 # more often), and on the bundled model always drafting n-max beat the unbiased choice at 8K by 8-15%
 DEEP_BIAS = 0.10
-PLAIN_RATE = 0.2  # share of a new plain step's time in the running plain cost (a memory of ~5 steps)
+PLAIN_RATE = 0.3  # share of a new plain step's time in the running plain cost (plain steps are rare while drafting,
+# and the machine's speed drifts between requests: a memory of ~3 steps)
 ROW_RATE = 0.1  # share of a new verification's per-row cost in the running one (a memory of ~10 steps)
 STALE_SHARE, STALE_MIN = 0.25, 512  # the plain cost is re-measured once the context moved by this much
 
@@ -118,6 +121,7 @@ class Controller:
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
+    shadow: bool = False  # the last choice is a probe: draft 1 token, take a plain step and compare (no verify rows)
 
     def __post_init__(self) -> None:
         self.counts = [[0.0, 0.0] for _ in range(self.n_max)]
@@ -141,9 +145,10 @@ class Controller:
     def choose(self, room: int, depth: int = 0) -> int:
         """Draft tokens to ask for this step after `depth` positions (0: a plain step)."""
         room = min(room, self.n_max)
-        if self._started < 2:  # a request's first two steps are plain while the plain cost at about this depth
-            self._started += 1  # is stale or rests on one step (it is what each row's cost is read against)
-            if self.costs.wants_plain(depth):
+        self.shadow = False
+        if self._started < 2:  # a request's first step is plain, and its second while the plain cost at about this
+            self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
+            if self._started == 1 or self.costs.wants_plain(depth):
                 return 0
         rates = [self.expected(k) / self.costs.step(k) for k in range(room + 1)]
         best = max(range(room + 1), key=lambda k: rates[k])
@@ -155,7 +160,8 @@ class Controller:
         self._last = best
         if best == 0 and room > 0:
             self._since += 1
-            if self._since >= self.probe:  # look again: is drafting paying now?
+            if self._since >= self.probe:  # look again: is drafting paying now? (a draft the plain step checks)
+                self.shadow = True
                 return 1
             self.off_steps += 1
         elif best:
