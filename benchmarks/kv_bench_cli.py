@@ -1,7 +1,8 @@
 """KV formats against f16 through the real path: `turbospec bench` (prefill to the depth, then decode), one process
 per run, the types interleaved within each round, the median of each round's ratio to f16 (issue #26 item 5's
 measurement). The benchmark shape (`models/demo-qwen3`, made if missing) in float16 by default. `--spec T` also
-runs every type with `--spec-type T` (rows `type+T`, their ratios still to plain f16).
+runs every type with `--spec-type T` (rows `type+T`, their ratios still to plain f16), and with `--spec-adaptive`
+also with adaptive speculation (rows `type+T+adaptive`).
 
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
     python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
@@ -23,13 +24,14 @@ TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 
 
 def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec: str | None = None,
-          categories: str | None = None) -> tuple[float, float | None]:
+          categories: str | None = None, adaptive: bool = False) -> tuple[float, float | None]:
     """(decode t/s, draft acceptance rate or None) of one `turbospec bench` run (medians over `reps`
     repetitions)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p", "16",
                "-n", str(gen), "-r", str(reps), "-c", str(depth + gen + 64), "-ctk", kv, "-ctv", kv, "-q",
-               "--out", out, *(["--spec-type", spec] if spec else []), *(["--categories", categories] if categories else [])]
+               "--out", out, *(["--spec-type", spec] if spec else []), *(["--spec-adaptive"] if spec and adaptive else []),
+               *(["--categories", categories] if categories else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -47,6 +49,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spec", default=None, help="also run each type with this --spec-type")
+    ap.add_argument("--spec-adaptive", action="store_true", help="also run each type with --spec and --spec-adaptive")
     ap.add_argument("--categories", default=None, help="bench prompt category (default: bench's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -58,13 +61,14 @@ def main() -> int:
         a.types = ["f16", *a.types]
     rows = []
     for depth in a.depths:
-        runs = [(t, None) for t in a.types] + ([(t, a.spec) for t in a.types] if a.spec else [])
-        names = [t if sp is None else f"{t}+{sp}" for t, sp in runs]
+        runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if a.spec else [])
+        runs += [(t, a.spec, True) for t in a.types] if a.spec and a.spec_adaptive else []
+        names = [t if sp is None else f"{t}+{sp}" + ("+adaptive" if ad else "") for t, sp, ad in runs]
         tps: dict[str, list[float]] = {n: [] for n in names}
         acc: dict[str, list[float | None]] = {n: [] for n in names}
         for r in range(a.rounds):
-            for name, (t, sp) in zip(names, runs):
-                speed, rate = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories)
+            for name, (t, sp, ad) in zip(names, runs):
+                speed, rate = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories, ad)
                 tps[name].append(speed)
                 acc[name].append(rate)
             print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f}" for t, v in tps.items()), flush=True)
@@ -78,6 +82,7 @@ def main() -> int:
     if a.out:
         meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
                 "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
+                "spec_adaptive": a.spec_adaptive,
                 "categories": a.categories}
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0

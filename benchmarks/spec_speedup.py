@@ -198,7 +198,8 @@ def main() -> None:
         run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
         for rep in range(a.reps):
-            for name, cfg in [("plain", None), *configs.items()]:
+            order = [("plain", None), *configs.items()]
+            for name, cfg in order if rep % 2 == 0 else order[::-1]:  # (alternated: no config always runs first)
                 rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat, a.temp, rep,
                                            engine(d, name)))
         plain = [r["decode_tps"] for r in rows["plain"]]

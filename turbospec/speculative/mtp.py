@@ -54,9 +54,10 @@ class MTPDrafter(Drafter):
         self.reduced = 0 < draft_vocab < vocab
         self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
         self._ids: set[int] = set()
-        self.head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
+        self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
         self._head_rows = torch.zeros(0, dtype=torch.int64)  # head_ids as a tensor
         self._reduced_head: Linear | None = None
+        self._stale_head = False  # tokens joined the vocabulary since the head rows were gathered
         mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, k_type=k_type, v_type=v_type)
         self.p_min = p_min
@@ -94,19 +95,33 @@ class MTPDrafter(Drafter):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
+        self._gather_head()
         return (self._reduced_head or self.full_head)(h)
 
+    @property
+    def head_ids(self) -> list[int] | None:
+        """Head row -> token id (reduced vocabulary; None: the full one)."""
+        self._gather_head()
+        return self._head_ids
+
     def _add_vocab(self, tokens: list[int]) -> None:
-        """Grow the reduced vocabulary by the tokens not yet in it (rebuilds the gathered head rows)."""
+        """Grow the reduced vocabulary by the tokens not yet in it (the head rows are gathered when next drafted
+        from: a step that does not draft, adaptive speculation's plain steps, copies nothing)."""
         if not self.reduced:
             return
         new = set(tokens) - self._ids
-        if not new and self._reduced_head is not None:
+        if not new and (self._reduced_head is not None or self._stale_head):
             return
         self._ids |= new | self._base
-        self.head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
-        self._head_rows = torch.tensor(self.head_ids, dtype=torch.int64)
+        self._stale_head = True
+
+    def _gather_head(self) -> None:
+        if not self._stale_head:
+            return
+        self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
+        self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64)
         self._reduced_head = self.full_head.take(self._head_rows)  # rebuilt as tokens arrive
+        self._stale_head = False
 
     def window(self, n: int) -> int:
         """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a
