@@ -51,8 +51,8 @@ class StepCosts:
     verification row and one drafted token.
 
     `verify` (calibrated at start-up on a short scratch context) gives the first plain and row costs. Then `plain`
-    follows the measured plain steps (a request's first step is one when the context moved since the last, see
-    `plain_is_stale`), and `row` the measured verifications: (verify time - plain) / k. A verification row's cost
+    follows the measured plain steps (a request's first step is one, and its second when the context moved since
+    the last, see `plain_is_stale`), and `row` the measured verifications: (verify time - plain) / k. A verification row's cost
     grows with the context (its attention) differently from a plain step's, and rows are read against the plain
     step at about the same depth, so a deep context's row is not extrapolated from a shallow calibration."""
 
@@ -91,7 +91,7 @@ class StepCosts:
         pred = self.plain + k * self.row
         if k == 0 and self.plain_is_stale(depth):
             self.plain = verify_s
-            self._plain_obs, self._row_obs = 1, 0  # the rows seen at the old depth say little here: the next ones weigh more
+            self._plain_obs, self._row_obs = 1, 0  # rows seen at the old depth say little here: the next weigh more
         elif k == 0:
             self._plain_obs += 1
             self.plain += max(PLAIN_RATE, 1.0 / self._plain_obs) * (min(max(verify_s, pred / 2), 2 * pred) - self.plain)
@@ -116,8 +116,8 @@ class Controller:
     counts: list[list[float]] = field(default_factory=list)
     probe: int = PROBE_MIN
     _since: int = 0  # steps since the last draft
-    _drafted: int = 0  # drafted steps (every EXPLORE-th tries one token deeper than the best, every 4th of those
-    # a plain step instead)
+    _drafted: int = 0  # drafted steps (the first is one token; every EXPLORE-th tries one token deeper than the
+    # best, every second of those is a plain step instead)
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
