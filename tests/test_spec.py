@@ -386,7 +386,7 @@ def test_step_costs_follow_the_measured_times():
 def test_controller_stops_drafting_at_depth_after_few_misses():
     """Calibrated on a short context a verification row looks nearly free; at depth it costs a quarter of a plain
     step. A request there times its plain step, reads the rows of its first verifications against it, and stops
-    drafting after two missed drafts (the old least-squares fit kept the calibration's slope and drafted on); its
+    drafting after two missed drafts (a row cost extrapolated from the calibration would keep it drafting); its
     probes then draft one token that a plain step checks, with no verification rows."""
     from turbospec.speculative.adaptive import Controller, StepCosts
 
