@@ -8,7 +8,7 @@ times. Acceptance (`Controller`): per draft position, a running estimate of the 
 target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = plain + k x (row + draft); the step takes the k with the best
 E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice changes only for a gain of at least 3%
-(the machine's step times are noisy).
+(the machine's step times are noisy), and a shorter draft is taken only when it beats every longer one by 10%.
 
 While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
 one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
@@ -52,9 +52,10 @@ class StepCosts:
 
     `verify` (calibrated at start-up on a short scratch context) gives the first plain and row costs. Then `plain`
     follows the measured plain steps (a request's first step is one, and its second when the context moved since
-    the last, see `plain_is_stale`), and `row` the measured verifications: (verify time - plain) / k. A verification row's cost
-    grows with the context (its attention) differently from a plain step's, and rows are read against the plain
-    step at about the same depth, so a deep context's row is not extrapolated from a shallow calibration."""
+    the last, see `plain_is_stale`), and `row` the measured verifications: (verify time - plain) / k. A
+    verification row's cost grows with the context (its attention) differently from a plain step's, and rows are
+    read against the plain step at about the same depth, so a deep context's row is not extrapolated from a shallow
+    calibration."""
 
     verify: list[float]  # verify[k]: seconds of a target step over 1 + k rows (calibrated)
     draft: float = 0.0  # seconds per drafted token
