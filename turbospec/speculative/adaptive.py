@@ -90,22 +90,22 @@ class StepCosts:
         drafting. One odd step (a hiccup of the machine) moves the costs little: its time is clipped to half /
         twice the predicted one -- except a plain step at a new depth, which sets the plain cost."""
         pred = self.plain + k * self.row
-        if k == 0 and self.plain_is_stale(depth):
-            self.plain = verify_s
-            self._plain_obs, self._row_obs = 1, 0  # rows seen at the old depth say little here: the next weigh more
-        elif k == 0:
-            self._plain_obs += 1
-            self.plain += max(PLAIN_RATE, 1.0 / self._plain_obs) * (min(max(verify_s, pred / 2), 2 * pred) - self.plain)
-        else:
-            t = min(max(verify_s, pred / 2), 2 * pred)
-            self._row_obs += 1
-            self.row += max(ROW_RATE, 1.0 / self._row_obs) * (max(0.0, t - self.plain) / k - self.row)
-            self._draft_obs += 1
-            if self._draft_obs > 0:
-                w = max(0.1, 1.0 / self._draft_obs)
-                self.draft += w * (draft_s / k - self.draft)
+        t = min(max(verify_s, pred / 2), 2 * pred)
         if k == 0:
+            if self.plain_is_stale(depth):
+                self.plain = verify_s
+                self._plain_obs, self._row_obs = 1, 0  # rows seen at the old depth say little here: the next weigh more
+            else:
+                self._plain_obs += 1
+                self.plain += max(PLAIN_RATE, 1.0 / self._plain_obs) * (t - self.plain)
             self.plain_depth = depth
+            return
+        self._row_obs += 1
+        self.row += max(ROW_RATE, 1.0 / self._row_obs) * (max(0.0, t - self.plain) / k - self.row)
+        self._draft_obs += 1
+        if self._draft_obs > 0:
+            w = max(0.1, 1.0 / self._draft_obs)
+            self.draft += w * (draft_s / k - self.draft)
 
 
 @dataclass
