@@ -7,7 +7,8 @@ swing by that much; paired ratios do not.
         --reps 7 --gen 128 --threads 2 --out docs/results/spec_speedup.json
 
 A config is `spec-type[:key=value,...]` (chains as comma lists: `suffix,draft-mtp:n=3`) with keys n (n_max),
-vocab (draft vocab), pmin, topk, window, adaptive (1: adaptive speculation; default 0, always draft n tokens), and the
+vocab (draft vocab), pmin, topk (MTP tree width), window, adaptive (1: adaptive speculation -- draft length and, with
+topk > 1, tree width; default 0, always draft n tokens), and the
 suffix drafter's sn (most draft tokens), sf (tokens per matched token), sp (branch share), shared (1: a store of
 earlier requests), nm (ngram-mod's most draft tokens), merge (1: a chain's drafts verified together as one tree), sample (0: argmax MTP drafts at
 --temp > 0). Prompts: the shipped bench set
@@ -129,6 +130,7 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
         out["drafts"], out["accepted"] = spec.drafts, spec.accepted
         out["mean_acc_len"] = 1 + spec.accepted / max(spec.drafts, 1)
         out["skipped"] = spec.skipped
+        out["trees"] = spec.trees
     return out
 
 
@@ -212,11 +214,12 @@ def main() -> None:
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "mean_acc_len": statistics.median(r["mean_acc_len"] for r in rows[name]),
                 "undrafted_steps": statistics.median(r["skipped"] for r in rows[name]),
+                "tree_steps": statistics.median(r.get("trees", 0) for r in rows[name]),
                 "ratios": ratios}
             c = res["configs"][name]
             print(f"{cat:16s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {res['plain_tps_median']:7.1f}: "
                   f"{c['speedup_median']:.2f}x (paired, min {c['speedup_min']:.2f} max {c['speedup_max']:.2f}), "
-                  f"mean acceptance length {c['mean_acc_len']:.2f}", flush=True)
+                  f"mean acceptance length {c['mean_acc_len']:.2f}, {c['tree_steps']:g} tree steps", flush=True)
         res["raw"] = rows
         results[cat] = res
     if a.out:

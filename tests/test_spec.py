@@ -436,6 +436,72 @@ def test_adaptive_speculation_is_lossless_and_skips_drafts_that_do_not_pay(spec)
     assert st.drafts == 0 and st.skipped > 80  # no step pays for a verification; the probes are checked for free
 
 
+def test_first_miss_reads_where_the_best_candidates_stopped():
+    """A top-2 tree of 3 depths (best candidates a, b, c; alternatives x, y, z): the spine accepted in a row, the
+    position where the best candidate was not taken and the target's token there."""
+    from turbospec.speculative.adaptive import first_miss
+    from turbospec.speculative.tree import DraftTree
+
+    tree = DraftTree([10, 90, 11, 91, 12, 92], [-1, -1, 0, 0, 2, 2])  # (a, x), (b, y) under a, (c, z) under b
+    ranked = [[10, 90], [11, 91], [12, 92]]
+    assert first_miss(tree, [0, 2, 4], 7, ranked) == (3, -1, 7)  # all best candidates taken: no miss
+    assert first_miss(tree, [0, 2], 7, ranked) == (2, 2, 7)  # c rejected, the target's token is the bonus
+    assert first_miss(tree, [0, 3], 7, ranked) == (1, 1, 91)  # b rejected, its alternative y taken (ends the path)
+    assert first_miss(tree, [], 90, ranked) == (0, 0, 90)
+    assert first_miss(tree, [0], 5, []) == (1, -1, 5)  # no ranked candidates known: nothing to learn
+
+
+def test_controller_widens_the_tree_only_where_alternatives_pay():
+    """Tree width follows the second candidates' hit rate against a row's cost: cheap rows and a second candidate
+    the target takes where the best one misses -> two candidates per depth; alternatives that never hit, or
+    rows as costly as a plain step -> chains."""
+    from turbospec.speculative.adaptive import Controller, StepCosts
+
+    def run(alt_hits: bool, row: float) -> int:
+        ctl = Controller(StepCosts([1.0, 1.0 + row, 1.0 + 2 * row, 1.0 + 3 * row], draft=0.01), 3, width_max=2)
+        assert ctl.width(3, 6) == 1  # nothing seen yet: no alternative is assumed to hit
+        for i in range(40):  # the best candidate misses at position 0 half the time
+            ctl.observe(3, 3 if i % 2 else 0)
+            if not i % 2:
+                ctl.observe_alternatives(0, [5, 6], 6 if alt_hits else 7)
+        return ctl.width(3, 6)
+
+    assert run(alt_hits=True, row=0.02) == 2
+    assert run(alt_hits=False, row=0.02) == 1
+    assert run(alt_hits=True, row=1.0) == 1
+    ctl = Controller(StepCosts([1.0, 1.02, 1.04, 1.06]), 3, width_max=2)
+    ctl.shadow = True
+    assert ctl.width(1, 2) == 1  # a probe drafts one token
+
+
+def test_adaptive_tree_width_is_lossless_and_widens_where_rows_are_cheap():
+    """`--spec-mtp-topk 2 --spec-adaptive` on the bundled model: with the calibrated costs the tree's extra rows
+    do not pay (few second candidates hit) and the steps draft chains; with rows made nearly free it drafts trees.
+    Outputs equal plain greedy decoding either way."""
+    from pathlib import Path
+
+    from turbospec.engine.build import build_engine
+    from turbospec.speculative.adaptive import StepCosts
+
+    path = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny"
+    if not (path / "config.json").exists():
+        pytest.skip("no bundled model")
+    plain = build_engine(EngineConfig(model=str(path), ctx=1024))
+    eng = build_engine(EngineConfig(model=str(path), ctx=1024, spec=SpecConfig.parse("draft-mtp", mtp_topk=2,
+                                                                                    adaptive=True)))
+    prompt = torch.randint(3, 900, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    sp = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    want = [t for c in plain.stream(prompt, sp) for t in c.tokens]
+    eng.step_costs = StepCosts([1.0, 1.0001, 1.0002, 1.0003], draft=1e-4)  # a row: 1e-4 of a plain step
+    eng.step_costs.observe = lambda *args: None
+    assert [t for c in eng.stream(prompt, sp) for t in c.tokens] == want
+    assert eng.last_stats.spec.trees > 0
+    eng.step_costs = StepCosts([1.0, 1.5, 2.0, 2.5], draft=1e-4)  # a row: half a plain step
+    eng.step_costs.observe = lambda *args: None
+    assert [t for c in eng.stream(prompt, sp) for t in c.tokens] == want
+    assert eng.last_stats.spec.trees == 0 and eng.last_stats.spec.drafts > 0
+
+
 def test_mtp_catches_up_on_a_long_run_from_the_last_pairs_only(paths):
     """When another drafter of a chain drafted (here: 40 tokens accepted without the MTP drafting), the MTP feeds
     only the last CATCH_UP (hidden, token) pairs when it drafts next, at their true positions."""

@@ -17,7 +17,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import skinny_rows
 from turbospec.model.base import Model
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
-from turbospec.speculative.adaptive import Controller, StepCosts, calibrate
+from turbospec.speculative.adaptive import Controller, StepCosts, calibrate, first_miss
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
@@ -240,6 +240,10 @@ class Engine:
             drafter.begin(tokens, hidden if drafter.needs_hidden else None)
         stats.prefill_s = time.perf_counter() - t0
         ctl = self._controller() if drafter is not None and self.config.spec.adaptive else None
+        # adaptive tree width: greedy requests to a drafter that drafts several candidates per depth
+        wide = ctl is not None and ctl.width_max > 1 and params.greedy
+        if drafter is not None:
+            drafter.set_width(drafter.widths())  # a request starts at the configured width
         if first is not None:
             yield first
         pending = [self.next_token(sampler, hidden[-1:])]
@@ -292,6 +296,8 @@ class Engine:
                     room = ctl.choose(min(room, slots), self.cache.length)
                     shadow = ctl.shadow
                     spec.skipped += room == 0 or shadow
+                    if wide:
+                        drafter.set_width(ctl.width(room, slots))
                 t_step = time.perf_counter()
                 tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
                 if len(tree):
@@ -307,14 +313,17 @@ class Engine:
                     accepted = []
                 if ctl is not None:
                     if shadow:  # the plain step's token is what a verification would have accepted first
-                        hit = any(tree.tokens[i] == nxt for i in range(len(tree)) if tree.depth(i) == 1)
+                        path = [i for i in range(len(tree)) if tree.depth(i) == 1 and tree.tokens[i] == nxt][:1]
                         ctl.costs.observe(0, time.perf_counter() - t_drafted, 0.0, self.cache.length)
-                        ctl.observe(1 if len(tree) else 0, int(hit))
                     else:
-                        depth = max((tree.depth(i) for i in range(len(tree))), default=0)
                         ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step,
                                           self.cache.length)
-                        ctl.observe(depth, len(path) if len(tree) else 0)
+                    ranked = drafter.ranked() if wide and len(tree) else []
+                    # the best candidates accepted in a row (an accepted alternative ends the path: not counted)
+                    spine, miss, target = first_miss(tree, path if len(tree) else [], nxt, ranked)
+                    ctl.observe(max((tree.depth(i) for i in range(len(tree))), default=0), spine)
+                    if miss >= 0:
+                        ctl.observe_alternatives(miss, ranked[miss], target)
                 if drafter is not None:
                     drafter.accept([root] + accepted, hidden_rows, nxt)
                 context += accepted
@@ -365,7 +374,7 @@ class Engine:
         n_max = self.config.spec.n_max
         if self.step_costs is None:
             self.step_costs = calibrate(self.model, n_max)
-        return Controller(self.step_costs, n_max)
+        return Controller(self.step_costs, n_max, width_max=self.drafter.widths() if self.drafter is not None else 1)
 
     def eos_ids(self) -> set[int]:
         """End-of-sequence ids: the model config's and the tokenizer's."""

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turbospec.speculative.tree import DraftTree
+
 PRIOR = 0.8  # acceptance assumed at a position before any evidence (MTP on the bundled models: 0.6-0.9)
 RATE = 0.15  # the running acceptance counts forget this share per observation (a memory of ~7 drafts)
 WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in each position's estimate
@@ -73,8 +75,9 @@ class StepCosts:
             n = len(self.verify) - 1
             self.row = max(0.0, (self.verify[-1] - self.verify[0]) / n) if n else 0.0
 
-    def step(self, k: int) -> float:
-        return self.plain + k * (self.row + self.draft)
+    def step(self, k: int, width: int = 1) -> float:
+        """A k-deep draft of `width` candidates per depth: k x width verification rows, k drafted tokens."""
+        return self.plain + k * (width * self.row + self.draft)
 
     def plain_is_stale(self, depth: int) -> bool:
         """Whether the context moved enough (grown, or a new request's shorter one) since a plain step was last
@@ -123,9 +126,14 @@ class Controller:
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
     shadow: bool = False  # the last choice is a probe: draft 1 token, take a plain step and compare (no verify rows)
+    width_max: int = 1  # the drafter's most candidates per depth (its tree width; 1: chains only)
+    # per position and rank 2..width_max: running (hits, tests) of "the target took this candidate where it did not
+    # take the best one" -- learnt from every greedy step, whatever width it drafted (the ranked candidates are known)
+    alts: list[list[list[float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.counts = [[0.0, 0.0] for _ in range(self.n_max)]
+        self.alts = [[[0.0, 0.0] for _ in range(self.width_max - 1)] for _ in range(self.n_max)]
 
     @property
     def accept(self) -> list[float]:
@@ -142,6 +150,44 @@ class Controller:
             p *= a
             e += p
         return e
+
+    def alternative(self, i: int, width: int) -> float:
+        """Chance that one of candidates 2..width at position i is the target's token where the best one is not
+        (no prior: until seen, alternatives are assumed never to hit)."""
+        return sum(h / (n + WEIGHT) for h, n in self.alts[i][:width - 1]) if i < len(self.alts) else 0.0
+
+    def expected_wide(self, k: int, width: int) -> float:
+        """Expected tokens of a k-deep draft with `width` candidates per depth (the best one continued, the others
+        leaves): at each reached position the best candidate, or else one of the others, ends the step's path."""
+        e, p = 1.0, 1.0
+        for i, a in enumerate(self.accept[:k]):
+            e += p * (a + (1 - a) * self.alternative(i, width))
+            p *= a
+        return e
+
+    def width(self, k: int, nodes: int) -> int:
+        """Candidates per depth for a k-deep draft with room for `nodes` draft nodes: the width with the best
+        expected tokens per second, wider than 1 only for a gain of HYSTERESIS or more (probes: 1)."""
+        if k <= 0 or self.width_max <= 1 or self.shadow:
+            return 1
+        one = self.expected(k) / self.costs.step(k)
+        best, rate = 1, one
+        for w in range(2, self.width_max + 1):
+            if k * w > nodes:
+                break
+            r = self.expected_wide(k, w) / self.costs.step(k, w)
+            if r > rate:
+                best, rate = w, r
+        return best if rate >= one * (1 + HYSTERESIS) else 1
+
+    def observe_alternatives(self, i: int, ranked: list[int], target: int) -> None:
+        """At position i the target did not take the best candidate (ranked[0]) but `target`: which of the others
+        (ranked[1:], drafted or not) it was."""
+        if i >= len(self.alts):
+            return
+        for c, tok in zip(self.alts[i], ranked[1:]):
+            c[0] = (1 - RATE) * c[0] + (1.0 if tok == target else 0.0)
+            c[1] = (1 - RATE) * c[1] + 1.0
 
     def choose(self, room: int, depth: int = 0) -> int:
         """Draft tokens to ask for this step after `depth` positions (0: a plain step)."""
@@ -187,6 +233,20 @@ class Controller:
         self._since = 0
         if probing:  # a probe: keep probing rarely while its draft misses, often once it hits
             self.probe = PROBE_MIN if accepted else min(PROBE_MAX, self.probe * 2)
+
+
+def first_miss(tree: DraftTree, path: list[int], nxt: int, ranked: list[list[int]]) -> tuple[int, int, int]:
+    """Of a greedy step over a drafter's top-k tree (`ranked[i]`: its candidates at position i, best first): (best
+    candidates accepted in a row, the position where the best one was not, the target's token there); the position
+    is -1 where every drafted position's best candidate was accepted. An accepted alternative (a leaf) ends the
+    path: its position is the miss, its token the target's."""
+    n = len(path)
+    if n and n <= len(ranked) and tree.tokens[path[-1]] != ranked[n - 1][0]:
+        return n - 1, n - 1, tree.tokens[path[-1]]
+    deepest = max((tree.depth(i) for i in range(len(tree))), default=0)
+    if n < min(len(ranked), deepest):
+        return n, n, nxt
+    return n, -1, nxt
 
 
 def calibrate(model, n_max: int, reps: int = 5, context: int = 32) -> StepCosts:

@@ -21,6 +21,7 @@ class ChainDrafter(Drafter):
         self.caps = caps or [1 << 30] * len(drafters)
         self.merge = merge
         self.needs_hidden = any(d.needs_hidden for d in drafters)
+        self._last: Drafter | None = None  # the member whose draft the last step took
 
     def prompt_rows(self, n: int) -> int | None:
         """The most trailing prompt rows any member reads (None: all)."""
@@ -35,7 +36,19 @@ class ChainDrafter(Drafter):
         for d in self.drafters:
             d.begin(tokens, hidden)
 
+    def widths(self) -> int:
+        return max(d.widths() for d in self.drafters)
+
+    def set_width(self, width: int) -> None:
+        for d in self.drafters:
+            d.set_width(width)
+
+    def ranked(self) -> list[list[int]]:
+        """The ranked candidates of the member whose draft the last step took (none for merged drafts)."""
+        return self._last.ranked() if self._last is not None else []
+
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
+        self._last = None
         if self.merge:
             return merge([d.propose(tokens, min(n_max, cap)) for d, cap in zip(self.drafters, self.caps)])
         best = DraftTree()
@@ -44,6 +57,8 @@ class ChainDrafter(Drafter):
                 d.sync(tokens)  # keep its state current without drafting
                 continue
             best = d.propose(tokens, min(n_max, cap))
+            if len(best):
+                self._last = d
         return best
 
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:

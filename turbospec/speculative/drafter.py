@@ -46,6 +46,20 @@ class Drafter(Protocol):
         target's hidden rows for them; `next_token` (the bonus) is not yet committed."""
         return None
 
+    def widths(self) -> int:
+        """The most candidates per depth this drafter drafts (its tree width: `--spec-mtp-topk`); 1: chains."""
+        return 1
+
+    def set_width(self, width: int) -> None:
+        """Draft at most `width` candidates per depth from now on (1..widths(); adaptive speculation narrows the
+        tree where its alternatives do not pay)."""
+        return None
+
+    def ranked(self) -> list[list[int]]:
+        """Of the last draft, per depth the drafter's best candidates, best first: widths() of them, drafted or not
+        (adaptive speculation learns from them whether wider drafts would pay); [] when unknown."""
+        return []
+
     def sync(self, tokens: list[int]) -> None:
         """Keep internal state current on a step where another drafter of a chain drafted (default: nothing)."""
         return None

@@ -42,6 +42,8 @@ class MTPDrafter(Drafter):
         # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
         # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
         self.topk = max(1, topk)
+        self.width = self.topk  # candidates drafted per depth now (adaptive speculation narrows it: set_width)
+        self._ranked: list[list[int]] = []  # per depth of the last draft, the top-k candidates (greedy, topk > 1)
         # Reduced-vocabulary drafting (as FR-Spec): score only `draft_vocab` tokens -- the most frequent ones of the
         # training text when the model ships a ranking (draft_vocab.json, `ranked_vocab`), else the lowest ids
         # (byte-level BPE assigns ids in merge order, a rough frequency order); verification stays exact.
@@ -92,6 +94,15 @@ class MTPDrafter(Drafter):
         full = torch.zeros(self.full_head.out_features)
         full[ids] = q_top
         return [int(ids[i]) for i in picks], full
+
+    def widths(self) -> int:
+        return self.topk
+
+    def set_width(self, width: int) -> None:
+        self.width = max(1, min(width, self.topk))
+
+    def ranked(self) -> list[list[int]]:
+        return self._ranked
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
@@ -186,12 +197,16 @@ class MTPDrafter(Drafter):
         parents: list[int] = []
         qs: list[torch.Tensor | None] = []
         spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
+        self._ranked = []
         for i in range(n_max):
             logits = self.head(h).float()[0]
             top, q = self._draws(logits)
             tok = top[0]
             if self.p_min > 0 and float(torch.softmax(logits, -1).max()) < self.p_min:
                 break
+            if q is None and self.topk > 1:  # greedy: the ranked candidates, drafted or not
+                self._ranked.append(top)
+            top = top[:self.width]
             nodes += top
             parents += [spine] * len(top)
             qs += [q] * len(top)

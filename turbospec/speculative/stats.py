@@ -16,11 +16,13 @@ class SpecStats:
     per_pos_accepted: list[int] = field(default_factory=list)
     by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafts, tokens, accepted]
     skipped: int = 0  # steps without a draft because drafting did not pay (adaptive speculation)
+    trees: int = 0  # verification steps whose draft was a tree (more than one candidate somewhere), not a chain
 
     def record(self, tree: DraftTree, accepted_depth: int) -> None:
         if not len(tree):
             return
         self.drafts += 1
+        self.trees += not tree.is_chain
         self.draft_tokens += len(tree)
         self.accepted += accepted_depth
         depth = max(tree.depth(i) for i in range(len(tree)))
@@ -52,17 +54,20 @@ class SpecStats:
     def line(self) -> str:
         pos = ",".join(f"{p:.2f}" for p in self.per_position)
         skipped = f", {self.skipped} steps undrafted" if self.skipped else ""
-        return (f"spec: {self.drafts} drafts, {self.draft_tokens} draft tok, {self.accepted} accepted"
+        trees = f", {self.trees} trees" if self.trees else ""
+        return (f"spec: {self.drafts} drafts{trees}, {self.draft_tokens} draft tok, {self.accepted} accepted"
                 f" ({self.acceptance_rate:.1%}), mean acc len {self.mean_acceptance_length:.2f}, per-pos [{pos}]"
                 f"{skipped}")
 
     def to_dict(self) -> dict:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
-                "per_position": self.per_position, "by_source": self.by_source, "skipped": self.skipped}
+                "per_position": self.per_position, "by_source": self.by_source, "skipped": self.skipped,
+                "trees": self.trees}
 
     def merge(self, o: SpecStats) -> None:
         self.drafts += o.drafts
+        self.trees += o.trees
         self.draft_tokens += o.draft_tokens
         self.accepted += o.accepted
         for d in range(len(o.per_pos_drafted)):
