@@ -296,7 +296,7 @@ class Engine:
                     room = ctl.choose(min(room, slots), self.cache.length)
                     shadow = ctl.shadow
                     spec.skipped += room == 0 or shadow
-                    if wide:
+                    if wide and drafter is not None:
                         drafter.set_width(ctl.width(room, slots))
                 t_step = time.perf_counter()
                 tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
@@ -318,7 +318,7 @@ class Engine:
                     else:
                         ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step,
                                           self.cache.length)
-                    ranked = drafter.ranked() if wide and len(tree) else []
+                    ranked = drafter.ranked() if wide and drafter is not None and len(tree) else []
                     # the best candidates accepted in a row (an accepted alternative ends the path: not counted)
                     spine, miss, target = first_miss(tree, path if len(tree) else [], nxt, ranked)
                     ctl.observe(max((tree.depth(i) for i in range(len(tree))), default=0), spine)
