@@ -23,6 +23,8 @@ request (an agent that re-sends a request; with `shared=1` the suffix drafter dr
 prefix already in that engine's cache (the depth's filler is prefilled once per configuration instead of once per
 run: what makes 32K-64K depths affordable), and adaptive speculation keeps the step costs it measured on that
 engine (as a server does) instead of starting every run from the start-up calibration; decode is timed as without it.
+With `--plain-on-engine` each configuration's paired plain runs are on its own engine with the drafter detached (the
+same cache memory: two identical plain engines at 32K differed by a median 2.4% over 7 pairs, up to 10% in one).
 
     python benchmarks/spec_speedup.py --categories code --edit 4 --gen 256 --reps 3 \
         --configs ngram-mod "suffix" "draft-mtp:n=3" "suffix,draft-mtp:n=3" --out docs/results/spec_suffix.json
@@ -152,11 +154,16 @@ def main() -> None:
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--filler", choices=["prose", "random"], default="prose",
                     help="what fills --depths: the shipped prose text, or random token ids (as `turbospec bench -d`)")
+    ap.add_argument("--plain-on-engine", action="store_true",
+                    help="with --keep: pair each configuration with plain decoding on its own engine (drafter "
+                         "detached: the same cache and memory), not on a plain engine of its own")
     ap.add_argument("--keep", action="store_true",
                     help="one engine per configuration and depth: requests reuse the cached prefix (the filler)")
     ap.add_argument("--dump-prompts", default=None, metavar="DIR",
                     help="write each prompt's text to DIR/<name>.txt (for `turbospec run -f`) and exit")
     a = ap.parse_args()
+    if a.plain_on_engine and not a.keep:
+        ap.error("--plain-on-engine needs --keep")
     torch.set_num_threads(a.threads)
     path = model_path(a.model)
     model = load_model(path, a.dtype)
@@ -200,16 +207,36 @@ def main() -> None:
         run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
         for rep in range(a.reps):
+            if a.plain_on_engine:  # each configuration paired with plain decoding on its own engine and cache
+                for name, cfg in configs.items():
+                    eng = engine(d, name)
+                    assert eng is not None
+                    for run in ("plain", name) if rep % 2 == 0 else (name, "plain"):
+                        if run == "plain":
+                            drafter, eng.drafter = eng.drafter, None  # the same engine, cache and memory, no drafts
+                            try:
+                                rows.setdefault(f"plain|{name}", []).append(
+                                    run_once(model, tok, path, prompt, None, a.gen, a.repeat, a.temp, rep, eng))
+                            finally:
+                                eng.drafter = drafter
+                        else:
+                            rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat, a.temp, rep,
+                                                       eng))
+                continue
             order = [("plain", None), *configs.items()]
             for name, cfg in order if rep % 2 == 0 else order[::-1]:  # (alternated: no config always runs first)
                 rows[name].append(run_once(model, tok, path, prompt, cfg, a.gen, a.repeat, a.temp, rep,
                                            engine(d, name)))
+        if a.plain_on_engine:
+            rows["plain"] = rows[f"plain|{next(iter(configs))}"]
         plain = [r["decode_tps"] for r in rows["plain"]]
         res = {"plain_tps_median": statistics.median(plain), "configs": {}}
         for name in configs:
             tps = [r["decode_tps"] for r in rows[name]]
-            ratios = [x / p for x, p in zip(tps, plain)]
+            own = [r["decode_tps"] for r in rows.get(f"plain|{name}", rows["plain"])]
+            ratios = [x / p for x, p in zip(tps, own)]
             res["configs"][name] = {
+                "plain_tps_median": statistics.median(own),
                 "tps_median": statistics.median(tps), "speedup_median": statistics.median(ratios),
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "mean_acc_len": statistics.median(r["mean_acc_len"] for r in rows[name]),
@@ -217,13 +244,13 @@ def main() -> None:
                 "tree_steps": statistics.median(r.get("trees", 0) for r in rows[name]),
                 "ratios": ratios}
             c = res["configs"][name]
-            print(f"{cat:16s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {res['plain_tps_median']:7.1f}: "
+            print(f"{cat:16s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {c['plain_tps_median']:7.1f}: "
                   f"{c['speedup_median']:.2f}x (paired, min {c['speedup_min']:.2f} max {c['speedup_max']:.2f}), "
                   f"mean acceptance length {c['mean_acc_len']:.2f}, {c['tree_steps']:g} tree steps", flush=True)
         res["raw"] = rows
         results[cat] = res
     if a.out:
-        meta = {"model": path, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
+        meta = {"model": path, "plain_on_engine": a.plain_on_engine, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
                 "repeat": a.repeat, "keep": a.keep, "filler": a.filler, "temp": a.temp, "edit_tokens": a.edit_tokens if a.edit else None,
                 "date": time.strftime("%Y-%m-%d")}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
