@@ -8,6 +8,7 @@
     python benchmarks/step_profile.py chain --model models/turbospec-tiny-hybrid --rows 4   # a verification step's products
     python benchmarks/step_profile.py dtypes                    # bf16 / f16 / fp32 decoding interleaved
     python benchmarks/step_profile.py kvpages                   # KV cache in 2 MB vs 4 KB pages at 32K, interleaved
+    python benchmarks/step_profile.py kvtypes --dtype float16 --depth 512   # KV types vs f16 in one process
     python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
     python benchmarks/step_profile.py attention --dtype bfloat16 # the one-call layer's attention (fixed cost at 16)
     python benchmarks/step_profile.py prefill_rows              # prefill: every row vs the last row in the last layer
@@ -223,6 +224,30 @@ def dtypes() -> None:
     print("decode t/s:", _generations(engines, ids))
 
 
+def kvtypes(dtype: str, depth: int) -> None:
+    """Benchmark model, every KV type decoding 64 tokens after `depth` random tokens, in one process (one engine per
+    type on one copy of the weights), the types in alternating order, 9 rounds: median ratio of each to f16."""
+    from turbospec.engine import Engine
+    from turbospec.sampling import SamplingParams
+
+    types = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
+    m = _bench_model(dtype)
+    prompt = torch.randint(3, m.cfg.vocab_size, (depth + 16,), generator=torch.Generator().manual_seed(1)).tolist()
+    engines = {t: Engine(m, None, EngineConfig(ctx=depth + 200, cache_type_k=t, cache_type_v=t)) for t in types}
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for e in engines.values():
+        list(e.stream(prompt, params))
+    tps: dict = {t: [] for t in types}
+    for i in range(9):
+        for t in types if i % 2 == 0 else types[::-1]:
+            list(engines[t].stream(prompt, params))
+            tps[t].append(engines[t].last_stats.decode_tps)
+    for t in types:
+        ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
+        print(f"{t:7s} {statistics.median(tps[t]):6.1f} t/s, {statistics.median(ratios):.2f}x f16 "
+              f"(rounds {min(ratios):.2f}-{max(ratios):.2f})")
+
+
 def kvpages() -> None:
     """Benchmark model (float32), decode steps at 32K depth with the KV cache in huge pages vs torch.zeros,
     interleaved; weights in huge pages in both."""
@@ -364,17 +389,18 @@ def gemm() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "bf16held",
-                                     "attention", "prefill_rows", "loop", "gemm"])
+    ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "kvtypes",
+                                     "bf16held", "attention", "prefill_rows", "loop", "gemm"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="chain: input rows per product")
     ap.add_argument("--model", default=None, help="chain: a checkpoint instead of the benchmark model")
     ap.add_argument("--steps", type=int, default=6000, help="loop: decode steps")
+    ap.add_argument("--depth", type=int, default=512, help="kvtypes: context before decoding")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
-     "dtypes": dtypes, "kvpages": kvpages, "bf16held": bf16held, "attention": lambda: attention(a.dtype),
+     "dtypes": dtypes, "kvpages": kvpages, "kvtypes": lambda: kvtypes(a.dtype, a.depth), "bf16held": bf16held, "attention": lambda: attention(a.dtype),
      "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps), "gemm": gemm}[a.what]()
 
 

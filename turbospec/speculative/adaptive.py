@@ -197,7 +197,12 @@ class Controller:
             self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
             if self._started == 1 or self.costs.wants_plain(depth):
                 return 0
-        rates = [self.expected(k) / self.costs.step(k) for k in range(room + 1)]
+        rates, e, p = [], 1.0, 1.0  # E(k) / T(k) for k = 0..room, E(k) = 1 + a1 + a1 a2 + ... (k terms)
+        for k, a in enumerate([1.0, *self.accept[:room]]):
+            if k:
+                p *= a
+                e += p
+            rates.append(e / self.costs.step(k))
         best = max(range(room + 1), key=lambda k: rates[k])
         if self._last <= room and rates[best] < rates[self._last] * (1 + HYSTERESIS):
             best = self._last  # switch only for a clear gain: the times measured on this machine are noisy

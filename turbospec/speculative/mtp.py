@@ -55,7 +55,7 @@ class MTPDrafter(Drafter):
         # own identifiers are rare in the training text but copied often); rows gathered from the bf16 head
         self.reduced = 0 < draft_vocab < vocab
         self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
-        self._ids: set[int] = set()
+        self._ids: set[int] = set(self._base)  # the reduced vocabulary: the base set and the context's tokens
         self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
         self._head_rows = torch.zeros(0, dtype=torch.int64)  # head_ids as a tensor
         self._reduced_head: Linear | None = None
@@ -123,7 +123,7 @@ class MTPDrafter(Drafter):
         new = set(tokens) - self._ids
         if not new and (self._reduced_head is not None or self._stale_head):
             return
-        self._ids |= new | self._base
+        self._ids |= new
         self._stale_head = True
 
     def _gather_head(self) -> None:
@@ -150,7 +150,7 @@ class MTPDrafter(Drafter):
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
         assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
-        self._ids = set()
+        self._ids = set(self._base)
         self._reduced_head = None
         self._add_vocab(tokens)
         self.cache.reset()
@@ -232,10 +232,16 @@ class MTPDrafter(Drafter):
         # cache room, as the prompt's outside the window): a long accepted run costs the MTP at most that many rows
         skip = len(self.pending_tokens) - CATCH_UP
         if skip > 0:
-            rows = torch.cat(self.pending_hidden, 0)
             self.pending_tokens = self.pending_tokens[skip:]
-            self.pending_hidden = [rows[skip:]]
             self.offset += skip
+            while skip:  # the first `skip` hidden rows go (no copy of the others: this runs on every undrafted step)
+                first = self.pending_hidden[0]
+                if first.shape[0] <= skip:
+                    self.pending_hidden.pop(0)
+                    skip -= first.shape[0]
+                else:
+                    self.pending_hidden[0] = first[skip:]
+                    skip = 0
 
 
 def _plan(cache: Cache, pos: int, n: int) -> AttentionPlan:
