@@ -232,9 +232,22 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for prompt in PROMPTS[:6]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
-        # the head scores the 32 lowest ids (no ranking beside this model) plus the request's tokens so far
-        assert set(range(32)) | set(prompt) <= set(drafter.head_ids) < set(range(target.cfg.vocab_size))
-        assert drafter.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(drafter.head_ids))
+        # the head scores the 32 lowest ids (no ranking beside this model) plus the request's tokens so far, or,
+        # once they are half the vocabulary or more, every id (the full head: no copy of its rows)
+        if drafter.head_ids is None:
+            assert 2 * len(drafter._ids) >= target.cfg.vocab_size
+        else:
+            assert set(range(32)) | set(prompt) <= set(drafter.head_ids) < set(range(target.cfg.vocab_size))
+            assert drafter.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(drafter.head_ids))
+    # a small set: the reduced head (the 4 lowest ids, the prompt's and the outputs' tokens)
+    small = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=4), target, 260)
+    eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=small)
+    prompt = [5, 9, 40, 9, 5, 40]
+    out = run(eng, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert out == run(plain, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert small.head_ids is not None and set(range(4)) | set(prompt) <= set(small.head_ids) <= (
+        set(range(4)) | set(prompt) | set(out))
+    assert small.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(small.head_ids))
 
 
 def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):

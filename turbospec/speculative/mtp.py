@@ -129,10 +129,13 @@ class MTPDrafter(Drafter):
     def _gather_head(self) -> None:
         if not self._stale_head:
             return
+        self._stale_head = False
+        if 2 * len(self._ids) >= self.full_head.out_features:  # most of the vocabulary (a random or very long
+            self._head_ids, self._reduced_head = None, None     # context): the full head, no copy of its rows
+            return
         self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
         self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64)
         self._reduced_head = self.full_head.take(self._head_rows)  # rebuilt as tokens arrive
-        self._stale_head = False
 
     def window(self, n: int) -> int:
         """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a
