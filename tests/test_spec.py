@@ -236,6 +236,10 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
         # once they are half the vocabulary or more, every id (the full head: no copy of its rows)
         if drafter.head_ids is None:
             assert 2 * len(drafter._ids) >= target.cfg.vocab_size
+            logits = drafter.head(torch.randn(1, target.cfg.hidden_size))[0]  # ids outside the set: never drafted
+            inside = sorted(drafter._ids)
+            outside = sorted(set(range(target.cfg.vocab_size)) - drafter._ids)
+            assert torch.isfinite(logits[inside]).all() and (logits[outside] == float("-inf")).all()
         else:
             assert set(range(32)) | set(prompt) <= set(drafter.head_ids) < set(range(target.cfg.vocab_size))
             assert drafter.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(drafter.head_ids))

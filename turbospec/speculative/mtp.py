@@ -59,6 +59,7 @@ class MTPDrafter(Drafter):
         self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
         self._head_rows = torch.zeros(0, dtype=torch.int64)  # head_ids as a tensor
         self._reduced_head: Linear | None = None
+        self._outside: torch.Tensor | None = None  # ids outside the reduced vocabulary while the full head stands in
         self._stale_head = False  # tokens joined the vocabulary since the head rows were gathered
         mtp.compact_weights()
         self.cache = mtp.new_cache(max_len, k_type=k_type, v_type=v_type)
@@ -105,9 +106,13 @@ class MTPDrafter(Drafter):
         return self._ranked
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one)."""
+        """Draft logits of the MTP output rows h (over the reduced vocabulary's rows when there is one; when the
+        full head stands in for it, the ids outside it at -inf: the same drafts)."""
         self._gather_head()
-        return (self._reduced_head or self.full_head)(h)
+        if self._reduced_head is not None:
+            return self._reduced_head(h)
+        logits = self.full_head(h)
+        return logits if self._outside is None else logits.masked_fill(self._outside, float("-inf"))
 
     @property
     def head_ids(self) -> list[int] | None:
@@ -130,9 +135,13 @@ class MTPDrafter(Drafter):
         if not self._stale_head:
             return
         self._stale_head = False
-        if 2 * len(self._ids) >= self.full_head.out_features:  # most of the vocabulary (a random or very long
-            self._head_ids, self._reduced_head = None, None     # context): the full head, no copy of its rows
+        vocab = self.full_head.out_features
+        if 2 * len(self._ids) >= vocab:  # most of the vocabulary (a random or very long context): the full head and
+            self._head_ids, self._reduced_head = None, None  # a mask, no copy of its rows
+            self._outside = torch.ones(vocab, dtype=torch.bool)
+            self._outside[torch.tensor(sorted(self._ids), dtype=torch.int64)] = False
             return
+        self._outside = None
         self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
         self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64)
         self._reduced_head = self.full_head.take(self._head_rows)  # rebuilt as tokens arrive
@@ -154,7 +163,7 @@ class MTPDrafter(Drafter):
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
         assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
         self._ids = set(self._base)
-        self._reduced_head = None
+        self._reduced_head, self._outside = None, None
         self._add_vocab(tokens)
         self.cache.reset()
         n = len(tokens)
