@@ -126,9 +126,12 @@ class MTPDrafter(Drafter):
         if not self.reduced:
             return
         new = set(tokens) - self._ids
-        if not new and (self._reduced_head is not None or self._stale_head):
+        if not new and (self._reduced_head is not None or self._outside is not None or self._stale_head):
             return
         self._ids |= new
+        if self._outside is not None:  # the full head stands in: unmask the new ids (nothing to gather)
+            self._outside[torch.tensor(list(new), dtype=torch.int64)] = False
+            return
         self._stale_head = True
 
     def _gather_head(self) -> None:
