@@ -144,38 +144,33 @@ class Controller:
             prior = est
         return out
 
-    def expected(self, k: int) -> float:
-        e, p = 1.0, 1.0
-        for a in self.accept[:k]:
+    def expected(self, k: int, width: int = 1) -> list[float]:
+        """Expected tokens E(0), ..., E(k) of drafts 0..k deep with `width` candidates per depth (the best one
+        continued, the others leaves): at each reached position the best candidate, or else one of the others, ends
+        the step's path. Width 1 (a chain): E(j) = 1 + a1 + a1 a2 + ... (j terms)."""
+        out, e, p = [1.0], 1.0, 1.0
+        for i, a in enumerate(self.accept[:k]):
+            e += p * (a if width <= 1 else a + (1 - a) * self.alternative(i, width))
             p *= a
-            e += p
-        return e
+            out.append(e)
+        return out
 
     def alternative(self, i: int, width: int) -> float:
         """Chance that one of candidates 2..width at position i is the target's token where the best one is not
         (no prior: until seen, alternatives are assumed never to hit)."""
         return sum(h / (n + WEIGHT) for h, n in self.alts[i][:width - 1]) if i < len(self.alts) else 0.0
 
-    def expected_wide(self, k: int, width: int) -> float:
-        """Expected tokens of a k-deep draft with `width` candidates per depth (the best one continued, the others
-        leaves): at each reached position the best candidate, or else one of the others, ends the step's path."""
-        e, p = 1.0, 1.0
-        for i, a in enumerate(self.accept[:k]):
-            e += p * (a + (1 - a) * self.alternative(i, width))
-            p *= a
-        return e
-
     def width(self, k: int, nodes: int) -> int:
         """Candidates per depth for a k-deep draft with room for `nodes` draft nodes: the width with the best
         expected tokens per second, wider than 1 only for a gain of HYSTERESIS or more (probes: 1)."""
         if k <= 0 or self.width_max <= 1 or self.shadow:
             return 1
-        one = self.expected(k) / self.costs.step(k)
+        one = self.expected(k)[k] / self.costs.step(k)
         best, rate = 1, one
         for w in range(2, self.width_max + 1):
             if k * w > nodes:
                 break
-            r = self.expected_wide(k, w) / self.costs.step(k, w)
+            r = self.expected(k, w)[k] / self.costs.step(k, w)
             if r > rate:
                 best, rate = w, r
         return best if rate >= one * (1 + HYSTERESIS) else 1
@@ -197,12 +192,7 @@ class Controller:
             self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
             if self._started == 1 or self.costs.wants_plain(depth):
                 return 0
-        rates, e, p = [], 1.0, 1.0  # E(k) / T(k) for k = 0..room, E(k) = 1 + a1 + a1 a2 + ... (k terms)
-        for k, a in enumerate([1.0, *self.accept[:room]]):
-            if k:
-                p *= a
-                e += p
-            rates.append(e / self.costs.step(k))
+        rates = [e / self.costs.step(k) for k, e in enumerate(self.expected(room))]
         best = max(range(room + 1), key=lambda k: rates[k])
         if self._last <= room and rates[best] < rates[self._last] * (1 + HYSTERESIS):
             best = self._last  # switch only for a clear gain: the times measured on this machine are noisy
@@ -248,8 +238,7 @@ def first_miss(tree: DraftTree, path: list[int], nxt: int, ranked: list[list[int
     n = len(path)
     if n and n <= len(ranked) and tree.tokens[path[-1]] != ranked[n - 1][0]:
         return n - 1, n - 1, tree.tokens[path[-1]]
-    deepest = max((tree.depth(i) for i in range(len(tree))), default=0)
-    if n < min(len(ranked), deepest):
+    if n < len(ranked) and n < max((tree.depth(i) for i in range(len(tree))), default=0):  # (depth: wide steps only)
         return n, n, nxt
     return n, -1, nxt
 

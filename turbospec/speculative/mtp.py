@@ -142,7 +142,7 @@ class MTPDrafter(Drafter):
         if 2 * len(self._ids) >= vocab:  # most of the vocabulary (a random or very long context): the full head and
             self._head_ids, self._reduced_head = None, None  # a mask, no copy of its rows
             self._outside = torch.ones(vocab, dtype=torch.bool)
-            self._outside[torch.tensor(sorted(self._ids), dtype=torch.int64)] = False
+            self._outside[torch.tensor(list(self._ids), dtype=torch.int64)] = False
             return
         self._outside = None
         self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
