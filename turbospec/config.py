@@ -10,6 +10,7 @@ Names of KV formats and dtypes are normalised here (float16 -> f16), so every la
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields, replace
 
 from turbospec import dtypes
@@ -168,6 +169,7 @@ class EngineConfig:
     dtype: str = "float32"  # weights and compute: float32, bfloat16, float16
     weights: str = "auto"  # matrices: as stored (float ones in `dtype`), or packed at load: q8_0, q4_0, q4_k
     threads: int | None = None  # CPU threads; None: torch's default (all cores)
+    device: str = "auto"  # cpu, cuda, cuda:N; auto: cuda when torch sees a GPU (turbospec.device)
     ctx: int = 4096  # context size in tokens (prompt + output)
     batch: int = 2048  # logical batch (-b)
     ubatch: int = 512  # prefill chunk (-ub), at most `batch`
@@ -195,6 +197,9 @@ class EngineConfig:
         if self.threads is not None and self.threads <= 0:
             raise TurboSpecError("--threads must be positive")
         _set(self, "dtype", dtypes.long_name(self.dtype))
+        _set(self, "device", str(self.device).strip().lower())
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise TurboSpecError(f"--device {self.device!r}: expected cpu, cuda, cuda:N or auto")
         _set(self, "weights", str(self.weights).lower())
         if self.weights not in WEIGHT_CHOICES:
             raise TurboSpecError(f"--weights {self.weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turbospec import device as compute_device
 from turbospec.kernels.gemv import load_kernel
 
 __all__ = [
@@ -358,10 +359,10 @@ class Sampler:
     as llama.cpp does); :meth:`sample` accepts its own draw unless told otherwise.
     """
 
-    def __init__(self, params: SamplingParams | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams | None = None, device: torch.device | str | None = None) -> None:
         self.params = params if params is not None else SamplingParams()
         self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=device or compute_device.current())
         self.generator.manual_seed(self.seed)
         n = self.params.repeat_last_n
         self._window: deque[int] = deque(maxlen=n if n > 0 else None)

@@ -29,6 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the model dtype, i.e. f32 for a float32 model)")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="V cache format (as -ctk)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--device", default="auto",
+                   help="cpu | cuda | cuda:N: where the model computes (default auto: cuda when torch sees a GPU)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt in full instead of reusing the KV of the prefix it shares with the "
                         "previous request (on a shared server, that reuse shows in another client's timings)")
@@ -126,7 +128,7 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     """The model flags (+ --spec-* flags where the command has them) as an EngineConfig."""
     return EngineConfig(
-        model=a.model, dtype=a.dtype, weights=a.weights, threads=a.threads, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
+        model=a.model, dtype=a.dtype, weights=a.weights, threads=a.threads, device=a.device, ctx=a.ctx_size, batch=a.batch_size, ubatch=a.ubatch_size,
         cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, spec=spec_config(a),
         prefix_cache=not a.no_prefix_cache, moe_cache_mem=a.moe_cache_mem,
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from turbospec import env
+from turbospec import device, env
 from turbospec.config import EngineConfig
 from turbospec.engine.engine import Engine
 from turbospec.errors import TurboSpecError
@@ -46,6 +46,7 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
     ships none): what `build_engine` does before the drafter, for tools that run several engines on one model.
     `progress(done, total)`: the tensors read while the model loads (a caller's load bar)."""
     path = model_path(config.model)
+    device.use(config.device)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     tokenizer: Tokenizer | None

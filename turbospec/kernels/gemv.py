@@ -10,7 +10,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from turbospec import env
+from turbospec import device, env
 
 
 def cpu_has_avx2() -> bool:
@@ -21,10 +21,15 @@ def cpu_has_avx2() -> bool:
     return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
 
 
-@cache
 def load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = ()):
     """Build (once per machine, cached by torch) and load the C++ extension `name` from `source` in this
-    folder; None when it cannot be built here (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1)."""
+    folder; None when it cannot be built here (no AVX2, no compiler, TURBOSPEC_NO_KERNEL=1) or the engine runs
+    on a GPU (turbospec.device)."""
+    return _load_extension(name, source, what, cflags) if device.cpu_kernels() else None
+
+
+@cache
+def _load_extension(name: str, source: str, what: str, cflags: tuple[str, ...] = ()):
     if env.on("TURBOSPEC_NO_KERNEL") or not sys.platform.startswith("linux") or not cpu_has_avx2():
         return None
     try:
@@ -108,11 +113,15 @@ def _drop_stale_lock(lock: Path) -> None:
         pass
 
 
-@cache
 def load_kernel():
     """The skinny-GEMM / fused-layer module, or None. gemv.cpp includes attention.cpp, deltanet.cpp and quant.cpp: their hash
     goes into the build flags, so that torch rebuilds the module when any of the files changes. Cached: callers (RMSNorm, every
     `Linear`) ask per call."""
+    return _load_kernel() if device.cpu_kernels() else None
+
+
+@cache
+def _load_kernel():
     here = Path(__file__).parent
     deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp", "quant.cpp", "bf16dot.cpp", "encode.cpp"))).hexdigest()[:16]
     return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

@@ -63,14 +63,15 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 def rotation_signs(n: int = ROT_BLOCK, seed: int = ROT_SEED) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed sign vectors (s1, s2), float64 entries +-1, shape [n] each."""
     g = torch.Generator().manual_seed(seed)
-    s = torch.randint(0, 2, (2, n), generator=g).to(torch.float64) * 2 - 1
+    s = torch.randint(0, 2, (2, n), generator=g, device="cpu").to(torch.float64) * 2 - 1
     return s[0], s[1]
 
 
 @cache
 def _rotation_matrix_f64(n: int, seed: int) -> torch.Tensor:
     s1, s2 = rotation_signs(n, seed)
-    return s2[:, None] * hadamard_matrix(n) * s1[None, :] / math.sqrt(n)
+    with torch.device("cpu"):  # a constant: the same bits on every device
+        return s2[:, None] * hadamard_matrix(n) * s1[None, :] / math.sqrt(n)
 
 
 _MATS: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}

@@ -29,6 +29,7 @@ from turbospec.dtypes import short_name
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
 from turbospec.kernels import encode as encoder
+from turbospec.kernels import triton_attention as gpu_attention
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
@@ -36,6 +37,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.query_rounding import key_block, round_queries
 
 DEFAULT_BLOCK = 1024
+GPU_BLOCK = 16384  # on a GPU the torch blocks (prefill chunks) are few large launches
 
 
 class QuantKVCache(CachePositions):
@@ -43,7 +45,9 @@ class QuantKVCache(CachePositions):
     scratch positions (the tokens of the current step), exactly like `KVCache`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 k_type: str = "f16", v_type: str = "f16", block: int = DEFAULT_BLOCK):
+                 k_type: str = "f16", v_type: str = "f16", block: int | None = None):
+        if block is None:
+            block = GPU_BLOCK if torch.get_default_device().type == "cuda" else DEFAULT_BLOCK
         if block < 1:
             raise ValueError("block must be >= 1")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -129,7 +133,7 @@ class QuantKVCache(CachePositions):
         mask = plan.mask
         # the fused kernel covers the committed positions (and the decode token itself: nothing to mask)
         fused_end = total if (n == 1 and mask is None) else start
-        if rows <= fused.MAX_ROWS and fused_end > self.base and self._kernel_specs is not None:
+        if rows <= fused.MAX_ROWS and fused_end > self.base and self._one_row:
             m, lsum, acc = self._attend_fused(layer, qf, d, self.base, fused_end)
         else:
             fused_end = self.base
@@ -151,8 +155,9 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _one_row(self) -> bool:
-        """Whether a decode token takes `_attend_one` (both formats have a kernel path)."""
-        return self._kernel_specs is not None
+        """Whether a decode token takes `_attend_one` (both formats have a kernel path: C++ on the CPU, Triton on a
+        GPU)."""
+        return self._kernel_specs is not None or self._triton_specs is not None
 
     def _attend_one(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     scale: float | None) -> torch.Tensor:
@@ -241,13 +246,31 @@ class QuantKVCache(CachePositions):
     def _step_sides(self) -> list[tuple] | None:
         return kernel_args.step_sides(self.k_fmt, self.v_fmt, self.head_dim, self.k, self.v, self.num_layers)
 
+    @cached_property
+    def _triton_specs(self):
+        """(K spec, V spec) for the Triton kernel (a cache on a GPU), or None."""
+        if not gpu_attention.wanted(next(iter(self.k.values()))):
+            return None
+        d = self.head_dim
+        ks = kernel_args.attention_spec(self.k_fmt, d)
+        vs = kernel_args.attention_spec(self.v_fmt, d)
+        ok = gpu_attention.supports(ks, self.k_fmt.padded_dim(d)) and gpu_attention.supports(vs, self.v_fmt.padded_dim(d))
+        return (ks, vs) if ok else None
+
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
-        """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel."""
-        ks, vs = self._kernel_specs
+        """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel (C++, or
+        Triton on a GPU: queries against integer keys rounded first, as the C++ kernel rounds them itself)."""
         kw, vw = self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d)
         q = qf if qf.shape[-1] == kw else torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
-        k_fields, v_fields = self._kernel_fields[layer]
-        m, lsum, acc = fused.partial(q.contiguous(), ks, k_fields, vs, v_fields, vw, s, e)
+        if self._kernel_specs is None:
+            ks, vs = self._triton_specs
+            k_fields = [self.k[f][layer] for f in ks[2]]
+            v_fields = [self.v[f][layer] for f in vs[2]]
+            m, lsum, acc = gpu_attention.partial(round_queries(q, self._q_block), ks, k_fields, vs, v_fields, vw, s, e)
+        else:
+            ks, vs = self._kernel_specs
+            k_fields, v_fields = self._kernel_fields[layer]
+            m, lsum, acc = fused.partial(q.contiguous(), ks, k_fields, vs, v_fields, vw, s, e)
         if not self.v_fmt.rotated and vw != d:
             acc = acc[..., :d].contiguous()
         return m.unsqueeze(-1), lsum.unsqueeze(-1), acc

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospec.kernels import attention as fused
+from turbospec.kernels import triton_attention as gpu_attention
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.paged import PagedBatch
 from turbospec.kv.plan import AttentionPlan
@@ -108,13 +109,16 @@ class Attention:
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """One query row per head (q [H, 1, D]) over [KVH, L, D]: batched matmuls (GQA by grouping query heads),
-    cheaper than SDPA's setup for a single row. Uses the fused C++ kernel (reads 16-bit caches directly, no
-    float32 copy of the cache) when it is built; otherwise 16-bit caches are multiplied in float32: without
-    AVX-512 BF16/FP16, torch's 16-bit batched matmul is ~3x slower than converting (docs/speed.md)."""
-    out = fused.dense_decode(q, keys, values, 1.0 / math.sqrt(q.shape[-1]))
+    cheaper than SDPA's setup for a single row. A kernel reads 16-bit caches directly (no float32 copy of the cache):
+    Triton's on a GPU, the fused C++ one on the CPU when it is built; otherwise 16-bit caches are multiplied in
+    float32: without AVX-512 BF16/FP16, torch's 16-bit batched matmul is ~3x slower than converting
+    (docs/speed.md)."""
+    h, _, d = q.shape
+    if gpu_attention.wanted(q) and d >= 16 and d & (d - 1) == 0:
+        return gpu_attention.decode(q, keys, values, 1.0 / math.sqrt(d))  # reads the 16-bit cache directly
+    out = fused.dense_decode(q, keys, values, 1.0 / math.sqrt(d))
     if out is not None:
         return out
-    h, _, d = q.shape
     kvh = keys.shape[0]
     qg = q.reshape(kvh, h // kvh, d).float()
     scores = torch.matmul(qg, keys.transpose(1, 2).float()) * (1.0 / math.sqrt(d))

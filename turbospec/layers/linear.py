@@ -81,8 +81,8 @@ def _onednn_f32() -> bool:
 def prefill_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b for many rows (prefill) of float weights, in x's dtype: bf16 weights in bf16 where
     `bf16_prefill_gemm`, else in float32 (oneDNN's GEMM where torch has it)."""
-    if w.dtype == torch.bfloat16 and bf16_prefill_gemm() and x.dtype == torch.bfloat16:
-        return F.linear(x, w, b)
+    if x.is_cuda or (w.dtype == torch.bfloat16 and bf16_prefill_gemm() and x.dtype == torch.bfloat16):
+        return F.linear(x, w, b)  # a GPU's GEMMs run in the weights' own dtype
     if _prefill_mode() == "native" and w.dtype == x.dtype:
         return F.linear(x, w, b)
     xf, wf, bf = x.float(), w.float(), b.float() if b is not None else None

@@ -8,12 +8,14 @@ from typing import TypeVar
 
 import torch
 
+from turbospec import device
 from turbospec.dtypes import parse_dtype
 from turbospec.errors import TurboSpecError
 from turbospec.model.base import Model
 from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
 from turbospec.model.gguf import GGUFFile, GGUFWeights, is_gguf
 from turbospec.model.loader import IndexedSource, TensorSource, WeightSource, load_config
+from turbospec.model.placement import OnDevice
 from turbospec.weights import PACKED, WEIGHT_CHOICES, trim_heap
 
 Builder = Callable[[ModelConfig, TensorSource, torch.dtype], Model]
@@ -70,8 +72,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: 
 def _build(cfg: ModelConfig, ws: WeightSource | GGUFWeights, dtype: str | torch.dtype, progress: Progress | None,
            shard: Shard | None = None) -> Model:
     ws.progress = progress
+    dev = device.current()
     try:
-        model = build_model(*(shard(cfg, ws) if shard is not None else (cfg, ws)), parse_dtype(dtype))
+        cfg_, src = shard(cfg, ws) if shard is not None else (cfg, ws)
+        model = build_model(cfg_, src if dev.type == "cpu" else OnDevice(src, dev), parse_dtype(dtype))
     finally:
         ws.progress = None  # experts loaded later (--moe-cache-mem) are no longer the load's
         ws.seen = None

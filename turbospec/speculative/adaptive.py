@@ -251,7 +251,7 @@ def calibrate(model, n_max: int, reps: int = 5, context: int = 32) -> StepCosts:
     cache = model.new_cache(context + n_max + 2)
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (context + n_max + 1,), generator=g)
+    ids = torch.randint(3, vocab, (context + n_max + 1,), generator=g, device="cpu").to(torch.get_default_device())
     model.forward(ids[:context], AttentionPlan.causal(0, context), cache)
     cache.commit()
     rows_timed = sorted({1, 2, n_max + 1})

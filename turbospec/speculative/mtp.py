@@ -7,6 +7,7 @@ import secrets
 
 import torch
 
+from turbospec import device
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import Linear
@@ -38,7 +39,7 @@ class MTPDrafter(Drafter):
         # settings and passed as the tree's q (accepted with min(1, p/q): more than an argmax draft at T > 0)
         self.sample = sample
         self.params: SamplingParams | None = None
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=device.current())
         # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
         # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
         self.topk = max(1, topk)

@@ -51,7 +51,7 @@ def qjl_matrix(device: torch.device | str | None = None, kind: str = "orthogonal
 
     def make():
         g = torch.Generator().manual_seed(QJL_SEED)
-        gauss = torch.randn(n, n, generator=g, dtype=torch.float64)
+        gauss = torch.randn(n, n, generator=g, dtype=torch.float64, device="cpu")
         if kind == "gaussian":
             return gauss.to(device=dev, dtype=torch.float32)
         q, r = torch.linalg.qr(gauss)

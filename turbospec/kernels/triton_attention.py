@@ -1,0 +1,134 @@
+"""Few-row attention over a KV cache in any plain or packed format, in Triton (the GPU's counterpart of
+attention.cpp): each program decodes a span of one KV head's positions straight from the cache's fields (no
+float copy of the cache), scores the query rows against it and keeps an online softmax; the spans' partial states
+are merged at the end (split-K "flash decoding").
+
+`partial(q, k_spec, k_fields, v_spec, v_fields, v_width, start, end)` has attention.py's `partial` contract: q
+float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width; for integer keys already rounded by
+`kv.query_rounding`), fields [KVH, T, ...] in the spec's order, and it returns the partial softmax state m [KVH, R],
+l [KVH, R], acc [KVH, R, v_width] over positions [start, end). A spec is attention.py's (kind, index bits, field
+names, centroid table). Products run in IEEE float32 (no TF32), so results match the torch reference to float
+rounding. `available()` says whether Triton is importable; the kernels compile on first use (on the CPU they run
+in Triton's interpreter when TRITON_INTERPRET=1 is set before that: the tests).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+from turbospec.kernels.attention import BF16, F16, F32, Q4_0, Q8_0, TBQ4_0, TURBO, TURBO64
+
+MAX_ROWS = 64  # query rows per KV head one program holds (decode and verification steps; prefill uses torch)
+_BLOCK = {Q8_0: 32, Q4_0: 32, TBQ4_0: 64, TURBO: 128, TURBO64: 64}
+
+
+@cache
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def wanted(t: torch.Tensor) -> bool:
+    """Whether attention over tensors like `t` runs here: on a GPU, or anywhere under TRITON_INTERPRET=1 (the
+    tests, on the CPU)."""
+    return (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and available()
+
+
+def supports(spec, width: int) -> bool:
+    """Whether the kernel reads a format of this spec at this decoded width (a power of two >= 16)."""
+    return spec is not None and width >= 16 and width & (width - 1) == 0 and spec[0] in (
+        F32, F16, BF16, Q8_0, Q4_0, TBQ4_0, TURBO, TURBO64)
+
+
+def _side(spec, fields: list[torch.Tensor], device: torch.device):
+    """(pointers f0..f2, centroid table, strides (head, position) x 3, constexprs KIND, BS, W, QH) of one side."""
+    kind, bits = spec[0], spec[1]
+    f = list(fields) + [fields[0]] * (3 - len(fields))
+    strides = []
+    for t in f:
+        strides += [t.stride(0), t.stride(1)]
+    cent = _table(spec[3], device) if kind in (TURBO, TURBO64) else _dummy(device)
+    w = 4 if kind in (Q4_0, TBQ4_0) else (2 if bits == 3 else bits)
+    return f, cent, strides, (kind, _BLOCK.get(kind, 1), w, int(bits == 3))
+
+
+_TABLES: dict = {}
+
+
+def _table(cent: torch.Tensor, device: torch.device) -> torch.Tensor:
+    key = (id(cent), device)
+    if key not in _TABLES:  # the source table is kept with its copy, so that its id stays its own
+        _TABLES[key] = (cent.to(device=device, dtype=torch.float32).contiguous(), cent)
+    return _TABLES[key][0]
+
+
+@cache
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def splits_for(kvh: int, n: int, block_n: int, device: torch.device) -> int:
+    """Spans per KV head: enough programs to fill the device (about 4 per multiprocessor), each at least 4 tiles."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8
+    return max(1, min(-(-n // (4 * block_n)), -(-target // kvh)))
+
+
+def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor],
+            v_width: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel = _kernel()
+    kvh, r, dk = q.shape
+    if r > MAX_ROWS:
+        raise ValueError(f"{r} query rows per KV head: the Triton attention takes at most {MAX_ROWS}")
+    rp = max(16, 1 << (r - 1).bit_length())
+    block_n = 64 if max(dk, v_width) <= 128 else 32
+    n = end - start
+    splits = splits_for(kvh, n, block_n, q.device)
+    # tiles per span: a power of two (a compile-time trip count, so few variants compile as the context grows)
+    tiles = 1 << (-(-n // (splits * block_n)) - 1).bit_length()
+    chunk = tiles * block_n
+    splits = -(-n // chunk)
+    m = torch.empty(kvh, splits, rp, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(kvh, splits, rp, v_width, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    kf, kc, ks, kk = _side(k_spec, k_fields, q.device)
+    vf, vc, vs, vk = _side(v_spec, v_fields, q.device)
+    kernel[(kvh, splits)](
+        q, m, lsum, acc, *kf, kc, *ks, *vf, vc, *vs, start, end, chunk, r, q.stride(0), q.stride(1),
+        TILES=tiles, RP=rp, DK=dk, DV=v_width, BLOCK_N=block_n, KKIND=kk[0], KBS=kk[1], KW=kk[2], KQH=kk[3],
+        VKIND=vk[0], VBS=vk[1], VW=vk[2], VQH=vk[3])
+    top = m.amax(1, keepdim=True)
+    w = torch.exp(m - top)
+    w = torch.where(torch.isfinite(m), w, torch.zeros_like(w))
+    lsum = (w * lsum).sum(1)
+    acc = (w.unsqueeze(-1) * acc).sum(1)
+    return top.squeeze(1)[:, :r], lsum[:, :r], acc[:, :r]
+
+
+def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per head, q [H, 1, D], over plain K/V views [KVH, L, D] (f32/f16/bf16): the output [H, 1, D]
+    in q's dtype."""
+    h, _, d = q.shape
+    kvh = keys.shape[0]
+    kinds = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+    qg = q.reshape(kvh, h // kvh, d).to(torch.float32) * scale
+    none = torch.empty(0)
+    _, lsum, acc = partial(qg, (kinds[keys.dtype], 0, ("data",), none), [keys],
+                           (kinds[values.dtype], 0, ("data",), none), [values], d, 0, keys.shape[1])
+    return (acc / lsum.unsqueeze(-1)).to(q.dtype).reshape(h, 1, d)
+
+
+@cache
+def _kernel():
+    from turbospec.kernels import triton_attention_jit
+
+    return triton_attention_jit.attend
