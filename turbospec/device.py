@@ -64,3 +64,9 @@ def cpu_kernels() -> bool:
 
 def on_gpu() -> bool:
     return _current.type == "cuda"
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (before reading a clock); nothing on the CPU."""
+    if _current.type == "cuda":
+        torch.cuda.synchronize(_current)

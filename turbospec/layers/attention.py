@@ -98,6 +98,8 @@ class Attention:
             keys, values = cache.write(layer, k, v)
             if n == 1 and plan.mask is None:
                 out = _decode_attention(q, keys, values)
+            elif gpu_rows(q, keys):
+                out = _rows_attention(q, keys, values, plan)
             else:
                 mask, causal = plan.sdpa_mask()
                 out = F.scaled_dot_product_attention(
@@ -124,6 +126,43 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     scores = torch.matmul(qg, keys.transpose(1, 2).float()) * (1.0 / math.sqrt(d))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values.float()).to(q.dtype).reshape(h, 1, d)
+
+
+def gpu_rows(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether a few-row step (verification, a short prompt at depth) over a plain cache takes `_rows_attention`: on
+    a GPU, up to the Triton kernel's rows per KV head, head sizes it reads."""
+    h, n, d = q.shape
+    return (h // keys.shape[0]) * n <= gpu_attention.MAX_ROWS and d >= 16 and d & (d - 1) == 0 \
+        and gpu_attention.wanted(q)
+
+
+def _rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """q [H, N, D] over a plain cache's views [KVH, start + N, D] following `plan` (causal, or a tree mask): the
+    committed positions in the Triton kernel, the step's own N positions in torch with the plan's mask, merged as
+    an online softmax. SDPA would expand the cache per query head for GQA and build a mask over the whole
+    context."""
+    h, n, d = q.shape
+    kvh = keys.shape[0]
+    g = h // kvh
+    start = plan.start
+    qf = q.reshape(kvh, g * n, d).to(torch.float32) * (1.0 / math.sqrt(d))  # rows (query head in group, token)
+    if start > 0:
+        spec = (fused.PLAIN_SPECS[keys.dtype], fused.PLAIN_SPECS[values.dtype])
+        m, lsum, acc = gpu_attention.partial(qf, spec[0], [keys], spec[1], [values], d, 0, start)
+        m, lsum = m.unsqueeze(-1), lsum.unsqueeze(-1)
+    else:
+        m = torch.full((kvh, g * n, 1), -math.inf)
+        lsum = torch.zeros(kvh, g * n, 1)
+        acc = torch.zeros(kvh, g * n, d)
+    sc = torch.matmul(qf, keys[:, start:].to(torch.float32).transpose(1, 2))  # [KVH, G*N, N]
+    allowed = plan.mask[:, start:] if plan.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    sc.masked_fill_(~allowed.repeat(g, 1), -math.inf)
+    top = torch.maximum(m, sc.amax(-1, keepdim=True))  # every row sees its own token: finite
+    p = torch.exp(sc - top)
+    corr = torch.exp(m - top)
+    lsum = lsum * corr + p.sum(-1, keepdim=True)
+    acc = acc * corr + torch.matmul(p, values[:, start:].to(torch.float32))
+    return (acc / lsum).to(q.dtype).reshape(h, n, d)
 
 
 class MLP:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turbospec import device
 from turbospec.speculative.tree import DraftTree
 
 PRIOR = 0.8  # acceptance assumed at a position before any evidence (MTP on the bundled models: 0.6-0.9)
@@ -258,9 +259,11 @@ def calibrate(model, n_max: int, reps: int = 5, context: int = 32) -> StepCosts:
     runs: dict[int, list[float]] = {r: [] for r in rows_timed}
     for rep in range(reps + 1):  # interleaved, so that the machine's drift touches every row count alike
         for rows in rows_timed:
+            device.synchronize()
             t = time.perf_counter()
             model.forward(ids[context:context + rows], AttentionPlan.causal(context, rows), cache)
             model.logits(torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype))
+            device.synchronize()
             if rep:  # the first round warms up
                 runs[rows].append(time.perf_counter() - t)
             cache.commit([])

@@ -45,7 +45,7 @@ class NgramMod(Drafter):
         self.n, self.n_min, self.n_max = n_match, n_min, n_max
         self.shared = shared
         self.mask = (1 << pool_bits) - 1
-        self.pool = torch.full((1 << pool_bits,), -1, dtype=torch.int32)
+        self.pool = torch.full((1 << pool_bits,), -1, dtype=torch.int32, device="cpu")  # host-side: read per token
         self.seen = 0
 
     def _hash(self, toks: list[int]) -> int:
