@@ -133,7 +133,7 @@ class QuantKVCache(CachePositions):
         mask = plan.mask
         # the fused kernel covers the committed positions (and the decode token itself: nothing to mask)
         fused_end = total if (n == 1 and mask is None) else start
-        if rows <= fused.MAX_ROWS and fused_end > self.base and self._one_row:
+        if rows <= fused.MAX_ROWS and fused_end > self.base and self._kernel_ok:
             m, lsum, acc = self._attend_fused(layer, qf, d, self.base, fused_end)
         else:
             fused_end = self.base
@@ -154,10 +154,14 @@ class QuantKVCache(CachePositions):
         return key_block(self.k_fmt)
 
     @cached_property
-    def _one_row(self) -> bool:
-        """Whether a decode token takes `_attend_one` (both formats have a kernel path: C++ on the CPU, Triton on a
-        GPU)."""
+    def _kernel_ok(self) -> bool:
+        """Whether both formats have a kernel path here: C++ on the CPU, Triton on a GPU."""
         return self._kernel_specs is not None or self._triton_specs is not None
+
+    @cached_property
+    def _one_row(self) -> bool:
+        """Whether a decode token takes `_attend_one` (a kernel path)."""
+        return self._kernel_ok
 
     def _attend_one(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     scale: float | None) -> torch.Tensor:

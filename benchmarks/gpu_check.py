@@ -1,0 +1,258 @@
+"""The GPU check's measurements (issue #28 item 3; benchmarks/gpu_check.sh runs the GPU tests first, then this).
+
+A Qwen3.6-27B-shaped hybrid with random bf16 weights (`turbospec fit`'s preset: 64 layers, 16 gated attention +
+48 Gated DeltaNet, hidden 5120, 24/4 heads of 256, vocabulary 248,320, one MTP layer; `--layers` fewer when memory
+is short), built on the device from the bundled hybrid's tensor names (turbospec.model.placement.RandomSource: no
+54 GB file). Measured through the engine (`Engine.generate`, greedy):
+
+* decode t/s at context depth D (4K / 32K / 262K) for each KV format (f16 and tbq4_0), plain and with MTP drafts
+  (draft-mtp, 3 per step): the attention layers' KV is filled with random values for the first D positions (a
+  262K-token prefill is not what this measures), the engine resumes there (prefix reuse) and decodes `--gen`
+  tokens; random weights: MTP drafts are rarely accepted, so the MTP rows show the cost of drafting and verifying,
+  not a speed-up (their acceptance is reported);
+* prefill t/s of a `--prompt`-token prompt from an empty cache, MTP off and on;
+* memory: weights, the KV at each depth, the device's peak; the device's copy bandwidth (a 4 GiB copy) and the
+  decode bound it sets (bytes one token reads: weights + KV at that depth).
+
+    python benchmarks/gpu_check.py [--device cuda] [--layers 64] [--depths 4096,32768,262144] [--kv f16,tbq4_0]
+        [--gen 32] [--prompt 4096] [--out gpu_check.json] [--md gpu_check.md]
+    python benchmarks/gpu_check.py --device cpu --tiny     # the script's own check on a small shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from turbospec import device  # noqa: E402
+from turbospec.config import EngineConfig, SpecConfig  # noqa: E402
+from turbospec.engine import Engine  # noqa: E402
+from turbospec.kv.cache import KVCache  # noqa: E402
+from turbospec.lab.fit.arch import PRESETS  # noqa: E402
+from turbospec.model.config import ModelConfig  # noqa: E402
+from turbospec.model.loader import WeightSource  # noqa: E402
+from turbospec.model.placement import RandomSource, layer_names  # noqa: E402
+from turbospec.model.registry import build_model  # noqa: E402
+from turbospec.sampling import SamplingParams  # noqa: E402
+from turbospec.speculative import make_drafter  # noqa: E402
+
+TEMPLATE = ROOT / "models" / "turbospec-tiny-hybrid"
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "vocab_size": 4096}
+
+
+def config(layers: int, tiny: bool, max_pos: int) -> ModelConfig:
+    d = {k: v for k, v in PRESETS["qwen3.6-27b"].items() if not k.startswith("_")}
+    d.update(num_hidden_layers=layers, max_position_embeddings=max_pos,
+             rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
+    if tiny:
+        d.update(TINY)
+    return ModelConfig.from_dict(d)
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype):
+    tmpl = json.loads((TEMPLATE / "config.json").read_text())
+    names = [n for n in WeightSource(TEMPLATE).names() if not n.startswith("medusa")]
+    names = layer_names(names, cfg, tmpl["layer_types"])
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return build_model(cfg, RandomSource(names, seed=0), dtype)
+
+
+def sync() -> None:
+    device.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a device-to-device copy of 4 GiB (bytes read + written), the best of 10."""
+    if not device.on_gpu():
+        return float("nan")
+    a = torch.empty(1 << 30, dtype=torch.float32)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(10):
+        sync()
+        t = time.perf_counter()
+        b.copy_(a)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    del a, b
+    return 2 * 4 * (1 << 30) / best / 1e9
+
+
+def fill(cache, depth: int, seed: int = 0) -> None:
+    """Random K/V in the attention layers' first `depth` positions, committed (the hybrid's recurrent states stay as
+    they are: their size does not grow with the context)."""
+    kv = cache.kv if hasattr(cache, "kv") else cache
+    g = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+    if isinstance(kv, KVCache):
+        for buf in (kv.k, kv.v):
+            for layer in range(buf.shape[0]):
+                buf[layer, :, :depth].normal_(generator=g)
+    else:
+        step = 16384
+        for fmt, bufs in ((kv.k_fmt, kv.k), (kv.v_fmt, kv.v)):
+            for layer in range(kv.num_layers):
+                for s in range(0, depth, step):
+                    e = min(depth, s + step)
+                    x = torch.randn(kv.num_kv_heads, e - s, kv.head_dim, generator=g)
+                    for name, t in fmt.encode(x).items():
+                        bufs[name][layer, :, s:e] = t
+    kv.length = depth
+    sync()
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+def decode_run(model, depth: int, kv: str, mtp: bool, gen: int, reps: int) -> dict:
+    new = 16
+    sc = SpecConfig.parse("draft-mtp" if mtp else "", n_max=3)
+    ctx = depth + new + 2 * gen + 64
+    drafter = make_drafter(sc, model, ctx + sc.depth + 1) if mtp else None
+    eng = Engine(model, None, EngineConfig(ctx=ctx, ubatch=2048, cache_type_k=kv, cache_type_v=kv, spec=sc),
+                 drafter=drafter)
+    cache = eng.cache
+    fill(cache, depth)
+    g = torch.Generator().manual_seed(depth)
+    context = torch.randint(3, model.cfg.vocab_size, (depth + new,), generator=g, device="cpu").tolist()
+    eng.cached_tokens = context[:depth]
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    eng.generate([context], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    tps, acc, steps = [], [], []
+    for _ in range(reps):
+        sync()
+        out = eng.generate([context], params)[0]
+        st = out["stats"]
+        assert st.cached_tokens >= depth, (st.cached_tokens, depth)
+        tps.append(st.decode_tps)
+        if st.spec is not None:
+            d = st.spec.to_dict()
+            acc.append(d["mean_acceptance_length"])
+            steps.append(d)
+    kv_bytes = cache.kv.nbytes if hasattr(cache, "kv") else cache.nbytes
+    row = {"depth": depth, "kv": kv, "mtp": mtp, "decode_tps": statistics.median(tps), "decode_tps_runs": tps,
+           "kv_gib_allocated": gib(kv_bytes), "kv_gib_at_depth": gib(kv_bytes * depth / ctx)}
+    if steps:
+        row["spec"] = steps[-1]
+    del eng, cache, drafter
+    return row
+
+
+def prefill_run(model, kv: str, mtp: bool, n: int, reps: int) -> dict:
+    sc = SpecConfig.parse("draft-mtp" if mtp else "", n_max=3)
+    ctx = n + 16
+    drafter = make_drafter(sc, model, ctx + sc.depth + 1) if mtp else None
+    eng = Engine(model, None, EngineConfig(ctx=ctx, ubatch=2048, cache_type_k=kv, cache_type_v=kv, spec=sc,
+                                           prefix_cache=False), drafter=drafter)
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng.generate([torch.randint(3, model.cfg.vocab_size, (min(n, 512),), generator=g, device="cpu").tolist()], params)  # warm-up
+    tps = []
+    for _ in range(reps):
+        prompt = torch.randint(3, model.cfg.vocab_size, (n,), generator=g, device="cpu").tolist()
+        sync()
+        eng.generate([prompt], params)
+        tps.append(eng.last_stats.prefill_tps)
+    del eng, drafter
+    return {"prompt": n, "kv": kv, "mtp": mtp, "prefill_tps": statistics.median(tps), "prefill_tps_runs": tps}
+
+
+def guarded(results: list, fn, *args) -> None:
+    """Run one measurement; a failure is recorded (and printed) and the check goes on."""
+    t = time.perf_counter()
+    try:
+        row = fn(*args)
+    except Exception as e:  # noqa: BLE001 -- one failed cell must not lose the others
+        traceback.print_exc()
+        row = {"args": [str(a) for a in args[1:]], "error": f"{type(e).__name__}: {e}"[:500]}
+    row["seconds"] = round(time.perf_counter() - t, 1)
+    if device.on_gpu():
+        row["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    results.append(row)
+
+
+def markdown(report: dict) -> str:
+    w = report["weights_gib"]
+    bw = report["copy_gbps"]
+    lines = [f"# GPU check: {report['gpu']}", "",
+             f"Model: {report['model']}; weights {w} GiB ({report['dtype']}), load {report['load_s']} s. "
+             f"Device copy bandwidth {bw:.0f} GB/s.", "",
+             "| depth | KV | MTP | decode t/s | bound t/s | accepted/step | KV GiB | peak GiB |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in report["decode"]:
+        if "error" in r:
+            lines.append(f"| {' / '.join(r['args'])} | error: {r['error'][:80]} | | | | | | |")
+            continue
+        bound = bw * 1e9 / (report["weights_bytes"] + r["kv_gib_at_depth"] * 2**30)
+        spec = r.get("spec") or {}
+        acc = spec.get("mean_acceptance_length", "")
+        lines.append(f"| {r['depth']} | {r['kv']} | {'on' if r['mtp'] else 'off'} | {r['decode_tps']:.1f} | "
+                     f"{bound:.0f} | {acc if acc == '' else f'{acc:.2f}'} | {r['kv_gib_at_depth']} | "
+                     f"{r.get('peak_gib', '')} |")
+    lines += ["", "| prompt | KV | MTP | prefill t/s |", "|---:|---|---|---:|"]
+    for r in report["prefill"]:
+        if "error" in r:
+            lines.append(f"| {' / '.join(r['args'])} | error: {r['error'][:80]} | | |")
+        else:
+            lines.append(f"| {r['prompt']} | {r['kv']} | {'on' if r['mtp'] else 'off'} | {r['prefill_tps']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--depths", default="4096,32768,262144")
+    ap.add_argument("--kv", default="f16,tbq4_0")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--tiny", action="store_true", help="a small shape (the script's own check on a CPU)")
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--md", default="gpu_check.md")
+    a = ap.parse_args()
+    dev = device.use(a.device)
+    depths = [int(x) for x in a.depths.split(",") if x]
+    kvs = [x for x in a.kv.split(",") if x]
+    cfg = config(a.layers, a.tiny, max(depths) + 4096)
+    t = time.perf_counter()
+    model = random_model(cfg, torch.bfloat16)
+    sync()
+    load_s = time.perf_counter() - t
+    report = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "model": f"Qwen3.6-27B-shaped hybrid, random weights, {cfg.num_layers} layers" + (" (tiny)" if a.tiny else ""),
+              "dtype": "bfloat16", "weights_bytes": model.weight_bytes, "weights_gib": gib(model.weight_bytes),
+              "load_s": round(load_s, 1), "copy_gbps": copy_bandwidth(), "gen": a.gen, "reps": a.reps,
+              "decode": [], "prefill": []}
+    print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill")}), flush=True)
+    for depth in depths:
+        for kv in kvs:
+            for mtp in (False, True):
+                guarded(report["decode"], decode_run, model, depth, kv, mtp, a.gen, a.reps)
+                Path(a.out).write_text(json.dumps(report, indent=1))
+    for kv in kvs:
+        for mtp in (False, True):
+            guarded(report["prefill"], prefill_run, model, kv, mtp, a.prompt, a.reps)
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    Path(a.md).write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
