@@ -170,6 +170,26 @@ def prefill_run(model, kv: str, mtp: bool, n: int, reps: int) -> dict:
     return {"prompt": n, "kv": kv, "mtp": mtp, "prefill_tps": statistics.median(tps), "prefill_tps_runs": tps}
 
 
+def profile_run(model, depth: int, kv: str, steps: int = 4) -> None:
+    """torch.profiler over `steps` plain decode steps at `depth`: the top operators by device time and by host time
+    (where a step's time goes: kernels, or launching them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = Engine(model, None, EngineConfig(ctx=depth + 64, ubatch=2048, cache_type_k=kv, cache_type_v=kv))
+    fill(eng.cache, depth)
+    context = torch.randint(3, model.cfg.vocab_size, (depth + 4,), device="cpu").tolist()
+    eng.cached_tokens = context[:depth]
+    eng.generate([context], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.on_gpu() else [])
+    with profile(activities=acts) as prof:
+        eng.generate([context], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    print(f"profile: depth {depth}, KV {kv}, {steps} tokens (decode t/s {eng.last_stats.decode_tps:.1f})")
+    ka = prof.key_averages()
+    if device.on_gpu():
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=25))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def guarded(results: list, fn, *args) -> None:
     """Run one measurement; a failure is recorded (and printed) and the check goes on."""
     t = time.perf_counter()
@@ -224,6 +244,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--tiny", action="store_true", help="a small shape (the script's own check on a CPU)")
+    ap.add_argument("--profile", default="", help="DEPTH:KV[,DEPTH:KV...]: profile plain decode there, then stop")
     ap.add_argument("--out", default="gpu_check.json")
     ap.add_argument("--md", default="gpu_check.md")
     a = ap.parse_args()
@@ -241,6 +262,11 @@ def main() -> None:
               "load_s": round(load_s, 1), "copy_gbps": copy_bandwidth(), "gen": a.gen, "reps": a.reps,
               "decode": [], "prefill": []}
     print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill")}), flush=True)
+    if a.profile:
+        for item in a.profile.split(","):
+            d, kv = item.split(":")
+            profile_run(model, int(d), kv)
+        return
     for depth in depths:
         for kv in kvs:
             for mtp in (False, True):

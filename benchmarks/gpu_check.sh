@@ -23,7 +23,7 @@ try:
 except ImportError:
     print("triton missing")
 PY
-timeout "${GPU_TEST_TIMEOUT:-240}" $py -m pytest -q -p no:cacheprovider -x --timeout=120 tests/test_gpu.py \
+timeout "${GPU_TEST_TIMEOUT:-240}" $py -m pytest -q -p no:cacheprovider --timeout=120 tests/test_gpu.py \
     tests/test_triton_attention.py tests/test_device.py 2>&1 | tee "$out/tests.log"
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$out/tests.log"
 timeout "${GPU_BENCH_TIMEOUT:-330}" $py benchmarks/gpu_check.py --out "$out/gpu_check.json" --md "$out/gpu_check.md" "$@" \

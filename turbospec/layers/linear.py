@@ -217,7 +217,7 @@ def exact_bf16(lin: Linear | SplitLinear) -> Linear | SplitLinear:
     values, as when a bf16 checkpoint is loaded in float32): the skinny kernel widens bf16 to float32 exactly and
     accumulates in the same order, so the outputs are bit-identical while half the bytes are read. Otherwise
     `lin` itself."""
-    if not isinstance(lin, Linear):
+    if not isinstance(lin, Linear) or lin.kernel is None:  # (torch's products take one dtype: no gain there)
         return lin
     w = lin.weight
     if w.dtype != torch.float32:
