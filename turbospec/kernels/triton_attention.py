@@ -7,20 +7,25 @@ are merged at the end (split-K "flash decoding").
 float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width; for integer keys already rounded by
 `kv.query_rounding`), fields [KVH, T, ...] in the spec's order, and it returns the partial softmax state m [KVH, R],
 l [KVH, R], acc [KVH, R, v_width] over positions [start, end). A spec is attention.py's (kind, index bits, field
-names, centroid table). Products run in IEEE float32 (no TF32), so results match the torch reference to float
-rounding. `available()` says whether Triton is importable; the kernels compile on first use (on the CPU they run
+names, centroid table). Products run as three TF32 products on the GPU's tensor cores (IEEE float32 in the
+interpreter, or where a Triton refuses that), so results match the torch reference to about float32 rounding.
+`available()` says whether Triton is importable; the kernels compile on first use (on the CPU they run
 in Triton's interpreter when TRITON_INTERPRET=1 is set before that: the tests).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from functools import cache
 
 import torch
 
 from turbospec.kernels.attention import BF16, F16, F32, Q4_0, Q8_0, TBQ4_0, TURBO, TURBO64
 
+# products on tensor cores as three TF32 products (about float32's accuracy); "ieee" where that is refused, and in
+# the interpreter
+_PRECISION = "tf32x3"
 MAX_ROWS = 64  # query rows per KV head one program holds (decode and verification steps; prefill uses torch)
 _BLOCK = {Q8_0: 32, Q4_0: 32, TBQ4_0: 64, TURBO: 128, TURBO64: 64}
 
@@ -102,10 +107,19 @@ def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fie
     q = q.contiguous()
     kf, kc, ks, kk = _side(k_spec, k_fields, q.device)
     vf, vc, vs, vk = _side(v_spec, v_fields, q.device)
-    kernel[(kvh, splits)](
-        q, m, lsum, acc, *kf, kc, *ks, *vf, vc, *vs, start, end, chunk, r, q.stride(0), q.stride(1),
-        TILES=tiles, RP=rp, DK=dk, DV=v_width, BLOCK_N=block_n, KKIND=kk[0], KBS=kk[1], KW=kk[2], KQH=kk[3],
-        VKIND=vk[0], VBS=vk[1], VW=vk[2], VQH=vk[3])
+    args = (q, m, lsum, acc, *kf, kc, *ks, *vf, vc, *vs, start, end, chunk, r, q.stride(0), q.stride(1))
+    meta = dict(TILES=tiles, RP=rp, DK=dk, DV=v_width, BLOCK_N=block_n, KKIND=kk[0], KBS=kk[1], KW=kk[2], KQH=kk[3],
+                VKIND=vk[0], VBS=vk[1], VW=vk[2], VQH=vk[3], num_warps=8 if max(dk, v_width) > 128 else 4)
+    global _PRECISION
+    if q.is_cuda and _PRECISION == "tf32x3":
+        try:
+            kernel[(kvh, splits)](*args, PREC="tf32x3", **meta)
+        except Exception as e:  # noqa: BLE001 -- a Triton without 3xTF32 products: IEEE float32 (slower)
+            print(f"turbospec: Triton attention without tf32x3 ({' '.join(str(e).split())[:100]}); using ieee",
+                  file=sys.stderr)
+            _PRECISION = "ieee"
+    if not q.is_cuda or _PRECISION == "ieee":
+        kernel[(kvh, splits)](*args, PREC="ieee", **meta)
     top = m.amax(1, keepdim=True)
     w = torch.exp(m - top)
     w = torch.where(torch.isfinite(m), w, torch.zeros_like(w))
