@@ -9,13 +9,12 @@ float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width; for 
 l [KVH, R], acc [KVH, R, v_width] over positions [start, end). A spec is attention.py's (kind, index bits, field
 names, centroid table). Products run as three TF32 products on the GPU's tensor cores (IEEE float32 in the
 interpreter, or where a Triton refuses that), so results match the torch reference to about float32 rounding.
-`available()` says whether Triton is importable; the kernels compile on first use (on the CPU they run
+`wanted(t)` says whether the kernel runs for tensors like t; the kernels compile on first use (on the CPU they run
 in Triton's interpreter when TRITON_INTERPRET=1 is set before that: the tests).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import cache
 
@@ -28,21 +27,6 @@ from turbospec.kernels.attention import BF16, F16, F32, Q4_0, Q8_0, TBQ4_0, TURB
 _PRECISION = "tf32x3"
 MAX_ROWS = 64  # query rows per KV head one program holds (decode and verification steps; prefill uses torch)
 _BLOCK = {Q8_0: 32, Q4_0: 32, TBQ4_0: 64, TURBO: 128, TURBO64: 64}
-
-
-@cache
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def wanted(t: torch.Tensor) -> bool:
-    """Whether attention over tensors like `t` runs here: on a GPU, or anywhere under TRITON_INTERPRET=1 (the
-    tests, on the CPU)."""
-    return (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and available()
 
 
 def supports(spec, width: int) -> bool:
@@ -108,8 +92,9 @@ def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fie
     kf, kc, ks, kk = _side(k_spec, k_fields, q.device)
     vf, vc, vs, vk = _side(v_spec, v_fields, q.device)
     args = (q, m, lsum, acc, *kf, kc, *ks, *vf, vc, *vs, start, end, chunk, r, q.stride(0), q.stride(1))
-    meta = dict(TILES=tiles, RP=rp, DK=dk, DV=v_width, BLOCK_N=block_n, KKIND=kk[0], KBS=kk[1], KW=kk[2], KQH=kk[3],
-                VKIND=vk[0], VBS=vk[1], VW=vk[2], VQH=vk[3], num_warps=8 if max(dk, v_width) > 128 else 4)
+    meta = {"TILES": tiles, "RP": rp, "DK": dk, "DV": v_width, "BLOCK_N": block_n, "KKIND": kk[0], "KBS": kk[1],
+            "KW": kk[2], "KQH": kk[3], "VKIND": vk[0], "VBS": vk[1], "VW": vk[2], "VQH": vk[3],
+            "num_warps": 8 if max(dk, v_width) > 128 else 4}
     global _PRECISION
     if q.is_cuda and _PRECISION == "tf32x3":
         try:

@@ -29,6 +29,7 @@ from turbospec.dtypes import short_name
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
 from turbospec.kernels import encode as encoder
+from turbospec.kernels import gpu
 from turbospec.kernels import triton_attention as gpu_attention
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
@@ -253,7 +254,7 @@ class QuantKVCache(CachePositions):
     @cached_property
     def _triton_specs(self):
         """(K spec, V spec) for the Triton kernel (a cache on a GPU), or None."""
-        if not gpu_attention.wanted(next(iter(self.k.values()))):
+        if not gpu.wanted(next(iter(self.k.values()))):
             return None
         d = self.head_dim
         ks = kernel_args.attention_spec(self.k_fmt, d)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospec.kernels import attention as fused
+from turbospec.kernels import gpu
 from turbospec.kernels import triton_attention as gpu_attention
 from turbospec.kernels.gemv import load_kernel
 from turbospec.kv.paged import PagedBatch
@@ -116,7 +117,7 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     float32: without AVX-512 BF16/FP16, torch's 16-bit batched matmul is ~3x slower than converting
     (docs/speed.md)."""
     h, _, d = q.shape
-    if gpu_attention.wanted(q) and d >= 16 and d & (d - 1) == 0:
+    if gpu.wanted(q) and d >= 16 and d & (d - 1) == 0:
         return gpu_attention.decode(q, keys, values, 1.0 / math.sqrt(d))  # reads the 16-bit cache directly
     out = fused.dense_decode(q, keys, values, 1.0 / math.sqrt(d))
     if out is not None:
@@ -133,7 +134,7 @@ def gpu_rows(q: torch.Tensor, keys: torch.Tensor) -> bool:
     a GPU, up to the Triton kernel's rows per KV head, head sizes it reads."""
     h, n, d = q.shape
     return (h // keys.shape[0]) * n <= gpu_attention.MAX_ROWS and d >= 16 and d & (d - 1) == 0 \
-        and gpu_attention.wanted(q)
+        and gpu.wanted(q)
 
 
 def _rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:

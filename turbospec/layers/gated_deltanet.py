@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from turbospec import env
+from turbospec.kernels import gpu
+from turbospec.kernels import triton_deltanet as gpu_deltanet
 from turbospec.kernels.gemv import load_extension
 from turbospec.layers.linear import Linear, SplitLinear
 
@@ -234,6 +236,11 @@ class GatedDeltaNet:
             par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
             o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
                                         ssm_state, par, self.nk, self.nv, self.dk, self.dv, self.eps, True)
+            return o, window, states
+        if all_states and gpu.wanted(proj) and gpu_deltanet.supports(n, self.dk, self.dv):  # GPU: one Triton call
+            rows = conv_rows(parents, self.kernel) if parents is not None else None
+            o, states = gpu_deltanet.step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
+                                          ssm_state, parents, self.nk, self.nv, self.dk, self.dv, self.eps, rows)
             return o, window, states
         if parents is not None:  # conv rows along each node's root path (then the committed conv state)
             rows = conv_rows(parents, self.kernel)
