@@ -170,12 +170,15 @@ def prefill_run(model, kv: str, mtp: bool, n: int, reps: int) -> dict:
     return {"prompt": n, "kv": kv, "mtp": mtp, "prefill_tps": statistics.median(tps), "prefill_tps_runs": tps}
 
 
-def profile_run(model, depth: int, kv: str, steps: int = 4) -> None:
-    """torch.profiler over `steps` plain decode steps at `depth`: the top operators by device time and by host time
-    (where a step's time goes: kernels, or launching them)."""
+def profile_run(model, depth: int, kv: str, mtp: bool = False, steps: int = 4) -> None:
+    """torch.profiler over `steps` decode steps at `depth` (plain, or with MTP drafts): the top operators by device
+    time and by host time (where a step's time goes: kernels, or launching them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = Engine(model, None, EngineConfig(ctx=depth + 64, ubatch=2048, cache_type_k=kv, cache_type_v=kv))
+    sc = SpecConfig.parse("draft-mtp" if mtp else "", n_max=3)
+    drafter = make_drafter(sc, model, depth + 64 + sc.depth + 1) if mtp else None
+    eng = Engine(model, None, EngineConfig(ctx=depth + 64, ubatch=2048, cache_type_k=kv, cache_type_v=kv, spec=sc),
+                 drafter=drafter)
     fill(eng.cache, depth)
     context = torch.randint(3, model.cfg.vocab_size, (depth + 4,), device="cpu").tolist()
     eng.cached_tokens = context[:depth]
@@ -183,7 +186,7 @@ def profile_run(model, depth: int, kv: str, steps: int = 4) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.on_gpu() else [])
     with profile(activities=acts) as prof:
         eng.generate([context], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
-    print(f"profile: depth {depth}, KV {kv}, {steps} tokens (decode t/s {eng.last_stats.decode_tps:.1f})")
+    print(f"profile: depth {depth}, KV {kv}, MTP {mtp}, {steps} tokens (decode t/s {eng.last_stats.decode_tps:.1f})")
     ka = prof.key_averages()
     if device.on_gpu():
         print(ka.table(sort_by="self_cuda_time_total", row_limit=25))
@@ -244,14 +247,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--tiny", action="store_true", help="a small shape (the script's own check on a CPU)")
-    ap.add_argument("--profile", default="", help="DEPTH:KV[,DEPTH:KV...]: profile plain decode there, then stop")
+    ap.add_argument("--profile", default="", help="DEPTH:KV[:mtp][,...]: after the measurements, profile decode there (plain, or with MTP)")
     ap.add_argument("--out", default="gpu_check.json")
     ap.add_argument("--md", default="gpu_check.md")
     a = ap.parse_args()
     dev = device.use(a.device)
-    depths = [int(x) for x in a.depths.split(",") if x]
+    depths = [int(x) for x in a.depths.split(",") if x]  # none: only the prefill rows (and any profiles)
     kvs = [x for x in a.kv.split(",") if x]
-    cfg = config(a.layers, a.tiny, max(depths) + 4096)
+    cfg = config(a.layers, a.tiny, max(depths, default=0) + a.prompt + 4096)
     t = time.perf_counter()
     model = random_model(cfg, torch.bfloat16)
     sync()
@@ -262,11 +265,6 @@ def main() -> None:
               "load_s": round(load_s, 1), "copy_gbps": copy_bandwidth(), "gen": a.gen, "reps": a.reps,
               "decode": [], "prefill": []}
     print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill")}), flush=True)
-    if a.profile:
-        for item in a.profile.split(","):
-            d, kv = item.split(":")
-            profile_run(model, int(d), kv)
-        return
     for depth in depths:
         for kv in kvs:
             for mtp in (False, True):
@@ -278,6 +276,12 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(report, indent=1))
     Path(a.md).write_text(markdown(report))
     print(markdown(report))
+    for item in filter(None, a.profile.split(",")):
+        d, kv, *mtp = item.split(":")
+        try:
+            profile_run(model, int(d), kv, mtp == ["mtp"])
+        except Exception:  # noqa: BLE001 -- a profile is a diagnostic: the report is written already
+            traceback.print_exc()
 
 
 if __name__ == "__main__":

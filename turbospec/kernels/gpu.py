@@ -4,6 +4,7 @@ them on the CPU in Triton's interpreter)."""
 from __future__ import annotations
 
 import os
+import sys
 from functools import cache
 
 import torch
@@ -21,3 +22,18 @@ def available() -> bool:
 def wanted(t: torch.Tensor) -> bool:
     """Whether work on tensors like `t` goes to the Triton kernels."""
     return (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and available()
+
+
+_FAILED: dict[str, str] = {}
+
+
+def enabled(kernel: str) -> bool:
+    """False once `kernel` failed here (its callers then take the torch path for the rest of the process)."""
+    return kernel not in _FAILED
+
+
+def failed(kernel: str, error: Exception) -> None:
+    """Record (and say, once) that `kernel` could not run: a Triton or driver that cannot compile it."""
+    if kernel not in _FAILED:
+        _FAILED[kernel] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        print(f"turbospec: Triton {kernel} kernel unavailable ({_FAILED[kernel]}); using torch", file=sys.stderr)

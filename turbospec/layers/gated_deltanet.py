@@ -237,11 +237,15 @@ class GatedDeltaNet:
             o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
                                         ssm_state, par, self.nk, self.nv, self.dk, self.dv, self.eps, True)
             return o, window, states
-        if all_states and gpu.wanted(proj) and gpu_deltanet.supports(n, self.dk, self.dv):  # GPU: one Triton call
+        if all_states and gpu.wanted(proj) and gpu.enabled("deltanet") and gpu_deltanet.supports(n, self.dk, self.dv):
             rows = conv_rows(parents, self.kernel) if parents is not None else None
-            o, states = gpu_deltanet.step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
-                                          ssm_state, parents, self.nk, self.nv, self.dk, self.dv, self.eps, rows)
-            return o, window, states
+            try:  # GPU: one Triton call
+                o, states = gpu_deltanet.step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias,
+                                              self.norm_weight, ssm_state, parents, self.nk, self.nv, self.dk, self.dv,
+                                              self.eps, rows)
+                return o, window, states
+            except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the torch path below
+                gpu.failed("deltanet", e)
         if parents is not None:  # conv rows along each node's root path (then the committed conv state)
             rows = conv_rows(parents, self.kernel)
             conv = window[rows[:, 0]] * self.conv_t[0]
