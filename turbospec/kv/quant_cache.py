@@ -31,6 +31,7 @@ from turbospec.kernels import attention as fused
 from turbospec.kernels import encode as encoder
 from turbospec.kernels import gpu
 from turbospec.kernels import triton_attention as gpu_attention
+from turbospec.kernels import triton_encode as gpu_encode
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
@@ -83,11 +84,19 @@ class QuantKVCache(CachePositions):
             raise TurboSpecError(f"context full: {self.length} + {n} > {self.max_len}")
         end = self.length + n
         specs = self._encode_specs if k.shape[0] * n <= encoder.MAX_ROWS else (None, None)
+        gpu_kinds = self._gpu_encode if gpu.enabled("encode") else (None, None)
         for i, (fmt, buf, x) in enumerate(((self.k_fmt, self.k, k), (self.v_fmt, self.v, v))):
             spec = specs[i]
             if spec is not None and encoder.encode_into(x, spec, self._encode_fields[layer][i], self.length,
                                                         self._encoder):
                 continue
+            if gpu_kinds[i] is not None:
+                kind, names = gpu_kinds[i]
+                try:
+                    gpu_encode.encode_into(x, kind, [buf[f][layer] for f in names], self.length)
+                    continue
+                except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the torch encoder
+                    gpu.failed("encode", e)
             for name, t in fmt.encode(x).items():
                 buf[name][layer, :, self.length:end] = t
 
@@ -211,6 +220,18 @@ class QuantKVCache(CachePositions):
             acc.mul_(corr).add_(torch.matmul(p, vb))
             m = m_new
         return m, lsum, acc
+
+    @cached_property
+    def _gpu_encode(self) -> tuple:
+        """Per side, (kind, field names) for the Triton encoder (a cache on a GPU), or None (torch's encoder)."""
+        if not gpu.wanted(next(iter(self.k.values()))):
+            return None, None
+        out = []
+        for fmt in (self.k_fmt, self.v_fmt):
+            spec = kernel_args.encode_spec(fmt, self.head_dim)  # (None: dithered tbq4_0d, unchecked formats)
+            ok = spec is not None and gpu_encode.supports(spec.kind, spec.width, self.head_dim)
+            out.append((spec.kind, spec.fields) if ok else None)
+        return tuple(out)
 
     @cached_property
     def _encoder(self):

@@ -1,0 +1,58 @@
+"""The Triton KV encoder (turbospec/kernels/triton_encode.py): the same bytes as the torch reference encoders for
+plain, q8_0, q4_0 and tbq4_0 (zeros, ties of the largest magnitude, negative maxima); on a GPU where there is one,
+else in Triton's interpreter (which rounds bfloat16 differently: within one bf16 step there)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from turbospec.kernels import triton_encode as te
+from turbospec.kv import kernel_args
+from turbospec.kv.formats import get_format
+from turbospec.kv.quant_cache import QuantKVCache
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    if DEV == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "tbq4_0"])
+@pytest.mark.parametrize("dim", [64, 256])
+def test_encoder_writes_the_reference_bytes(interpret, name, dim):
+    g = torch.Generator().manual_seed(dim)
+    fmt = get_format(name)
+    kvh, n, t = 2, 3, 10
+    x = torch.randn(kvh, n, dim, generator=g) * 3
+    x[0, 0, :40] = 0  # a zero block
+    x[1, 1, 7] = -x[1, 1].abs().max()  # a tie of the largest magnitude, negative
+    x[1, 2, 3] = 1e-3  # small values beside large ones
+    ref = fmt.encode(x)
+    spec = kernel_args.attention_spec(fmt, dim)
+    assert te.supports(spec[0], fmt.padded_dim(dim), dim)
+    bufs = {f: b.to(DEV) for f, b in fmt.allocate(dim, (kvh, t)).items()}
+    te.encode_into(x.to(DEV), spec[0], [bufs[f] for f in spec[2]], 4)
+    for f in spec[2]:
+        got = bufs[f][:, 4:4 + n].cpu()
+        if name == "bf16" and DEV == "cpu":
+            torch.testing.assert_close(got.float(), ref[f].float(), rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(got, ref[f]), f
+        assert not bufs[f][:, :4].cpu().any() and not bufs[f][:, 4 + n:].cpu().any()  # nothing else written
+
+
+def test_cache_takes_the_encoder_only_for_formats_it_writes(interpret):
+    """Dithered tbq4_0d and the turbo* formats keep the torch encoders."""
+    for name, expect in (("q8_0", True), ("tbq4_0", True), ("tbq4_0d", False), ("turbo3", False)):
+        with torch.device(DEV):
+            cache = QuantKVCache(1, 2, 64, 8, name, name)
+        assert (cache._gpu_encode[0] is not None) == expect, name

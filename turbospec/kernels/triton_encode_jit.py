@@ -1,0 +1,85 @@
+"""The Triton program of turbospec/kernels/triton_encode.py (imported on first use: Triton reads TRITON_INTERPRET
+when it is defined)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _recip(d):
+    """1/d correctly rounded, 0 where that is not finite (the reference's `_safe_reciprocal`)."""
+    inv = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    return tl.where(tl.abs(inv) == float("inf"), 0.0, inv)
+
+
+@triton.jit
+def _trunc(v):
+    return tl.where(v >= 0, tl.floor(v), tl.ceil(v))
+
+
+@triton.jit
+def _rne(v):
+    """Round half to even (torch.round) for |v| well inside float32's integer range."""
+    r = tl.floor(v + 0.5)
+    tie = (r - v) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _half_away(v):
+    """Round half away from zero (ggml's roundf), as the reference computes it."""
+    a = tl.abs(v)
+    fl = tl.floor(a)
+    r = fl + tl.floor((a - fl) * 2.0)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, KIND: tl.constexpr, BS: tl.constexpr):
+    """One program per (vector, block): vector v = head * n + token of x [KVH, n, D] into position start + token."""
+    v = tl.program_id(0)
+    b = tl.program_id(1)
+    h = (v // n).to(tl.int64)
+    t = v % n
+    HALF: tl.constexpr = BS // 2
+    j = tl.arange(0, HALF)
+    xp = x + h * sxh + t * sxt + b * BS
+    lo = tl.load(xp + j).to(tl.float32)
+    hi = tl.load(xp + HALF + j).to(tl.float32)
+    pos = (start + t).to(tl.int64)
+    o0 = f0 + h * s0h + pos * s0t
+    o1 = f1 + h * s1h + pos * s1t
+    if KIND <= 2:  # plain: the values in the cache's dtype
+        tl.store(o0 + b * BS + j, lo.to(f0.dtype.element_ty))
+        tl.store(o0 + b * BS + HALF + j, hi.to(f0.dtype.element_ty))
+    elif KIND == 3:  # q8_0: d = absmax / 127 (stored fp16), codes roundf(x / d) with the float32 d
+        d = tl.math.div_rn(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), 127.0)
+        inv = _recip(d)
+        tl.store(o0 + b, d.to(tl.float16))
+        tl.store(o1 + b * BS + j, _half_away(lo * inv).to(tl.int8))
+        tl.store(o1 + b * BS + HALF + j, _half_away(hi * inv).to(tl.int8))
+    else:
+        if KIND == 4:  # q4_0: d = (the value of largest magnitude, first on ties) / -8; codes trunc(x / d + 8.5)
+            al = tl.abs(lo)
+            ah = tl.abs(hi)
+            ml = tl.max(al, 0)
+            mh = tl.max(ah, 0)
+            il = tl.argmax(al, 0, tie_break_left=True)
+            ih = tl.argmax(ah, 0, tie_break_left=True)
+            xl = tl.sum(tl.where(j == il, lo, 0.0), 0)
+            xh = tl.sum(tl.where(j == ih, hi, 0.0), 0)
+            m = tl.where(ml >= mh, xl, xh)
+            d = tl.math.div_rn(m, -8.0)
+            inv = _recip(d)
+            tl.store(o0 + b, d.to(tl.float16))
+            ql = tl.minimum(tl.maximum(_trunc((lo * inv) + 8.5), 0.0), 15.0)
+            qh = tl.minimum(tl.maximum(_trunc((hi * inv) + 8.5), 0.0), 15.0)
+        else:  # tbq4_0: S = absmax / 7 stored fp16, codes round(x / S) in [-8, 7] against the stored S, + 8
+            s16 = tl.math.div_rn(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), 7.0).to(tl.float16)
+            inv = _recip(s16.to(tl.float32))
+            tl.store(o0 + b, s16)
+            ql = tl.minimum(tl.maximum(_rne(lo * inv), -8.0), 7.0) + 8.0
+            qh = tl.minimum(tl.maximum(_rne(hi * inv), -8.0), 7.0) + 8.0
+        byte = ql.to(tl.int32) | (qh.to(tl.int32) << 4)  # low nibbles: the block's first half
+        tl.store(o1 + b * HALF + j, byte.to(tl.uint8))
