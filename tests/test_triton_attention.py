@@ -1,6 +1,6 @@
 """The Triton attention kernel (turbospec/kernels/triton_attention.py) against the torch reference, for every format
-it reads: on a GPU where there is one, else on the CPU in Triton's interpreter (TRITON_INTERPRET=1, set before the
-kernels are first defined). And the engine end to end: greedy tokens with the kernel equal the torch path's."""
+it reads: on a GPU where there is one, else on the CPU in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before Triton is first imported). And the engine end to end: greedy tokens with the kernel equal the torch path's."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from turbospec.kernels import gpu
 from turbospec.kernels import triton_attention as ta
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import get_format
 
-# not imported here: on the CPU, Triton must first be imported with TRITON_INTERPRET=1 set (its language functions
-# are defined for the interpreter then)
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
 
@@ -30,8 +29,9 @@ FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3", "
 
 @pytest.fixture
 def interpret(monkeypatch):
+    """On the CPU: the kernels in Triton's interpreter (tests/conftest.py set TRITON_INTERPRET before Triton loaded)."""
     if DEV == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(gpu, "ON_CPU", True)
 
 
 def reference(q, kd, vd, s, e):
@@ -88,7 +88,9 @@ def test_too_many_rows_is_refused():
 
 ENGINE_RUN = r"""
 import json, os, sys
+from turbospec.kernels import gpu
 from turbospec.kernels import triton_attention as ta
+gpu.ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 calls = [0]
 partial = ta.partial
 def counted(*a, **k):
@@ -112,7 +114,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the GPU runs this through tests/test_gpu.py")
-@pytest.mark.parametrize("model,kv", [("turbospec-tiny", ",q8_0,tbq4_0,turbo3"), ("turbospec-tiny-hybrid", ",turbo3")])
+@pytest.mark.parametrize("model,kv", [("turbospec-tiny", ",q8_0,tbq4_0,turbo3"), ("turbospec-tiny-hybrid", "")])
 def test_engine_greedy_tokens_equal_with_the_kernel(model, kv):
     """The engine without C++ kernels, once on the torch paths and once with the Triton kernels (the interpreter:
     attention, and the hybrid's Gated DeltaNet steps): the same greedy tokens for plain and packed KV, with and

@@ -1,6 +1,6 @@
 """The Triton Gated DeltaNet step (turbospec/kernels/triton_deltanet.py) against the torch path of
 `GatedDeltaNet.mix`: chains of 1 and 4 tokens and a tree, float32 (to float rounding) and bfloat16 (to its
-rounding); on a GPU where there is one, else in Triton's interpreter."""
+rounding); on a GPU where there is one, else in Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,parents", [(1, None), (4, None), (6, [-1, 0, 0, 1, 2, 4])])
-def test_step_matches_the_torch_mixer(monkeypatch, dtype, n, parents):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_step_matches_the_torch_mixer(dtype, n, parents):
     g = torch.Generator().manual_seed(n)
     nk, nv, dk, dv, k, hidden = 2, 4, 32, 32, 4, 64
     c = 2 * nk * dk + nv * dv
@@ -36,8 +35,6 @@ def test_step_matches_the_torch_mixer(monkeypatch, dtype, n, parents):
     x, conv_state, ssm = rnd(n, hidden), rnd(k - 1, c), torch.randn(nv, dk, dv, generator=g) * 0.1
     proj = mixer.proj(x)
     o_ref, window, states_ref = mixer.mix(proj, conv_state, ssm, True, parents)  # the torch path (on the CPU)
-    if DEV == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     _, z, b, a = proj.split([mixer.conv_dim, mixer.value_dim, nv, nv], dim=-1)
     dev = [t.to(DEV) for t in (window, mixer.conv_t, z, b, a, mixer.neg_a, mixer.dt_bias, mixer.norm_weight, ssm)]
     rows = conv_rows(parents, k) if parents is not None else None

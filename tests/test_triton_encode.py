@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 
+from turbospec.kernels import gpu
 from turbospec.kernels import triton_encode as te
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import get_format
@@ -22,8 +23,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def interpret(monkeypatch):
+    """On the CPU: the kernels in Triton's interpreter (tests/conftest.py set TRITON_INTERPRET before Triton loaded)."""
     if DEV == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(gpu, "ON_CPU", True)
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q8_0", "q4_0", "tbq4_0"])

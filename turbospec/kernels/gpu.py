@@ -1,9 +1,9 @@
-"""Whether the Triton kernels run: Triton importable, and tensors on a GPU (or TRITON_INTERPRET=1: the tests run
-them on the CPU in Triton's interpreter)."""
+"""Whether the Triton kernels run: Triton importable, and tensors on a GPU (or `ON_CPU`: the tests run them on
+the CPU in Triton's interpreter, which needs TRITON_INTERPRET=1 set before Triton is first imported: tests/conftest.py
+sets it on machines without a GPU)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import cache
 
@@ -19,9 +19,12 @@ def available() -> bool:
     return True
 
 
+ON_CPU = False  # the tests' switch: CPU tensors take the Triton kernels too (interpreted)
+
+
 def wanted(t: torch.Tensor) -> bool:
     """Whether work on tensors like `t` goes to the Triton kernels."""
-    return (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and available()
+    return (t.is_cuda or ON_CPU) and available()
 
 
 _FAILED: dict[str, str] = {}
