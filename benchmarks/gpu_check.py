@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from turbospec import device  # noqa: E402
+from turbospec import device, env  # noqa: E402
 from turbospec.config import EngineConfig, SpecConfig  # noqa: E402
 from turbospec.engine import Engine  # noqa: E402
 from turbospec.kv.cache import KVCache  # noqa: E402
@@ -263,6 +263,7 @@ def main() -> None:
               "model": f"Qwen3.6-27B-shaped hybrid, random weights, {cfg.num_layers} layers" + (" (tiny)" if a.tiny else ""),
               "dtype": "bfloat16", "weights_bytes": model.weight_bytes, "weights_gib": gib(model.weight_bytes),
               "load_s": round(load_s, 1), "copy_gbps": copy_bandwidth(), "gen": a.gen, "reps": a.reps,
+              "switches": env.all_set(),
               "decode": [], "prefill": []}
     print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill")}), flush=True)
     for depth in depths:
@@ -273,6 +274,7 @@ def main() -> None:
     for kv in kvs:
         for mtp in (False, True):
             guarded(report["prefill"], prefill_run, model, kv, mtp, a.prompt, a.reps)
+            Path(a.out).write_text(json.dumps(report, indent=1))
     Path(a.out).write_text(json.dumps(report, indent=1))
     Path(a.md).write_text(markdown(report))
     print(markdown(report))

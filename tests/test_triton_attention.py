@@ -121,7 +121,7 @@ def test_engine_greedy_tokens_equal_with_the_kernel(model, kv):
     without MTP drafts."""
     runs = []
     for interp in ("0", "1"):
-        env = {**os.environ, "TURBOSPEC_NO_KERNEL": "1", "TRITON_INTERPRET": interp}
+        env = {**os.environ, "TURBOSPEC_NO_KERNEL": "1", "TRITON_INTERPRET": interp, "TURBOSPEC_TRITON_GDN": "1"}
         r = subprocess.run([sys.executable, "-c", ENGINE_RUN, str(ROOT / "models" / model), kv], env=env, cwd=ROOT,
                            capture_output=True, text=True, check=True)
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))

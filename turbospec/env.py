@@ -11,6 +11,7 @@ Switches change which code path runs (for benchmarks and debugging), never resul
 | TURBOSPEC_NO_ATTN_KERNEL | packed-KV attention in torch instead of the fused C++ kernel |
 | TURBOSPEC_NO_ENCODE_KERNEL | KV encoders in torch instead of C++ |
 | TURBOSPEC_NO_GDN_KERNEL | Gated DeltaNet recurrence in torch instead of C++ |
+| TURBOSPEC_TRITON_GDN | on a GPU: the Gated DeltaNet step in Triton (kernels/triton_deltanet.py) instead of torch's ops; opt-in until its GPU parity is settled (docs/gpu.md) |
 | TURBOSPEC_NO_AVX512 | C++ kernels: the AVX2 paths instead of AVX-512 (packed-weight products, attention; read by the C++ kernels, once per process) |
 | TURBOSPEC_NO_HUGEPAGES | weights and KV in ordinary 4 KB pages (read at import) |
 | TURBOSPEC_SKINNY_MAX_ROWS | most rows the skinny GEMM takes per call, default 16 (read at import) |
@@ -29,7 +30,7 @@ from __future__ import annotations
 import os
 
 SWITCHES = ("TURBOSPEC_MODEL", "TURBOSPEC_API_KEY", "TURBOSPEC_NO_KERNEL", "TURBOSPEC_NO_FUSED",
-            "TURBOSPEC_NO_ATTN_KERNEL", "TURBOSPEC_NO_ENCODE_KERNEL", "TURBOSPEC_NO_GDN_KERNEL",
+            "TURBOSPEC_NO_ATTN_KERNEL", "TURBOSPEC_NO_ENCODE_KERNEL", "TURBOSPEC_NO_GDN_KERNEL", "TURBOSPEC_TRITON_GDN",
             "TURBOSPEC_NO_AVX512", "TURBOSPEC_NO_HUGEPAGES", "TURBOSPEC_SKINNY_MAX_ROWS", "TURBOSPEC_PREFILL", "TURBOSPEC_TP_TIMEOUT")
 
 

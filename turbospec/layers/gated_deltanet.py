@@ -237,7 +237,8 @@ class GatedDeltaNet:
             o, states = kernel.gdn_step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias, self.norm_weight,
                                         ssm_state, par, self.nk, self.nv, self.dk, self.dv, self.eps, True)
             return o, window, states
-        if all_states and gpu.wanted(proj) and gpu.enabled("deltanet") and gpu_deltanet.supports(n, self.dk, self.dv):
+        if (all_states and gpu.wanted(proj) and env.on("TURBOSPEC_TRITON_GDN") and gpu.enabled("deltanet")
+                and gpu_deltanet.supports(n, self.dk, self.dv)):
             rows = conv_rows(parents, self.kernel) if parents is not None else None
             try:  # GPU: one Triton call
                 o, states = gpu_deltanet.step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias,
