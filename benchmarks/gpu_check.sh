@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (issue #28): on a fresh CUDA machine with only this repository, install turbospec (no downloads),
-# run the GPU tests, then measure a Qwen3.6-27B-shaped model (benchmarks/gpu_check.py). Writes OUTDIR/tests.log,
-# OUTDIR/gpu_check.json, OUTDIR/gpu_check.md and OUTDIR/bench.log.
+# run the GPU tests file by file (each file's report printed before the next starts), time the Triton kernels
+# alone, then measure a Qwen3.6-27B-shaped model through the engine. Writes OUTDIR/tests.log, OUTDIR/kernels.json,
+# OUTDIR/gpu_check.json (each row as it comes), OUTDIR/gpu_check.md and OUTDIR/bench.log. About 8 minutes on an
+# H200; the limits below keep it there.
 #
 #     bash benchmarks/gpu_check.sh [OUTDIR] [gpu_check.py options...]
 set -uo pipefail
@@ -23,9 +25,12 @@ try:
 except ImportError:
     print("triton missing")
 PY
-timeout "${GPU_TEST_TIMEOUT:-240}" $py -m pytest -q -p no:cacheprovider --timeout=120 tests/test_gpu.py \
-    tests/test_triton_attention.py tests/test_device.py 2>&1 | tee "$out/tests.log"
+for f in tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_encode.py tests/test_triton_deltanet.py; do
+    timeout "${GPU_TEST_TIMEOUT:-90}" $py -m pytest -q -p no:cacheprovider --timeout=60 --tb=short "$f" 2>&1 \
+        | tee -a "$out/tests.log" | tail -15
+done
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$out/tests.log"
-timeout "${GPU_BENCH_TIMEOUT:-330}" $py benchmarks/gpu_check.py --out "$out/gpu_check.json" --md "$out/gpu_check.md" "$@" \
-    2>&1 | tee "$out/bench.log"
+timeout "${GPU_KERNEL_TIMEOUT:-60}" $py benchmarks/gpu_kernels.py --reps 10 --out "$out/kernels.json" >"$out/kernels.log" 2>&1
+timeout "${GPU_BENCH_TIMEOUT:-200}" $py benchmarks/gpu_check.py --gen 16 --reps 2 --out "$out/gpu_check.json" \
+    --md "$out/gpu_check.md" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^ \|^-'
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$out/bench.log"

@@ -53,7 +53,7 @@ def fake_torch_build(tmp_path, monkeypatch):
 
 
 def test_build_message_once(fake_torch_build, capsys):
-    load = gemv.load_extension.__wrapped__  # past the per-process cache
+    load = gemv._load_extension.__wrapped__  # past the per-process cache
     for name in ("ts_test_a", "ts_test_b"):  # nothing cached: two builds, one message
         assert load(name, "encode.cpp", "test") is not None
     assert fake_torch_build == ["ts_test_a", "ts_test_b"]
@@ -67,5 +67,5 @@ def test_no_message_when_cached(fake_torch_build, tmp_path, capsys, monkeypatch)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DTURBOSPEC_SIMD={simd}", "-DX=1"]
     cached(tmp_path / "ts_test_c", "ts_test_c", flags)
     monkeypatch.setattr(gemv, "BUILD_NOTICE_AFTER_S", 60.0)
-    assert gemv.load_extension.__wrapped__("ts_test_c", "encode.cpp", "test", ("-DX=1",)) is not None
+    assert gemv._load_extension.__wrapped__("ts_test_c", "encode.cpp", "test", ("-DX=1",)) is not None
     assert gemv.BUILD_MESSAGE not in capsys.readouterr().err
