@@ -111,8 +111,8 @@ def main() -> None:
         state = torch.randn(nv, dk, dv, generator=g, device=dev) * 0.1
         neg_a, dt_bias = -torch.rand(nv, generator=g, device=dev), torch.zeros(nv, device=dev)
         norm_w = torch.ones(dv, device=dev, dtype=torch.bfloat16)
-        secs = timed(lambda: td.step(window, conv_t, z, b, a_, neg_a, dt_bias, norm_w, state, None, nk, nv, dk, dv,
-                                     1e-6), a.reps, cuda)
+        args = (window, conv_t, z, b, a_, neg_a, dt_bias, norm_w, state, None, nk, nv, dk, dv, 1e-6)
+        secs = timed(lambda args=args: td.step(*args), a.reps, cuda)
         nbytes = state.numel() * 4 * (1 + n)  # the state read, every token's state written
         row = {"tokens": n, "us": secs * 1e6, "gbps": nbytes / secs / 1e9}
         report["deltanet"].append(row)
