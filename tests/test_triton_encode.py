@@ -12,7 +12,9 @@ import torch
 from turbospec.kernels import gpu
 from turbospec.kernels import triton_encode as te
 from turbospec.kv import kernel_args
-from turbospec.kv.formats import get_format
+from turbospec.kv.formats import NORM_MODES, get_format
+from turbospec.kv.formats.turbo import TurboFormat
+from turbospec.kv.hadamard import rotation_matrix
 from turbospec.kv.quant_cache import QuantKVCache
 
 if importlib.util.find_spec("triton") is None:
@@ -53,8 +55,35 @@ def test_encoder_writes_the_reference_bytes(interpret, name, dim):
 
 
 def test_cache_takes_the_encoder_only_for_formats_it_writes(interpret):
-    """Dithered tbq4_0d and the turbo* formats keep the torch encoders."""
-    for name, expect in (("q8_0", True), ("tbq4_0", True), ("tbq4_0d", False), ("turbo3", False)):
+    """Dithered tbq4_0d and TurboQuant-prod keep the torch encoders."""
+    for name, expect in (("q8_0", True), ("tbq4_0", True), ("tbq4_0d", False), ("turbo3", True), ("turbo3p", False)):
         with torch.device(DEV):
             cache = QuantKVCache(1, 2, 64, 8, name, name)
         assert (cache._gpu_encode[0] is not None) == expect, name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("mode", NORM_MODES)
+@pytest.mark.parametrize("dim", [64, 256])
+def test_turbo_encoder_matches_the_reference(interpret, bits, mode, dim):
+    """turbo2/3/4 in every norm mode, 64- and 128-value blocks, more vectors than one program holds: the
+    reference's fields, but for indices of coordinates within rounding of a codebook boundary (the rotation's
+    products are summed in another order on a GPU)."""
+    g = torch.Generator().manual_seed(bits * dim)
+    fmt = TurboFormat(bits, norm_mode=mode)
+    kvh, n, t = 3, 7, 12
+    x = torch.randn(kvh, n, dim, generator=g)
+    ref = fmt.encode(x)
+    spec = kernel_args.encode_spec(fmt, dim)
+    block = fmt.for_dim(dim).block_size
+    turbo = (rotation_matrix(DEV, torch.float32, block), spec.bounds.to(DEV), spec.cent.to(DEV), bits,
+             NORM_MODES.index(mode))
+    bufs = {f: b.to(DEV) for f, b in fmt.allocate(dim, (kvh, t)).items()}
+    te.encode_into(x.to(DEV), spec.kind, [bufs[f] for f in spec.fields], 3, turbo)
+    got = {f: bufs[f][:, 3:3 + n].cpu() for f in spec.fields}
+    if DEV == "cpu":
+        assert all(torch.equal(got[f], ref[f]) for f in spec.fields)
+    dec, dref = fmt.decode_rotated(got), fmt.decode_rotated(ref)
+    assert (dec - dref).abs().gt(1e-3).float().mean() < 0.01  # (an index off by one moves one coordinate)
+    torch.testing.assert_close(got["norm"].float(), ref["norm"].float(), rtol=2e-3, atol=0)
+    assert not bufs["norm"][:, :3].cpu().any() and not bufs["norm"][:, 3 + n:].cpu().any()

@@ -83,3 +83,52 @@ def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, KIND: tl.constexpr
             qh = tl.minimum(tl.maximum(_rne(hi * inv), -8.0), 7.0) + 8.0
         byte = ql.to(tl.int32) | (qh.to(tl.int32) << 4)  # low nibbles: the block's first half
         tl.store(o1 + b * HALF + j, byte.to(tl.uint8))
+
+
+@triton.jit
+def encode_turbo(x, rot, bounds, cent, f0, f1, f2, sxh, sxt, s0h, s0t, s1h, s1t, s2h, s2t, n, rows, start,
+                 B: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, RP: tl.constexpr):
+    """TurboQuant-MSE blocks of RP vectors at once (program 0: the vectors, program 1: the block): rotate (x R^T),
+    normalize, Lloyd-Max indices against the boundaries, the fp16 scale of the norm mode (0 plain, 1 corrected,
+    2 least squares), the indices packed in bit planes (kv/bitpack.py)."""
+    r = tl.program_id(0) * RP + tl.arange(0, RP)
+    b = tl.program_id(1)
+    rmask = r < rows
+    h = (r // n).to(tl.int64)
+    t = r % n
+    cols = tl.arange(0, B)
+    xv = tl.load(x + h[:, None] * sxh + t[:, None] * sxt + b * B + cols[None, :], mask=rmask[:, None], other=0.0)
+    rm = tl.load(rot + cols[:, None] * B + cols[None, :])
+    u = tl.dot(xv.to(tl.float32), tl.trans(rm), input_precision="ieee")  # [RP, B]
+    norm = tl.sqrt(tl.sum(u * u, 1))
+    u = u / tl.where(norm > 0, norm, 1.0)[:, None]
+    idx = tl.zeros([RP, B], tl.int32)
+    for i in tl.static_range((1 << BITS) - 1):
+        idx += (u > tl.load(bounds + i)).to(tl.int32)
+    c = tl.zeros([RP, B], tl.float32)
+    for i in tl.static_range(1 << BITS):
+        c += tl.where(idx == i, tl.load(cent + i), 0.0)
+    if MODE == 0:
+        scale = norm
+    elif MODE == 1:
+        scale = norm / tl.sqrt(tl.sum(c * c, 1))
+    else:
+        scale = norm * tl.sum(u * c, 1) / tl.sum(c * c, 1)
+    pos = (start + t).to(tl.int64)
+    tl.store(f0 + h * s0h + pos * s0t + b, scale.to(tl.float16), mask=rmask)
+    W: tl.constexpr = 2 if BITS == 3 else BITS
+    K: tl.constexpr = 8 // W
+    PER: tl.constexpr = B // K
+    codes = tl.reshape(idx & ((1 << W) - 1), (RP, K, PER))
+    shifts = tl.arange(0, K) * W
+    byte = tl.sum(codes << shifts[None, :, None], 1)  # byte j: codes j, j + PER, ... at W-bit offsets
+    jj = tl.arange(0, PER)
+    tl.store(f1 + h[:, None] * s1h + pos[:, None] * s1t + b * PER + jj[None, :], byte.to(tl.uint8),
+             mask=rmask[:, None])
+    if BITS == 3:  # the high bit in a 1-bit plane
+        PH: tl.constexpr = B // 8
+        hb = tl.reshape((idx >> 2) & 1, (RP, 8, PH))
+        hbyte = tl.sum(hb << tl.arange(0, 8)[None, :, None], 1)
+        jh = tl.arange(0, PH)
+        tl.store(f2 + h[:, None] * s2h + pos[:, None] * s2t + b * PH + jh[None, :], hbyte.to(tl.uint8),
+                 mask=rmask[:, None])

@@ -35,6 +35,7 @@ from turbospec.kernels import triton_encode as gpu_encode
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
+from turbospec.kv.hadamard import rotation_matrix
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.query_rounding import key_block, round_queries
 
@@ -91,9 +92,9 @@ class QuantKVCache(CachePositions):
                                                         self._encoder):
                 continue
             if gpu_kinds[i] is not None:
-                kind, names = gpu_kinds[i]
+                kind, names, turbo = gpu_kinds[i]
                 try:
-                    gpu_encode.encode_into(x, kind, [buf[f][layer] for f in names], self.length)
+                    gpu_encode.encode_into(x, kind, [buf[f][layer] for f in names], self.length, turbo)
                     continue
                 except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the torch encoder
                     gpu.failed("encode", e)
@@ -223,14 +224,23 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _gpu_encode(self) -> tuple:
-        """Per side, (kind, field names) for the Triton encoder (a cache on a GPU), or None (torch's encoder)."""
-        if not gpu.wanted(next(iter(self.k.values()))):
+        """Per side, (kind, field names, turbo* arguments or None) for the Triton encoder (a cache on a GPU), or None
+        (torch's encoder)."""
+        t = next(iter(self.k.values()))
+        if not gpu.wanted(t):
             return None, None
         out = []
         for fmt in (self.k_fmt, self.v_fmt):
             spec = kernel_args.encode_spec(fmt, self.head_dim)  # (None: dithered tbq4_0d, unchecked formats)
-            ok = spec is not None and gpu_encode.supports(spec.kind, spec.width, self.head_dim)
-            out.append((spec.kind, spec.fields) if ok else None)
+            if spec is None or not gpu_encode.supports(spec.kind, spec.width, self.head_dim):
+                out.append(None)
+                continue
+            turbo = None
+            if fmt.rotated:
+                block = fmt.for_dim(self.head_dim).block_size
+                turbo = (rotation_matrix(t.device, torch.float32, block), spec.bounds.to(t.device),
+                         spec.cent.to(t.device), spec.bits, spec.norm_mode)
+            out.append((spec.kind, spec.fields, turbo))
         return tuple(out)
 
     @cached_property
