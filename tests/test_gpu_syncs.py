@@ -1,0 +1,58 @@
+"""A decode step on the GPU's code path waits for the device only to read the sampled token ids (issue #28: no host
+round-trips inside a step). Run on the CPU: C++ kernels off as on a GPU, the Triton kernels in the interpreter
+(tests/conftest.py); every read of a tensor's value on the host (`aten._local_scalar_dense`: .item(), int(),
+bool()) is counted with the turbospec line that asked for it."""
+
+from __future__ import annotations
+
+import importlib.util
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from turbospec import device
+from turbospec.config import EngineConfig, SpecConfig
+from turbospec.engine import Engine
+from turbospec.kernels import gpu
+from turbospec.model import load_model
+from turbospec.sampling import SamplingParams
+from turbospec.speculative import make_drafter
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.sites: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            ours = [f for f in traceback.extract_stack() if "/turbospec/" in f.filename]
+            site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "?"
+            self.sites[site] = self.sites.get(site, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name,kv,spec", [("turbospec-tiny", None, ""), ("turbospec-tiny", "tbq4_0", "draft-mtp"),
+                                          ("turbospec-tiny-hybrid", "turbo3", "")])
+def test_decode_reads_only_the_sampled_tokens(monkeypatch, name, kv, spec):
+    monkeypatch.setattr(device, "cpu_kernels", lambda: False)  # as on a GPU: torch and Triton paths
+    monkeypatch.setattr(gpu, "ON_CPU", True)
+    model = load_model(ROOT / "models" / name, "float32")
+    sc = SpecConfig.parse(spec, n_max=3)
+    drafter = make_drafter(sc, model, 200) if spec else None
+    eng = Engine(model, None, EngineConfig(ctx=192, cache_type_k=kv, cache_type_v=kv, spec=sc), drafter=drafter)
+    prompt = [5, 9, 17, 33, 5, 9, 17, 33]
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with HostReads() as reads:
+        out = eng.generate([prompt + [2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert reads.sites and all(s.startswith("sampling.py:") for s in reads.sites), reads.sites
+    if not spec:
+        assert sum(reads.sites.values()) == out["stats"].gen_tokens  # one greedy token id per step
