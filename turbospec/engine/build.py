@@ -55,6 +55,8 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
 
     # under torchrun: this rank's part of the model (turbospec.parallel.tp)
     shard = tp.shard_view() if tp.init_from_env()[1] > 1 else None
+    if shard is not None and device.current().type != "cpu":
+        raise TurboSpecError("tensor parallelism runs on CPUs (gloo) so far: pass --device cpu under torchrun")
     if shard is not None and "medusa" in config.spec.types:
         raise TurboSpecError("Medusa heads read the whole LM head, which tensor parallelism splits: use draft-mtp, "
                              "ngram or a draft model under torchrun")
