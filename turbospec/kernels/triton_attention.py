@@ -9,8 +9,8 @@ float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width; for 
 l [KVH, R], acc [KVH, R, v_width] over positions [start, end). A spec is attention.py's (kind, index bits, field
 names, centroid table). Products run as three TF32 products on the GPU's tensor cores (IEEE float32 in the
 interpreter, or where a Triton refuses that), so results match the torch reference to about float32 rounding.
-`wanted(t)` says whether the kernel runs for tensors like t; the kernels compile on first use (on the CPU they run
-in Triton's interpreter when TRITON_INTERPRET=1 is set before that: the tests).
+Where it runs: `turbospec.kernels.gpu.wanted`; the kernels compile on first use (on the CPU the tests run them in
+Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from turbospec.kernels.attention import BF16, F16, F32, Q4_0, Q8_0, TBQ4_0, TURBO, TURBO64
+from turbospec.kernels.attention import BF16, F16, F32, PLAIN_SPECS, Q4_0, Q8_0, TBQ4_0, TURBO, TURBO64
 
 # products on tensor cores as three TF32 products (about float32's accuracy); "ieee" where that is refused, and in
 # the interpreter
@@ -62,13 +62,15 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+@cache
+def _programs(device: torch.device) -> int:
+    """Programs that fill the device: about 4 per multiprocessor (8 in the interpreter)."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def splits_for(kvh: int, n: int, block_n: int, device: torch.device) -> int:
-    """Spans per KV head: enough programs to fill the device (about 4 per multiprocessor), each at least 4 tiles."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 8
-    return max(1, min(-(-n // (4 * block_n)), -(-target // kvh)))
+    """Spans per KV head: enough programs to fill the device, each at least 4 tiles."""
+    return max(1, min(-(-n // (4 * block_n)), -(-_programs(device) // kvh)))
 
 
 def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor],
@@ -118,11 +120,9 @@ def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: flo
     in q's dtype."""
     h, _, d = q.shape
     kvh = keys.shape[0]
-    kinds = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
     qg = q.reshape(kvh, h // kvh, d).to(torch.float32) * scale
-    none = torch.empty(0)
-    _, lsum, acc = partial(qg, (kinds[keys.dtype], 0, ("data",), none), [keys],
-                           (kinds[values.dtype], 0, ("data",), none), [values], d, 0, keys.shape[1])
+    _, lsum, acc = partial(qg, PLAIN_SPECS[keys.dtype], [keys], PLAIN_SPECS[values.dtype], [values], d, 0,
+                           keys.shape[1])
     return (acc / lsum.unsqueeze(-1)).to(q.dtype).reshape(h, 1, d)
 
 
