@@ -15,7 +15,8 @@ is short), built on the device from the bundled hybrid's tensor names (turbospec
   decode bound it sets (bytes one token reads: weights + KV at that depth).
 
     python benchmarks/gpu_check.py [--device cuda] [--layers 64] [--depths 4096,32768,262144] [--kv f16,tbq4_0]
-        [--gen 32] [--prompt 4096] [--out gpu_check.json] [--md gpu_check.md]
+        [--drafters draft-mtp[,suffix,...]] [--gen 32] [--prompt 4096] [--profile 4096:f16:mtp]
+        [--out gpu_check.json] [--md gpu_check.md]
     python benchmarks/gpu_check.py --device cpu --tiny     # the script's own check on a small shape
 """
 
@@ -117,11 +118,12 @@ def gib(n: float) -> float:
     return round(n / 2**30, 2)
 
 
-def decode_run(model, depth: int, kv: str, mtp: bool, gen: int, reps: int) -> dict:
+def decode_run(model, depth: int, kv: str, drafter_type: str, gen: int, reps: int) -> dict:
+    """Decode `gen` tokens after `depth` random-filled positions; `drafter_type` "" for plain decoding."""
     new = 16
-    sc = SpecConfig.parse("draft-mtp" if mtp else "", n_max=3)
+    sc = SpecConfig.parse(drafter_type, n_max=3)
     ctx = depth + new + 2 * gen + 64
-    drafter = make_drafter(sc, model, ctx + sc.depth + 1) if mtp else None
+    drafter = make_drafter(sc, model, ctx + sc.depth + 1) if drafter_type else None
     eng = Engine(model, None, EngineConfig(ctx=ctx, ubatch=2048, cache_type_k=kv, cache_type_v=kv, spec=sc),
                  drafter=drafter)
     cache = eng.cache
@@ -143,7 +145,7 @@ def decode_run(model, depth: int, kv: str, mtp: bool, gen: int, reps: int) -> di
             acc.append(d["mean_acceptance_length"])
             steps.append(d)
     kv_bytes = cache.kv.nbytes if hasattr(cache, "kv") else cache.nbytes
-    row = {"depth": depth, "kv": kv, "mtp": mtp, "decode_tps": statistics.median(tps), "decode_tps_runs": tps,
+    row = {"depth": depth, "kv": kv, "drafter": drafter_type, "mtp": drafter_type == "draft-mtp", "decode_tps": statistics.median(tps), "decode_tps_runs": tps,
            "kv_gib_allocated": gib(kv_bytes), "kv_gib_at_depth": gib(kv_bytes * depth / ctx)}
     if steps:
         row["spec"] = steps[-1]
@@ -210,13 +212,18 @@ def guarded(results: list, fn, *args) -> None:
     results.append(row)
 
 
+def drafter_of(row: dict) -> str:
+    """A decode row's drafter ("-" for plain decoding; rows of older runs have only `mtp`)."""
+    return row.get("drafter", "draft-mtp" if row.get("mtp") else "") or "-"
+
+
 def markdown(report: dict) -> str:
     w = report["weights_gib"]
     bw = report["copy_gbps"]
     lines = [f"# GPU check: {report['gpu']}", "",
              f"Model: {report['model']}; weights {w} GiB ({report['dtype']}), load {report['load_s']} s. "
              f"Device copy bandwidth {bw:.0f} GB/s.", "",
-             "| depth | KV | MTP | decode t/s | bound t/s | accepted/step | KV GiB | peak GiB |",
+             "| depth | KV | drafter | decode t/s | bound t/s | accepted/step | KV GiB | peak GiB |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in report["decode"]:
         if "error" in r:
@@ -225,7 +232,7 @@ def markdown(report: dict) -> str:
         bound = bw * 1e9 / (report["weights_bytes"] + r["kv_gib_at_depth"] * 2**30)
         spec = r.get("spec") or {}
         acc = spec.get("mean_acceptance_length", "")
-        lines.append(f"| {r['depth']} | {r['kv']} | {'on' if r['mtp'] else 'off'} | {r['decode_tps']:.1f} | "
+        lines.append(f"| {r['depth']} | {r['kv']} | {drafter_of(r)} | {r['decode_tps']:.1f} | "
                      f"{bound:.0f} | {acc if acc == '' else f'{acc:.2f}'} | {r['kv_gib_at_depth']} | "
                      f"{r.get('peak_gib', '')} |")
     lines += ["", "| prompt | KV | MTP | prefill t/s |", "|---:|---|---|---:|"]
@@ -243,6 +250,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--depths", default="4096,32768,262144")
     ap.add_argument("--kv", default="f16,tbq4_0")
+    ap.add_argument("--drafters", default="draft-mtp",
+                    help="drafters measured beside plain decoding (comma list of --spec-type names; random weights: "
+                         "n-gram and suffix drafts hit where greedy decoding repeats itself, MTP drafts do not)")
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=4096)
@@ -268,8 +278,8 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill")}), flush=True)
     for depth in depths:
         for kv in kvs:
-            for mtp in (False, True):
-                guarded(report["decode"], decode_run, model, depth, kv, mtp, a.gen, a.reps)
+            for drafter_type in ["", *filter(None, a.drafters.split(","))]:
+                guarded(report["decode"], decode_run, model, depth, kv, drafter_type, a.gen, a.reps)
                 Path(a.out).write_text(json.dumps(report, indent=1))
     for kv in kvs:
         for mtp in (False, True):
