@@ -464,3 +464,23 @@ def test_batched_speculation_survives_preemption(which, request):
     got = _drive(sch, [(0, p, sp) for p, sp in zip(prompts, params)])
     assert sch.preemptions > 0
     assert [got[i][0] for i in range(4)] == [w[0] for w in want]
+
+
+@pytest.mark.parametrize("name,kv", [("turbospec-tiny", None), ("turbospec-tiny", "tbq4_0"),
+                                     ("turbospec-tiny-hybrid", None)])
+def test_batched_equals_solo_without_the_cpp_kernels(monkeypatch, name, kv):
+    """The pool's torch paths (a GPU's, where the C++ kernels do not run): three sequences batched give each the
+    tokens it gets alone."""
+    from turbospec import device
+
+    monkeypatch.setattr(device, "cpu_kernels", lambda: False)
+    m = load_model(str(TINY.parent / name), torch.float32)
+    eng = Engine(m, None, EngineConfig(ctx=512, cache_type_k=kv, cache_type_v=kv))
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 17, 33, 5, 9], [100, 3, 77, 3, 100, 3, 77, 8], list(range(40, 60))]
+    solo = [eng.generate([q], p)[0]["tokens"] for q in prompts]
+    sch = eng.new_scheduler(3)
+    seqs = [sch.add(q, p) for q in prompts]
+    while sch.has_work:
+        sch.step()
+    assert [s.tokens[s.prompt_len:] for s in seqs] == solo

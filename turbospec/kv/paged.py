@@ -383,8 +383,8 @@ class PagedBatch:
         segs = [s for s in self.segments if s.n == 1 and s.plan.mask is None]
         for i, s in enumerate(segs):
             keys, values = self.pool.gather(layer, s.seq.slots(0, s.seq.length + 1))
-            sc = torch.matmul(qf[i], keys.float().transpose(-1, -2).unsqueeze(1))  # [KVH, G, T]
-            outs.append(torch.matmul(torch.softmax(sc, -1), values.float().unsqueeze(1)))
+            sc = torch.matmul(qf[i], keys.float().transpose(-1, -2))  # [KVH, G, D] x [KVH, D, T]: [KVH, G, T]
+            outs.append(torch.matmul(torch.softmax(sc, -1), values.float()))
         kvh, g = qf.shape[1], qf.shape[2]
         return torch.stack(outs).permute(1, 2, 0, 3).reshape(kvh * g, len(segs), d)
 
