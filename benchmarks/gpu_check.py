@@ -133,7 +133,7 @@ def decode_run(model, depth: int, kv: str, drafter_type: str, gen: int, reps: in
     eng.cached_tokens = context[:depth]
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     eng.generate([context], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    tps, acc, steps = [], [], []
+    tps, steps = [], []
     for _ in range(reps):
         sync()
         out = eng.generate([context], params)[0]
@@ -141,12 +141,11 @@ def decode_run(model, depth: int, kv: str, drafter_type: str, gen: int, reps: in
         assert st.cached_tokens >= depth, (st.cached_tokens, depth)
         tps.append(st.decode_tps)
         if st.spec is not None:
-            d = st.spec.to_dict()
-            acc.append(d["mean_acceptance_length"])
-            steps.append(d)
+            steps.append(st.spec.to_dict())
     kv_bytes = cache.kv.nbytes if hasattr(cache, "kv") else cache.nbytes
-    row = {"depth": depth, "kv": kv, "drafter": drafter_type, "mtp": drafter_type == "draft-mtp", "decode_tps": statistics.median(tps), "decode_tps_runs": tps,
-           "kv_gib_allocated": gib(kv_bytes), "kv_gib_at_depth": gib(kv_bytes * depth / ctx)}
+    row = {"depth": depth, "kv": kv, "drafter": drafter_type, "mtp": drafter_type == "draft-mtp",
+           "decode_tps": statistics.median(tps), "decode_tps_runs": tps, "kv_gib_allocated": gib(kv_bytes),
+           "kv_gib_at_depth": gib(kv_bytes * depth / ctx)}
     if steps:
         row["spec"] = steps[-1]
     del eng, cache, drafter
