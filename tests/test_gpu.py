@@ -23,11 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["turbospec-tiny", "turbospec-tiny-hybrid"]
 PROMPTS = [[5, 9, 17, 33, 5, 9, 17, 33, 5, 9], [100, 3, 77, 3, 100, 3, 77], list(range(40, 72))]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-KV = [None, "f16", "q8_0", "q4_0", "tbq4_0", "turbo3", "turbo4"]
 
 
 @pytest.fixture
-def on(request):
+def on():
     """Run under device.use(name); the CPU is put back after."""
     def use(name: str):
         device.use(name)
