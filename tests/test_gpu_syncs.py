@@ -1,5 +1,6 @@
 """A decode step on the GPU's code path waits for the device only to read the sampled token ids (issue #28: no host
-round-trips inside a step). Run on the CPU: C++ kernels off as on a GPU, the Triton kernels in the interpreter
+round-trips inside a step), and makes no tensor without naming its device (the step runs with torch's default-device
+hook off). Run on the CPU: C++ kernels off as on a GPU, the Triton kernels in the interpreter
 (tests/conftest.py); every read of a tensor's value on the host (`aten._local_scalar_dense`: .item(), int(),
 bool()) is counted with the turbospec line that asked for it."""
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from turbospec import device
@@ -56,3 +59,46 @@ def test_decode_reads_only_the_sampled_tokens(monkeypatch, name, kv, spec):
     assert reads.sites and all(s.startswith("sampling.py:") for s in reads.sites), reads.sites
     if not spec:
         assert sum(reads.sites.values()) == out["stats"].gen_tokens  # one greedy token id per step
+
+
+class NoDevice(TorchFunctionMode):
+    """Records every tensor made by a factory (torch.zeros, torch.tensor, ...) without a device: on a GPU such a
+    tensor would land on the CPU inside a decode step (turbospec.device.lean turns torch's default device off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None:
+            ours = [f for f in traceback.extract_stack() if "/turbospec/" in f.filename]
+            site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "?"
+            self.sites[site] = self.sites.get(site, 0) + 1
+        return func(*args, **kwargs)
+
+
+SAMPLED = SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True, seed=1, repeat_penalty=1.1,
+                         presence_penalty=0.2, logprobs=2, logit_bias={7: 1.0})
+
+
+@pytest.mark.parametrize("name,kv,spec,kw", [
+    ("turbospec-tiny", None, "", {}), ("turbospec-tiny", "tbq4_0", "draft-mtp", {"mtp_topk": 2}),
+    ("turbospec-tiny", "turbo3", "suffix", {"adaptive": True}),
+    ("turbospec-tiny-hybrid", None, "ngram-mod,draft-mtp", {}), ("turbospec-tiny-hybrid", "q8_0", "draft-mtp", {})])
+def test_decode_makes_no_tensor_without_a_device(monkeypatch, name, kv, spec, kw):
+    """Prompt and decode steps, greedy and sampled (penalties, logit bias, logprobs), every drafter kind: no tensor is
+    made without an explicit device, so the steps run with torch's default-device hook off on a GPU."""
+    monkeypatch.setattr(device, "cpu_kernels", lambda: False)
+    monkeypatch.setattr(gpu, "ON_CPU", True)
+    model = load_model(ROOT / "models" / name, "float32")
+    sc = SpecConfig.parse(spec, n_max=3, **kw)
+    drafter = make_drafter(sc, model, 200) if spec else None
+    eng = Engine(model, None, EngineConfig(ctx=192, ubatch=16, cache_type_k=kv, cache_type_v=kv, spec=sc),
+                 drafter=drafter)
+    prompt = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17]
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with NoDevice() as made:
+        eng.generate([prompt + [2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        eng.generate([prompt + [3]], SAMPLED)
+    assert not made.sites, made.sites

@@ -369,8 +369,8 @@ class Sampler:
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.params.logit_bias:
             ids, vals = zip(*self.params.logit_bias.items())
-            self._bias = (torch.tensor(ids, dtype=torch.int64, device=device),
-                          torch.tensor(vals, dtype=torch.float32, device=device))
+            self._bias = (torch.tensor(ids, dtype=torch.int64, device=self.generator.device),
+                          torch.tensor(vals, dtype=torch.float32, device=self.generator.device))
         self.logprobs: list[TokenLogprob] = []  # of the tokens chosen since the last take_logprobs()
 
     def reset(self) -> None:
@@ -400,7 +400,7 @@ class Sampler:
 
     @property
     def recent_tokens(self) -> torch.Tensor:
-        return torch.tensor(list(self._window), dtype=torch.int64)
+        return torch.tensor(list(self._window), dtype=torch.int64, device=self.generator.device)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits with the logit bias and then the penalties of the current window applied (llama.cpp's order)."""

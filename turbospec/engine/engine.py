@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from turbospec import device as compute_device
 from turbospec.config import EngineConfig
 from turbospec.engine.stats import Chunk, ExpertUse, GenStats, disk_read_bytes, peak_rss_bytes
 from turbospec.engine.stops import TextStream
@@ -39,6 +41,10 @@ class Engine:
         config = config or EngineConfig()
         self.config = config
         self.model = model
+        self.device = compute_device.current()  # where the step's token ids are made (the model's device)
+        # a decode step runs with torch's default-device hook off on a GPU (device.lean); not for mixture-of-experts
+        # models, whose expert paths still make tensors on the default device
+        self.lean = compute_device.lean if not model.cfg.moe()["experts"] else contextlib.nullcontext
         self.tokenizer = tokenizer
         self.model_path = model_path  # the checkpoint directory, when loaded from one
         self._cache: Cache | None = None  # allocated on first use (a server with --parallel never uses it)
@@ -98,7 +104,7 @@ class Engine:
             self.cache.reset()
         self.reused_tokens = reuse
         self.cached_tokens = list(tokens)
-        ids = torch.tensor(tokens, dtype=torch.int64)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         n, out = len(tokens), []
         ubatch = self.config.ubatch
         bounds = [*range(reuse, n, ubatch), n]
@@ -124,7 +130,7 @@ class Engine:
 
     def step(self, token: int) -> torch.Tensor:
         plan = AttentionPlan.causal(self.cache.length, 1)
-        hidden = self.model.forward(torch.tensor([token], dtype=torch.int64), plan, self.cache)
+        hidden = self.model.forward(torch.tensor([token], dtype=torch.int64, device=self.device), plan, self.cache)
         self.cache.commit()
         return hidden
 
@@ -133,11 +139,11 @@ class Engine:
 
         Returns (accepted node indices, next token, hidden rows of the committed tokens)."""
         start = self.cache.length
-        toks = torch.tensor([root] + tree.tokens, dtype=torch.int64)
+        toks = torch.tensor([root] + tree.tokens, dtype=torch.int64, device=self.device)
         if tree.is_chain:
             plan = AttentionPlan.causal(start, toks.numel())
         else:
-            plan = AttentionPlan.tree(start, [-1] + [p + 1 for p in tree.parents])
+            plan = AttentionPlan.tree(start, [-1] + [p + 1 for p in tree.parents], self.device)
         hidden = self.model.forward(toks, plan, self.cache)
         path, nxt = self.decide(sampler, lambda: verify(tree, self.model.logits(hidden), sampler), tree)
         keep = [0] + [1 + i for i in path]
@@ -298,34 +304,35 @@ class Engine:
                     spec.skipped += room == 0 or shadow
                     if wide and drafter is not None:
                         drafter.set_width(ctl.width(room, slots))
-                t_step = time.perf_counter()
-                tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
-                if len(tree):
-                    tree = tree.limit(room, slots)
-                t_drafted = time.perf_counter()
-                if len(tree) and not shadow:
-                    path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
-                    spec.record(tree, len(path))
-                    accepted = [tree.tokens[i] for i in path]
-                else:
-                    hidden_rows = self.step(root)
-                    nxt = self.next_token(sampler, hidden_rows)
-                    accepted = []
-                if ctl is not None:
-                    if shadow:  # the plain step's token is what a verification would have accepted first
-                        path = [i for i in range(len(tree)) if tree.depth(i) == 1 and tree.tokens[i] == nxt][:1]
-                        ctl.costs.observe(0, time.perf_counter() - t_drafted, 0.0, self.cache.length)
+                with self.lean():  # (no yield inside: the hook is off only for this step's work)
+                    t_step = time.perf_counter()
+                    tree = drafter.propose(context, room) if drafter is not None and min(room, slots) > 0 else DraftTree()
+                    if len(tree):
+                        tree = tree.limit(room, slots)
+                    t_drafted = time.perf_counter()
+                    if len(tree) and not shadow:
+                        path, nxt, hidden_rows = self.verify_step(root, tree, sampler)
+                        spec.record(tree, len(path))
+                        accepted = [tree.tokens[i] for i in path]
                     else:
-                        ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step,
-                                          self.cache.length)
-                    ranked = drafter.ranked() if wide and drafter is not None and len(tree) else []
-                    # the best candidates accepted in a row (an accepted alternative ends the path: not counted)
-                    spine, miss, target = first_miss(tree, path if len(tree) else [], nxt, ranked)
-                    ctl.observe(max((tree.depth(i) for i in range(len(tree))), default=0), spine)
-                    if miss >= 0:
-                        ctl.observe_alternatives(miss, ranked[miss], target)
-                if drafter is not None:
-                    drafter.accept([root] + accepted, hidden_rows, nxt)
+                        hidden_rows = self.step(root)
+                        nxt = self.next_token(sampler, hidden_rows)
+                        accepted = []
+                    if ctl is not None:
+                        if shadow:  # the plain step's token is what a verification would have accepted first
+                            path = [i for i in range(len(tree)) if tree.depth(i) == 1 and tree.tokens[i] == nxt][:1]
+                            ctl.costs.observe(0, time.perf_counter() - t_drafted, 0.0, self.cache.length)
+                        else:
+                            ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step,
+                                              self.cache.length)
+                        ranked = drafter.ranked() if wide and drafter is not None and len(tree) else []
+                        # the best candidates accepted in a row (an accepted alternative ends the path: not counted)
+                        spine, miss, target = first_miss(tree, path if len(tree) else [], nxt, ranked)
+                        ctl.observe(max((tree.depth(i) for i in range(len(tree))), default=0), spine)
+                        if miss >= 0:
+                            ctl.observe_alternatives(miss, ranked[miss], target)
+                    if drafter is not None:
+                        drafter.accept([root] + accepted, hidden_rows, nxt)
                 context += accepted
                 pending = accepted + [nxt]
                 if want_lp:

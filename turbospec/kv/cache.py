@@ -66,7 +66,7 @@ class CachePositions:
             self.length += self.pending
         else:
             if keep != list(range(len(keep))):
-                src = torch.tensor(keep, dtype=torch.int64) + self.length
+                src = torch.tensor(keep, dtype=torch.int64, device=self.buffers()[0].device) + self.length
                 dst = slice(self.length, self.length + len(keep))
                 for buf in self.buffers():
                     buf[:, :, dst] = buf[:, :, src]

@@ -37,7 +37,7 @@ def kept_state(window: torch.Tensor, states: torch.Tensor, keep: list[int], n: i
     if keep == list(range(j)):  # a chain prefix: the conv rows are contiguous
         conv = window[j:j + k]
     else:  # a tree path: the committed rows, then the path's rows
-        conv = torch.cat([window[:k], window[torch.tensor(keep, dtype=torch.int64) + k]])[-k:]
+        conv = torch.cat([window[:k], window[torch.tensor(keep, dtype=torch.int64, device=window.device) + k]])[-k:]
     return conv, states[keep[-1]] if states.shape[0] == n else states[-1]
 
 

@@ -347,7 +347,7 @@ class PagedBatch:
                 qs, keys, values = qs.float(), keys.float(), values.float()
             if pool.q_block is not None:  # integer keys: q rounded as the kernels round it
                 qs, sdpa_scale = round_queries(qs * scale, pool.q_block), 1.0
-            mask, causal = s.plan.sdpa_mask()
+            mask, causal = s.plan.sdpa_mask(qs.device)
             o = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, enable_gqa=g > 1,
                                                scale=sdpa_scale)[0]

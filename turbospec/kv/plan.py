@@ -40,8 +40,9 @@ class AttentionPlan:
         return cls(None, start, first=start if first is None else first, n=n)
 
     @classmethod
-    def tree(cls, start: int, parents: list[int]) -> AttentionPlan:
-        """Tree nodes in topological order; parents[i] is the index of node i's parent or -1 for a root."""
+    def tree(cls, start: int, parents: list[int], device: torch.device | None = None) -> AttentionPlan:
+        """Tree nodes in topological order; parents[i] is the index of node i's parent or -1 for a root. `device`:
+        where the mask and positions live (None: torch's default device)."""
         n = len(parents)
         rows: list[list[bool]] = []
         depth: list[int] = []
@@ -52,13 +53,14 @@ class AttentionPlan:
             row[i] = True
             rows.append(row)
             depth.append(depth[p] + 1 if p >= 0 else 0)
-        mask = torch.ones(n, start + n, dtype=torch.bool)
-        mask[:, start:] = torch.tensor(rows, dtype=torch.bool)
-        pos = torch.tensor(depth, dtype=torch.int64) + start
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
+        mask[:, start:] = torch.tensor(rows, dtype=torch.bool, device=device)
+        pos = torch.tensor(depth, dtype=torch.int64, device=device) + start
         return cls(pos, start, mask, list(parents))
 
-    def sdpa_mask(self) -> tuple[torch.Tensor | None, bool]:
-        """(attn_mask, is_causal) for F.scaled_dot_product_attention over start + N keys."""
+    def sdpa_mask(self, device: torch.device | None = None) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for F.scaled_dot_product_attention over start + N keys (a mask built on
+        `device`)."""
         if self.mask is not None:
             return self.mask, False
         n = self.n
@@ -66,6 +68,6 @@ class AttentionPlan:
             return None, False
         if self.start == 0:
             return None, True
-        keys = torch.arange(self.start + n)
-        rows = torch.arange(self.start, self.start + n)
+        keys = torch.arange(self.start + n, device=device)
+        rows = torch.arange(self.start, self.start + n, device=device)
         return keys[None, :] <= rows[:, None], False

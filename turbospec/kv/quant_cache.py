@@ -198,7 +198,7 @@ class QuantKVCache(CachePositions):
         start, n, mask = plan.start, plan.n, plan.mask
         total = start + n
         g = qf.shape[1] // n
-        tok_pos = torch.arange(start, total).repeat(g)  # position of each row's token, [G*N]
+        tok_pos = torch.arange(start, total, device=qf.device).repeat(g)  # position of each row's token, [G*N]
         for s in range(s0, total, self.block):
             e = min(s + self.block, total)
             kp = self._slice(self.k, layer, s, e)
@@ -208,7 +208,7 @@ class QuantKVCache(CachePositions):
                 allowed = mask[:, s:e].repeat(g, 1)  # [rows, B]
                 sc.masked_fill_(~allowed, -math.inf)
             elif e > start + 1:  # block reaches into the scratch area: causal within the step
-                keys = torch.arange(s, e)
+                keys = torch.arange(s, e, device=qf.device)
                 sc.masked_fill_(keys[None, :] > tok_pos[:, None], -math.inf)
             vp = self._slice(self.v, layer, s, e)
             vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)

@@ -73,7 +73,7 @@ class Attention:
         if r == 1:  # the last position sees every cached key: no mask
             out = _decode_attention(qs, keys, values)
         else:
-            mask, causal = AttentionPlan.causal(plan.start + n - r, r).sdpa_mask()
+            mask, causal = AttentionPlan.causal(plan.start + n - r, r).sdpa_mask(q.device)
             out = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                  attn_mask=mask, is_causal=causal, enable_gqa=self.nh != self.nkv)[0]
         return out.transpose(0, 1).reshape(r, self.nh * self.hd)
@@ -102,7 +102,7 @@ class Attention:
             elif gpu_rows(q, keys):
                 out = _rows_attention(q, keys, values, plan)
             else:
-                mask, causal = plan.sdpa_mask()
+                mask, causal = plan.sdpa_mask(q.device)
                 out = F.scaled_dot_product_attention(
                     q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
                     enable_gqa=self.nh != self.nkv,
@@ -152,11 +152,12 @@ def _rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         m, lsum, acc = gpu_attention.partial(qf, spec[0], [keys], spec[1], [values], d, 0, start)
         m, lsum = m.unsqueeze(-1), lsum.unsqueeze(-1)
     else:
-        m = torch.full((kvh, g * n, 1), -math.inf)
-        lsum = torch.zeros(kvh, g * n, 1)
-        acc = torch.zeros(kvh, g * n, d)
+        m = torch.full((kvh, g * n, 1), -math.inf, device=q.device)
+        lsum = torch.zeros(kvh, g * n, 1, device=q.device)
+        acc = torch.zeros(kvh, g * n, d, device=q.device)
     sc = torch.matmul(qf, keys[:, start:].to(torch.float32).transpose(1, 2))  # [KVH, G*N, N]
-    allowed = plan.mask[:, start:] if plan.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    allowed = (plan.mask[:, start:] if plan.mask is not None
+               else torch.ones(n, n, dtype=torch.bool, device=q.device).tril())
     sc.masked_fill_(~allowed.repeat(g, 1), -math.inf)
     top = torch.maximum(m, sc.amax(-1, keepdim=True))  # every row sees its own token: finite
     p = torch.exp(sc - top)

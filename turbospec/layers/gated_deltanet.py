@@ -60,8 +60,8 @@ def recurrent_gated_delta(
     """
     h, n, _ = q.shape
     dv = v.shape[-1]
-    out = torch.empty(h, n, dv, dtype=torch.float32)
-    states = torch.empty((n,) + tuple(state.shape), dtype=torch.float32)
+    out = torch.empty(h, n, dv, dtype=torch.float32, device=q.device)
+    states = torch.empty((n,) + tuple(state.shape), dtype=torch.float32, device=q.device)
     decay = g.exp()
     s = state
     for t in range(n):
@@ -78,7 +78,7 @@ def recurrent_gated_delta(
     return out, states
 
 
-def conv_rows(parents: list[int], kernel: int) -> torch.Tensor:
+def conv_rows(parents: list[int], kernel: int, device: torch.device | None = None) -> torch.Tensor:
     """Window rows [N, kernel] feeding each tree node's causal conv, oldest first: the node's ancestors along its
     root path (window row K-1+j for node j), then the committed conv state rows K-2, K-3, ... For a chain this
     is rows [t, t + kernel) for node t."""
@@ -95,7 +95,7 @@ def conv_rows(parents: list[int], kernel: int) -> torch.Tensor:
             path.append(r)
             r -= 1
         out.append(path[::-1])
-    return torch.tensor(out, dtype=torch.int64)
+    return torch.tensor(out, dtype=torch.int64, device=device)
 
 
 def chunked_gated_delta(
@@ -125,22 +125,22 @@ def chunked_gated_delta(
     v = v.reshape(h, m, chunk, dv)
     beta = beta.reshape(h, m, chunk, 1)
     cum = g.reshape(h, m, chunk).cumsum(-1)  # G_t within each chunk
-    upper = torch.ones(chunk, chunk, dtype=torch.bool).triu(1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     rel = (
         (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     )  # e^{G_i - G_j}, j <= i
     kb = k * beta
     # unit lower-triangular system A = I + strictly-lower(beta_i k_i . k_j e^{G_i-G_j})
     a = (kb @ k.transpose(-1, -2)) * rel
-    a = a.masked_fill(~torch.ones(chunk, chunk, dtype=torch.bool).tril(-1), 0.0)
-    a = a + torch.eye(chunk, dtype=torch.float32)
+    a = a.masked_fill(~torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1), 0.0)
+    a = a + torch.eye(chunk, dtype=torch.float32, device=q.device)
     u = torch.linalg.solve_triangular(a, v * beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(a, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * rel  # intra-chunk q.k with decay, causal (incl. diagonal)
     q_dec = q * cum.exp().unsqueeze(-1)
     k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()  # [H, M]
-    out = torch.empty(h, m, chunk, dv, dtype=torch.float32)
+    out = torch.empty(h, m, chunk, dv, dtype=torch.float32, device=q.device)
     s = state
     for i in range(m):
         corr = u[:, i] - w[:, i] @ s  # corrections after subtracting what the carried state already predicts
@@ -239,7 +239,7 @@ class GatedDeltaNet:
             return o, window, states
         if (all_states and gpu.wanted(proj) and env.on("TURBOSPEC_TRITON_GDN") and gpu.enabled("deltanet")
                 and gpu_deltanet.supports(n, self.dk, self.dv)):
-            rows = conv_rows(parents, self.kernel) if parents is not None else None
+            rows = conv_rows(parents, self.kernel, proj.device) if parents is not None else None
             try:  # GPU: one Triton call
                 o, states = gpu_deltanet.step(window, self.conv_t, z, b, a, self.neg_a, self.dt_bias,
                                               self.norm_weight, ssm_state, parents, self.nk, self.nv, self.dk, self.dv,
@@ -248,7 +248,7 @@ class GatedDeltaNet:
             except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the torch path below
                 gpu.failed("deltanet", e)
         if parents is not None:  # conv rows along each node's root path (then the committed conv state)
-            rows = conv_rows(parents, self.kernel)
+            rows = conv_rows(parents, self.kernel, proj.device)
             conv = window[rows[:, 0]] * self.conv_t[0]
             for i in range(1, self.kernel):
                 conv = conv + window[rows[:, i]] * self.conv_t[i]

@@ -81,7 +81,7 @@ class Rope:
         self._build(max_positions)
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32)
+        t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)  # (decode may grow the tables)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * self.scale).to(self.dtype)

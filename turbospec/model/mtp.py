@@ -74,7 +74,8 @@ class MTPModule:
         if not isinstance(self.embed, torch.Tensor) or is_packed(self.embed):  # split (tensor parallel) or packed
             e = embedding_rows(self.embed, torch.as_tensor(tokens), self.dtype)
         elif isinstance(tokens, list):  # drafting: a row view for one token (tensor creation + gather cost ~20 us)
-            e = self.embed[tokens[0]:tokens[0] + 1] if len(tokens) == 1 else self.embed[torch.tensor(tokens)]
+            e = (self.embed[tokens[0]:tokens[0] + 1] if len(tokens) == 1
+                 else self.embed[torch.tensor(tokens, device=self.embed.device)])
         else:
             e = F.embedding(tokens, self.embed)
         cache.begin(e.shape[0])

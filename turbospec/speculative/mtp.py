@@ -93,7 +93,7 @@ class MTPDrafter(Drafter):
         q_top = torch.softmax(scaled, -1)
         picks = torch.multinomial(q_top, self.topk, replacement=True, generator=self.generator).tolist()
         ids = rows_t if self.head_ids is None else self._head_rows[rows_t]
-        full = torch.zeros(self.full_head.out_features)
+        full = torch.zeros(self.full_head.out_features, device=q_top.device)
         full[ids] = q_top
         return [int(ids[i]) for i in picks], full
 
@@ -183,7 +183,7 @@ class MTPDrafter(Drafter):
         chunk = 512
         for s in range(start, n - 1, chunk):
             e = min(s + chunk, n - 1)
-            toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64)
+            toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64, device=hidden.device)
             self.mtp.forward(toks, hidden[s:e], _plan(self.cache, s, e - s), self.cache)
             self.cache.commit()
         self.pending_tokens = []

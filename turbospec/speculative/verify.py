@@ -50,7 +50,7 @@ def _recursive_rejection(tree: DraftTree, kids: list[int], logits: torch.Tensor,
         x = tree.tokens[k]
         q = tree.q[k]
         qx = float(q[x]) if q is not None else 1.0
-        u = float(torch.rand((), generator=sampler.generator))
+        u = float(torch.rand((), generator=sampler.generator, device=sampler.generator.device))
         if qx > 0 and u < min(1.0, float(p[x]) / qx):
             sampler.chose(x, processed)
             return k, x
