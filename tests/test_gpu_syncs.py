@@ -85,7 +85,9 @@ SAMPLED = SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True, seed=1,
 @pytest.mark.parametrize("name,kv,spec,kw", [
     ("turbospec-tiny", None, "", {}), ("turbospec-tiny", "tbq4_0", "draft-mtp", {"mtp_topk": 2}),
     ("turbospec-tiny", "turbo3", "suffix", {"adaptive": True}),
-    ("turbospec-tiny-hybrid", None, "ngram-mod,draft-mtp", {}), ("turbospec-tiny-hybrid", "q8_0", "draft-mtp", {})])
+    ("turbospec-tiny-hybrid", None, "ngram-mod,draft-mtp", {}), ("turbospec-tiny-hybrid", "q8_0", "draft-mtp", {}),
+    ("turbospec-tiny", None, "draft-mtp", {"draft_vocab": 64}),  # the reduced draft vocabulary's head rows
+    ("turbospec-tiny", None, "draft-mtp", {"draft_vocab": 6000})])  # ... and the full head masked outside it
 def test_decode_makes_no_tensor_without_a_device(monkeypatch, name, kv, spec, kw):
     """Prompt and decode steps, greedy and sampled (penalties, logit bias, logprobs), every drafter kind: no tensor is
     made without an explicit device, so the steps run with torch's default-device hook off on a GPU."""

@@ -39,7 +39,8 @@ class MTPDrafter(Drafter):
         # settings and passed as the tree's q (accepted with min(1, p/q): more than an argmax draft at T > 0)
         self.sample = sample
         self.params: SamplingParams | None = None
-        self.generator = torch.Generator(device=device.current())
+        self.device = device.current()  # where its tensors live (a draft step makes them with the default-device hook off)
+        self.generator = torch.Generator(device=self.device)
         # topk > 1: a tree -- at every depth the top-k candidates of the MTP's distribution; the best one is
         # continued (one MTP step per depth, as for a chain), the others are leaves that cost only a verify row
         self.topk = max(1, topk)
@@ -58,7 +59,7 @@ class MTPDrafter(Drafter):
         self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
         self._ids: set[int] = set(self._base)  # the reduced vocabulary: the base set and the context's tokens
         self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
-        self._head_rows = torch.zeros(0, dtype=torch.int64)  # head_ids as a tensor
+        self._head_rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # head_ids as a tensor
         self._reduced_head: Linear | None = None
         self._outside: torch.Tensor | None = None  # ids outside the reduced vocabulary while the full head stands in
         self._stale_head = False  # tokens joined the vocabulary since the head rows were gathered
@@ -131,7 +132,7 @@ class MTPDrafter(Drafter):
             return
         self._ids |= new
         if self._outside is not None:  # the full head stands in: unmask the new ids (nothing to gather)
-            self._outside[torch.tensor(list(new), dtype=torch.int64)] = False
+            self._outside[torch.tensor(list(new), dtype=torch.int64, device=self.device)] = False
             return
         self._stale_head = True
 
@@ -142,12 +143,12 @@ class MTPDrafter(Drafter):
         vocab = self.full_head.out_features
         if 2 * len(self._ids) >= vocab:  # most of the vocabulary (a random or very long context): the full head and
             self._head_ids, self._reduced_head = None, None  # a mask, no copy of its rows
-            self._outside = torch.ones(vocab, dtype=torch.bool)
-            self._outside[torch.tensor(list(self._ids), dtype=torch.int64)] = False
+            self._outside = torch.ones(vocab, dtype=torch.bool, device=self.device)
+            self._outside[torch.tensor(list(self._ids), dtype=torch.int64, device=self.device)] = False
             return
         self._outside = None
         self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
-        self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64)
+        self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64, device=self.device)
         self._reduced_head = self.full_head.take(self._head_rows)  # rebuilt as tokens arrive
 
     def window(self, n: int) -> int:
