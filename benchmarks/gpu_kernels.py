@@ -61,6 +61,7 @@ def main() -> None:
     from turbospec.kernels import triton_encode as te
     from turbospec.kv import kernel_args
     from turbospec.kv.formats import get_format
+    from turbospec.kv.hadamard import rotation_matrix
 
     gpu.ON_CPU = not cuda
     dev = torch.device(a.device)
@@ -77,6 +78,7 @@ def main() -> None:
     for name in filter(None, a.formats.split(",")):
         fmt = get_format(name)
         spec = kernel_args.attention_spec(fmt, d)
+        spec = (*spec[:3], spec[3].to(dev))  # (the centroid table on the device)
         w = fmt.padded_dim(d)
         for depth in (int(x) for x in a.depths.split(",") if x):
             bufs = fmt.allocate(d, (kvh, depth), device=dev)
@@ -93,10 +95,16 @@ def main() -> None:
             report["attention"].append(row)
             print(json.dumps(row), flush=True)
             del bufs
-        if te.supports(spec[0], w, d):
+        es = kernel_args.encode_spec(fmt, d)
+        if es is not None and te.supports(es.kind, es.width, d):
             bufs = fmt.allocate(d, (kvh, 64), device=dev)
             xv = torch.randn(kvh, 1, d, generator=g, device=dev)
-            secs = timed(lambda xv=xv, bufs=bufs, spec=spec: te.encode_into(xv, spec[0], [bufs[f] for f in spec[2]], 3),
+            turbo = None
+            if fmt.rotated:
+                turbo = (rotation_matrix(dev, torch.float32, fmt.for_dim(d).block_size), es.bounds.to(dev),
+                         es.cent.to(dev), es.bits, es.norm_mode)
+            fields = [bufs[f] for f in es.fields]
+            secs = timed(lambda xv=xv, es=es, fields=fields, turbo=turbo: te.encode_into(xv, es.kind, fields, 3, turbo),
                          a.reps, cuda)
             row = {"format": name, "us": secs * 1e6}
             report["encode"].append(row)

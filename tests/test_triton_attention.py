@@ -53,7 +53,7 @@ def test_partial_matches_the_decoded_cache(interpret, k_name, v_name, dim):
     k = torch.randn(kvh, t, dim, generator=g)
     v = torch.randn(kvh, t, dim, generator=g)
     pk, pv = kf.encode(k), vf.encode(v)
-    ks, vs = kernel_args.attention_spec(kf, dim), kernel_args.attention_spec(vf, dim)
+    ks, vs = ((*s[:3], s[3].to(DEV)) for s in (kernel_args.attention_spec(kf, dim), kernel_args.attention_spec(vf, dim)))
     kw, vw = kf.padded_dim(dim), vf.padded_dim(dim)
     assert ta.supports(ks, kw) and ta.supports(vs, vw)
     kd = kf.decode_rotated(pk) if kf.rotated else kf.decode(pk, dim)

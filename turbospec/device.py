@@ -15,7 +15,6 @@ import torch
 
 from turbospec.errors import TurboSpecError
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")  # plus cuda:N
 _current = torch.device("cpu")
 
 

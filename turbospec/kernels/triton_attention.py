@@ -7,7 +7,7 @@ are merged at the end (split-K "flash decoding").
 float32 [KVH, R, Dk] (scaled; rotated and zero-padded to K's decoded width; for integer keys already rounded by
 `kv.query_rounding`), fields [KVH, T, ...] in the spec's order, and it returns the partial softmax state m [KVH, R],
 l [KVH, R], acc [KVH, R, v_width] over positions [start, end). A spec is attention.py's (kind, index bits, field
-names, centroid table). Products run as three TF32 products on the GPU's tensor cores (IEEE float32 in the
+names, centroid table: float32, on q's device for turbo* kinds). Products run as three TF32 products on the GPU's tensor cores (IEEE float32 in the
 interpreter, or where a Triton refuses that), so results match the torch reference to about float32 rounding.
 Where it runs: `turbospec.kernels.gpu.wanted`; the kernels compile on first use (on the CPU the tests run them in
 Triton's interpreter).
@@ -42,19 +42,9 @@ def _side(spec, fields: list[torch.Tensor], device: torch.device):
     strides = []
     for t in f:
         strides += [t.stride(0), t.stride(1)]
-    cent = _table(spec[3], device) if kind in (TURBO, TURBO64) else _dummy(device)
+    cent = spec[3] if kind in (TURBO, TURBO64) else _dummy(device)
     w = 4 if kind in (Q4_0, TBQ4_0) else (2 if bits == 3 else bits)
     return f, cent, strides, (kind, _BLOCK.get(kind, 1), w, int(bits == 3))
-
-
-_TABLES: dict = {}
-
-
-def _table(cent: torch.Tensor, device: torch.device) -> torch.Tensor:
-    key = (id(cent), device)
-    if key not in _TABLES:  # the source table is kept with its copy, so that its id stays its own
-        _TABLES[key] = (cent.to(device=device, dtype=torch.float32).contiguous(), cent)
-    return _TABLES[key][0]
 
 
 @cache

@@ -92,9 +92,9 @@ class QuantKVCache(CachePositions):
                                                         self._encoder):
                 continue
             if gpu_kinds[i] is not None:
-                kind, names, turbo = gpu_kinds[i]
+                kind, fields, turbo = gpu_kinds[i]
                 try:
-                    gpu_encode.encode_into(x, kind, [buf[f][layer] for f in names], self.length, turbo)
+                    gpu_encode.encode_into(x, kind, fields[layer], self.length, turbo)
                     continue
                 except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the torch encoder
                     gpu.failed("encode", e)
@@ -224,13 +224,13 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _gpu_encode(self) -> tuple:
-        """Per side, (kind, field names, turbo* arguments or None) for the Triton encoder (a cache on a GPU), or None
-        (torch's encoder)."""
+        """Per side, (kind, that side's buffers per layer in field order, turbo* arguments or None) for the Triton
+        encoder (a cache on a GPU), or None (torch's encoder)."""
         t = next(iter(self.k.values()))
         if not gpu.wanted(t):
             return None, None
         out = []
-        for fmt in (self.k_fmt, self.v_fmt):
+        for fmt, buf in ((self.k_fmt, self.k), (self.v_fmt, self.v)):
             spec = kernel_args.encode_spec(fmt, self.head_dim)  # (None: dithered tbq4_0d, unchecked formats)
             if spec is None or not gpu_encode.supports(spec.kind, spec.width, self.head_dim):
                 out.append(None)
@@ -240,7 +240,8 @@ class QuantKVCache(CachePositions):
                 block = fmt.for_dim(self.head_dim).block_size
                 turbo = (rotation_matrix(t.device, torch.float32, block), spec.bounds.to(t.device),
                          spec.cent.to(t.device), spec.bits, spec.norm_mode)
-            out.append((spec.kind, spec.fields, turbo))
+            fields = [[buf[f][layer] for f in spec.fields] for layer in range(self.num_layers)]
+            out.append((spec.kind, fields, turbo))
         return tuple(out)
 
     @cached_property
@@ -267,8 +268,8 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _kernel_fields(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Per layer, the K and V buffers in the attention kernel's field order (needs `_kernel_specs`)."""
-        ks, vs = self._kernel_specs
+        """Per layer, the K and V buffers in the attention kernel's field order (the C++ kernel's, else Triton's)."""
+        ks, vs = self._kernel_specs or self._triton_specs
         return [([self.k[f][i] for f in ks[2]], [self.v[f][i] for f in vs[2]]) for i in range(self.num_layers)]
 
     def step_args(self, layer: int) -> tuple | None:
@@ -284,28 +285,28 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _triton_specs(self):
-        """(K spec, V spec) for the Triton kernel (a cache on a GPU), or None."""
-        if not gpu.wanted(next(iter(self.k.values()))):
+        """(K spec, V spec) for the Triton kernel (a cache on a GPU; centroid tables on its device), or None."""
+        t = next(iter(self.k.values()))
+        if not gpu.wanted(t):
             return None
         d = self.head_dim
         ks = kernel_args.attention_spec(self.k_fmt, d)
         vs = kernel_args.attention_spec(self.v_fmt, d)
-        ok = gpu_attention.supports(ks, self.k_fmt.padded_dim(d)) and gpu_attention.supports(vs, self.v_fmt.padded_dim(d))
-        return (ks, vs) if ok else None
+        if not (gpu_attention.supports(ks, self.k_fmt.padded_dim(d)) and gpu_attention.supports(vs, self.v_fmt.padded_dim(d))):
+            return None
+        return tuple((*spec[:3], spec[3].to(t.device)) for spec in (ks, vs))
 
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
         """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel (C++, or
         Triton on a GPU: queries against integer keys rounded first, as the C++ kernel rounds them itself)."""
         kw, vw = self.k_fmt.padded_dim(d), self.v_fmt.padded_dim(d)
         q = qf if qf.shape[-1] == kw else torch.nn.functional.pad(qf, (0, kw - qf.shape[-1]))
+        k_fields, v_fields = self._kernel_fields[layer]
         if self._kernel_specs is None:
             ks, vs = self._triton_specs
-            k_fields = [self.k[f][layer] for f in ks[2]]
-            v_fields = [self.v[f][layer] for f in vs[2]]
             m, lsum, acc = gpu_attention.partial(round_queries(q, self._q_block), ks, k_fields, vs, v_fields, vw, s, e)
         else:
             ks, vs = self._kernel_specs
-            k_fields, v_fields = self._kernel_fields[layer]
             m, lsum, acc = fused.partial(q.contiguous(), ks, k_fields, vs, v_fields, vw, s, e)
         if not self.v_fmt.rotated and vw != d:
             acc = acc[..., :d].contiguous()

@@ -117,7 +117,7 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     float32: without AVX-512 BF16/FP16, torch's 16-bit batched matmul is ~3x slower than converting
     (docs/speed.md)."""
     h, _, d = q.shape
-    if gpu.wanted(q) and d >= 16 and d & (d - 1) == 0:
+    if gpu.wanted(q) and gpu_attention.supports(fused.PLAIN_SPECS.get(keys.dtype), d):
         return gpu_attention.decode(q, keys, values, 1.0 / math.sqrt(d))  # reads the 16-bit cache directly
     out = fused.dense_decode(q, keys, values, 1.0 / math.sqrt(d))
     if out is not None:
@@ -133,8 +133,8 @@ def gpu_rows(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether a few-row step (verification, a short prompt at depth) over a plain cache takes `_rows_attention`: on
     a GPU, up to the Triton kernel's rows per KV head, head sizes it reads."""
     h, n, d = q.shape
-    return (h // keys.shape[0]) * n <= gpu_attention.MAX_ROWS and d >= 16 and d & (d - 1) == 0 \
-        and gpu.wanted(q)
+    return ((h // keys.shape[0]) * n <= gpu_attention.MAX_ROWS and gpu_attention.supports(fused.PLAIN_SPECS.get(keys.dtype), d)
+            and gpu.wanted(q))
 
 
 def _rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:

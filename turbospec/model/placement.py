@@ -102,7 +102,7 @@ class RandomSource:
             return torch.empty(shape, dtype=torch.float32).uniform_(0.0, 2.0, generator=g).to(dtype)
         if name.endswith("dt_bias"):
             return torch.ones(shape, dtype=dtype)
-        if "norm" in name.rsplit(".", 2)[-2] or name.endswith("norm.weight"):
+        if "norm" in name.rsplit(".", 2)[-2]:  # (input_layernorm, q_norm, norm, pre_fc_norm_embedding, ...)
             return (1.0 + 0.02 * torch.randn(shape, generator=g)).to(dtype)
         return (0.02 * torch.randn(shape, generator=g)).to(dtype)
 
