@@ -43,17 +43,17 @@ def test_cpu_keeps_the_kernels_and_the_default_device():
     assert torch.empty(1).device.type == "cpu"
 
 
-def test_on_device_moves_tensors_and_refuses_packed_blocks():
+def test_on_device_moves_tensors_packed_blocks_included():
     ws = OnDevice(WeightSource(HYBRID), torch.device("cpu"))
     assert ws.has("model.norm.weight") and "model.norm.weight" in ws.names()
     assert ws.get("model.norm.weight", torch.float32, (256,)).dtype == torch.float32
 
     class Packed:
         def matrix(self, name, dtype, shape):
-            return torch.zeros(4, 2, 18, dtype=torch.uint8)
+            return torch.ones(4, 2, 18, dtype=torch.uint8)
 
-    with pytest.raises(TurboSpecError, match="packed weight blocks multiply in the CPU kernels only"):
-        OnDevice(Packed(), torch.device("cuda")).matrix("w", torch.float32, (4, 64))
+    blocks = OnDevice(Packed(), torch.device("meta")).matrix("w", torch.float32, (4, 64))
+    assert blocks.device.type == "meta" and blocks.shape == (4, 2, 18) and blocks.dtype == torch.uint8
 
 
 def test_random_source_builds_a_bigger_model_of_the_template_family():

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from turbospec import env
+from turbospec import device, env
 from turbospec.errors import TurboSpecError
-from turbospec.kernels.gemv import load_kernel
+from turbospec.kernels import gpu, packed
+from turbospec.kernels.gemv import host_kernel, load_kernel
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,19 @@ def in_features(w: torch.Tensor) -> int:
     return w.shape[1] * f.block_values if f else w.shape[1]
 
 
+def packed_here() -> bool:
+    """Whether packed blocks multiply where the engine runs: the C++ kernel on the CPU, Triton on a GPU (or in
+    the tests' interpreter, `gpu.ON_CPU`). Elsewhere a GGUF file's blocks are dequantized as they load."""
+    return load_kernel() is not None or ((device.on_gpu() or gpu.ON_CPU) and gpu.available())
+
+
 def packable(fmt: WeightFormat, shape: tuple[int, ...]) -> bool:
     """Whether a 2-D matrix of `shape` can be packed in `fmt` (whole blocks per row)."""
     return len(shape) == 2 and shape[1] % fmt.block_values == 0
 
 
 def _kernel():
-    k = load_kernel()
+    k = host_kernel()
     if k is None:
         raise TurboSpecError("packed weights need the AVX2 kernel, which is not available on this machine "
                              "(unset TURBOSPEC_NO_KERNEL, or install a C++ compiler)")
@@ -80,13 +87,18 @@ def quantize(w: torch.Tensor, fmt: WeightFormat | str) -> torch.Tensor:
 def dequantize(w: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
     """Packed matrix (or a slice of its rows) -> float32 [rows, in]."""
     r = rows or slice(0, w.shape[0])
-    return _kernel().dequantize_packed(w, r.start or 0, w.shape[0] if r.stop is None else r.stop)
+    a, b = r.start or 0, w.shape[0] if r.stop is None else r.stop
+    if w.device.type != "cpu" or host_kernel() is None:
+        return packed.dequantize(w, torch.arange(a, b, device=w.device))
+    return _kernel().dequantize_packed(w, a, b)
 
 
 def rows_of(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding table, float or packed, in `dtype` ([*ids.shape, in])."""
     if not is_packed(table):
         return torch.nn.functional.embedding(ids, table).to(dtype)
+    if table.device.type != "cpu" or host_kernel() is None:
+        return packed.dequantize(table, ids, dtype).reshape(*ids.shape, in_features(table))
     return _kernel().packed_rows(table, ids).to(dtype).reshape(*ids.shape, in_features(table))
 
 

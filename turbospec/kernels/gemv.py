@@ -120,8 +120,14 @@ def load_kernel():
     return _load_kernel() if device.cpu_kernels() else None
 
 
+def host_kernel():
+    """The same module whatever the current device, for work on CPU tensors (quantizing weights as they load for a
+    GPU), or None."""
+    return _load_kernel()
+
+
 @cache
 def _load_kernel():
     here = Path(__file__).parent
     deps = hashlib.sha1(b"".join((here / f).read_bytes() for f in ("attention.cpp", "deltanet.cpp", "quant.cpp", "bf16dot.cpp", "encode.cpp"))).hexdigest()[:16]
-    return load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))
+    return _load_extension("turbospec_gemv", "gemv.cpp", "skinny-GEMM", (f"-DTURBOSPEC_DEPS={deps}",))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from turbospec import env
 from turbospec.errors import TurboSpecError
+from turbospec.kernels import packed
 from turbospec.kernels.gemv import load_kernel
 from turbospec.weights import format_of, in_features, is_packed, release
 
@@ -116,8 +117,8 @@ def batch_products():
 
 class Linear:
     """y = x W^T + b. Several HF projections can be fused into one (rows concatenated). W is a float matrix or
-    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K), multiplied by the kernel without unpacking the matrix
-    for decode and verification rows, and by float32 tiles for prefill."""
+    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q6_K), multiplied by the kernel without unpacking the
+    matrix for decode and verification rows, and by float32 tiles for prefill (on a GPU: turbospec.kernels.packed)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, hugepages: bool = True):
         """`hugepages=False` for short-lived matrices: huge-page copies come from a bump allocator whose mappings
@@ -159,6 +160,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.packed:
+            if self.kernel is None:  # a GPU (Triton) or no C++ kernel here (torch)
+                return packed.linear(x, self.weight, self.bias)
             return self.kernel.packed_linear(x, self.weight, self.bias, max(env.SKINNY_MAX_ROWS, PACKED_ROW_LIMIT))
         if self.kernel is not None and rows <= skinny_rows(x.dtype):
             return self.kernel.skinny_linear(x, self.weight, self.bias)

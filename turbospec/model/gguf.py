@@ -22,10 +22,9 @@ import numpy as np
 import torch
 
 from turbospec.errors import TurboSpecError
-from turbospec.kernels.gemv import load_kernel
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
-from turbospec.weights import BY_GGUF_TYPE, packable, release, trim_heap
+from turbospec.weights import BY_GGUF_TYPE, packable, packed_here, release, trim_heap
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen35", "qwen35moe")
 HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (llama.cpp's converter reorders their tensors)
@@ -286,7 +285,7 @@ class GGUFWeights(IndexedSource):
         memory map unless rows had to be reordered), else `get` (float, or packed per `pack`)."""
         t = self._tensor(name)
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
-        if fmt is None or load_kernel() is None or not packable(fmt, shape):
+        if fmt is None or not packed_here() or not packable(fmt, shape):
             return super().matrix(name, dtype, shape)  # (trims the heap itself)
         trim_heap()
         col_unit = fmt.block_values
@@ -318,7 +317,7 @@ class GGUFWeights(IndexedSource):
         `pack` (--weights)."""
         t, data = self._expert(name, index, shape)
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
-        if fmt is not None and load_kernel() is not None and packable(fmt, shape):
+        if fmt is not None and packed_here() and packable(fmt, shape):
             return _mapped(data.reshape(shape[0], shape[1] // fmt.block_values, fmt.block_bytes))
         return super().expert_matrix(name, index, dtype, shape)  # values via stacked_part, packed per `pack`
 

@@ -18,8 +18,8 @@ from turbospec.model.loader import TensorSource
 
 
 class OnDevice:
-    """`inner` with every tensor it gives moved to `device` (packed weight blocks are refused: they multiply in the
-    CPU kernels only)."""
+    """`inner` with every tensor it gives moved to `device` (packed weight blocks as they are: the GPU multiplies
+    them in Triton, turbospec.kernels.packed)."""
 
     def __init__(self, inner: TensorSource, device: torch.device):
         self.inner, self.device = inner, device
@@ -27,21 +27,14 @@ class OnDevice:
     def __getattr__(self, name: str):  # names, has, value_tiling, expert_budget, index, ...
         return getattr(self.inner, name)
 
-    def _moved(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        if t.dtype == torch.uint8 and t.dim() == 3:
-            raise TurboSpecError(f"{name}: packed weight blocks multiply in the CPU kernels only; on "
-                                 f"{self.device.type} load float weights (--weights auto, a float or "
-                                 "dequantized checkpoint)")
-        return t.to(self.device)
-
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return self._moved(self.inner.get(name, dtype, shape), name)
+        return self.inner.get(name, dtype, shape).to(self.device)
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        return self._moved(self.inner.matrix(name, dtype, shape), name)
+        return self.inner.matrix(name, dtype, shape).to(self.device)
 
     def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        return self._moved(self.inner.expert_matrix(name, index, dtype, shape), name)
+        return self.inner.expert_matrix(name, index, dtype, shape).to(self.device)
 
 
 _LAYER = re.compile(r"^(model\.layers\.)(\d+)(\..*)$")
