@@ -1,6 +1,7 @@
 """The GPU check's measurements (issue #28 item 3; benchmarks/gpu_check.sh runs the GPU tests first, then this).
 
-A Qwen3.6-27B-shaped hybrid with random bf16 weights (`turbospec fit`'s preset: 64 layers, 16 gated attention +
+A Qwen3.6-27B-shaped hybrid with random bf16 weights (or `--weights q4_k` etc.: random packed blocks, multiplied by the
+Triton dequantizing product; `turbospec fit`'s preset: 64 layers, 16 gated attention +
 48 Gated DeltaNet, hidden 5120, 24/4 heads of 256, vocabulary 248,320, one MTP layer; `--layers` fewer when memory
 is short), built on the device from the bundled hybrid's tensor names (turbospec.model.placement.RandomSource: no
 54 GB file). Measured through the engine (`Engine.generate`, greedy):
@@ -15,7 +16,7 @@ is short), built on the device from the bundled hybrid's tensor names (turbospec
   decode bound it sets (bytes one token reads: weights + KV at that depth).
 
     python benchmarks/gpu_check.py [--device cuda] [--layers 64] [--depths 4096,32768,262144] [--kv f16,tbq4_0]
-        [--drafters draft-mtp[,suffix,...]] [--gen 32] [--prompt 4096] [--profile 4096:f16:mtp]
+        [--drafters draft-mtp[,suffix,...]] [--weights auto|q8_0|q4_0|q4_k] [--gen 32] [--prompt 4096] [--profile 4096:f16:mtp]
         [--out gpu_check.json] [--md gpu_check.md]
     python benchmarks/gpu_check.py --device cpu --tiny     # the script's own check on a small shape
 """
@@ -46,6 +47,7 @@ from turbospec.model.placement import RandomSource, layer_names  # noqa: E402
 from turbospec.model.registry import build_model  # noqa: E402
 from turbospec.sampling import SamplingParams  # noqa: E402
 from turbospec.speculative import make_drafter  # noqa: E402
+from turbospec.weights import PACKED, WEIGHT_CHOICES  # noqa: E402
 
 TEMPLATE = ROOT / "models" / "turbospec-tiny-hybrid"
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -62,13 +64,16 @@ def config(layers: int, tiny: bool, max_pos: int) -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype):
+def random_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "auto"):
+    """`weights`: auto (float matrices in `dtype`) or a packed format (random blocks, as `--weights` would give)."""
     tmpl = json.loads((TEMPLATE / "config.json").read_text())
     names = [n for n in WeightSource(TEMPLATE).names() if not n.startswith("medusa")]
     names = layer_names(names, cfg, tmpl["layer_types"])
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
-    return build_model(cfg, RandomSource(names, seed=0), dtype)
+    src = RandomSource(names, seed=0)
+    src.pack = PACKED.get(weights)
+    return build_model(cfg, src, dtype)
 
 
 def sync() -> None:
@@ -252,6 +257,8 @@ def main() -> None:
     ap.add_argument("--drafters", default="draft-mtp",
                     help="drafters measured beside plain decoding (comma list of --spec-type names; random weights: "
                          "n-gram and suffix drafts hit where greedy decoding repeats itself, MTP drafts do not)")
+    ap.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+                    help="auto: bf16 matrices; q8_0 / q4_0 / q4_k: random packed blocks (Triton's dequantizing product)")
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=4096)
@@ -265,12 +272,13 @@ def main() -> None:
     kvs = [x for x in a.kv.split(",") if x]
     cfg = config(a.layers, a.tiny, max(depths, default=0) + a.prompt + 4096)
     t = time.perf_counter()
-    model = random_model(cfg, torch.bfloat16)
+    model = random_model(cfg, torch.bfloat16, a.weights)
     sync()
     load_s = time.perf_counter() - t
     report = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
               "model": f"Qwen3.6-27B-shaped hybrid, random weights, {cfg.num_layers} layers" + (" (tiny)" if a.tiny else ""),
-              "dtype": "bfloat16", "weights_bytes": model.weight_bytes, "weights_gib": gib(model.weight_bytes),
+              "dtype": "bfloat16" if a.weights == "auto" else f"{a.weights} blocks, bfloat16 activations",
+              "weights_bytes": model.weight_bytes, "weights_gib": gib(model.weight_bytes),
               "load_s": round(load_s, 1), "copy_gbps": copy_bandwidth(), "gen": a.gen, "reps": a.reps,
               "switches": env.all_set(),
               "decode": [], "prefill": []}

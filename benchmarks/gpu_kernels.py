@@ -1,5 +1,5 @@
-"""The Triton kernels alone (issue #28): attention over a KV cache at depth for each format, the KV encoder and
-the Gated DeltaNet step, timed with CUDA events (median of `--reps` after warm-up), with the bytes each call reads
+"""The Triton kernels alone (issue #28): attention over a KV cache at depth for each format, the KV encoder, the
+Gated DeltaNet step and the packed weights' dequantizing product (1 and 4 rows over the MLP's matrices), timed with CUDA events (median of `--reps` after warm-up), with the bytes each call reads
 and the GB/s that makes against the device's copy bandwidth. Shapes: Qwen3.6-27B's attention layer (4 KV heads of
 256, 6 query rows per KV head in decode) and Gated DeltaNet layer (48 value heads, 16 key heads, 128 x 128 states).
 
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--depths", default="4096,32768,262144")
     ap.add_argument("--formats", default="f16,q8_0,q4_0,tbq4_0,turbo3,turbo4")
+    ap.add_argument("--weights", default="bf16,q8_0,q4_0,q4_k,q6_k", help="the packed product's formats (bf16: torch)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="gpu_kernels.json")
     a = ap.parse_args()
@@ -125,6 +126,32 @@ def main() -> None:
         row = {"tokens": n, "us": secs * 1e6, "gbps": nbytes / secs / 1e9}
         report["deltanet"].append(row)
         print(json.dumps(row), flush=True)
+    # packed weights: the MLP's matrices of Qwen3.6-27B (gate+up [34816, 5120], down [5120, 17408]) in each packed
+    # format through the fused product, beside torch's bf16 product of the same shape
+    from turbospec.kernels import triton_packed as tpk
+    from turbospec.weights import PACKED, Q6_K, random_blocks
+
+    report["packed"] = []
+    shapes = [(34816, 5120), (5120, 17408)] if cuda else [(512, 256)]
+    for out_f, in_f in shapes:
+        for name in a.weights.split(","):
+            for rows in (1, 4):
+                x = torch.randn(rows, in_f, generator=g, device=dev).to(torch.bfloat16)
+                if name == "bf16":
+                    w = (torch.randn(out_f, in_f, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+                    fn = (lambda x=x, w=w: torch.nn.functional.linear(x, w))
+                else:
+                    fmt = Q6_K if name == "q6_k" else PACKED[name]
+                    with torch.device(dev):
+                        w = random_blocks(fmt, (out_f, in_f), generator=g)
+                    fn = (lambda x=x, w=w: tpk.matmul(x, w, None))
+                secs = timed(fn, a.reps, cuda)
+                nbytes = w.numel() * w.element_size()
+                row = {"weights": name, "shape": [out_f, in_f], "rows": rows, "us": secs * 1e6,
+                       "gbps": nbytes / secs / 1e9}
+                report["packed"].append(row)
+                print(json.dumps(row), flush=True)
+                del w
     Path(a.out).write_text(json.dumps(report, indent=1))
 
 

@@ -61,6 +61,24 @@ def packed_here() -> bool:
     return load_kernel() is not None or ((device.on_gpu() or gpu.ON_CPU) and gpu.available())
 
 
+# random_blocks: the byte offsets of each format's float16 scales, and the scale that gives values of std ~1
+# (Q4_K: d, and dmin = 7.5 d, the nibbles' mean times d: values centred on average)
+_SCALES = {"q8_0": ((0, 1 / 74),), "q4_0": ((0, 1 / 4.6),), "q4_k": ((0, 1 / 256), (2, 7.5 / 256)),
+           "q6_k": ((208, 1 / 1350),)}
+
+
+def random_blocks(fmt: WeightFormat, shape: tuple[int, int], std: float = 0.02,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random packed blocks of a [out, in] matrix in `fmt` (values of about `std`; on the current default device):
+    real-size packed models without a file or a quantizer (benchmarks/gpu_check.py)."""
+    out = torch.randint(0, 256, (shape[0], shape[1] // fmt.block_values, fmt.block_bytes), dtype=torch.uint8,
+                        generator=generator)
+    for off, scale in _SCALES[fmt.name]:
+        d = torch.full(out.shape[:2], std * scale, dtype=torch.float16, device=out.device)
+        out[..., off:off + 2] = d.unsqueeze(-1).view(torch.uint8)
+    return out
+
+
 def packable(fmt: WeightFormat, shape: tuple[int, ...]) -> bool:
     """Whether a 2-D matrix of `shape` can be packed in `fmt` (whole blocks per row)."""
     return len(shape) == 2 and shape[1] % fmt.block_values == 0
@@ -76,11 +94,17 @@ def _kernel():
 
 def quantize(w: torch.Tensor, fmt: WeightFormat | str) -> torch.Tensor:
     """Float matrix [out, in] -> packed blocks, as llama.cpp's reference quantizer (rows in parallel, one float32
-    row at a time: no float32 copy of the matrix)."""
+    row at a time: no float32 copy of the matrix). Without the C++ kernel (a GPU machine that did not build it),
+    Q8_0 and Q4_0 come from the gguf package's quantizer (the same bytes, slower); Q4_K needs the kernel."""
     f = PACKED[fmt] if isinstance(fmt, str) else fmt
     if not packable(f, tuple(w.shape)):
         raise TurboSpecError(f"cannot pack a {tuple(w.shape)} matrix as {f.name}: rows must be whole "
                              f"{f.block_values}-value blocks")
+    if host_kernel() is None and f.name in ("q8_0", "q4_0"):
+        from gguf import GGMLQuantizationType, quants
+
+        data = quants.quantize(w.detach().cpu().float().numpy(), getattr(GGMLQuantizationType, f.gguf_type))
+        return torch.from_numpy(data).reshape(w.shape[0], -1, f.block_bytes)
     return _kernel().quantize_packed(w, f.block_bytes)
 
 

@@ -15,6 +15,7 @@ import torch
 from turbospec.errors import TurboSpecError
 from turbospec.model.config import ModelConfig
 from turbospec.model.loader import TensorSource
+from turbospec.weights import WeightFormat, packable, random_blocks
 
 
 class OnDevice:
@@ -64,9 +65,11 @@ def layer_names(template: list[str], cfg: ModelConfig, template_types: list[str]
 
 class RandomSource:
     """Random weights (normal, std 0.02; norms near 1; the Gated DeltaNet's decay parameters in their usual range)
-    for the tensor names `names`, in the shapes the model asks for, on the current default device."""
+    for the tensor names `names`, in the shapes the model asks for, on the current default device. `pack`: matrices
+    as random blocks of that format instead (`turbospec.weights.random_blocks`), as `--weights` would give."""
 
     expert_budget: int | None = None
+    pack: WeightFormat | None = None
 
     def __init__(self, names: list[str], seed: int = 0):
         self._names = list(names)
@@ -100,7 +103,11 @@ class RandomSource:
         return (0.02 * torch.randn(shape, generator=g)).to(dtype)
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        if self.pack is not None and packable(self.pack, shape) and self.has(name):
+            self.count += 1
+            g = torch.Generator(device=torch.get_default_device()).manual_seed(self.seed * 1_000_003 + self.count)
+            return random_blocks(self.pack, shape, generator=g)
         return self.get(name, dtype, shape)
 
     def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        return self.get(name, dtype, shape)
+        return self.matrix(name, dtype, shape)
