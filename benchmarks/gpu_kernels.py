@@ -139,13 +139,11 @@ def main() -> None:
                 x = torch.randn(rows, in_f, generator=g, device=dev).to(torch.bfloat16)
                 if name == "bf16":
                     w = (torch.randn(out_f, in_f, generator=g, device=dev) * 0.02).to(torch.bfloat16)
-                    fn = (lambda x=x, w=w: torch.nn.functional.linear(x, w))
                 else:
-                    fmt = Q6_K if name == "q6_k" else PACKED[name]
                     with torch.device(dev):
-                        w = random_blocks(fmt, (out_f, in_f), generator=g)
-                    fn = (lambda x=x, w=w: tpk.matmul(x, w, None))
-                secs = timed(fn, a.reps, cuda)
+                        w = random_blocks(Q6_K if name == "q6_k" else PACKED[name], (out_f, in_f), generator=g)
+                secs = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w) if w.dtype != torch.uint8
+                             else tpk.matmul(x, w, None), a.reps, cuda)
                 nbytes = w.numel() * w.element_size()
                 row = {"weights": name, "shape": [out_f, in_f], "rows": rows, "us": secs * 1e6,
                        "gbps": nbytes / secs / 1e9}

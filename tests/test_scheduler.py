@@ -3,6 +3,7 @@
 Every sequence's greedy output in a batch (mixed prompt lengths, arrival times, KV formats, preemption, aborts)
 must equal the same request run alone through `Engine` (float32)."""
 
+import importlib.util
 import random
 from pathlib import Path
 
@@ -466,14 +467,23 @@ def test_batched_speculation_survives_preemption(which, request):
     assert [got[i][0] for i in range(4)] == [w[0] for w in want]
 
 
-@pytest.mark.parametrize("name,kv", [("turbospec-tiny", None), ("turbospec-tiny", "tbq4_0"),
-                                     ("turbospec-tiny-hybrid", None)])
-def test_batched_equals_solo_without_the_cpp_kernels(monkeypatch, name, kv):
-    """The pool's torch paths (a GPU's, where the C++ kernels do not run): three sequences batched give each the
-    tokens it gets alone."""
+@pytest.mark.parametrize("name,kv,triton", [("turbospec-tiny", None, False), ("turbospec-tiny", "tbq4_0", False),
+                                            ("turbospec-tiny-hybrid", None, False), ("turbospec-tiny", None, True),
+                                            ("turbospec-tiny-hybrid", None, True)])
+def test_batched_equals_solo_without_the_cpp_kernels(monkeypatch, name, kv, triton):
+    """A GPU's code path, where the C++ kernels do not run: the pool's torch paths, or (`triton`, in Triton's
+    interpreter here) the Triton kernels with the decode rows of all sequences in one paged-attention launch. Three
+    sequences batched give each the tokens it gets alone."""
     from turbospec import device
+    from turbospec.kernels import gpu, triton_attention
 
+    if triton and importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
     monkeypatch.setattr(device, "cpu_kernels", lambda: False)
+    monkeypatch.setattr(gpu, "ON_CPU", triton)
+    calls = []
+    real = triton_attention.paged
+    monkeypatch.setattr(triton_attention, "paged", lambda *a: calls.append(a[0].shape) or real(*a))
     m = load_model(str(TINY.parent / name), torch.float32)
     eng = Engine(m, None, EngineConfig(ctx=512, cache_type_k=kv, cache_type_v=kv))
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -484,3 +494,4 @@ def test_batched_equals_solo_without_the_cpp_kernels(monkeypatch, name, kv):
     while sch.has_work:
         sch.step()
     assert [s.tokens[s.prompt_len:] for s in seqs] == solo
+    assert any(c[0] == 2 for c in calls) == triton  # two sequences' decode rows in one launch (the pool holds two)

@@ -68,6 +68,36 @@ def test_partial_matches_the_decoded_cache(interpret, k_name, v_name, dim):
         torch.testing.assert_close((acc / lsum[..., None]).cpu(), racc / rl[..., None], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_name,v_name", [("f32", "f32"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("tbq4_0", "tbq4_0"),
+                                            ("turbo3", "q4_0")])
+def test_paged_matches_the_decoded_sequences(interpret, k_name, v_name):
+    """Many sequences over a paged pool in one launch: each sequence's output equals softmax attention over its own
+    positions, read through its block table (blocks out of order, shared, and of different counts)."""
+    g = torch.Generator().manual_seed(3)
+    kf, vf = get_format(k_name), get_format(v_name)
+    kvh, dim, block, blocks = 2, 64, 32, 12
+    k = torch.randn(kvh, blocks * block, dim, generator=g)
+    v = torch.randn(kvh, blocks * block, dim, generator=g)
+    pk, pv = kf.encode(k), vf.encode(v)
+    ks, vs = ((*s[:3], s[3].to(DEV)) for s in (kernel_args.attention_spec(kf, dim), kernel_args.attention_spec(vf, dim)))
+    kw, vw = kf.padded_dim(dim), vf.padded_dim(dim)
+    kd = kf.decode_rotated(pk) if kf.rotated else kf.decode(pk, dim)
+    vd = vf.decode_rotated(pv) if vf.rotated else vf.decode(pv, dim)
+    tables = [[7, 2, 9, 0, 11], [3], [2, 5, 1], [10, 4, 6, 8, 0]]  # block 2 and 0 shared by two sequences
+    lens = [150, 17, 96, 129]
+    table = torch.full((4, 5), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.randn(4, kvh, 3, kw, generator=g) * 0.3
+    out = ta.paged(q.to(DEV), ks, [pk[f].to(DEV) for f in ks[2]], vs, [pv[f].to(DEV) for f in vs[2]], vw,
+                   table.to(DEV), torch.tensor(lens).to(DEV), block, max(lens)).cpu()
+    assert out.shape == (4, kvh, 3, vw)
+    for i, (t, n) in enumerate(zip(tables, lens)):
+        slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in t])[:n]
+        _, rl, racc = reference(q[i], kd[:, slots], vd[:, slots], 0, n)
+        torch.testing.assert_close(out[i], racc / rl[..., None], rtol=1e-4, atol=1e-5)
+
+
 def test_plain_decode_matches_softmax_attention(interpret):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(8, 1, 128, generator=g)

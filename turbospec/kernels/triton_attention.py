@@ -64,45 +64,66 @@ def splits_for(kvh: int, n: int, block_n: int, device: torch.device) -> int:
 
 
 def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor],
-            v_width: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            v_width: int, start: int, end: int, paged: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`paged` (for `paged` below): (tables, lens, KV heads, block); q's first dimension is then sequences x KV
+    heads, and `end` the longest sequence's length."""
     kernel = _kernel()
-    kvh, r, dk = q.shape
+    programs, r, dk = q.shape
+    if paged is None:
+        kvh, pb, paged_args = 1, 1, (None, None, 0)
+    else:
+        tables, lens, kvh, pb = paged
+        paged_args = (tables, lens, tables.stride(0))
     if r > MAX_ROWS:
         raise ValueError(f"{r} query rows per KV head: the Triton attention takes at most {MAX_ROWS}")
     rp = max(16, 1 << (r - 1).bit_length())
     block_n = 64 if max(dk, v_width) <= 128 else 32
     n = end - start
-    splits = splits_for(kvh, n, block_n, q.device)
+    splits = splits_for(programs, n, block_n, q.device)
     # tiles per span: a power of two (a compile-time trip count, so few variants compile as the context grows)
     tiles = 1 << (-(-n // (splits * block_n)) - 1).bit_length()
     chunk = tiles * block_n
     splits = -(-n // chunk)
-    m = torch.empty(kvh, splits, rp, dtype=torch.float32, device=q.device)
+    m = torch.empty(programs, splits, rp, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
-    acc = torch.empty(kvh, splits, rp, v_width, dtype=torch.float32, device=q.device)
+    acc = torch.empty(programs, splits, rp, v_width, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     kf, kc, ks, kk = _side(k_spec, k_fields, q.device)
     vf, vc, vs, vk = _side(v_spec, v_fields, q.device)
-    args = (q, m, lsum, acc, *kf, kc, *ks, *vf, vc, *vs, start, end, chunk, r, q.stride(0), q.stride(1))
+    args = (q, m, lsum, acc, *kf, kc, *ks, *vf, vc, *vs, start, end, chunk, r, q.stride(0), q.stride(1),
+            *paged_args)
     meta = {"TILES": tiles, "RP": rp, "DK": dk, "DV": v_width, "BLOCK_N": block_n, "KKIND": kk[0], "KBS": kk[1],
             "KW": kk[2], "KQH": kk[3], "VKIND": vk[0], "VBS": vk[1], "VW": vk[2], "VQH": vk[3],
-            "num_warps": 8 if max(dk, v_width) > 128 else 4}
+            "PAGED": paged is not None, "KVH": kvh, "PB": pb, "num_warps": 8 if max(dk, v_width) > 128 else 4}
     global _PRECISION
     if q.is_cuda and _PRECISION == "tf32x3":
         try:
-            kernel[(kvh, splits)](*args, PREC="tf32x3", **meta)
+            kernel[(programs, splits)](*args, PREC="tf32x3", **meta)
         except Exception as e:  # noqa: BLE001 -- a Triton without 3xTF32 products: IEEE float32 (slower)
             print(f"turbospec: Triton attention without tf32x3 ({' '.join(str(e).split())[:100]}); using ieee",
                   file=sys.stderr)
             _PRECISION = "ieee"
     if not q.is_cuda or _PRECISION == "ieee":
-        kernel[(kvh, splits)](*args, PREC="ieee", **meta)
+        kernel[(programs, splits)](*args, PREC="ieee", **meta)
     top = m.amax(1, keepdim=True)
     w = torch.exp(m - top)
     w = torch.where(torch.isfinite(m), w, torch.zeros_like(w))
     lsum = (w * lsum).sum(1)
     acc = (w.unsqueeze(-1) * acc).sum(1)
     return top.squeeze(1)[:, :r], lsum[:, :r], acc[:, :r]
+
+
+def paged(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor], v_width: int,
+          tables: torch.Tensor, lens: torch.Tensor, block: int, longest: int) -> torch.Tensor:
+    """kernels.attention.paged's contract on a GPU: q float32 [S, KVH, R, Dk] (scaled, rotated, padded; for integer
+    keys rounded by `kv.query_rounding`) over a paged cache's fields [KVH, blocks * block, ...], tables int32 [S,
+    max blocks], lens [S] (positions each sequence attends; `longest` their maximum, known on the host) -> the
+    normalized output [S, KVH, R, v_width] float32. One launch for every sequence, KV head and span."""
+    s, kvh, r, dk = q.shape
+    _, lsum, acc = partial(q.reshape(s * kvh, r, dk), k_spec, k_fields, v_spec, v_fields, v_width, 0, longest,
+                           (tables, lens, kvh, block))
+    return (acc / lsum.unsqueeze(-1)).reshape(s, kvh, r, v_width)
 
 
 def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -40,13 +40,24 @@ def tile(f0, f1, f2, cent, st0, st1, st2, pos, pmask, dims,
 def attend(q, m_out, l_out, acc_out,
            k0, k1, k2, kc, ksh0, kst0, ksh1, kst1, ksh2, kst2,
            v0, v1, v2, vc, vsh0, vst0, vsh1, vst1, vsh2, vst2,
-           start, end, chunk, R, sq_h, sq_r,
+           start, end, chunk, R, sq_h, sq_r, tables, lens, tw,
            TILES: tl.constexpr, RP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
            KKIND: tl.constexpr, KBS: tl.constexpr, KW: tl.constexpr, KQH: tl.constexpr,
-           VKIND: tl.constexpr, VBS: tl.constexpr, VW: tl.constexpr, VQH: tl.constexpr, PREC: tl.constexpr):
+           VKIND: tl.constexpr, VBS: tl.constexpr, VW: tl.constexpr, VQH: tl.constexpr, PREC: tl.constexpr,
+           PAGED: tl.constexpr, KVH: tl.constexpr, PB: tl.constexpr):
+    """Program (h, sp): query rows of KV head h (PAGED: of sequence h // KVH, KV head h % KVH, whose positions
+    [0, lens[seq]) sit in blocks of PB positions listed by its row of `tables`, tw entries a row) against span sp
+    of positions [start, end)."""
     h = tl.program_id(0)
     sp = tl.program_id(1)
-    hh = h.to(tl.int64)
+    if PAGED:
+        seq = h // KVH
+        hh = (h % KVH).to(tl.int64)
+        stop = tl.load(lens + seq).to(tl.int32)
+        tab = tables + seq.to(tl.int64) * tw
+    else:
+        hh = h.to(tl.int64)
+        stop = end
     k0, k1, k2 = k0 + hh * ksh0, k1 + hh * ksh1, k2 + hh * ksh2
     v0, v1, v2 = v0 + hh * vsh0, v1 + hh * vsh1, v2 + hh * vsh2
     splits = tl.num_programs(1)
@@ -56,13 +67,15 @@ def attend(q, m_out, l_out, acc_out,
     dv = tl.arange(0, DV)
     qt = tl.load(q + h * sq_h + rows[:, None] * sq_r + dk[None, :], mask=rmask[:, None], other=0.0)
     s0 = start + sp * chunk
-    s1 = tl.minimum(s0 + chunk, end)
+    s1 = tl.minimum(s0 + chunk, stop)
     m = tl.full([RP], float("-inf"), tl.float32)
     lsum = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DV], tl.float32)
     for t in range(0, TILES):
         pos = s0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
         pm = pos < s1
+        if PAGED:  # a position's slot: its block's id times PB plus its offset there
+            pos = tl.load(tab + pos // PB, mask=pm, other=0) * PB + pos % PB
         kt = tile(k0, k1, k2, kc, kst0, kst1, kst2, pos, pm, dk, KKIND, KBS, KW, KQH)
         sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)
         sc = tl.where(pm[None, :], sc, float("-inf"))

@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from turbospec.kernels import attention, encode
+from turbospec.kernels import attention, encode, gpu, triton_attention
 from turbospec.kernels.encode import EncodeSpec
 from turbospec.kv.formats import (
     NORM_MODES,
@@ -51,6 +51,18 @@ def attention_spec(fmt: KVFormat, dim: int) -> AttentionSpec | None:
         kind = attention.TURBO64 if block == 64 else attention.TURBO
         return kind, fmt.mse_bits, names, _codebook(fmt.mse_bits, torch.device("cpu"), block)[0]
     return None
+
+
+def triton_specs(k_fmt: KVFormat, v_fmt: KVFormat, dim: int, like: torch.Tensor) -> tuple | None:
+    """(K spec, V spec) for the Triton attention over cache buffers like `like` (centroid tables moved to its
+    device), or None: not tensors the Triton kernels take (`kernels.gpu.wanted`), or a format or width they do not
+    read."""
+    if not gpu.wanted(like):
+        return None
+    ks, vs = attention_spec(k_fmt, dim), attention_spec(v_fmt, dim)
+    if not (triton_attention.supports(ks, k_fmt.padded_dim(dim)) and triton_attention.supports(vs, v_fmt.padded_dim(dim))):
+        return None
+    return tuple((*spec[:3], spec[3].to(like.device)) for spec in (ks, vs))
 
 
 def encode_spec(fmt: KVFormat, dim: int) -> EncodeSpec | None:

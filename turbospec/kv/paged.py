@@ -5,7 +5,8 @@ or packed q8_0/q4_0/tbq4_0/turbo*, K and V independently), a free list and per-b
 `PagedSequence` is one sequence's positions in the pool: the cache contract of `kv.base.Cache` (begin / commit(keep)
 / reset / truncate / length) over a block table instead of one preallocated buffer. `PagedBatch` is one step's rows
 from many sequences: it stores their K/V and runs their attention, decode rows of every sequence in one kernel call
-(`kernels.attention.paged`, which reads the block tables) and multi-row segments (prefill chunks) one by one.
+(`kernels.attention.paged`, or on a GPU `kernels.triton_attention.paged`, which read the block tables) and
+multi-row segments (prefill chunks) one by one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
 from turbospec.kernels import encode as encoder
+from turbospec.kernels import triton_attention as gpu_attention
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
@@ -184,6 +186,11 @@ class BlockPool:
         return kernel_args.encode_specs(self.k_fmt, self.v_fmt, self.head_dim)
 
     @cached_property
+    def triton_specs(self):
+        """(K spec, V spec) of the Triton paged attention (a pool on a GPU), or None."""
+        return kernel_args.triton_specs(self.k_fmt, self.v_fmt, self.head_dim, next(iter(self.k.values())))
+
+    @cached_property
     def kernel_specs(self):
         """(K spec, V spec) of the paged attention kernel, or None (no kernel here, or a format it cannot read)."""
         ks = kernel_args.attention_spec(self.k_fmt, self.head_dim)
@@ -316,6 +323,7 @@ class PagedBatch:
                 table[i, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks, dtype=torch.int32)
             self.tables = table
             self.lens = torch.tensor([s.seq.length + 1 for s in one], dtype=torch.int64)
+            self.longest = max(s.seq.length + 1 for s in one)
 
     # the Cache protocol, as far as a model's forward uses it
     def begin(self, n: int) -> None:
@@ -355,11 +363,12 @@ class PagedBatch:
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, kvh: int, g: int, d: int, scale: float) -> torch.Tensor:
-        """q [H, S, D] (one row per sequence) -> [H, S, D] float32 through the paged kernel (torch without it)."""
+        """q [H, S, D] (one row per sequence) -> [H, S, D] float32 through the paged kernel (C++ on the CPU, Triton
+        on a GPU; torch without either)."""
         pool = self.pool
         s = q.shape[1]
         qf = q.to(torch.float32).reshape(kvh, g, s, d).permute(2, 0, 1, 3)  # [S, KVH, G, D]
-        specs = pool.kernel_specs
+        specs = pool.kernel_specs or pool.triton_specs
         if specs is None:
             return self._decode_torch(layer, round_queries(qf * scale, pool.q_block), d)
         kf, vf = pool.k_fmt, pool.v_fmt
@@ -370,8 +379,12 @@ class PagedBatch:
         if qf.shape[-1] != kw:
             qf = F.pad(qf, (0, kw - qf.shape[-1]))
         ks, vs = specs
-        o = fused.paged(qf.contiguous(), ks, [pool.k[f][layer] for f in ks[2]], vs, [pool.v[f][layer] for f in vs[2]],
-                        vw, self.tables, self.lens, pool.block)
+        k_fields, v_fields = [pool.k[f][layer] for f in ks[2]], [pool.v[f][layer] for f in vs[2]]
+        if pool.kernel_specs is None:  # Triton: integer keys' queries rounded here (the C++ kernel rounds them itself)
+            o = gpu_attention.paged(round_queries(qf, pool.q_block).contiguous(), ks, k_fields, vs, v_fields, vw,
+                                    self.tables, self.lens, pool.block, self.longest)
+        else:
+            o = fused.paged(qf.contiguous(), ks, k_fields, vs, v_fields, vw, self.tables, self.lens, pool.block)
         if vf.rotated:
             o = kernel_args.rotate_fast(o, inverse=True, dim=d)
         elif vw != d:

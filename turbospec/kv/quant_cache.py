@@ -286,15 +286,7 @@ class QuantKVCache(CachePositions):
     @cached_property
     def _triton_specs(self):
         """(K spec, V spec) for the Triton kernel (a cache on a GPU; centroid tables on its device), or None."""
-        t = next(iter(self.k.values()))
-        if not gpu.wanted(t):
-            return None
-        d = self.head_dim
-        ks = kernel_args.attention_spec(self.k_fmt, d)
-        vs = kernel_args.attention_spec(self.v_fmt, d)
-        if not (gpu_attention.supports(ks, self.k_fmt.padded_dim(d)) and gpu_attention.supports(vs, self.v_fmt.padded_dim(d))):
-            return None
-        return tuple((*spec[:3], spec[3].to(t.device)) for spec in (ks, vs))
+        return kernel_args.triton_specs(self.k_fmt, self.v_fmt, self.head_dim, next(iter(self.k.values())))
 
     def _attend_fused(self, layer: int, qf: torch.Tensor, d: int, s: int, e: int):
         """Partial softmax state (m, l [KVH, R, 1], acc [KVH, R, Dv]) over positions [s, e) from the kernel (C++, or
