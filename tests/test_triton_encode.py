@@ -87,3 +87,38 @@ def test_turbo_encoder_matches_the_reference(interpret, bits, mode, dim):
     assert (dec - dref).abs().gt(1e-3).float().mean() < 0.01  # (an index off by one moves one coordinate)
     torch.testing.assert_close(got["norm"].float(), ref["norm"].float(), rtol=2e-3, atol=0)
     assert not bufs["norm"][:, :3].cpu().any() and not bufs["norm"][:, 3 + n:].cpu().any()
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "tbq4_0", "turbo3"])
+def test_paged_pool_stores_at_its_slots(monkeypatch, name):
+    """A paged pool on the GPU's path encodes each token straight into its slot (scattered, out of order) with the
+    Triton encoder: the bytes the torch encoder writes there (turbo3: up to indices at a codebook boundary), and
+    nothing elsewhere."""
+    from turbospec import device
+    from turbospec.kv.paged import BlockPool
+
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+    slots = torch.tensor([70, 3, 41])
+    calls = []
+    real = te.encode_into
+    monkeypatch.setattr(te, "encode_into", lambda *a: calls.append(a[-1]) or real(*a))
+    pools = []
+    for triton in (False, True):
+        monkeypatch.setattr(gpu, "ON_CPU", triton and DEV == "cpu")
+        monkeypatch.setattr(device, "cpu_kernels", lambda triton=triton: not triton)  # as on a GPU
+        dev = DEV if triton else "cpu"
+        with torch.device(dev):
+            pool = BlockPool(2, 2, 64, 3, k_type=name, v_type=name, block=32)
+        assert (pool._gpu_encode[0] is not None) == triton
+        pool.store(1, k.to(dev), v.to(dev), slots.to(dev))
+        pools.append(pool)
+    assert len(calls) == 2 and all(torch.equal(c.cpu(), slots) for c in calls)  # K and V, through Triton
+    for side in ("k", "v"):
+        for f, ref in getattr(pools[0], side).items():
+            got = getattr(pools[1], side)[f].cpu()
+            assert not got[0].any() and not got[1][:, [i for i in range(96) if i not in (70, 3, 41)]].any()
+            if name == "turbo3":
+                assert (got == ref).float().mean() > 0.97, f
+            else:
+                assert torch.equal(got, ref), f

@@ -33,9 +33,11 @@ def _kernels():
     return triton_encode_jit.encode, triton_encode_jit.encode_turbo
 
 
-def encode_into(x: torch.Tensor, kind: int, fields: list[torch.Tensor], start: int, turbo: tuple | None = None) -> None:
+def encode_into(x: torch.Tensor, kind: int, fields: list[torch.Tensor], start: int, turbo: tuple | None = None,
+                slots: torch.Tensor | None = None) -> None:
     """`turbo` (turbo* kinds): (rotation matrix float32 [B, B] with rotate(x) = x R^T, codebook boundaries and
-    centroids float32, index bits, norm mode index), all on x's device."""
+    centroids float32, index bits, norm mode index), all on x's device. `slots` (int64 [N], on x's device): token
+    i goes to position slots[i] instead of start + i (a paged pool's blocks)."""
     kvh, n, d = x.shape
     bs = _BLOCK[kind]
     if x.stride(-1) != 1:
@@ -45,9 +47,11 @@ def encode_into(x: torch.Tensor, kind: int, fields: list[torch.Tensor], start: i
         f = list(fields) + [fields[0]] * (3 - len(fields))
         strides = [s for t in f for s in (t.stride(0), t.stride(1))]
         _kernels()[1][(-(-kvh * n // ROWS), d // bs)](x, rot, bounds, cent, *f, x.stride(0), x.stride(1), *strides, n,
-                                                      kvh * n, start, B=bs, BITS=bits, MODE=mode, RP=ROWS)
+                                                      kvh * n, start, slots, B=bs, BITS=bits, MODE=mode, RP=ROWS,
+                                                      SLOTS=slots is not None)
         return
     f0 = fields[0]
     f1 = fields[1] if len(fields) > 1 else f0
     _kernels()[0][(kvh * n, d // bs)](x, f0, f1, x.stride(0), x.stride(1), f0.stride(0), f0.stride(1), f1.stride(0),
-                                   f1.stride(1), n, start, KIND=kind, BS=bs, enable_fp_fusion=False)
+                                   f1.stride(1), n, start, slots, KIND=kind, BS=bs, SLOTS=slots is not None,
+                                   enable_fp_fusion=False)

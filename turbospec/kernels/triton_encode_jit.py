@@ -36,8 +36,10 @@ def _half_away(v):
 
 
 @triton.jit
-def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, KIND: tl.constexpr, BS: tl.constexpr):
-    """One program per (vector, block): vector v = head * n + token of x [KVH, n, D] into position start + token."""
+def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, slots, KIND: tl.constexpr, BS: tl.constexpr,
+           SLOTS: tl.constexpr):
+    """One program per (vector, block): vector v = head * n + token of x [KVH, n, D] into position start + token
+    (SLOTS: position slots[token], a paged pool's)."""
     v = tl.program_id(0)
     b = tl.program_id(1)
     h = (v // n).to(tl.int64)
@@ -47,7 +49,10 @@ def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, KIND: tl.constexpr
     xp = x + h * sxh + t * sxt + b * BS
     lo = tl.load(xp + j).to(tl.float32)
     hi = tl.load(xp + HALF + j).to(tl.float32)
-    pos = (start + t).to(tl.int64)
+    if SLOTS:  # noqa: SIM108 -- (a compile-time branch of Triton's)
+        pos = tl.load(slots + t).to(tl.int64)
+    else:
+        pos = (start + t).to(tl.int64)
     o0 = f0 + h * s0h + pos * s0t
     o1 = f1 + h * s1h + pos * s1t
     if KIND <= 2:  # plain: the values in the cache's dtype
@@ -86,8 +91,8 @@ def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, KIND: tl.constexpr
 
 
 @triton.jit
-def encode_turbo(x, rot, bounds, cent, f0, f1, f2, sxh, sxt, s0h, s0t, s1h, s1t, s2h, s2t, n, rows, start,
-                 B: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, RP: tl.constexpr):
+def encode_turbo(x, rot, bounds, cent, f0, f1, f2, sxh, sxt, s0h, s0t, s1h, s1t, s2h, s2t, n, rows, start, slots,
+                 B: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, RP: tl.constexpr, SLOTS: tl.constexpr):
     """TurboQuant-MSE blocks of RP vectors at once (program 0: the vectors, program 1: the block): rotate (x R^T),
     normalize, Lloyd-Max indices against the boundaries, the fp16 scale of the norm mode (0 plain, 1 corrected,
     2 least squares), the indices packed in bit planes (kv/bitpack.py)."""
@@ -114,7 +119,10 @@ def encode_turbo(x, rot, bounds, cent, f0, f1, f2, sxh, sxt, s0h, s0t, s1h, s1t,
         scale = norm / tl.sqrt(tl.sum(c * c, 1))
     else:
         scale = norm * tl.sum(u * c, 1) / tl.sum(c * c, 1)
-    pos = (start + t).to(tl.int64)
+    if SLOTS:  # noqa: SIM108 -- (a compile-time branch of Triton's)
+        pos = tl.load(slots + t, mask=rmask, other=0).to(tl.int64)
+    else:
+        pos = (start + t).to(tl.int64)
     tl.store(f0 + h * s0h + pos * s0t + b, scale.to(tl.float16), mask=rmask)
     W: tl.constexpr = 2 if BITS == 3 else BITS
     K: tl.constexpr = 8 // W

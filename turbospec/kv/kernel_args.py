@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from turbospec.kernels import attention, encode, gpu, triton_attention
+from turbospec.kernels import attention, encode, gpu, triton_attention, triton_encode
 from turbospec.kernels.encode import EncodeSpec
 from turbospec.kv.formats import (
     NORM_MODES,
@@ -27,7 +27,7 @@ from turbospec.kv.formats import (
     TurboProdFormat,
 )
 from turbospec.kv.formats.turbo import _codebook
-from turbospec.kv.hadamard import padded_dim, rot_block_for, rotate, rotation_signs, unrotate
+from turbospec.kv.hadamard import padded_dim, rot_block_for, rotate, rotation_matrix, rotation_signs, unrotate
 
 AttentionSpec = tuple[int, int, tuple[str, ...], torch.Tensor]
 
@@ -63,6 +63,28 @@ def triton_specs(k_fmt: KVFormat, v_fmt: KVFormat, dim: int, like: torch.Tensor)
     if not (triton_attention.supports(ks, k_fmt.padded_dim(dim)) and triton_attention.supports(vs, v_fmt.padded_dim(dim))):
         return None
     return tuple((*spec[:3], spec[3].to(like.device)) for spec in (ks, vs))
+
+
+def triton_encoders(k_fmt: KVFormat, v_fmt: KVFormat, dim: int, k: Packed, v: Packed, num_layers: int) -> tuple:
+    """Per side (K, V), (kind, that side's buffers per layer in field order, turbo* arguments or None) for the
+    Triton encoder (turbospec/kernels/triton_encode.py) over cache buffers [layers, KVH, positions, ...] on a GPU;
+    None for a side it does not write (dithered tbq4_0d, unchecked formats) and for buffers not on a GPU."""
+    like = next(iter(k.values()))
+    if not gpu.wanted(like):
+        return None, None
+    out: list = []
+    for fmt, buf in ((k_fmt, k), (v_fmt, v)):
+        spec = encode_spec(fmt, dim)
+        if spec is None or not triton_encode.supports(spec.kind, spec.width, dim):
+            out.append(None)
+            continue
+        turbo = None
+        if fmt.rotated:
+            block = fmt.for_dim(dim).block_size
+            turbo = (rotation_matrix(like.device, torch.float32, block), spec.bounds.to(like.device),
+                     spec.cent.to(like.device), spec.bits, spec.norm_mode)
+        out.append((spec.kind, [[buf[f][layer] for f in spec.fields] for layer in range(num_layers)], turbo))
+    return tuple(out)
 
 
 def encode_spec(fmt: KVFormat, dim: int) -> EncodeSpec | None:

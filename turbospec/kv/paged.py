@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import attention as fused
 from turbospec.kernels import encode as encoder
+from turbospec.kernels import gpu
 from turbospec.kernels import triton_attention as gpu_attention
+from turbospec.kernels import triton_encode as gpu_encode
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
 from turbospec.kv.plan import AttentionPlan
@@ -132,13 +134,22 @@ class BlockPool:
         """Encode k, v [KVH, N, D] into the physical positions `slots` (int64 [N]) of `layer` (plain formats: a copy,
         as the contiguous `KVCache` stores them)."""
         specs = self._encode_specs if k.shape[0] * k.shape[1] <= encoder.MAX_ROWS else (None, None)
-        for fmt, buf, x, spec in ((self.k_fmt, self.k, k, specs[0]), (self.v_fmt, self.v, v, specs[1])):
+        gpu_sides = self._gpu_encode if gpu.enabled("encode") else (None, None)
+        for fmt, buf, x, spec, on_gpu in ((self.k_fmt, self.k, k, specs[0], gpu_sides[0]),
+                                          (self.v_fmt, self.v, v, specs[1], gpu_sides[1])):
             if isinstance(fmt, PlainFormat):
                 buf["data"][layer].index_copy_(1, slots, x.to(buf["data"].dtype))
                 continue
             # the C++ encoder where it is here, for as many rows as QuantKVCache.store gives it: the same bytes
             if spec is not None and encoder.encode_slots(x, spec, [buf[f][layer] for f in spec.fields], slots):
                 continue
+            if on_gpu is not None:  # Triton on a GPU: the same bytes (turbo*: up to a codebook boundary)
+                kind, fields, turbo = on_gpu
+                try:
+                    gpu_encode.encode_into(x, kind, fields[layer], 0, turbo, slots)
+                    continue
+                except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the torch encoder
+                    gpu.failed("encode", e)
             for name, t in fmt.encode(x).items():
                 buf[name][layer].index_copy_(1, slots, t.to(buf[name].dtype))
 
@@ -180,6 +191,10 @@ class BlockPool:
     @cached_property
     def _step_sides(self) -> list[tuple] | None:
         return kernel_args.step_sides(self.k_fmt, self.v_fmt, self.head_dim, self.k, self.v, self.num_layers)
+
+    @cached_property
+    def _gpu_encode(self) -> tuple:
+        return kernel_args.triton_encoders(self.k_fmt, self.v_fmt, self.head_dim, self.k, self.v, self.num_layers)
 
     @cached_property
     def _encode_specs(self) -> tuple:

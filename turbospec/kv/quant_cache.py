@@ -35,7 +35,6 @@ from turbospec.kernels import triton_encode as gpu_encode
 from turbospec.kv import kernel_args
 from turbospec.kv.cache import CachePositions, KVCache
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
-from turbospec.kv.hadamard import rotation_matrix
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.query_rounding import key_block, round_queries
 
@@ -224,25 +223,8 @@ class QuantKVCache(CachePositions):
 
     @cached_property
     def _gpu_encode(self) -> tuple:
-        """Per side, (kind, that side's buffers per layer in field order, turbo* arguments or None) for the Triton
-        encoder (a cache on a GPU), or None (torch's encoder)."""
-        t = next(iter(self.k.values()))
-        if not gpu.wanted(t):
-            return None, None
-        out = []
-        for fmt, buf in ((self.k_fmt, self.k), (self.v_fmt, self.v)):
-            spec = kernel_args.encode_spec(fmt, self.head_dim)  # (None: dithered tbq4_0d, unchecked formats)
-            if spec is None or not gpu_encode.supports(spec.kind, spec.width, self.head_dim):
-                out.append(None)
-                continue
-            turbo = None
-            if fmt.rotated:
-                block = fmt.for_dim(self.head_dim).block_size
-                turbo = (rotation_matrix(t.device, torch.float32, block), spec.bounds.to(t.device),
-                         spec.cent.to(t.device), spec.bits, spec.norm_mode)
-            fields = [[buf[f][layer] for f in spec.fields] for layer in range(self.num_layers)]
-            out.append((spec.kind, fields, turbo))
-        return tuple(out)
+        """Per side, the Triton encoder's arguments (a cache on a GPU), or None (torch's encoder)."""
+        return kernel_args.triton_encoders(self.k_fmt, self.v_fmt, self.head_dim, self.k, self.v, self.num_layers)
 
     @cached_property
     def _encoder(self):
