@@ -43,8 +43,8 @@ class Engine:
         self.model = model
         self.device = compute_device.current()  # where the step's token ids are made (the model's device)
         # a decode step runs with torch's default-device hook off on a GPU (device.lean); not for mixture-of-experts
-        # models, whose expert paths still make tensors on the default device
-        self.lean = compute_device.lean if not model.cfg.moe()["experts"] else contextlib.nullcontext
+        # models whose experts are not stacked on the device (their grouped path makes tensors on the default device)
+        self.lean = compute_device.lean if not model.experts.grouped else contextlib.nullcontext
         self.tokenizer = tokenizer
         self.model_path = model_path  # the checkpoint directory, when loaded from one
         self._cache: Cache | None = None  # allocated on first use (a server with --parallel never uses it)

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from turbospec.kernels import gpu, triton_moe
 from turbospec.kernels.gemv import load_kernel
 from turbospec.layers.attention import MLP
 from turbospec.layers.linear import Linear, SplitLinear, skinny_rows
@@ -69,6 +71,8 @@ class ExpertCache:
         self.folios: Counter[int] = Counter()  # folio start address -> cached experts lying in it
         self.stats = ExpertStats()
         self._checks = 0
+        self.grouped: set[int] = set()  # MoE layers (keys) without stacked experts: their path reads the router's
+        # choice on the host and makes tensors on the default device
 
     def low_memory(self) -> bool:
         """While every expert is being loaded (no budget): whether the machine is running out of memory (less than
@@ -150,6 +154,15 @@ class MoE:
         self.mapped = file_mapping(one[0])
         self._fused = (load_kernel() is not None and all(is_packed(t) for t in one)
                        and format_of(one[0]) == format_of(one[1]))
+        # on a GPU: every expert in two stacked tensors (gate+up rows [E, 2I, ...], down [E, H, ...]) that the Triton
+        # kernel reads by the router's choice; `expert(e)` answers views of them
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._views: list[MLP] = []
+        if (gpu.wanted(self.router.weight) and cache.budget is None and format_of(one[0]) == format_of(one[1])
+                and one[0].shape == one[1].shape):
+            self._stack(one)
+            return
+        cache.grouped.add(layer)
         for t in one:
             release(t)
         if cache.budget is None:  # no budget: every expert now, as the other weights (while memory lasts)
@@ -158,7 +171,20 @@ class MoE:
                     break
                 self.expert(e)
 
+    def _stack(self, one: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        g, _, d = one
+        inter = g.shape[0]
+        gu = torch.empty((self.num_experts, 2 * inter, *g.shape[1:]), dtype=g.dtype, device=g.device)
+        dn = torch.empty((self.num_experts, *d.shape), dtype=d.dtype, device=d.device)
+        for e in range(self.num_experts):
+            g, u, d = one if e == 0 else self.load(e)
+            gu[e, :inter], gu[e, inter:], dn[e] = g, u, d
+        self.stacked = (gu, dn)
+        self._views = [expert_mlp(gu[e, :inter], gu[e, inter:], dn[e]) for e in range(self.num_experts)]
+
     def expert(self, e: int) -> MLP:
+        if self.stacked is not None:
+            return self._views[e]
         return self.cache.get((self.layer, e), lambda: expert_mlp(*self.load(e)), self.mapped)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,10 +240,27 @@ class MoE:
             return None
         return gu[:half], gu[half:], dn
 
+    def _device_call(self, x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Decode and verification rows on a GPU: every (row, chosen expert) pair in one kernel launch per matrix,
+        the experts read by the router's choice on the device; the pairs' outputs weighted and summed per row."""
+        n, k = idx.shape
+        gu, dn = self.stacked  # (set when this path is taken)
+        experts = idx.reshape(-1)
+        pairs = torch.arange(n * k, device=x.device)
+        h = triton_moe.expert_rows(x, pairs // k, gu, experts)
+        g, u = h.split([h.shape[1] // 2] * 2, dim=-1)
+        y = triton_moe.expert_rows(F.silu(g) * u, pairs, dn, experts)
+        return self._add_shared((y.view(n, k, -1) * top.unsqueeze(-1)).sum(1), x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         top, idx = self.route(x)
         if x.dim() == 2 and x.shape[0] <= skinny_rows(x.dtype) and self.fused():
             return self._fused_call(load_kernel(), x, top, idx)
+        if self.stacked is not None and x.dim() == 2 and x.shape[0] <= DEVICE_ROWS and gpu.enabled("moe"):
+            try:
+                return self._device_call(x, top, idx)
+            except Exception as e:  # noqa: BLE001 -- a Triton that cannot build it: the grouped path below
+                gpu.failed("moe", e)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: no grouping to do
             for e, slot in sorted((e, s) for s, e in enumerate(idx[0].tolist())):  # the batched path's order
@@ -237,6 +280,7 @@ class MoE:
         return n
 
 
+DEVICE_ROWS = 64  # rows (tokens) the GPU's pair kernel takes; more (prefill) are grouped by expert
 FOLIO = 2 << 20  # the largest page-cache folio a file's pages come in: a fault maps it whole
 
 
