@@ -26,7 +26,7 @@ except ImportError:
     print("triton missing")
 PY
 for f in tests/test_gpu.py tests/test_triton_attention.py tests/test_triton_encode.py tests/test_triton_deltanet.py \
-    tests/test_triton_norm.py tests/test_triton_packed.py; do
+    tests/test_triton_norm.py tests/test_triton_packed.py tests/test_triton_moe.py; do
     timeout "${GPU_TEST_TIMEOUT:-90}" $py -m pytest -q -p no:cacheprovider --timeout=60 --tb=short "$f" 2>&1 \
         | tee -a "$out/tests.log" | tail -15
 done
