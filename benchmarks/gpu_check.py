@@ -16,7 +16,8 @@ is short), built on the device from the bundled hybrid's tensor names (turbospec
   decode bound it sets (bytes one token reads: weights + KV at that depth).
 
     python benchmarks/gpu_check.py [--device cuda] [--layers 64] [--depths 4096,32768,262144] [--kv f16,tbq4_0]
-        [--drafters draft-mtp[,suffix,...]] [--weights auto|q8_0|q4_0|q4_k] [--gen 32] [--prompt 4096] [--profile 4096:f16:mtp]
+        [--drafters draft-mtp[,suffix,...]] [--weights auto|q8_0|q4_0|q4_k] [--preset 27b|35b-a3b]
+        [--streams 1,8,32] [--gen 32] [--prompt 4096] [--profile 4096:f16:mtp]
         [--out gpu_check.json] [--md gpu_check.md]
     python benchmarks/gpu_check.py --device cpu --tiny     # the script's own check on a small shape
 """
@@ -55,13 +56,45 @@ TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, 
         "linear_value_head_dim": 64, "vocab_size": 4096}
 
 
-def config(layers: int, tiny: bool, max_pos: int) -> ModelConfig:
-    d = {k: v for k, v in PRESETS["qwen3.6-27b"].items() if not k.startswith("_")}
+# Qwen3.5/3.6-35B-A3B as benchmarks/moe_real_size.py reads the released configs (40 layers, 256 experts of 512,
+# 8 routed + a shared expert per token)
+MOE_35B = {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+           "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+           "full_attention_interval": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+           "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "mtp_num_hidden_layers": 1}
+TINY_MOE = {**TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64}
+PRESET_NAMES = {"27b": "Qwen3.6-27B-shaped hybrid", "35b-a3b": "Qwen3.6-35B-A3B-shaped MoE hybrid"}
+
+
+def config(layers: int, tiny: bool, max_pos: int, preset: str = "27b") -> ModelConfig:
+    if preset == "35b-a3b":
+        d = {**MOE_35B, **(TINY_MOE if tiny else {})}
+    else:
+        d = {k: v for k, v in PRESETS["qwen3.6-27b"].items() if not k.startswith("_")}
+        d.update(TINY if tiny else {})
     d.update(num_hidden_layers=layers, max_position_embeddings=max_pos,
              rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
-    if tiny:
-        d.update(TINY)
     return ModelConfig.from_dict(d)
+
+
+def moe_names(names: list[str], cfg: ModelConfig) -> list[str]:
+    """`names` with every MLP (`*.mlp.{gate,up,down}_proj.weight`, the MTP layer's too) replaced by a MoE's tensors:
+    router, one tensor per expert matrix, the shared expert and its gate."""
+    m = cfg.moe()
+    out: list[str] = []
+    for n in names:
+        prefix, dot, tail = n.rpartition(".mlp.")
+        if not dot:
+            out.append(n)
+        elif tail == "gate_proj.weight":
+            p = f"{prefix}.mlp"
+            out += [f"{p}.gate.weight", f"{p}.shared_expert_gate.weight"]
+            out += [f"{p}.experts.{e}.{x}_proj.weight" for e in range(m["experts"]) for x in ("gate", "up", "down")]
+            out += [f"{p}.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return out
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "auto"):
@@ -69,9 +102,12 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "auto"):
     tmpl = json.loads((TEMPLATE / "config.json").read_text())
     names = [n for n in WeightSource(TEMPLATE).names() if not n.startswith("medusa")]
     names = layer_names(names, cfg, tmpl["layer_types"])
+    if cfg.moe()["experts"]:
+        names = moe_names(names, cfg)
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
-    src = RandomSource(names, seed=0)
+    shapes = {n: (1, cfg.hidden_size) for n in names if n.endswith("shared_expert_gate.weight")}
+    src = RandomSource(names, seed=0, shapes=shapes)
     src.pack = PACKED.get(weights)
     return build_model(cfg, src, dtype)
 
@@ -176,6 +212,29 @@ def prefill_run(model, kv: str, mtp: bool, n: int, reps: int) -> dict:
     return {"prompt": n, "kv": kv, "mtp": mtp, "prefill_tps": statistics.median(tps), "prefill_tps_runs": tps}
 
 
+def streams_run(model, kv: str, streams: int, gen: int, prompt: int = 128) -> dict:
+    """Continuous batching (`serve -np`'s scheduler): `streams` sequences of `prompt` random tokens decode `gen`
+    tokens each together; aggregate decode t/s once every prompt is in (prefill not timed)."""
+    eng = Engine(model, None, EngineConfig(ctx=streams * (prompt + gen + 64), ubatch=2048, cache_type_k=kv,
+                                           cache_type_v=kv))
+    g = torch.Generator().manual_seed(streams)
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    sch = eng.new_scheduler(streams)
+    for _ in range(streams):
+        sch.add(torch.randint(3, model.cfg.vocab_size, (prompt,), generator=g).tolist(), params)
+    while sch.waiting or any(q.todo > 1 for q in sch.running):
+        sch.step()
+    sync()
+    t, tokens = time.perf_counter(), 0
+    while sch.has_work:
+        tokens += sum(len(o.chunk.tokens) for o in sch.step() if o.chunk)
+    sync()
+    secs = time.perf_counter() - t
+    del sch, eng
+    return {"streams": streams, "kv": kv, "gen": gen, "aggregate_tps": tokens / secs, "per_stream_tps": tokens / secs /
+            streams}
+
+
 def profile_run(model, depth: int, kv: str, mtp: bool = False, steps: int = 4) -> None:
     """torch.profiler over `steps` decode steps at `depth` (plain, or with MTP drafts): the top operators by device
     time and by host time (where a step's time goes: kernels, or launching them)."""
@@ -245,6 +304,11 @@ def markdown(report: dict) -> str:
             lines.append(f"| {' / '.join(r['args'])} | error: {r['error'][:80]} | | |")
         else:
             lines.append(f"| {r['prompt']} | {r['kv']} | {'on' if r['mtp'] else 'off'} | {r['prefill_tps']:.0f} |")
+    if report.get("streams"):
+        lines += ["", "| streams | KV | aggregate decode t/s | per stream |", "|---:|---|---:|---:|"]
+        for r in report["streams"]:
+            lines.append(f"| {' / '.join(r['args'])} | error: {r['error'][:80]} | | |" if "error" in r else
+                         f"| {r['streams']} | {r['kv']} | {r['aggregate_tps']:.1f} | {r['per_stream_tps']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -257,6 +321,10 @@ def main() -> None:
     ap.add_argument("--drafters", default="draft-mtp",
                     help="drafters measured beside plain decoding (comma list of --spec-type names; random weights: "
                          "n-gram and suffix drafts hit where greedy decoding repeats itself, MTP drafts do not)")
+    ap.add_argument("--preset", default="27b", choices=list(PRESET_NAMES),
+                    help="27b: the dense-MLP hybrid (64 layers); 35b-a3b: the MoE hybrid (40 layers; --layers 40)")
+    ap.add_argument("--streams", default="", help="N[,N...]: continuous batching of N sequences at once (aggregate "
+                    "decode t/s through the scheduler, each KV format)")
     ap.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                     help="auto: bf16 matrices; q8_0 / q4_0 / q4_k: random packed blocks (Triton's dequantizing product)")
     ap.add_argument("--gen", type=int, default=32)
@@ -270,19 +338,19 @@ def main() -> None:
     dev = device.use(a.device)
     depths = [int(x) for x in a.depths.split(",") if x]  # none: only the prefill rows (and any profiles)
     kvs = [x for x in a.kv.split(",") if x]
-    cfg = config(a.layers, a.tiny, max(depths, default=0) + a.prompt + 4096)
+    cfg = config(a.layers, a.tiny, max(depths, default=0) + a.prompt + 4096, a.preset)
     t = time.perf_counter()
     model = random_model(cfg, torch.bfloat16, a.weights)
     sync()
     load_s = time.perf_counter() - t
     report = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-              "model": f"Qwen3.6-27B-shaped hybrid, random weights, {cfg.num_layers} layers" + (" (tiny)" if a.tiny else ""),
+              "model": f"{PRESET_NAMES[a.preset]}, random weights, {cfg.num_layers} layers" + (" (tiny)" if a.tiny else ""),
               "dtype": "bfloat16" if a.weights == "auto" else f"{a.weights} blocks, bfloat16 activations",
               "weights_bytes": model.weight_bytes, "weights_gib": gib(model.weight_bytes),
               "load_s": round(load_s, 1), "copy_gbps": copy_bandwidth(), "gen": a.gen, "reps": a.reps,
               "switches": env.all_set(),
-              "decode": [], "prefill": []}
-    print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill")}), flush=True)
+              "decode": [], "prefill": [], "streams": []}
+    print(json.dumps({k: v for k, v in report.items() if k not in ("decode", "prefill", "streams")}), flush=True)
     for depth in depths:
         for kv in kvs:
             for drafter_type in ["", *filter(None, a.drafters.split(","))]:
@@ -291,6 +359,10 @@ def main() -> None:
     for kv in kvs:
         for mtp in (False, True):
             guarded(report["prefill"], prefill_run, model, kv, mtp, a.prompt, a.reps)
+            Path(a.out).write_text(json.dumps(report, indent=1))
+    for kv in kvs:
+        for n in (int(x) for x in a.streams.split(",") if x):
+            guarded(report["streams"], streams_run, model, kv, n, a.gen)
             Path(a.out).write_text(json.dumps(report, indent=1))
     Path(a.out).write_text(json.dumps(report, indent=1))
     Path(a.md).write_text(markdown(report))

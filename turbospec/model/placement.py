@@ -71,11 +71,13 @@ class RandomSource:
     expert_budget: int | None = None
     pack: WeightFormat | None = None
 
-    def __init__(self, names: list[str], seed: int = 0):
+    def __init__(self, names: list[str], seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None):
+        """`shapes`: the shapes of tensors a model reads without giving one (a MoE's shared-expert gate)."""
         self._names = list(names)
         self._set = set(names)
         self.seed = seed
         self.count = 0
+        self.shapes = shapes or {}
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -89,6 +91,7 @@ class RandomSource:
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self._set:
             raise TurboSpecError(f"missing tensor {name!r}")
+        shape = shape or self.shapes.get(name)
         if shape is None:
             raise TurboSpecError(f"random weights need the shape of {name!r}")
         self.count += 1
