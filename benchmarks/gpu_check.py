@@ -221,7 +221,7 @@ def streams_run(model, kv: str, streams: int, gen: int, prompt: int = 128) -> di
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     sch = eng.new_scheduler(streams)
     for _ in range(streams):
-        sch.add(torch.randint(3, model.cfg.vocab_size, (prompt,), generator=g).tolist(), params)
+        sch.add(torch.randint(3, model.cfg.vocab_size, (prompt,), generator=g, device="cpu").tolist(), params)
     while sch.waiting or any(q.todo > 1 for q in sch.running):
         sch.step()
     sync()
@@ -315,14 +315,14 @@ def markdown(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=None, help="default: the preset's (64 for 27b, 40 for 35b-a3b)")
     ap.add_argument("--depths", default="4096,32768,262144")
     ap.add_argument("--kv", default="f16,tbq4_0")
     ap.add_argument("--drafters", default="draft-mtp",
                     help="drafters measured beside plain decoding (comma list of --spec-type names; random weights: "
                          "n-gram and suffix drafts hit where greedy decoding repeats itself, MTP drafts do not)")
     ap.add_argument("--preset", default="27b", choices=list(PRESET_NAMES),
-                    help="27b: the dense-MLP hybrid (64 layers); 35b-a3b: the MoE hybrid (40 layers; --layers 40)")
+                    help="27b: the dense-MLP hybrid (64 layers); 35b-a3b: the MoE hybrid (40 layers)")
     ap.add_argument("--streams", default="", help="N[,N...]: continuous batching of N sequences at once (aggregate "
                     "decode t/s through the scheduler, each KV format)")
     ap.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
@@ -338,7 +338,8 @@ def main() -> None:
     dev = device.use(a.device)
     depths = [int(x) for x in a.depths.split(",") if x]  # none: only the prefill rows (and any profiles)
     kvs = [x for x in a.kv.split(",") if x]
-    cfg = config(a.layers, a.tiny, max(depths, default=0) + a.prompt + 4096, a.preset)
+    layers = a.layers or (40 if a.preset == "35b-a3b" else 64)
+    cfg = config(layers, a.tiny, max(depths, default=0) + a.prompt + 4096, a.preset)
     t = time.perf_counter()
     model = random_model(cfg, torch.bfloat16, a.weights)
     sync()

@@ -36,7 +36,10 @@ def enabled(kernel: str) -> bool:
 
 
 def failed(kernel: str, error: Exception) -> None:
-    """Record (and say, once) that `kernel` could not run: a Triton or driver that cannot compile it."""
+    """Record (and say, once) that `kernel` could not run: a Triton or driver that cannot compile it. Running out of
+    device memory is not that: it is raised again (the torch path would need more)."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        raise error
     if kernel not in _FAILED:
         _FAILED[kernel] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
         print(f"turbospec: Triton {kernel} kernel unavailable ({_FAILED[kernel]}); using torch", file=sys.stderr)

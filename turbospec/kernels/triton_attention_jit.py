@@ -72,21 +72,22 @@ def attend(q, m_out, l_out, acc_out,
     lsum = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DV], tl.float32)
     for t in range(0, TILES):
-        pos = s0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        pm = pos < s1
-        if PAGED:  # a position's slot: its block's id times PB plus its offset there
-            pos = tl.load(tab + pos // PB, mask=pm, other=0) * PB + pos % PB
-        kt = tile(k0, k1, k2, kc, kst0, kst1, kst2, pos, pm, dk, KKIND, KBS, KW, KQH)
-        sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)
-        sc = tl.where(pm[None, :], sc, float("-inf"))
-        mn = tl.maximum(m, tl.max(sc, 1))
-        safe = tl.where(mn == float("-inf"), 0.0, mn)  # a tile past the end: nothing added
-        p = tl.exp(sc - safe[:, None])
-        corr = tl.exp(m - safe)
-        lsum = lsum * corr + tl.sum(p, 1)
-        vt = tile(v0, v1, v2, vc, vst0, vst1, vst2, pos, pm, dv, VKIND, VBS, VW, VQH)
-        acc = acc * corr[:, None] + tl.dot(p, vt, input_precision=PREC)
-        m = mn
+        if s0 + t * BLOCK_N < s1:  # (tiles past the span's end skipped: a paged sequence shorter than the longest)
+            pos = s0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            pm = pos < s1
+            if PAGED:  # a position's slot: its block's id times PB plus its offset there (64-bit: a pool is large)
+                pos = tl.load(tab + pos // PB, mask=pm, other=0).to(tl.int64) * PB + pos % PB
+            kt = tile(k0, k1, k2, kc, kst0, kst1, kst2, pos, pm, dk, KKIND, KBS, KW, KQH)
+            sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)
+            sc = tl.where(pm[None, :], sc, float("-inf"))
+            mn = tl.maximum(m, tl.max(sc, 1))
+            safe = tl.where(mn == float("-inf"), 0.0, mn)  # a tile past the end: nothing added
+            p = tl.exp(sc - safe[:, None])
+            corr = tl.exp(m - safe)
+            lsum = lsum * corr + tl.sum(p, 1)
+            vt = tile(v0, v1, v2, vc, vst0, vst1, vst2, pos, pm, dv, VKIND, VBS, VW, VQH)
+            acc = acc * corr[:, None] + tl.dot(p, vt, input_precision=PREC)
+            m = mn
     o = (h * splits + sp) * RP + rows
     tl.store(m_out + o, m)
     tl.store(l_out + o, lsum)
