@@ -495,3 +495,41 @@ def test_batched_equals_solo_without_the_cpp_kernels(monkeypatch, name, kv, trit
         sch.step()
     assert [s.tokens[s.prompt_len:] for s in seqs] == solo
     assert any(c[0] == 2 for c in calls) == triton  # two sequences' decode rows in one launch (the pool holds two)
+
+
+def test_batched_speculation_on_the_gpu_path(monkeypatch):
+    """On a GPU's code path (C++ kernels off, Triton interpreted here), verification rows attend over their
+    committed positions in one Triton launch through the block table (no gather of them) and over their own rows in
+    torch: batched MTP speculation gives each sequence plain greedy decoding's tokens alone."""
+    from turbospec import device
+    from turbospec.kernels import gpu
+    from turbospec.kv.paged import PagedBatch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(device, "cpu_kernels", lambda: False)
+    monkeypatch.setattr(gpu, "ON_CPU", True)
+    used = []
+    real = PagedBatch._segment_triton
+
+    def counted(self, *a):
+        out = real(self, *a)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(PagedBatch, "_segment_triton", counted)
+    kv = "q8_0"  # (integer keys: the queries rounded as the kernels round them)
+    m = load_model(str(TINY), torch.float32)
+    rnd = random.Random(3)
+    prompts = [[rnd.randrange(3, 900) for _ in range(8)] * 3 for _ in range(2)]
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts]
+    want = _solo(m, prompts, params, kv=kv)
+    from turbospec.config import SpecConfig
+    from turbospec.speculative.registry import make_drafter
+
+    sc = SpecConfig.parse("draft-mtp")
+    sch = Scheduler(m, pool_for(m, 1024, kv, kv), max_seqs=2, max_step_tokens=128, ctx=512,
+                    drafters=lambda n: make_drafter(sc, m, n), n_max=sc.depth)
+    got = _drive(sch, [(0, p, sp) for p, sp in zip(prompts, params)])
+    assert [got[i][0] for i in range(2)] == [w[0] for w in want]
+    assert sum(got[i][4].stats.spec.accepted for i in got) > 0 and any(used)

@@ -364,6 +364,10 @@ class PagedBatch:
             out[:, self.decode_rows] = self._decode(layer, q[:, self.decode_rows], kvh, g, d, scale).to(q.dtype)
         for s in self.others:
             rows = slice(s.row, s.row + s.n)
+            o = self._segment_triton(layer, q[:, rows], s, kvh, g, d, scale)
+            if o is not None:
+                out[:, rows] = o
+                continue
             keys, values = pool.gather(layer, s.seq.slots(0, s.seq.length + s.n))
             qs, sdpa_scale = q[:, rows], scale
             if not keys.dtype == values.dtype == qs.dtype:
@@ -376,6 +380,55 @@ class PagedBatch:
                                                scale=sdpa_scale)[0]
             out[:, rows] = o.to(q.dtype)
         return out
+
+    def _segment_triton(self, layer: int, q: torch.Tensor, s: Segment, kvh: int, g: int, d: int,
+                        scale: float) -> torch.Tensor | None:
+        """A multi-row segment (verification rows, a prefill chunk after earlier positions) on a GPU: its committed
+        positions [0, L) in one Triton launch through its block table (no copy of them), its own n positions in
+        torch with the plan's mask, the two softmax states merged. q [H, n, D] -> [H, n, D] in q's dtype; None
+        where this does not apply (not a GPU pool, nothing committed, more rows than the kernel takes)."""
+        pool = self.pool
+        specs = pool.triton_specs
+        start, n = s.seq.length, s.n
+        if specs is None or start == 0 or g * n > gpu_attention.MAX_ROWS or pool.kernel_specs is not None:
+            return None
+        kf, vf = pool.k_fmt, pool.v_fmt
+        qf = q.to(torch.float32).reshape(kvh, g * n, d)
+        if kf.rotated:
+            qf = kernel_args.rotate_fast(qf)
+        qf = round_queries(qf * scale, pool.q_block)
+        kw, vw = kf.padded_dim(d), vf.padded_dim(d)
+        ks, vs = specs
+        used = pool.blocks_for(start)
+        table = torch.tensor([s.seq.blocks[:used]], dtype=torch.int32, device=q.device)
+        lens = torch.tensor([start], dtype=torch.int64, device=q.device)
+        m, lsum, acc = gpu_attention.partial(
+            qf if qf.shape[-1] == kw else F.pad(qf, (0, kw - qf.shape[-1])), ks, [pool.k[f][layer] for f in ks[2]],
+            vs, [pool.v[f][layer] for f in vs[2]], vw, 0, start, (table, lens, kvh, pool.block))
+        if not vf.rotated and vw != d:
+            acc = acc[..., :d]
+        # the segment's own positions, decoded as the kernel reads them (rotated formats in the rotated domain)
+        slots = s.seq.slots(start, start + n).to(q.device)
+        kp = Packed({f: t[layer].index_select(1, slots) for f, t in pool.k.items()}, dim=d)
+        vp = Packed({f: t[layer].index_select(1, slots) for f, t in pool.v.items()}, dim=d)
+        kb = kf.decode_rotated(kp) if kf.rotated else kf.decode(kp, d)
+        vb = vf.decode_rotated(vp) if vf.rotated else vf.decode(vp, d)
+        sc = torch.matmul(qf, kb.float().transpose(-1, -2))  # [KVH, G*n, n]
+        if s.plan.mask is not None:
+            allowed = s.plan.mask[:, start:start + n].to(q.device).repeat(g, 1)
+        else:
+            own = torch.arange(n, device=q.device)
+            allowed = (own[None, :] <= own[:, None]).repeat(g, 1)
+        sc = sc.masked_fill(~allowed, -math.inf)
+        m2 = torch.maximum(m, sc.amax(-1))
+        p = torch.exp(sc - m2.unsqueeze(-1))
+        corr = torch.exp(m - m2)
+        lsum = lsum * corr + p.sum(-1)
+        acc = acc * corr.unsqueeze(-1) + torch.matmul(p, vb.float())
+        out = acc / lsum.unsqueeze(-1)
+        if vf.rotated:
+            out = kernel_args.rotate_fast(out, inverse=True, dim=d)
+        return out.reshape(kvh * g, n, d).to(q.dtype)
 
     def _decode(self, layer: int, q: torch.Tensor, kvh: int, g: int, d: int, scale: float) -> torch.Tensor:
         """q [H, S, D] (one row per sequence) -> [H, S, D] float32 through the paged kernel (C++ on the CPU, Triton
