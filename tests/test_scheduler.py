@@ -521,8 +521,8 @@ def test_batched_speculation_on_the_gpu_path(monkeypatch):
     kv = "q8_0"  # (integer keys: the queries rounded as the kernels round them)
     m = load_model(str(TINY), torch.float32)
     rnd = random.Random(3)
-    prompts = [[rnd.randrange(3, 900) for _ in range(8)] * 3 for _ in range(2)]
-    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts]
+    prompts = [[rnd.randrange(3, 900) for _ in range(6)] * 3 for _ in range(2)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in prompts]
     want = _solo(m, prompts, params, kv=kv)
     from turbospec.config import SpecConfig
     from turbospec.speculative.registry import make_drafter

@@ -22,8 +22,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_centred", [False, True])
 @pytest.mark.parametrize("shape", [(3, 256), (2, 4, 64), (1, 5120), (2, 96)])
-def test_rms_norm_matches_the_torch_formula(monkeypatch, dtype, zero_centred, shape):
+@pytest.mark.parametrize("per_program", [1, 16])  # rows per program: 1 as on a GPU, 16 as in the interpreter
+def test_rms_norm_matches_the_torch_formula(monkeypatch, dtype, zero_centred, shape, per_program):
     monkeypatch.setattr(gpu, "ON_CPU", DEV == "cpu")
+    monkeypatch.setattr(tn, "INTERPRETER_ROWS", per_program)
     g = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(*shape, generator=g) * 3).to(dtype)
     w = (torch.randn(shape[-1], generator=g) * 0.1 + (0 if zero_centred else 1)).to(dtype)
