@@ -40,10 +40,16 @@ def run(model, ids, cache):
 
 @pytest.fixture
 def gpu_path(monkeypatch):
-    """As on a GPU: the C++ kernels off, the Triton kernels on (interpreted on the CPU)."""
+    """On a GPU where there is one (the current device for the test), else as on a GPU: the C++ kernels off, the
+    Triton kernels on (interpreted)."""
     if DEV == "cpu":
         monkeypatch.setattr(device, "cpu_kernels", lambda: False)
-    monkeypatch.setattr(gpu, "ON_CPU", DEV == "cpu")
+        monkeypatch.setattr(gpu, "ON_CPU", True)
+        yield
+        return
+    device.use(DEV)
+    yield
+    device.use("cpu")
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "q8_0", "q4_k"])
@@ -64,18 +70,16 @@ def test_pair_kernel_matches_the_float_products(gpu_path, weights):
 
 
 @pytest.mark.parametrize("name,weights", [("qwen3_moe", "auto"), ("qwen3_5_moe", "auto"), ("qwen3_moe", "q8_0")])
-def test_moe_model_on_the_gpu_path(ckpts, monkeypatch, name, weights):
+def test_moe_model_on_the_gpu_path(ckpts, monkeypatch, request, name, weights):
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
 
     def logits(model):
-        cache = model.new_cache(64)
-        return [run(model, ids[:12], cache)] + [run(model, ids[t:t + 1], cache) for t in range(12, 20)]
+        cache, x = model.new_cache(64), ids.to(device.current())
+        return [run(model, x[:12], cache).cpu()] + [run(model, x[t:t + 1], cache).cpu() for t in range(12, 20)]
 
     if weights == "auto":  # the CPU path's logits (packed experts: it rounds activations to int8, so the reference
         want = logits(load_model(ckpts[name], "float32"))  # is this path's own grouped one, below)
-    if DEV == "cpu":
-        monkeypatch.setattr(device, "cpu_kernels", lambda: False)
-    monkeypatch.setattr(gpu, "ON_CPU", DEV == "cpu")
+    request.getfixturevalue("gpu_path")
     model = load_model(ckpts[name], "float32", weights=weights)
     layer = next(lay.mlp for lay in model.layers if isinstance(lay.mlp, moe_mod.MoE))
     assert layer.stacked is not None and not model.experts.entries
@@ -111,9 +115,9 @@ def test_the_router_choice_stays_on_the_device(ckpts, gpu_path):
 
     model = load_model(ckpts["qwen3_moe"], "float32")
     cache = model.new_cache(64)
-    run(model, torch.arange(5, 13), cache)
+    run(model, torch.arange(5, 13, device=device.current()), cache)
     with HostReads() as reads:
-        run(model, torch.tensor([7]), cache)
+        run(model, torch.tensor([7], device=device.current()), cache)
     assert not [s for s in reads.sites if s.startswith("moe.py")], reads.sites
 
 

@@ -124,15 +124,28 @@ def test_without_triton_the_torch_path_gives_the_same_values(monkeypatch):
     assert torch.equal(got, torch.from_numpy(reference(b, "q6_k"))[ids.reshape(-1)].to(torch.float16))
 
 
-def test_a_packed_model_on_the_gpu_path_speculates_losslessly(monkeypatch):
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """On a GPU where there is one (the current device for the test), else as on a GPU: the C++ kernels off, the
+    Triton kernels on (interpreted)."""
+    if DEV == "cpu":
+        monkeypatch.setattr(device, "cpu_kernels", lambda: False)
+        monkeypatch.setattr(gpu, "ON_CPU", True)
+        yield
+        return
+    device.use(DEV)
+    yield
+    device.use("cpu")
+
+
+def test_a_packed_model_on_the_gpu_path_speculates_losslessly(request):
     """The bundled hybrid quantized to q8_0 as it loads, run as on a GPU (C++ kernels off: Triton products, embedding
     rows through the Triton dequantizer): its logits are the CPU path's for the same blocks up to rounding (the C++
     kernels round the activations to int8), and MTP speculation gives plain greedy decoding's tokens."""
     path = MODELS / "turbospec-tiny-hybrid"
     ids = [5, 9, 17, 33, 5, 9, 17, 33, 101, 7]
     logp = [log_probs(load_model(path, "float32", weights="q8_0"), ids)]
-    monkeypatch.setattr(device, "cpu_kernels", lambda: False)
-    monkeypatch.setattr(gpu, "ON_CPU", True)
+    request.getfixturevalue("gpu_path")
     model = load_model(path, "float32", weights="q8_0")
     linears = [v for v in vars(model.layers[0].mlp).values() if isinstance(v, Linear)]
     assert linears and all(lin.packed and lin.kernel is None for lin in linears)
@@ -150,11 +163,11 @@ def test_a_packed_model_on_the_gpu_path_speculates_losslessly(monkeypatch):
 
 def log_probs(model, ids: list[int]) -> torch.Tensor:
     cache = model.new_cache(64)
-    h = model.forward(torch.tensor(ids), AttentionPlan.causal(0, len(ids)), cache)
-    return torch.log_softmax(model.logits(h).float(), -1)
+    h = model.forward(torch.tensor(ids, device=device.current()), AttentionPlan.causal(0, len(ids)), cache)
+    return torch.log_softmax(model.logits(h).float(), -1).cpu()
 
 
-def test_a_q4_k_m_style_gguf_file_stays_packed_on_the_gpu_path(tmp_path, monkeypatch):
+def test_a_q4_k_m_style_gguf_file_stays_packed_on_the_gpu_path(tmp_path, gpu_path):
     """A qwen3 GGUF file laid out like Q4_K_M (Q4_K and Q6_K matrices) loaded as on a GPU: every matrix stays in its
     file's blocks, and prefill and decode logits equal those of the same weights dequantized to float32."""
     from tests.gguf_files import qwen3_gguf
@@ -169,20 +182,19 @@ def test_a_q4_k_m_style_gguf_file_stays_packed_on_the_gpu_path(tmp_path, monkeyp
     head = W.random_blocks(W.Q6_K, (300, 256), 0.05, g).numpy().reshape(300, -1)
     path = qwen3_gguf(tmp_path / "m.gguf", matrix, hidden=256, ffn=512, layers=2, heads=4, kv_heads=2,
                       head_dim=64, vocab=300, output=(head, q.Q6_K))
-    monkeypatch.setattr(device, "cpu_kernels", lambda: False)
-    monkeypatch.setattr(gpu, "ON_CPU", True)
     m = load_model(path, "float32")
     assert m.layers[0].mlp.down.packed and m.lm_head.packed and m.layers[0].mlp.gate_up.packed
     ids = list(range(3, 40))
 
     def logits(model):
-        cache = model.new_cache(64)
-        out = [model.logits(model.forward(torch.tensor(ids), AttentionPlan.causal(0, len(ids)), cache))]
+        cache, dev = model.new_cache(64), device.current()
+        out = [model.logits(model.forward(torch.tensor(ids, device=dev), AttentionPlan.causal(0, len(ids)), cache))]
         cache.commit()
         for j, t in enumerate((7, 8)):
-            out.append(model.logits(model.forward(torch.tensor([t]), AttentionPlan.causal(len(ids) + j, 1), cache)))
+            out.append(model.logits(model.forward(torch.tensor([t], device=dev), AttentionPlan.causal(len(ids) + j, 1),
+                                                  cache)))
             cache.commit()
-        return torch.cat(out)
+        return torch.cat(out).cpu()
 
     got = logits(m)
     for layer in m.layers:  # the same weights as float32 matrices
