@@ -15,3 +15,20 @@ def hf_models(tmp_path_factory):
     from tests.hf_tiny import build_all
 
     return build_all(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """The GPU code path: on a GPU where there is one (made the current device for the test), else as on a GPU with
+    the C++ kernels off and the Triton kernels interpreted on the CPU."""
+    from turbospec import device
+    from turbospec.kernels import gpu
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(device, "cpu_kernels", lambda: False)
+        monkeypatch.setattr(gpu, "ON_CPU", True)
+        yield
+        return
+    device.use("cuda")
+    yield
+    device.use("cpu")

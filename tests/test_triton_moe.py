@@ -12,7 +12,7 @@ import torch
 
 from turbospec import device
 from turbospec import weights as W
-from turbospec.kernels import gpu, packed
+from turbospec.kernels import packed
 from turbospec.kernels import triton_moe as tm
 from turbospec.layers import moe as moe_mod
 from turbospec.model import load_model
@@ -36,20 +36,6 @@ def run(model, ids, cache):
     from tests.hf_moe import run
 
     return run(model, ids, cache)
-
-
-@pytest.fixture
-def gpu_path(monkeypatch):
-    """On a GPU where there is one (the current device for the test), else as on a GPU: the C++ kernels off, the
-    Triton kernels on (interpreted)."""
-    if DEV == "cpu":
-        monkeypatch.setattr(device, "cpu_kernels", lambda: False)
-        monkeypatch.setattr(gpu, "ON_CPU", True)
-        yield
-        return
-    device.use(DEV)
-    yield
-    device.use("cpu")
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "q8_0", "q4_k"])

@@ -124,20 +124,6 @@ def test_without_triton_the_torch_path_gives_the_same_values(monkeypatch):
     assert torch.equal(got, torch.from_numpy(reference(b, "q6_k"))[ids.reshape(-1)].to(torch.float16))
 
 
-@pytest.fixture
-def gpu_path(monkeypatch):
-    """On a GPU where there is one (the current device for the test), else as on a GPU: the C++ kernels off, the
-    Triton kernels on (interpreted)."""
-    if DEV == "cpu":
-        monkeypatch.setattr(device, "cpu_kernels", lambda: False)
-        monkeypatch.setattr(gpu, "ON_CPU", True)
-        yield
-        return
-    device.use(DEV)
-    yield
-    device.use("cpu")
-
-
 def test_a_packed_model_on_the_gpu_path_speculates_losslessly(request):
     """The bundled hybrid quantized to q8_0 as it loads, run as on a GPU (C++ kernels off: Triton products, embedding
     rows through the Triton dequantizer): its logits are the CPU path's for the same blocks up to rounding (the C++
