@@ -108,22 +108,27 @@ def quantize(w: torch.Tensor, fmt: WeightFormat | str) -> torch.Tensor:
     return _kernel().quantize_packed(w, f.block_bytes)
 
 
+def _host(w: torch.Tensor):
+    """The C++ kernel for packed blocks `w` on the CPU where it is built, else None (turbospec.kernels.packed:
+    Triton on a GPU, torch elsewhere)."""
+    return host_kernel() if w.device.type == "cpu" else None
+
+
 def dequantize(w: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
     """Packed matrix (or a slice of its rows) -> float32 [rows, in]."""
     r = rows or slice(0, w.shape[0])
     a, b = r.start or 0, w.shape[0] if r.stop is None else r.stop
-    if w.device.type != "cpu" or host_kernel() is None:
-        return packed.dequantize(w, torch.arange(a, b, device=w.device))
-    return _kernel().dequantize_packed(w, a, b)
+    k = _host(w)
+    return packed.dequantize(w, torch.arange(a, b, device=w.device)) if k is None else k.dequantize_packed(w, a, b)
 
 
 def rows_of(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding table, float or packed, in `dtype` ([*ids.shape, in])."""
     if not is_packed(table):
         return torch.nn.functional.embedding(ids, table).to(dtype)
-    if table.device.type != "cpu" or host_kernel() is None:
-        return packed.dequantize(table, ids, dtype).reshape(*ids.shape, in_features(table))
-    return _kernel().packed_rows(table, ids).to(dtype).reshape(*ids.shape, in_features(table))
+    k = _host(table)
+    rows = packed.dequantize(table, ids, dtype) if k is None else k.packed_rows(table, ids).to(dtype)
+    return rows.reshape(*ids.shape, in_features(table))
 
 
 def embedding_rows(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,6 +15,7 @@ Triton's interpreter).
 
 from __future__ import annotations
 
+import math
 import sys
 from functools import cache
 
@@ -124,6 +125,24 @@ def paged(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_field
     _, lsum, acc = partial(q.reshape(s * kvh, r, dk), k_spec, k_fields, v_spec, v_fields, v_width, 0, longest,
                            (tables, lens, kvh, block))
     return (acc / lsum.unsqueeze(-1)).reshape(s, kvh, r, v_width)
+
+
+def with_own_rows(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, mask: torch.Tensor | None, g: int) -> torch.Tensor:
+    """The attention output [KVH, G*N, Dv] of query rows q float32 [KVH, G*N, Dk] (G query heads x N tokens) from a
+    partial softmax state over earlier positions (m, lsum [KVH, G*N], acc [KVH, G*N, Dv]: `partial`'s, or empty
+    with m = -inf), extended in torch by the rows' own N positions (keys [KVH, N, Dk], values [KVH, N, Dv], float32),
+    token i seeing the own positions mask[i] allows (None: causal)."""
+    n = keys.shape[1]
+    sc = torch.matmul(q, keys.transpose(1, 2))  # [KVH, G*N, N]
+    allowed = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    sc.masked_fill_(~allowed.repeat(g, 1), -math.inf)
+    top = torch.maximum(m, sc.amax(-1))  # every row sees its own token: finite
+    p = torch.exp(sc - top.unsqueeze(-1))
+    corr = torch.exp(m - top)
+    lsum = lsum * corr + p.sum(-1)
+    acc = acc * corr.unsqueeze(-1) + torch.matmul(p, values)
+    return acc / lsum.unsqueeze(-1)
 
 
 def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

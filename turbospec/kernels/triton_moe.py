@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from turbospec.kernels.triton_packed import FMT
+from turbospec.kernels.triton_packed import FMT, VALUES
 
 COLS, DEPTH = 32, 128  # outputs and input values per step of a program
 WIDE = 256, 256  # in the interpreter (the tests on the CPU), whose cost is per program
@@ -33,7 +33,7 @@ def supports(w: torch.Tensor) -> bool:
 def expert_rows(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     p, n = rows.numel(), w.shape[1]
     packed = w.dim() == 4
-    k = w.shape[2] * (32 if w.shape[3] in (34, 18) else 256) if packed else w.shape[2]
+    k = w.shape[2] * VALUES[w.shape[3]] if packed else w.shape[2]
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)

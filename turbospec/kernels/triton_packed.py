@@ -18,6 +18,7 @@ from functools import cache
 import torch
 
 FMT = {34: 0, 18: 1, 144: 2, 210: 3}  # block bytes -> the programs' FMT
+VALUES = {34: 32, 18: 32, 144: 256, 210: 256}  # block bytes -> values per block
 MAX_ROWS = 64  # input rows of the fused product (decode and verification); prefill dequantizes tiles
 ROWS, COLS, DEPTH = 16, 32, 128  # tile: input rows, weight rows, values per step
 WIDE = 512, 256  # COLS, DEPTH in the interpreter (the tests on the CPU), whose cost is per program
@@ -64,7 +65,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def dequantize(w: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     ids = ids.reshape(-1).contiguous()
-    r, k = ids.numel(), w.shape[1] * (32 if w.shape[2] in (34, 18) else 256)
+    r, k = ids.numel(), w.shape[1] * VALUES[w.shape[2]]
     w = w.contiguous()
     out = torch.empty(r, k, dtype=dtype, device=w.device)
     if r:

@@ -413,19 +413,8 @@ class PagedBatch:
         vp = Packed({f: t[layer].index_select(1, slots) for f, t in pool.v.items()}, dim=d)
         kb = kf.decode_rotated(kp) if kf.rotated else kf.decode(kp, d)
         vb = vf.decode_rotated(vp) if vf.rotated else vf.decode(vp, d)
-        sc = torch.matmul(qf, kb.float().transpose(-1, -2))  # [KVH, G*n, n]
-        if s.plan.mask is not None:
-            allowed = s.plan.mask[:, start:start + n].to(q.device).repeat(g, 1)
-        else:
-            own = torch.arange(n, device=q.device)
-            allowed = (own[None, :] <= own[:, None]).repeat(g, 1)
-        sc = sc.masked_fill(~allowed, -math.inf)
-        m2 = torch.maximum(m, sc.amax(-1))
-        p = torch.exp(sc - m2.unsqueeze(-1))
-        corr = torch.exp(m - m2)
-        lsum = lsum * corr + p.sum(-1)
-        acc = acc * corr.unsqueeze(-1) + torch.matmul(p, vb.float())
-        out = acc / lsum.unsqueeze(-1)
+        mask = s.plan.mask[:, start:start + n].to(q.device) if s.plan.mask is not None else None
+        out = gpu_attention.with_own_rows(m, lsum, acc, qf, kb.float(), vb.float(), mask, g)
         if vf.rotated:
             out = kernel_args.rotate_fast(out, inverse=True, dim=d)
         return out.reshape(kvh * g, n, d).to(q.dtype)

@@ -150,21 +150,14 @@ def _rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     if start > 0:
         spec = (fused.PLAIN_SPECS[keys.dtype], fused.PLAIN_SPECS[values.dtype])
         m, lsum, acc = gpu_attention.partial(qf, spec[0], [keys], spec[1], [values], d, 0, start)
-        m, lsum = m.unsqueeze(-1), lsum.unsqueeze(-1)
     else:
-        m = torch.full((kvh, g * n, 1), -math.inf, device=q.device)
-        lsum = torch.zeros(kvh, g * n, 1, device=q.device)
+        m = torch.full((kvh, g * n), -math.inf, device=q.device)
+        lsum = torch.zeros(kvh, g * n, device=q.device)
         acc = torch.zeros(kvh, g * n, d, device=q.device)
-    sc = torch.matmul(qf, keys[:, start:].to(torch.float32).transpose(1, 2))  # [KVH, G*N, N]
-    allowed = (plan.mask[:, start:] if plan.mask is not None
-               else torch.ones(n, n, dtype=torch.bool, device=q.device).tril())
-    sc.masked_fill_(~allowed.repeat(g, 1), -math.inf)
-    top = torch.maximum(m, sc.amax(-1, keepdim=True))  # every row sees its own token: finite
-    p = torch.exp(sc - top)
-    corr = torch.exp(m - top)
-    lsum = lsum * corr + p.sum(-1, keepdim=True)
-    acc = acc * corr + torch.matmul(p, values[:, start:].to(torch.float32))
-    return (acc / lsum).to(q.dtype).reshape(h, n, d)
+    out = gpu_attention.with_own_rows(m, lsum, acc, qf, keys[:, start:].to(torch.float32),
+                                      values[:, start:].to(torch.float32),
+                                      plan.mask[:, start:] if plan.mask is not None else None, g)
+    return out.to(q.dtype).reshape(h, n, d)
 
 
 class MLP:

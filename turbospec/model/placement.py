@@ -94,8 +94,7 @@ class RandomSource:
         shape = shape or self.shapes.get(name)
         if shape is None:
             raise TurboSpecError(f"random weights need the shape of {name!r}")
-        self.count += 1
-        g = torch.Generator(device=torch.get_default_device()).manual_seed(self.seed * 1_000_003 + self.count)
+        g = self._generator()
         dtype = dtype or torch.float32
         if name.endswith("A_log"):
             return torch.empty(shape, dtype=torch.float32).uniform_(0.0, 2.0, generator=g).to(dtype)
@@ -105,11 +104,14 @@ class RandomSource:
             return (1.0 + 0.02 * torch.randn(shape, generator=g)).to(dtype)
         return (0.02 * torch.randn(shape, generator=g)).to(dtype)
 
+    def _generator(self) -> torch.Generator:
+        """A generator on the default device, seeded for the next tensor (each tensor its own stream)."""
+        self.count += 1
+        return torch.Generator(device=torch.get_default_device()).manual_seed(self.seed * 1_000_003 + self.count)
+
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
         if self.pack is not None and packable(self.pack, shape) and self.has(name):
-            self.count += 1
-            g = torch.Generator(device=torch.get_default_device()).manual_seed(self.seed * 1_000_003 + self.count)
-            return random_blocks(self.pack, shape, generator=g)
+            return random_blocks(self.pack, shape, generator=self._generator())
         return self.get(name, dtype, shape)
 
     def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
