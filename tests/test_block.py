@@ -56,6 +56,60 @@ def test_hybrid_fused_matches_op_by_op(tmp_path, dtype, monkeypatch):
     compare(load_model(build_hybrid("qwen3_5", tmp_path), dtype), dtype, monkeypatch)
 
 
+def split_input_projections(model):
+    """Each mixer's input projection (qkv, the Gated DeltaNet's inputs) as parts in different formats, as a Q4_K_M
+    GGUF file's Q6_K attn_v beside Q4_K q/k: rows in Q8_0, in Q4_0 and in float32 (with the bias, if any, split)."""
+    from turbospec import weights as W
+    from turbospec.layers.linear import Linear, SplitLinear
+
+    for layer in model.layers:
+        mixer = getattr(layer, "attn", None) or layer.mixer
+        lin = mixer.linears()[0]
+        w, b = lin.weight, lin.bias
+        cut = [0, w.shape[0] // 3, 2 * w.shape[0] // 3, w.shape[0]]
+        parts = [Linear(W.quantize(w[cut[0]:cut[1]].float(), "q8_0")), Linear(W.quantize(w[cut[1]:cut[2]].float(), "q4_0")),
+                 Linear(w[cut[2]:].contiguous())]
+        for i, part in enumerate(parts):
+            part.bias = None if b is None else b[cut[i]:cut[i + 1]]
+        setattr(mixer, "qkv" if hasattr(mixer, "qkv") else "proj", SplitLinear(parts))
+    return model
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_tied_bias"])
+def test_fused_layer_takes_parts_in_different_formats(hf_models, name, monkeypatch):
+    """A q/k/v projection in parts of different formats runs through the fused calls (each part's product into its
+    columns), as the op-by-op path computes it."""
+    model = split_input_projections(load_model(hf_models[name], "float32"))
+    calls = []
+    orig = block.attention_layer
+    monkeypatch.setattr(block, "attention_layer", lambda *a: calls.append(1) or orig(*a))
+    compare(model, "float32", monkeypatch)
+    assert calls
+
+
+def test_hybrid_fused_layer_takes_parts_in_different_formats(tmp_path, monkeypatch):
+    """The Gated DeltaNet layers' input projections in parts (Qwen3.5 GGUF files hold in_proj_qkv, z, b and a
+    apart, in different types) go through `gdn_layer` too."""
+    from turbospec.layers.gated_deltanet import load_gdn_kernel
+
+    if load_gdn_kernel() is None:
+        pytest.skip("Gated DeltaNet kernel unavailable")
+    model = split_input_projections(load_model(build_hybrid("qwen3_5", tmp_path), "float32"))
+    calls = []
+    k = load_kernel()
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "gdn_layer":
+                return lambda *a: calls.append(1) or k.gdn_layer(*a)
+            return getattr(k, name)
+
+    kernel_for = block.kernel_for
+    monkeypatch.setattr(block, "kernel_for", lambda x, norm: Counting() if kernel_for(x, norm) is not None else None)
+    compare(model, "float32", monkeypatch)
+    assert calls
+
+
 def test_fused_path_is_taken(hf_models, monkeypatch):
     """The fused calls run for decode-sized steps (so the comparisons above compare two different paths)."""
     calls = []

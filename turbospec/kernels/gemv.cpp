@@ -234,6 +234,15 @@ int64_t set_bf16_dot_rows(int64_t rows) {
   return old;
 }
 
+// y[r, o] += b[o] for every row r (no bias: nothing).
+void add_bias(const c10::optional<torch::Tensor>& b, float* y, int64_t m, int64_t out) {
+  if (!b.has_value()) return;
+  auto bf = b->to(torch::kFloat).contiguous();
+  const float* bp = bf.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t o = 0; o < out; ++o) y[r * out + o] += bp[o];
+}
+
 // y[m, out] = x[m, in] . W^T (+ b), float32 in and out, any supported weight dtype or packed format. `x_bf16`: the
 // rows hold bf16 values (a bf16 model's activations), so bf16 weights may use the bf16 dot-product path.
 void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m,
@@ -246,12 +255,42 @@ void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, cons
                  y, m, in, out);
   else
     by_dtype(w.scalar_type(), [&](auto tag) { run(w.data_ptr<decltype(tag)>(), x, y, m, in, out); });
-  if (b.has_value()) {
-    auto bf = b->to(torch::kFloat).contiguous();
-    const float* bp = bf.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t o = 0; o < out; ++o) y[r * out + o] += bp[o];
+  add_bias(b, y, m, out);
+}
+
+// A projection's matrices: one, or parts whose outputs are concatenated (parts in different formats, e.g. a GGUF
+// file's Q6_K attn_v beside its Q4_K attn_q and attn_k, which cannot be one packed matrix).
+using Parts = std::vector<torch::Tensor>;
+
+int64_t out_rows(const Parts& ws) {
+  int64_t n = 0;
+  for (const auto& w : ws) n += w.size(0);
+  return n;
+}
+
+// Every part contiguous, 2-D or packed, with `in` input features.
+void check_parts(const Parts& ws, int64_t in) {
+  TORCH_CHECK(!ws.empty(), "a projection needs at least one matrix");
+  for (const auto& w : ws)
+    TORCH_CHECK((w.dim() == 2 || packed::is_packed(w)) && w.is_contiguous() && in_features(w) == in,
+                "bad weight (contiguous, ", in, " input features)");
+}
+
+// y[m, out_rows] = x . [W_0 | W_1 | ...]^T (+ b): each part's product into its columns.
+void product(const Parts& ws, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m,
+             bool x_bf16) {
+  if (ws.size() == 1) return product(ws[0], b, x, y, m, x_bf16);
+  const int64_t out = out_rows(ws);
+  std::vector<float> t;
+  int64_t off = 0;
+  for (const auto& w : ws) {
+    const int64_t o = w.size(0);
+    t.resize(m * o);
+    product(w, c10::nullopt, x, t.data(), m, x_bf16);
+    for (int64_t r = 0; r < m; ++r) std::copy(t.begin() + r * o, t.begin() + (r + 1) * o, y + r * out + off);
+    off += o;
   }
+  add_bias(b, y, m, out);
 }
 
 // RMSNorm of one row of T-valued floats: y = x / sqrt(mean(x^2) + eps) * w, or * (1 + w) for zero-centred
@@ -320,9 +359,9 @@ torch::Tensor from_floats(const std::vector<float>& v, int64_t rows, int64_t col
 // RMSNorm of every row of x [.., d] (rounded to T), then the product with W (float32, not rounded).
 template <typename T>
 std::vector<float> norm_product(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc,
-                                const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+                                const Parts& w, const c10::optional<torch::Tensor>& b) {
   const int64_t d = x.size(-1), m = x.numel() / d;
-  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * w.size(0));
+  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * out_rows(w));
   for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
   product(w, b, xn.data(), y.data(), m, std::is_same<T, at::BFloat16>::value);
   return y;
@@ -404,11 +443,11 @@ void rope_head(float* x, const T* cos, const T* sin, int64_t rot, float* tmp) {
 }
 
 template <typename T>
-torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc, const torch::Tensor& w,
+torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc, const Parts& w,
                         const c10::optional<torch::Tensor>& b, const c10::optional<torch::Tensor>& q_norm,
                         const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
                         int64_t nh, int64_t nkv, int64_t hd, bool gated) {
-  const int64_t m = x.numel() / x.size(-1), out = w.size(0), rot = cos.size(-1);
+  const int64_t m = x.numel() / x.size(-1), out = out_rows(w), rot = cos.size(-1);
   std::vector<float> y = norm_product<T>(x, norm_w, eps, zc, w, b), tmp(rot);
   round_all<T>(y.data(), static_cast<int64_t>(y.size()));
   auto cc = cos.contiguous(), sc = sin.contiguous();
@@ -432,25 +471,26 @@ torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, dou
   return from_floats<T>(y, m, out, x);
 }
 
-torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, torch::Tensor w,
+torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, Parts w,
                       c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> q_norm,
                       c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin, int64_t nh,
                       int64_t nkv, int64_t hd, bool gated) {
   TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && cos.scalar_type() == x.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(w.is_contiguous() && in_features(w) == x.size(-1), "bad weight");
-  TORCH_CHECK(w.size(0) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
+  check_parts(w, x.size(-1));
+  TORCH_CHECK(out_rows(w) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
   return by_dtype(x.scalar_type(), [&](auto tag) {
     return attn_in_t<decltype(tag)>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
   });
 }
 
 // RMSNorm then product: y = norm(x) W^T (+ b), rounded to T (the Gated DeltaNet's input projection).
-torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, torch::Tensor w,
+torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, Parts w,
                           c10::optional<torch::Tensor> b) {
-  TORCH_CHECK(norm_w.scalar_type() == x.scalar_type() && w.is_contiguous() && in_features(w) == x.size(-1), "bad input");
+  TORCH_CHECK(norm_w.scalar_type() == x.scalar_type(), "dtype mismatch");
+  check_parts(w, x.size(-1));
   return by_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    return from_floats<T>(norm_product<T>(x, norm_w, eps, zc, w, b), x.numel() / x.size(-1), w.size(0), x);
+    return from_floats<T>(norm_product<T>(x, norm_w, eps, zc, w, b), x.numel() / x.size(-1), out_rows(w), x);
   });
 }
 
@@ -537,7 +577,7 @@ namespace attn {
 #include "attention.cpp"
 }  // namespace attn
 
-torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
+torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_qkv,
                            c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                            c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin, int64_t nh,
                            int64_t nkv, int64_t hd, bool gated, torch::Tensor kc, torch::Tensor vc, int64_t pos,
@@ -554,7 +594,7 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
 
 // layer_decode's attention half, for layers whose feed-forward is not one SwiGLU MLP (mixture of experts):
 // (attention output [N, nh*hd], the qkv rows holding the output gate). Each row equals its single-token step.
-std::vector<torch::Tensor> attn_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
+std::vector<torch::Tensor> attn_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_qkv,
                                        c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                                        c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
                                        int64_t nh, int64_t nkv, int64_t hd, bool gated, torch::Tensor kc,
@@ -696,7 +736,7 @@ c10::optional<torch::Tensor> packed_step(const torch::Tensor& qkv, int64_t nh, i
 }
 
 // attn_decode over a packed cache: [attention output [N, nh*hd], qkv], or [] (see packed_step).
-std::vector<torch::Tensor> attn_packed(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
+std::vector<torch::Tensor> attn_packed(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_qkv,
                                        c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                                        c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
                                        int64_t nh, int64_t nkv, int64_t hd, bool gated, std::vector<int64_t> k_ints,
@@ -712,7 +752,7 @@ std::vector<torch::Tensor> attn_packed(torch::Tensor x, torch::Tensor in_w, doub
 }
 
 // layer_decode over a packed cache: x + attention + MLP [N, H], or None (see packed_step).
-c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv,
+c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_qkv,
                                           c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                                           c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
                                           int64_t nh, int64_t nkv, int64_t hd, bool gated, std::vector<int64_t> k_ints,
@@ -761,7 +801,7 @@ c10::optional<torch::Tensor> paged_rows_t(const torch::Tensor& qkv, int64_t nh, 
 }
 
 std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, double eps, bool zc,
-                                           torch::Tensor w_qkv, c10::optional<torch::Tensor> b_qkv,
+                                           Parts w_qkv, c10::optional<torch::Tensor> b_qkv,
                                            c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                                            torch::Tensor cos, torch::Tensor sin, int64_t nh, int64_t nkv, int64_t hd,
                                            bool gated, std::vector<int64_t> k_ints, std::vector<torch::Tensor> k_tabs,
@@ -788,7 +828,7 @@ std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, 
 // attn_paged_rows, then out_mlp: x + attention + MLP [S, H] for decode rows over a paged pool, or None (see
 // paged_rows_t).
 c10::optional<torch::Tensor> layer_paged_rows(
-    torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_qkv, c10::optional<torch::Tensor> b_qkv,
+    torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_qkv, c10::optional<torch::Tensor> b_qkv,
     c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin,
     int64_t nh, int64_t nkv, int64_t hd, bool gated, std::vector<int64_t> k_ints, std::vector<torch::Tensor> k_tabs,
     std::vector<torch::Tensor> k_fields, std::vector<int64_t> v_ints, std::vector<torch::Tensor> v_tabs,
@@ -812,7 +852,7 @@ namespace gdn {
 
 // x [N, H] -> (x + mixer + MLP [N, H], conv window [K-1+N, C], recurrent states [N, Hv, Dk, Dv]) for the cache's
 // stash. The same three calls as the Python path (norm_linear, gdn_step, out_mlp) without the torch glue.
-std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, torch::Tensor w_proj,
+std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_proj,
                                      c10::optional<torch::Tensor> b_proj, torch::Tensor conv_state,
                                      torch::Tensor conv_t, torch::Tensor neg_a, torch::Tensor dt_bias,
                                      torch::Tensor norm_w, torch::Tensor ssm_state, torch::Tensor parents, int64_t nk,
@@ -821,7 +861,7 @@ std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double
                                      c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
                                      c10::optional<torch::Tensor> b_dn) {
   const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv;
-  TORCH_CHECK(w_proj.size(0) == c + vd + 2 * nv, "gdn_layer: input projection width mismatch");
+  TORCH_CHECK(out_rows(w_proj) == c + vd + 2 * nv, "gdn_layer: input projection width mismatch");
   auto proj = norm_linear(x, in_w, eps, zc, w_proj, b_proj);
   auto window = torch::cat({conv_state.to(x.scalar_type()), proj.narrow(1, 0, c)}, 0);
   auto r = gdn::gdn_step(window, conv_t, proj.narrow(1, c, vd), proj.narrow(1, c + vd, nv),

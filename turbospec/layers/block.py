@@ -22,7 +22,7 @@ from turbospec.kv.paged import PagedBatch
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.attention import MLP, Attention
-from turbospec.layers.linear import Linear, RowParallelLinear, skinny_rows
+from turbospec.layers.linear import Linear, RowParallelLinear, SplitLinear, skinny_rows
 from turbospec.layers.moe import MoE
 from turbospec.layers.norm import rms_norm
 
@@ -39,11 +39,21 @@ def kernel_for(x: torch.Tensor, norm: torch.Tensor):
     return load_kernel()
 
 
+def _one_matrix(m) -> bool:
+    return isinstance(m.inner if isinstance(m, RowParallelLinear) else m, Linear)
+
+
+def _input_projection(m) -> bool:
+    """A mixer's input projection (qkv, the Gated DeltaNet's inputs): one matrix, or parts in different formats,
+    which the kernels take as a list (`matrices`)."""
+    return isinstance(m, Linear) or (isinstance(m, SplitLinear) and all(isinstance(p, Linear) for p in m.parts))
+
+
 def fusable(x: torch.Tensor, mlp, norm: torch.Tensor, mixer):
-    """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE) and whose projections are
-    single matrices (no `SplitLinear`: the one-call kernels take one matrix each), else None."""
-    if not isinstance(mlp, MLP) or not all(isinstance(m.inner if isinstance(m, RowParallelLinear) else m, Linear)
-                                           for m in (*mlp.linears(), *mixer.linears())):
+    """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE) whose projections are single
+    matrices, and whose mixer's output projection is one matrix (its input projection may be parts), else None."""
+    inp, out = mixer.linears()
+    if not (isinstance(mlp, MLP) and all(_one_matrix(m) for m in (*mlp.linears(), out)) and _input_projection(inp)):
         return None
     return kernel_for(x, norm)
 
@@ -56,7 +66,8 @@ def split(*projections) -> bool:
 
 def fusable_moe(x: torch.Tensor, moe, norm: torch.Tensor, mixer):
     """`kernel_for(x, norm)` for a layer whose feed-forward is a mixture of experts (`moe_layer`), else None."""
-    if not isinstance(moe, MoE) or not all(isinstance(m, Linear) for m in mixer.linears()):
+    inp, out = mixer.linears()
+    if not isinstance(moe, MoE) or not (isinstance(out, Linear) and _input_projection(inp)):
         return None
     return kernel_for(x, norm)
 
@@ -73,7 +84,7 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
                 and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None)):
         a, gate = r
     elif _one_call(attn, plan, cache):
-        a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+        a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
                                _parents(plan))
@@ -106,14 +117,14 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                     layer: int) -> torch.Tensor:
     """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`)."""
     if _one_call(attn, plan, cache) and split(attn.o, mlp.down):  # the attention in one call, then out_mlp's parts
-        a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+        a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
                                _parents(plan))
         return out_mlp(k, x, a, attn.split(qkv, x.shape[0])[3], attn.o, mlp, post_norm, eps, zc)
     if _packed_step(attn, plan, cache):
         if not split(attn.o, mlp.down):
-            out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+            out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                  rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
                                  cache.length, cache.base, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
                                  post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
@@ -124,7 +135,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
             return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
     if _paged_rows(attn, cache):
         if not split(attn.o, mlp.down):
-            out = k.layer_paged_rows(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+            out = k.layer_paged_rows(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                      rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated,
                                      *cache.pool.step_args(layer), cache.slots, cache.tables, cache.lens,
                                      cache.pool.block, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias, post_norm,
@@ -134,7 +145,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
         elif (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None:
             return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
     if _one_call(attn, plan, cache):
-        return k.layer_decode(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm,
+        return k.layer_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                               cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
                               post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
@@ -175,7 +186,7 @@ def _paged_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor,
                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(attention output [S, H*D], output gate or None) of `_paged_rows` in one call, or None: a K/V value that is
     not finite (the general path then handles the step)."""
-    r = k.attn_paged_rows(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
+    r = k.attn_paged_rows(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
                           rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.pool.step_args(layer), cache.slots,
                           cache.tables, cache.lens, cache.pool.block, 1.0 / math.sqrt(attn.hd))
     return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
@@ -190,7 +201,7 @@ def _packed_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(attention output [N, H*D], output gate or None) of a `_packed_step` in one call, or None: a K/V value that
     is not finite (the general path then raises the error)."""
-    r = k.attn_packed(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0], rope[1],
+    r = k.attn_packed(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0], rope[1],
                       attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer), cache.length, cache.base,
                       1.0 / math.sqrt(attn.hd), _parents(plan))
     return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
@@ -200,7 +211,7 @@ def _attend(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: flo
             rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache, layer: int
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(attention output [N, H*D], output gate or None) through `attn_in` and the cache's own attention."""
-    qkv = k.attn_in(x, in_norm, eps, zc, attn.qkv.weight, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
+    qkv = k.attn_in(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
                     rope[1], attn.nh, attn.nkv, attn.hd, attn.gated)
     q, kk, v, gate = attn.split(qkv, x.shape[0])
     return attn.mix(q, kk, v, plan, cache, layer), gate
@@ -214,7 +225,7 @@ def out_mlp(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, m
         if gate is not None:
             a = a * torch.sigmoid(gate)
         x = x + o(a)
-        h = k.norm_linear(x, post_norm, eps, zc, mlp.gate_up.weight, mlp.gate_up.bias)
+        h = k.norm_linear(x, post_norm, eps, zc, mlp.gate_up.matrices, mlp.gate_up.bias)
         return x + mlp.down(k.silu_mul(h))
     return k.out_mlp(x, a, gate, o.weight, o.bias, post_norm, eps, zc, mlp.gate_up.weight, mlp.gate_up.bias,
                      mlp.down.weight, mlp.down.bias)

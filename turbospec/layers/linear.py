@@ -168,6 +168,11 @@ class Linear:
         return prefill_product(x, self.weight, self.bias)
 
     @property
+    def matrices(self) -> list[torch.Tensor]:
+        """The matrices whose outputs make this layer's, for the one-call kernels: the weight."""
+        return [self.weight]
+
+    @property
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
@@ -175,8 +180,8 @@ class Linear:
 
 class SplitLinear:
     """Projections that could not be fused into one matrix (parts in different weight formats): each part is
-    multiplied on its own and the outputs concatenated. The decoder layers' one-call kernels take single
-    matrices, so a layer with a SplitLinear runs op by op (`turbospec.layers.block.fusable`)."""
+    multiplied on its own and the outputs concatenated. The decoder layers' one-call kernels take a mixer's input
+    projection as its list of parts (`matrices`, `bias`) and write each part's product into its columns."""
 
     def __init__(self, parts: list[Linear]):
         self.parts = parts
@@ -186,6 +191,19 @@ class SplitLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def matrices(self) -> list[torch.Tensor]:
+        return [p.weight for p in self.parts]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The parts' biases end to end (zeros for a part without one); None when no part has one."""
+        if all(p.bias is None for p in self.parts):
+            return None
+        like = next(p.bias for p in self.parts if p.bias is not None)
+        return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=like.dtype,
+                                                                        device=like.device) for p in self.parts])
 
     @property
     def nbytes(self) -> int:

@@ -127,14 +127,14 @@ class HybridLayer:
                 and gdn.out_tiling == 1 and not block.split(gdn.out, self.mlp.down)):  # the layer in one call
             par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
             x, window, states = k.gdn_layer(
-                x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,
+                x, self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,
                 gdn.dt_bias, gdn.norm_weight, ssm, par, gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps, gdn.out.weight,
                 gdn.out.bias, self.post_norm, self.mlp.gate_up.weight, self.mlp.gate_up.bias, self.mlp.down.weight,
                 self.mlp.down.bias)
             cache.gdn_stash(self.slot, window, states)
             return x
         if k is not None or km is not None:
-            proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+            proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias)
             o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)
             cache.gdn_stash(self.slot, window, states)
             return block.ffn_tail(k or km, x, gdn.out_order(o), None, gdn.out, self.mlp, self.post_norm, self.eps, True)
@@ -149,7 +149,7 @@ class HybridLayer:
         conv and recurrence segment by segment from each sequence's own states."""
         gdn = self.mixer
         if k is not None or km is not None:
-            proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.weight, gdn.proj.bias)
+            proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias)
         else:
             proj = gdn.proj(rms_norm(x, self.in_norm, self.eps, True))
         outs = []
