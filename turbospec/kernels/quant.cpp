@@ -449,6 +449,64 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
   }
 }
 
+// Q6_K with AVX-512 (BW + VNNI): per 128-value half, one 64-byte load of the low nibbles (values 0..63 in its low
+// nibbles, 64..127 in its high ones) and the 32 bytes of high bits in both 256-bit lanes (shifted by 0 / 2, or 4 /
+// 6, per lane: the two quarters each vector holds); 64 values per multiply, the 16-value scales applied by int16
+// dot products, and the weights' -32 through the input's 16-value sums (the same integers as the AVX2 path).
+struct Q6KLanes {
+  alignas(64) int16_t idx[4][32];  // multiply p's int16 lanes -> their 16-value group's scale (group 4p + lane / 8)
+};
+
+template <int R, int NX>
+TS_AVX512 __attribute__((always_inline)) inline void rows_q6k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
+  static const Q6KLanes ln = [] {
+    Q6KLanes t{};
+    for (int p = 0; p < 4; ++p)
+      for (int l = 0; l < 32; ++l) t.idx[p][l] = static_cast<int16_t>(4 * p + l / 8);
+    return t;
+  }();
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  const __m512i sh_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  const int8_t* xq[NX];
+  const float* xd[NX];
+  const int16_t* xh[NX];
+  for (int j = 0; j < NX; ++j) xq[j] = x[j]->q.data(), xd[j] = x[j]->d.data(), xh[j] = x[j]->half16.data();
+  __m512 acc[R][NX];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NX; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {  // unrolled: the sums stay in registers
+      const uint8_t* wb = w + r * row_bytes + b * 210;
+      const float d = f16(wb + 208);
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192)));
+      const __m512i sc16 = _mm512_castsi256_si512(sc);
+      __m512i ii[NX];
+      for (int j = 0; j < NX; ++j) ii[j] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i l = _mm512_loadu_si512(wb + 64 * h);
+        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h)));
+        const __m512i q[2] = {
+            _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh_lo), m2), 4)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hb, sh_hi), m2), 4))};
+        for (int k = 0; k < 2; ++k) {
+          const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(ln.idx[2 * h + k]), sc16);
+          for (int j = 0; j < NX; ++j)
+            ii[j] = _mm512_dpwssd_epi32(ii[j], _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq[j] + b * 256 + 128 * h + 64 * k)), s);
+        }
+      }
+      for (int j = 0; j < NX; ++j) {  // minus 32 x (scales . the input's 16-value sums)
+        const __m256i t = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xh[j] + b * 16)));
+        ii[j] = _mm512_sub_epi32(ii[j], _mm512_zextsi256_si512(_mm256_slli_epi32(t, 5)));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ii[j]), _mm512_set1_ps(d * xd[j][b]), acc[r][j]);
+      }
+    }
+  }
+  reduce_all<R, NX>(acc, out);
+}
+
 // Q8_0 with AVX-512 VNNI: two blocks (64 values) per multiply, 8 blocks' scales in one vector. The weights go in
 // offset by 128 (w ^ 0x80, unsigned) and the products start from -128 x the input's sum per lane (QRow::off8), so
 // each lane's int32 is the signed product exactly.
@@ -582,6 +640,7 @@ __attribute__((always_inline)) inline void put_rows(const float* t, float* y, in
   }
 TS_RANGE(TS_AVX512, range_q4k_avx512, rows_q4k_avx512)
 TS_RANGE(TS_AVX512, range_q8_0_avx512, rows_q8_0_avx512)
+TS_RANGE(TS_AVX512, range_q6k_avx512, rows_q6k_avx512)
 TS_RANGE(TS_VBMI, range_q4_0_avx512, rows_q4_0_avx512)
 #undef TS_RANGE_STEP
 #undef TS_RANGE
@@ -620,10 +679,10 @@ inline void by_fmt(Fmt f, Fn&& fn) {
   }
 }
 
-// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI; Q6_K has none).
+// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI).
 template <Fmt F>
 inline bool avx512_rows() {
-  return F != Fmt::Q6_K && use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
+  return use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
 }
 
 // y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m: the AVX-512 kernels where `avx512`
@@ -635,6 +694,7 @@ inline void dot_range(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRo
     if constexpr (F == Fmt::Q4_K) range_q4k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     else if constexpr (F == Fmt::Q8_0) range_q8_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     else if constexpr (F == Fmt::Q4_0) range_q4_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
+    else range_q6k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     return;
   }
   for (int64_t o = o0; o < o1; ++o)
