@@ -12,6 +12,8 @@ With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights ar
 Packed weight types (`--weights q8_0 q4_0 q4_k`): with `--llama-quantize PATH` the f32 GGUF is quantized by
 llama.cpp (`llama-quantize --pure`, every matrix in the type) and both engines run *that file* (turbospec keeps its
 blocks packed, activations in --weights-dtype); without it, turbospec quantizes the checkpoint at load (`--weights`).
+`q6_k` (pure) and `q4_k_m` (llama.cpp's mix: Q4_K, with Q6_K for the LM head and some attn_v / ffn_down, the file
+users download most) need `--llama-quantize`.
 
     python benchmarks/engine_speed.py [--reps 5] [--dtypes float32 bfloat16 float16] [--llama-bench PATH]
         [--weights q8_0 q4_0 q4_k] [--llama-quantize PATH] [--out docs/results/engine_speed.json]
@@ -109,13 +111,18 @@ def float_gguf(path: Path, wtype: str) -> Path:
     return out
 
 
+MIXES = ("q4_k_m", "q6_k")  # llama.cpp's own mixes and types: --llama-quantize only (turbospec has no quantizer)
+
+
 def quantized_gguf(path: Path, wtype: str, quantize: str) -> Path:
-    """The checkpoint quantized by llama.cpp to `wtype` with every matrix in that type (--pure), written once."""
+    """The checkpoint quantized by llama.cpp to `wtype`, written once: every matrix in that type (--pure), or, for a
+    mix such as q4_k_m, llama.cpp's choice per tensor (Q6_K for the LM head and some attn_v / ffn_down)."""
     import subprocess
 
     out = path / f"bench-{wtype}.gguf"
     if not out.exists():
-        subprocess.run([quantize, "--pure", str(float_gguf(path, "f32")), str(out), wtype.upper()], check=True,
+        pure = [] if wtype.endswith("_m") else ["--pure"]
+        subprocess.run([quantize, *pure, str(float_gguf(path, "f32")), str(out), wtype.upper()], check=True,
                        capture_output=True)
     return out
 
@@ -134,11 +141,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="path of a llama.cpp llama-bench binary")
-    ap.add_argument("--weights", nargs="*", default=[], help="packed weight types: q8_0 q4_0 q4_k")
+    ap.add_argument("--weights", nargs="*", default=[],
+                    help="packed weight types: q8_0 q4_0 q4_k, and with --llama-quantize q6_k q4_k_m")
     ap.add_argument("--weights-dtype", default="bfloat16", help="activations / KV of the packed rows")
     ap.add_argument("--llama-quantize", default=None, help="path of llama.cpp's llama-quantize (packed rows)")
     ap.add_argument("--out", default="docs/results/engine_speed.json")
     a = ap.parse_args()
+    if not a.llama_quantize and set(a.weights) & set(MIXES):
+        ap.error(f"{', '.join(sorted(set(a.weights) & set(MIXES)))}: needs --llama-quantize (llama.cpp quantizes it)")
     torch.set_num_threads(a.threads)
     path = Path(a.model)
     if not (path / "config.json").exists():
