@@ -8,6 +8,10 @@ bf16 and quantized at load (`--weights q8_0 / q4_k`): peak RSS of loading agains
 
     python benchmarks/real_size.py [--dir /tmp/real2b] [--layers 24] [--rounds 3] [--prompt 128] [--gen 32]
         [--llama-bench PATH] [--out docs/results/real_size_q4k.json]
+
+`--type q4_k_m --llama-quantize PATH`: the speed rounds run llama.cpp's Q4_K_M mix of the same checkpoint instead
+(its f16 export quantized by `llama-quantize`: Q4_K, with Q6_K for the 248,320-row LM head and some attn_v /
+ffn_down, Q8_0 / Q5_0 where rows are not whole 256-value blocks), the file users download.
 """
 
 from __future__ import annotations
@@ -158,27 +162,43 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--no-memory", action="store_true", help="skip the memory rows (speed rounds only)")
+    ap.add_argument("--type", default="q4_k", choices=("q4_k", "q4_k_m"), help="the GGUF file of the speed rounds")
+    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (for --type q4_k_m)")
     ap.add_argument("--out", default="docs/results/real_size_q4k.json")
     a = ap.parse_args()
+    if a.type == "q4_k_m" and not a.llama_quantize:
+        ap.error("--type q4_k_m needs --llama-quantize (llama.cpp makes the mix)")
     d = Path(a.dir)
     ckpt, gguf = d / "checkpoint", d / "q4_k.gguf"
     if not (ckpt / "config.json").exists():
         t = time.perf_counter()
         build(ckpt, a.layers)
         print(f"built the checkpoint in {time.perf_counter() - t:.0f} s", flush=True)
-    if not gguf.exists():
-        from turbospec.model.gguf_export import export_gguf
+    from turbospec.model.gguf_export import export_gguf
 
+    if not gguf.exists():
         t = time.perf_counter()
         export_gguf(ckpt, gguf, "q4_k")
         print(f"exported {gguf} ({gguf.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
-    rows: dict[str, list[dict]] = {"turbospec_q4_k_gguf": [], "llama_cpp_q4_k_gguf": []}
+    run_file = gguf
+    if a.type == "q4_k_m":
+        run_file = d / "q4_k_m.gguf"
+        if not run_file.exists():
+            t = time.perf_counter()
+            f16 = d / "f16.gguf"
+            export_gguf(ckpt, f16, "f16")
+            subprocess.run([a.llama_quantize, str(f16), str(run_file), "Q4_K_M"], check=True, capture_output=True)
+            f16.unlink()
+            print(f"quantized {run_file} ({run_file.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+                  flush=True)
+    ours, theirs = f"turbospec_{a.type}_gguf", f"llama_cpp_{a.type}_gguf"
+    rows: dict[str, list[dict]] = {ours: [], theirs: []}
     for r in range(a.rounds):
-        rows["turbospec_q4_k_gguf"].append(turbospec(gguf, "bfloat16", "auto", a.prompt, a.gen))
+        rows[ours].append(turbospec(run_file, "bfloat16", "auto", a.prompt, a.gen))
         if a.llama_bench:
-            rows["llama_cpp_q4_k_gguf"].append(llama_bench(a.llama_bench, gguf, a.prompt, a.gen))
-        print(f"round {r + 1}/{a.rounds}: turbospec {rows['turbospec_q4_k_gguf'][-1]}"
-              + (f"; llama.cpp {rows['llama_cpp_q4_k_gguf'][-1]}" if a.llama_bench else ""), flush=True)
+            rows[theirs].append(llama_bench(a.llama_bench, run_file, a.prompt, a.gen))
+        print(f"round {r + 1}/{a.rounds}: turbospec {rows[ours][-1]}"
+              + (f"; llama.cpp {rows[theirs][-1]}" if a.llama_bench else ""), flush=True)
     memory = {}
     rows_mem = {"bf16 checkpoint": (ckpt, "bfloat16", "auto"), "--dtype float16": (ckpt, "float16", "auto"),
                 "--dtype float32": (ckpt, "float32", "auto"), "--weights q8_0": (ckpt, "bfloat16", "q8_0"),
@@ -205,7 +225,9 @@ def main() -> None:
             params += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())  # noqa: SIM118
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"shape": {**SHAPE, "layers": a.layers}, "parameters": params,
-                                       "gguf_bytes": gguf.stat().st_size, "prompt": a.prompt, "gen": a.gen,
+                                       "type": a.type, "gguf_bytes": run_file.stat().st_size,
+                                       "command": " ".join(["python", "benchmarks/real_size.py", *sys.argv[1:]]),
+                                       "prompt": a.prompt, "gen": a.gen,
                                        "summary": summary, "rounds": rows, "memory": memory}, indent=1))
     print(json.dumps(summary, indent=1))
     print(f"wrote {a.out}")
