@@ -160,11 +160,32 @@ def test_q6_k_blocks_multiply_packed():
     p = torch.from_numpy(raw)
     ref = gguf.quants.dequantize(raw.reshape(24, -1), gguf.GGMLQuantizationType.Q6_K)
     assert W.format_of(p).name == "q6_k" and np.array_equal(W.dequantize(p).numpy(), ref)
-    x = torch.randn(3, 512)
+    x = torch.randn(20, 512)
     want = x @ torch.from_numpy(ref).T
-    got = load_kernel().packed_linear(x, p, None, 16)
+    got = load_kernel().packed_linear(x, p, None, 64)  # 20 rows: 4 weight rows at a time; 1 row: one at a time
     assert float((got - want).norm() / want.norm()) < 2e-2
-    assert torch.equal(got[1:2], load_kernel().packed_linear(x[1:2], p, None, 16))
+    solo = torch.cat([load_kernel().packed_linear(x[i:i + 1], p, None, 64) for i in range(20)])
+    assert torch.equal(got, solo)
+
+
+def test_q6_k_avx2_and_avx512_paths_agree():
+    """Q6_K's AVX-512 kernel against the AVX2 one (TURBOSPEC_NO_AVX512=1, a child process): the same integer sums,
+    float sums in another order."""
+    code = ("import sys, numpy as np, torch; sys.path.insert(0, '.'); from tests.test_weights import q6_k_blocks\n"
+            "from turbospec.kernels.gemv import load_kernel\n"
+            "p = torch.from_numpy(q6_k_blocks(37, 1024, 3)); x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(1))\n"
+            "torch.save(load_kernel().packed_linear(x, p, None, 16), sys.argv[1])\n")
+    got = {}
+    for flag in ("0", "1"):
+        path = f"{os.environ.get('TMPDIR', '/tmp')}/q6_{flag}_{os.getpid()}.pt"
+        env = dict(os.environ)
+        env.pop("TURBOSPEC_NO_AVX512", None)
+        if flag == "1":
+            env["TURBOSPEC_NO_AVX512"] = "1"
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, cwd=Path(__file__).parents[1])
+        got[flag] = torch.load(path, weights_only=True)
+        os.unlink(path)
+    assert float((got["0"] - got["1"]).norm() / got["1"].norm()) < 1e-6
 
 
 def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
