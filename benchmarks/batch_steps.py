@@ -3,6 +3,9 @@ decode together, tokens per second once every prompt is computed, against one se
 one-at-a-time path) on the same model, in interleaved rounds.
 
     python benchmarks/batch_steps.py --model models/demo-qwen3 --dtype bfloat16 --json docs/results/batch_steps.json
+
+`--model` also takes a GGUF file (packed weights stay packed: e.g. the Q4_K_M file `engine_speed.py --weights q4_k_m`
+writes beside the model).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = Path(a.model)
-    if not (path / "config.json").exists():
+    if path.suffix != ".gguf" and not (path / "config.json").exists():
         from turbospec.demo import make_demo_model
 
         make_demo_model(path)
