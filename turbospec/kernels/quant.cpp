@@ -631,18 +631,22 @@ __attribute__((always_inline)) inline void put_rows(const float* t, float* y, in
 // NAME: y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m, 4 weight rows per step against
 // the input rows in pairs, the kernel inlined (one loop per format and target). Before each step the 4 rows about
 // 2 x PREFETCH_BYTES further on are prefetched: the hardware prefetcher alone left these kernels, which read 4
-// rows side by side, at 12-20 GB/s on matrices larger than the cache (a one-row AVX2 loop: 29-40 GB/s). Up to
-// SINGLE input rows go through the weight rows one at a time instead: streaming a 32768 x 2048 matrix, Q6_K's
-// kernel took 1.4 / 2.6 / 6.3 ms for 1 / 4 / 8 rows so against 1.9-2.8 / 4.4-5.6 / 7.2-8.4 ms 4 at a time, Q8_0's
-// 1.6 / 3.9-4.3 ms for 1 / 4 rows against 2.9-3.1 / 5.3-5.7 (4 at a time wins from 8 rows); Q4_K and Q4_0 do as
-// well or better 4 at a time. A row's result is the same either way (see above).
+// rows side by side, at 12-20 GB/s on matrices larger than the cache (a one-row AVX2 loop: 29-40 GB/s). Rows
+// longer than LONG_ROW bytes go one at a time for up to SINGLE input rows: streamed from memory, 4 such rows side
+// by side stayed slow even with the prefetch (2048 x 6144 Q4_K: 21 GB/s, one at a time 30; 32768 x 2048 Q6_K / Q8_0,
+// rows of 1680 / 2176 bytes: 1.4 / 1.6 ms for one input row against 1.9-3.1 four at a time, and for Q6_K up to 16
+// input rows, Q8_0 up to 4, before 4 at a time wins), while shorter ones (Q4_K / Q4_0 with 2048 columns: 1152
+// bytes) stream faster 4 at a time (31-42 GB/s against 22-30), as every row does from the cache. A row's result is
+// the same either way (see above).
+constexpr int64_t LONG_ROW = 1152;
 #define TS_RANGE(TARGET, NAME, KERNEL, SINGLE)                                                                  \
   TARGET void NAME(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, int64_t m, int64_t o0, \
                    int64_t o1, float* y, int64_t out) {                                                        \
     float t[8];                                                                                                \
     const int64_t tile = 4 * row_bytes, ahead = 4 * std::max<int64_t>(1, (2 * PREFETCH_BYTES + tile - 1) / tile); \
     int64_t o = o0;                                                                                            \
-    for (; m > SINGLE && o + 4 <= o1; o += 4) {                                                                \
+    const bool single = m <= SINGLE && row_bytes > LONG_ROW;                                                   \
+    for (; !single && o + 4 <= o1; o += 4) {                                                                   \
       if (o + ahead + 4 <= o1) {                                                                               \
         const char* p = reinterpret_cast<const char*>(w + (o + ahead) * row_bytes);                            \
         for (int64_t b = 0; b < tile; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);                              \
@@ -651,10 +655,10 @@ __attribute__((always_inline)) inline void put_rows(const float* t, float* y, in
     }                                                                                                          \
     for (; o < o1; ++o) { TS_RANGE_STEP(KERNEL, 1) }                                                           \
   }
-TS_RANGE(TS_AVX512, range_q4k_avx512, rows_q4k_avx512, 0)
+TS_RANGE(TS_AVX512, range_q4k_avx512, rows_q4k_avx512, 1)
 TS_RANGE(TS_AVX512, range_q8_0_avx512, rows_q8_0_avx512, 4)
 TS_RANGE(TS_AVX512, range_q6k_avx512, rows_q6k_avx512, 16)
-TS_RANGE(TS_VBMI, range_q4_0_avx512, rows_q4_0_avx512, 0)
+TS_RANGE(TS_VBMI, range_q4_0_avx512, rows_q4_0_avx512, 1)
 #undef TS_RANGE_STEP
 #undef TS_RANGE
 
