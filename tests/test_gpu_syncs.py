@@ -26,6 +26,9 @@ from turbospec.speculative import make_drafter
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
+if torch.cuda.is_available():  # the GPU code path with CPU tensors: Triton would compile for the GPU here
+    pytest.skip("runs the GPU code path on the CPU (interpreter); a CUDA machine runs tests/test_gpu.py",
+                allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 
