@@ -98,12 +98,14 @@ def test_a_weight_rows_result_does_not_depend_on_its_neighbours(fmt):
 
 
 def test_avx2_and_avx512_paths_agree():
-    """The same products with TURBOSPEC_NO_AVX512=1 (the AVX2 path) in a child process: the same int8 sums,
-    float sums in another order."""
-    code = ("import torch,sys; from turbospec import weights as W; from turbospec.kernels.gemv import load_kernel\n"
+    """The same products with TURBOSPEC_NO_AVX512=1 (the AVX2 path) in a child process, every packed format: the
+    same int8 sums, float sums in another order."""
+    code = ("import torch,sys; sys.path.insert(0,'.'); from turbospec import weights as W\n"
+            "from turbospec.kernels.gemv import load_kernel; from tests.test_weights import q6_k_blocks\n"
             "torch.manual_seed(0); x=torch.randn(3,2304); out=[]\n"
             "for f in ('q8_0','q4_0','q4_k'):\n"
             "  w=torch.randn(50,2304); out.append(load_kernel().packed_linear(x,W.quantize(w,f),None,16))\n"
+            "out.append(load_kernel().packed_linear(x,torch.from_numpy(q6_k_blocks(37,2304,3)),None,16))\n"
             "torch.save(out, sys.argv[1])\n")
     got = {}
     for flag in ("0", "1"):
@@ -166,26 +168,6 @@ def test_q6_k_blocks_multiply_packed():
     assert float((got - want).norm() / want.norm()) < 2e-2
     solo = torch.cat([load_kernel().packed_linear(x[i:i + 1], p, None, 64) for i in range(20)])
     assert torch.equal(got, solo)
-
-
-def test_q6_k_avx2_and_avx512_paths_agree():
-    """Q6_K's AVX-512 kernel against the AVX2 one (TURBOSPEC_NO_AVX512=1, a child process): the same integer sums,
-    float sums in another order."""
-    code = ("import sys, numpy as np, torch; sys.path.insert(0, '.'); from tests.test_weights import q6_k_blocks\n"
-            "from turbospec.kernels.gemv import load_kernel\n"
-            "p = torch.from_numpy(q6_k_blocks(37, 1024, 3)); x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(1))\n"
-            "torch.save(load_kernel().packed_linear(x, p, None, 16), sys.argv[1])\n")
-    got = {}
-    for flag in ("0", "1"):
-        path = f"{os.environ.get('TMPDIR', '/tmp')}/q6_{flag}_{os.getpid()}.pt"
-        env = dict(os.environ)
-        env.pop("TURBOSPEC_NO_AVX512", None)
-        if flag == "1":
-            env["TURBOSPEC_NO_AVX512"] = "1"
-        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, cwd=Path(__file__).parents[1])
-        got[flag] = torch.load(path, weights_only=True)
-        os.unlink(path)
-    assert float((got["0"] - got["1"]).norm() / got["1"].norm()) < 1e-6
 
 
 def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
