@@ -97,6 +97,19 @@ def test_a_weight_rows_result_does_not_depend_on_its_neighbours(fmt):
             assert torch.equal(k.packed_linear(x[:m], p[a:b].contiguous(), None, 16), full[:, a:b]), (m, a, b)
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, "q6_k"])
+def test_long_rows_one_at_a_time_give_the_batch_bits(fmt):
+    """Rows longer than 1152 bytes go through one at a time for a few input rows (faster streamed from memory) and
+    4 at a time for more: a row's result is the same bits either way."""
+    k = load_kernel()
+    p = torch.from_numpy(q6_k_blocks(37, 2304, 5)) if fmt == "q6_k" else W.quantize(matrix(37, 2304), fmt)
+    assert p.shape[1] * p.shape[2] > 1152
+    x = torch.randn(20, 2304, generator=torch.Generator().manual_seed(3))
+    batch = k.packed_linear(x, p, None, 64)  # 20 rows: 4 weight rows at a time
+    assert torch.equal(batch, torch.cat([k.packed_linear(x[i:i + 1], p, None, 64) for i in range(20)]))
+    assert torch.equal(batch[:3], k.packed_linear(x[:3], p, None, 64))
+
+
 def test_avx2_and_avx512_paths_agree():
     """The same products with TURBOSPEC_NO_AVX512=1 (the AVX2 path) in a child process, every packed format: the
     same int8 sums, float sums in another order."""
