@@ -111,7 +111,7 @@ def float_gguf(path: Path, wtype: str) -> Path:
     return out
 
 
-MIXES = ("q4_k_m", "q6_k")  # llama.cpp's own mixes and types: --llama-quantize only (turbospec has no quantizer)
+LLAMA_ONLY = ("q4_k_m", "q6_k")  # types only llama.cpp quantizes to (turbospec has no quantizer for them)
 
 
 def quantized_gguf(path: Path, wtype: str, quantize: str) -> Path:
@@ -147,8 +147,8 @@ def main() -> None:
     ap.add_argument("--llama-quantize", default=None, help="path of llama.cpp's llama-quantize (packed rows)")
     ap.add_argument("--out", default="docs/results/engine_speed.json")
     a = ap.parse_args()
-    if not a.llama_quantize and set(a.weights) & set(MIXES):
-        ap.error(f"{', '.join(sorted(set(a.weights) & set(MIXES)))}: needs --llama-quantize (llama.cpp quantizes it)")
+    if not a.llama_quantize and set(a.weights) & set(LLAMA_ONLY):
+        ap.error(f"{', '.join(sorted(set(a.weights) & set(LLAMA_ONLY)))}: needs --llama-quantize (llama.cpp quantizes it)")
     torch.set_num_threads(a.threads)
     path = Path(a.model)
     if not (path / "config.json").exists():
