@@ -64,7 +64,7 @@ void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_
   for (; i + 8 <= in; i += 8) {
     // prefetch this pass's share of a later row block, spread over the iterations (pf_step bytes each)
     const char* pp = pf + (i / 8) * pf_step;
-    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T1);
     __m256 v0 = _mm256_loadu_ps(x0 + i);
     __m256 v1 = two ? _mm256_loadu_ps(x1 + i) : v0;
     for (int r = 0; r < 4; ++r) {
@@ -96,7 +96,7 @@ void block_4x4(const W* w, int64_t ldw, const float* x, int64_t in, float* out, 
   int64_t i = 0;
   for (; i + 8 <= in; i += 8) {
     const char* pp = pf + (i / 8) * pf_step;
-    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T1);
     const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + in + i);
     const __m256 v2 = _mm256_loadu_ps(x + 2 * in + i), v3 = _mm256_loadu_ps(x + 3 * in + i);
     for (int r = 0; r < 4; ++r) {
@@ -139,7 +139,9 @@ void block_1x2(const W* w, const float* x0, const float* x1, int64_t in, float* 
 
 // Software prefetch distance: while one block of 4 weight rows is multiplied, the block this many bytes ahead
 // is fetched (the hardware prefetcher alone leaves the 0.5-3 MB matrices of a decode step at ~60% of copy
-// bandwidth; see docs/speed.md).
+// bandwidth; see docs/speed.md). Every software prefetch goes into L2 (_MM_HINT_T1): into L1 it stalled the
+// products of several input rows on matrices streamed from memory (quant.cpp's TS_RANGE; bf16 real-size chain of
+// products 3-5% faster at 1, 4 and 8 rows in L2).
 constexpr int64_t PREFETCH_BYTES = 6144;
 
 template <typename W>

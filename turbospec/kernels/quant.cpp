@@ -631,7 +631,10 @@ __attribute__((always_inline)) inline void put_rows(const float* t, float* y, in
 // NAME: y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m, 4 weight rows per step against
 // the input rows in pairs, the kernel inlined (one loop per format and target). Before each step the 4 rows about
 // 2 x PREFETCH_BYTES further on are prefetched: the hardware prefetcher alone left these kernels, which read 4
-// rows side by side, at 12-20 GB/s on matrices larger than the cache (a one-row AVX2 loop: 29-40 GB/s). Rows
+// rows side by side, at 12-20 GB/s on matrices larger than the cache (a one-row AVX2 loop: 29-40 GB/s). Into L2
+// (_MM_HINT_T1), not L1: with 2 or more input rows a tile takes longer than its prefetch, and prefetches into L1
+// stalled the loop (65536 x 2048 Q4_K, 4 input rows: 8.2-11.5 ms into L1, 5.1-5.3 ms into L2; 2 rows 3.3-4.4 vs
+// 3.0-3.1; Q4_0 the same; one row and matrices in the cache unchanged). Rows
 // longer than LONG_ROW bytes go one at a time for up to SINGLE input rows: streamed from memory, 4 such rows side
 // by side stayed slow even with the prefetch (2048 x 6144 Q4_K: 21 GB/s, one at a time 30; 32768 x 2048 Q6_K / Q8_0,
 // rows of 1680 / 2176 bytes: 1.4 / 1.6 ms for one input row against 1.9-3.1 four at a time, and for Q6_K up to 16
@@ -649,7 +652,7 @@ constexpr int64_t LONG_ROW = 1152;
     for (; !single && o + 4 <= o1; o += 4) {                                                                   \
       if (o + ahead + 4 <= o1) {                                                                               \
         const char* p = reinterpret_cast<const char*>(w + (o + ahead) * row_bytes);                            \
-        for (int64_t b = 0; b < tile; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);                              \
+        for (int64_t b = 0; b < tile; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);                              \
       }                                                                                                        \
       TS_RANGE_STEP(KERNEL, 4)                                                                                 \
     }                                                                                                          \
