@@ -5,7 +5,9 @@ vocab 32000, tied; 40.5M parameters), built locally by turbospec.demo. Greedy, 5
 tokens, one warm-up round discarded, median of 5. Interleaved: every round runs each engine at each dtype once
 (this machine's speed drifts by 30% within minutes, so engines measured minutes apart are not comparable), after
 measuring the machine's copy bandwidth (numpy, 256 MB); the weight bandwidth each engine achieves (weight bytes
-read per token x decode t/s) is divided by the copy bandwidth of its own round, median over rounds.
+read per token x decode t/s) is divided by the copy bandwidth of its own round, median over rounds. The ratio to
+llama.cpp is given both as the ratio of the medians and paired: each round's ratio (the two engines back to back),
+median over rounds.
 With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights are written as GGUF
 (benchmarks/to_gguf.py; f32 for float32, f16 for float16) and llama.cpp's pp512 / tg128 are measured in the same run
 (`-t` threads, `-r` reps; llama.cpp has no bf16 row here).
@@ -193,6 +195,11 @@ def main() -> None:
                "share_of_copy_bw": share}
         if lc:
             lc["share_of_copy_bw"] = statistics.median(wb * d / 1e9 / b for d, b in zip(lc["decode_all"], bws))
+            # each round's ratio (the two engines ran back to back), median over rounds: this machine's speed
+            # changes by up to 4x between phases, which a ratio of medians mixes
+            for k in ("decode", "prefill"):
+                row[f"{k}_ratio_per_round"] = [t / ll for t, ll in zip(ts[f"{k}_all"], lc[f"{k}_all"])]
+                row[f"{k}_ratio_paired"] = statistics.median(row[f"{k}_ratio_per_round"])
         rows.append(row)
         line = (f"{dtype:9s} turbospec decode {ts['decode_tps']:6.1f} t/s  prefill {ts['prefill_tps']:7.1f} t/s"
                 f"  weights {row['weight_GBps']:5.1f} GB/s ({share:4.0%} of copy bw)")
@@ -204,7 +211,9 @@ def main() -> None:
             line += (f" | llama.cpp decode {lc['decode_tps']:6.1f} ({lc['share_of_copy_bw']:4.0%})"
                      f"  prefill {lc['prefill_tps']:7.1f}"
                      f" | turbospec/llama.cpp decode {ts['decode_tps'] / lc['decode_tps']:4.2f}x"
-                     f" prefill {ts['prefill_tps'] / lc['prefill_tps']:4.2f}x")
+                     f" prefill {ts['prefill_tps'] / lc['prefill_tps']:4.2f}x"
+                     f" (paired per round: decode {row['decode_ratio_paired']:4.2f}x"
+                     f" prefill {row['prefill_ratio_paired']:4.2f}x)")
         print(line, flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpu_count": torch.get_num_threads(),
             "torch": torch.__version__, "copy_bandwidth_GBps": bw, "copy_bandwidth_all": bws, "prompt": PROMPT,

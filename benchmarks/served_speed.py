@@ -1,7 +1,10 @@
 """Served speed against engine speed: the same model, prompts and settings through `turbospec run` (the engine, no
 HTTP), `turbospec serve` (streamed over HTTP) and, when given, llama-server on a GGUF converted from the same
-checkpoint. Greedy, `ignore_eos`, a fixed number of tokens; rounds alternate the three so that machine noise hits
-them alike; the table gives medians of decode t/s (tokens after the first over the time after the first) and TTFT.
+checkpoint. Greedy, `ignore_eos`, a fixed number of tokens. Every configuration's three sides run at once and each
+round runs every side of every configuration back to back, so that machine noise hits them alike; the table gives
+medians of decode t/s (tokens after the first over the time after the first) and TTFT, and ratios paired within a
+round: against the engine of the same configuration, against llama-server in the same configuration, and against
+llama-server in the first configuration (plain decoding, when it comes first).
 
 Served numbers are measured by a streaming client: TTFT = request sent -> first token received; decode t/s =
 (tokens - 1) / (last token received - first token received). The "turbospec run" side is the engine as
@@ -181,44 +184,48 @@ def main() -> int:
         tok = Tokenizer(a.model)
     configs = [c.split("=", 1) for c in (a.config or ["plain="])]
     rows: list[dict] = []
-    for name, flag_text in configs:
-        flags = shlex.split(flag_text)
-        port_ts, port_ll = free_port(), free_port()
-        ts_cmd = [sys.executable, "-m", "turbospec.cli", "serve", "-m", a.model, "--port", str(port_ts),
-                  "-n", str(a.n), "--temp", "0", *flags, *shlex.split(a.serve_flags)]
-        ts_cmd += ["-t", str(a.threads)] if a.threads else []
-        ll = llama_flags(flags) if a.llama_server and a.gguf else None
-        run_args = ["-m", a.model, "-n", str(a.n), "--temp", "0", "--ignore-eos", *flags]
-        run_args += ["-t", str(a.threads)] if a.threads else []
-        with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # every configuration's processes at once: rounds interleave them all
+        sides_of: dict[str, list[tuple[str, EngineProcess | str]]] = {}
+        for name, flag_text in configs:
+            flags = shlex.split(flag_text)
+            port_ts, port_ll = free_port(), free_port()
+            ts_cmd = [sys.executable, "-m", "turbospec.cli", "serve", "-m", a.model, "--port", str(port_ts),
+                      "-n", str(a.n), "--temp", "0", *flags, *shlex.split(a.serve_flags)]
+            ts_cmd += ["-t", str(a.threads)] if a.threads else []
+            ll = llama_flags(flags) if a.llama_server and a.gguf else None
+            run_args = ["-m", a.model, "-n", str(a.n), "--temp", "0", "--ignore-eos", *flags]
+            run_args += ["-t", str(a.threads)] if a.threads else []
             eng = EngineProcess(run_args)
             stack.callback(eng.close)
-            ts_url = stack.enter_context(server(ts_cmd, port_ts))
-            ll_url = None
+            sides_of[name] = [("turbospec run", eng), ("turbospec serve", stack.enter_context(server(ts_cmd, port_ts)))]
             if ll is not None:
                 ll_cmd = [a.llama_server, "-m", a.gguf, "--port", str(port_ll), "-c", "4096", "-np", "1",
                           "--no-webui", *ll] + (["-t", str(a.threads)] if a.threads else [])
-                ll_url = stack.enter_context(server(ll_cmd, port_ll))
-            client = httpx.Client()
-            for url in (ts_url, ll_url):  # warm-up, discarded
-                if url:
-                    stream(client, url, prompts[0], 16)
-            for rnd in range(a.rounds):
-                for i, p in enumerate(prompts):
-                    sides: list[tuple[str, str | None, str | list[int]]] = [
-                        ("turbospec run", None, p), ("turbospec serve", ts_url, p)]
-                    if ll_url:  # token ids: the GGUF's tokenizer need not split text as the checkpoint's does
-                        sides.append(("llama-server", ll_url, tok.encode(p, add_special=True)))
-                    for side, url, prompt in sides:
-                        r = eng.run(p) if url is None else stream(client, url, prompt, a.n)
+                sides_of[name].append(("llama-server", stack.enter_context(server(ll_cmd, port_ll))))
+        client = httpx.Client()
+        stack.callback(client.close)
+        for sides in sides_of.values():  # warm-up, discarded
+            for _, target in sides[1:]:
+                stream(client, str(target), prompts[0], 16)
+        for rnd in range(a.rounds):
+            for i, p in enumerate(prompts):
+                for name, sides in sides_of.items():
+                    for side, target in sides:
+                        if isinstance(target, EngineProcess):
+                            r = target.run(p)
+                        else:  # llama-server gets token ids: the GGUF's tokenizer need not split text as ours does
+                            prompt = tok.encode(p, add_special=True) if side == "llama-server" else p
+                            r = stream(client, target, prompt, a.n)
                         r.update(config=name, side=side, round=rnd, prompt=i)
                         rows.append(r)
                         print(f"{name:8s} {side:16s} round {rnd} prompt {i}: decode {r['decode_tps']:7.1f} t/s, "
                               f"ttft {r['ttft_ms']:6.1f} ms ({r['tokens']} tok)", flush=True)
-            client.close()
+                        time.sleep(0.05)  # the last process's idle threads stop spinning before the next one runs
     summary = []
-    print("\n| config | side | decode t/s (median) | vs run | vs llama-server | TTFT ms (median) | TTFT - run (ms) |")
-    print("|---|---|---|---|---|---|---|")
+    first = configs[0][0]
+    print(f"\n| config | side | decode t/s (median) | vs run | vs llama-server | vs llama-server {first} | "
+          "TTFT ms (median) | TTFT - run (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
 
     def paired(sel: list[dict], base: list[dict]) -> float:
         """The median over (round, prompt) pairs measured back to back of sel's decode t/s over base's."""
@@ -229,18 +236,20 @@ def main() -> int:
     for name, _ in configs:
         base = [r for r in rows if r["config"] == name and r["side"] == "turbospec run"]
         llama = [r for r in rows if r["config"] == name and r["side"] == "llama-server"]
+        llama_first = [r for r in rows if r["config"] == first and r["side"] == "llama-server"]
         for side in ("turbospec run", "turbospec serve", "llama-server"):
             sel = [r for r in rows if r["config"] == name and r["side"] == side]
             if not sel:
                 continue
-            ratio, vs_llama = paired(sel, base), paired(sel, llama)
+            ratio, vs_llama, vs_first = paired(sel, base), paired(sel, llama), paired(sel, llama_first)
             dttft = statistics.median(
                 s["ttft_ms"] - b["ttft_ms"] for s in sel for b in base
                 if (s["round"], s["prompt"]) == (b["round"], b["prompt"]))
             row = {"config": name, "side": side, "decode_tps": med(sel, "decode_tps"), "ratio_vs_run": ratio,
-                   "ratio_vs_llama_server": vs_llama, "ttft_ms": med(sel, "ttft_ms"), "ttft_minus_run_ms": dttft, "n": len(sel)}
+                   "ratio_vs_llama_server": vs_llama,
+                   f"ratio_vs_llama_server_{first}": vs_first, "ttft_ms": med(sel, "ttft_ms"), "ttft_minus_run_ms": dttft, "n": len(sel)}
             summary.append(row)
-            print(f"| {name} | {side} | {row['decode_tps']:.1f} | {ratio:.2f}x | {vs_llama:.2f}x | {row['ttft_ms']:.1f} | "
+            print(f"| {name} | {side} | {row['decode_tps']:.1f} | {ratio:.2f}x | {vs_llama:.2f}x | {vs_first:.2f}x | {row['ttft_ms']:.1f} | "
                   f"{dttft:+.1f} |")
     if a.json:
         meta = {"model": a.model, "n": a.n, "rounds": a.rounds, "categories": a.categories, "threads": a.threads,
