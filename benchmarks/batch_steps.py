@@ -5,7 +5,7 @@ one-at-a-time path) on the same model, in interleaved rounds.
     python benchmarks/batch_steps.py --model models/demo-qwen3 --dtype bfloat16 --json docs/results/batch_steps.json
 
 `--model` also takes a GGUF file (packed weights stay packed: e.g. the Q4_K_M file `engine_speed.py --weights q4_k_m`
-writes beside the model).
+writes beside the model), and hybrid models (Qwen3.5: a recurrent-state slot per sequence, no prefix cache).
 """
 
 from __future__ import annotations
@@ -27,13 +27,18 @@ from turbospec.config import EngineConfig  # noqa: E402
 from turbospec.engine.engine import Engine  # noqa: E402
 from turbospec.engine.scheduler import Scheduler  # noqa: E402
 from turbospec.kv.paged import pool_for  # noqa: E402
+from turbospec.model.hybrid import HybridModel  # noqa: E402
 from turbospec.model.registry import load_model  # noqa: E402
 from turbospec.sampling import SamplingParams  # noqa: E402
 
 
 def batched(model, s: int, prompt: int, gen: int, vocab: int, seed: int) -> float:
-    pool = pool_for(model, s * (prompt + gen + 256), None, None)
-    sch = Scheduler(model, pool, max_seqs=s, max_step_tokens=4096, ctx=prompt + gen + 256)
+    hybrid = isinstance(model, HybridModel)  # a recurrent-state slot per sequence, KV for its attention layers only
+    states = model.new_state_pool(s, 0, per_owner=0) if hybrid else None
+    pool = pool_for(model, s * (prompt + gen + 256), None, None,
+                    layers=model.num_attn_layers if hybrid else model.cfg.num_layers)
+    sch = Scheduler(model, pool, max_seqs=s, max_step_tokens=4096, ctx=prompt + gen + 256, prefix_cache=not hybrid,
+                    states=states)
     rnd = random.Random(seed)
     params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
     for _ in range(s):
