@@ -28,7 +28,7 @@ TS_BF16 inline void tile(const uint16_t* w, const uint16_t* x, int64_t in, int64
     for (int r = 0; r < NR; ++r) acc[q][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < full; i += 32) {
     const char* pp = pf + (i / 32) * pf_step;
-    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T1);
+    prefetch_l2(pp, pf_step);
     __m512bh wv[NO];
     for (int q = 0; q < NO; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * in + i);
     for (int r = 0; r < NR; ++r) {

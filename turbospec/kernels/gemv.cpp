@@ -54,6 +54,18 @@ inline void store8(at::BFloat16* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+// Software prefetch distance: while one block of 4 weight rows is multiplied, the block this many bytes ahead
+// is fetched (the hardware prefetcher alone leaves the 0.5-3 MB matrices of a decode step at ~60% of copy
+// bandwidth; see docs/speed.md).
+constexpr int64_t PREFETCH_BYTES = 6144;
+
+// Prefetch the n bytes at p (whole 64-byte lines) into L2, as every product kernel does ahead of its weight rows:
+// into L1 (_MM_HINT_T0) it stalled the products of several input rows on matrices streamed from memory (quant.cpp's
+// TS_RANGE; the bf16 real-size chain of products ran 3-5% faster at 1, 4 and 8 rows with L2).
+inline void prefetch_l2(const char* p, int64_t n) {
+  for (int64_t b = 0; b < n; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
 // 4 weight rows x 2 input rows per inner block: 8 independent accumulators.
 template <typename W>
 void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_t in, float* out0, float* out1,
@@ -64,7 +76,7 @@ void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_
   for (; i + 8 <= in; i += 8) {
     // prefetch this pass's share of a later row block, spread over the iterations (pf_step bytes each)
     const char* pp = pf + (i / 8) * pf_step;
-    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T1);
+    prefetch_l2(pp, pf_step);
     __m256 v0 = _mm256_loadu_ps(x0 + i);
     __m256 v1 = two ? _mm256_loadu_ps(x1 + i) : v0;
     for (int r = 0; r < 4; ++r) {
@@ -96,7 +108,7 @@ void block_4x4(const W* w, int64_t ldw, const float* x, int64_t in, float* out, 
   int64_t i = 0;
   for (; i + 8 <= in; i += 8) {
     const char* pp = pf + (i / 8) * pf_step;
-    for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pp + b, _MM_HINT_T1);
+    prefetch_l2(pp, pf_step);
     const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + in + i);
     const __m256 v2 = _mm256_loadu_ps(x + 2 * in + i), v3 = _mm256_loadu_ps(x + 3 * in + i);
     for (int r = 0; r < 4; ++r) {
@@ -136,13 +148,6 @@ void block_1x2(const W* w, const float* x0, const float* x1, int64_t in, float* 
   *out0 = s0;
   if (two) *out1 = s1;
 }
-
-// Software prefetch distance: while one block of 4 weight rows is multiplied, the block this many bytes ahead
-// is fetched (the hardware prefetcher alone leaves the 0.5-3 MB matrices of a decode step at ~60% of copy
-// bandwidth; see docs/speed.md). Every software prefetch goes into L2 (_MM_HINT_T1): into L1 it stalled the
-// products of several input rows on matrices streamed from memory (quant.cpp's TS_RANGE; bf16 real-size chain of
-// products 3-5% faster at 1, 4 and 8 rows in L2).
-constexpr int64_t PREFETCH_BYTES = 6144;
 
 template <typename W>
 void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t out) {

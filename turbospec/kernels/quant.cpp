@@ -632,7 +632,7 @@ __attribute__((always_inline)) inline void put_rows(const float* t, float* y, in
 // the input rows in pairs, the kernel inlined (one loop per format and target). Before each step the 4 rows about
 // 2 x PREFETCH_BYTES further on are prefetched: the hardware prefetcher alone left these kernels, which read 4
 // rows side by side, at 12-20 GB/s on matrices larger than the cache (a one-row AVX2 loop: 29-40 GB/s). Into L2
-// (_MM_HINT_T1), not L1: with 2 or more input rows a tile takes longer than its prefetch, and prefetches into L1
+// (prefetch_l2), not L1: with 2 or more input rows a tile takes longer than its prefetch, and prefetches into L1
 // stalled the loop (65536 x 2048 Q4_K, 4 input rows: 8.2-11.5 ms into L1, 5.1-5.3 ms into L2; 2 rows 3.3-4.4 vs
 // 3.0-3.1; Q4_0 the same; one row and matrices in the cache unchanged). Rows
 // longer than LONG_ROW bytes go one at a time for up to SINGLE input rows: streamed from memory, 4 such rows side
@@ -651,8 +651,7 @@ constexpr int64_t LONG_ROW = 1152;
     const bool single = m <= SINGLE && row_bytes > LONG_ROW;                                                   \
     for (; !single && o + 4 <= o1; o += 4) {                                                                   \
       if (o + ahead + 4 <= o1) {                                                                               \
-        const char* p = reinterpret_cast<const char*>(w + (o + ahead) * row_bytes);                            \
-        for (int64_t b = 0; b < tile; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);                              \
+        prefetch_l2(reinterpret_cast<const char*>(w + (o + ahead) * row_bytes), tile);                          \
       }                                                                                                        \
       TS_RANGE_STEP(KERNEL, 4)                                                                                 \
     }                                                                                                          \
