@@ -275,11 +275,9 @@ def test_bench_under_torchrun(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_server_cancel import _free_port
-
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(_free_port()), "-m", "turbospec.cli", "bench", "-m", str(BUNDLED), "-p", "8", "-n", "4",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        "-m", "turbospec.cli", "bench", "-m", str(BUNDLED), "-p", "8", "-n", "4",
                         "-r", "1", "--warmup", "0", "-t", "1", "--out", str(out), "-q"],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -301,14 +299,13 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     from tests.test_server_cancel import _free_port
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                             str(_free_port()), "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1",
-                             "--port", str(port)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                             "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1", "--port", str(port)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
         while True:
-            assert proc.poll() is None
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break

@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 from turbospec.errors import TurboSpecError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tensor_parallel(ranks: int, argv: list[str], threads: int | None) -> int | None:
@@ -33,8 +26,10 @@ def tensor_parallel(ranks: int, argv: list[str], threads: int | None) -> int | N
     if ranks == 1:
         return None
     per_rank = threads or max(1, (os.cpu_count() or 1) // ranks)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), "-m", "turbospec.cli", *argv]
+    # --standalone: torchrun binds its rendezvous store to a port of the system's choosing while it holds it (a port
+    # picked here and released could be taken before torchrun binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+           "turbospec.cli", *argv]
     if threads is None:
         cmd += ["-t", str(per_rank)]
     env = {**os.environ, "OMP_NUM_THREADS": str(per_rank)}
