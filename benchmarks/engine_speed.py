@@ -2,7 +2,9 @@
 
 Model: the random-weight Qwen3 benchmark shape (hidden 512, 8 layers, 8 heads, 2 KV heads, head_dim 64,
 vocab 32000, tied; 40.5M parameters), built locally by turbospec.demo. Greedy, 512-token prompt, 128 generated
-tokens, one warm-up round discarded, median of 5. Interleaved: every round runs each engine at each dtype once
+tokens, one warm-up round discarded, median of 5. Decode is measured at two depths, the same for every engine: after
+the 512-token prompt ("decode", positions 512-639: llama-bench's `tg128 @ d512`) and from a one-token prompt
+("decode_d0", positions 1-128: llama-bench's plain `tg128`, which starts from an empty cache). Interleaved: every round runs each engine at each dtype once
 (this machine's speed drifts by 30% within minutes, so engines measured minutes apart are not comparable), after
 measuring the machine's copy bandwidth (numpy, 256 MB); the weight bandwidth each engine achieves (weight bytes
 read per token x decode t/s) is divided by the copy bandwidth of its own round, median over rounds. The ratio to
@@ -10,7 +12,7 @@ llama.cpp is given both as the ratio of the medians and paired: each round's rat
 median over rounds.
 With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights are written as GGUF
 (benchmarks/to_gguf.py; f32 for float32, f16 for float16) and llama.cpp's pp512 / tg128 are measured in the same run
-(`-t` threads, `-r` reps; llama.cpp has no bf16 row here).
+(`-p 512 -n 128 -d 0,512`, `-t` threads; llama.cpp has no bf16 row here).
 Packed weight types (`--weights q8_0 q4_0 q4_k`): with `--llama-quantize PATH` the f32 GGUF is quantized by
 llama.cpp (`llama-quantize --pure`, every matrix in the type) and both engines run *that file* (turbospec keeps its
 blocks packed, activations in --weights-dtype); without it, turbospec quantizes the checkpoint at load (`--weights`).
@@ -61,9 +63,11 @@ class TurbospecRunner:
         self.ids = ids
         self.params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
 
-    def once(self) -> tuple[float, float]:
+    def once(self) -> dict[str, float]:
         self.eng.generate([self.ids], self.params)
-        return self.eng.last_stats.prefill_tps, self.eng.last_stats.decode_tps
+        res = {"prefill": self.eng.last_stats.prefill_tps, "decode": self.eng.last_stats.decode_tps}
+        self.eng.generate([self.ids[:1]], self.params)
+        return {**res, "decode_d0": self.eng.last_stats.decode_tps}
 
 
 class TransformersRunner:
@@ -74,7 +78,7 @@ class TransformersRunner:
         self.m = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
         self.x = torch.tensor([ids])
 
-    def once(self) -> tuple[float, float]:
+    def once(self) -> dict[str, float]:
         with torch.inference_mode():
             t0 = time.perf_counter()
             self.m.generate(self.x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
@@ -82,23 +86,29 @@ class TransformersRunner:
             self.m.generate(self.x, max_new_tokens=GEN, min_new_tokens=GEN, do_sample=False)
             t2 = time.perf_counter()
         prefill = t1 - t0
-        return PROMPT / prefill, (GEN - 1) / ((t2 - t1) - prefill)
+        return {"prefill": PROMPT / prefill, "decode": (GEN - 1) / ((t2 - t1) - prefill)}
 
 
 class LlamaCppRunner:
-    """llama-bench pp512 / tg128 (one repetition per call) on a GGUF of the same weights (f32 or f16)."""
+    """llama-bench pp512 and tg128 at depths 0 and 512 (one repetition per call) on a GGUF of the same weights."""
 
     def __init__(self, binary: str, path: Path, dtype: str, threads: int, gguf: Path | None = None):
         self.gguf = gguf or float_gguf(path, {"float32": "f32", "float16": "f16"}[dtype])
-        self.cmd = [binary, "-m", str(self.gguf), "-p", str(PROMPT), "-n", str(GEN), "-t", str(threads), "-r", "1",
-                    "-o", "json"]
+        self.cmd = [binary, "-m", str(self.gguf), "-p", str(PROMPT), "-n", str(GEN), "-d", f"0,{PROMPT}", "-t",
+                    str(threads), "-r", "1", "-o", "json"]
 
-    def once(self) -> tuple[float, float]:
+    def once(self) -> dict[str, float]:
         import subprocess
 
         out = subprocess.run(self.cmd, check=True, capture_output=True, text=True).stdout
-        res = {("prefill" if r.get("n_prompt") else "decode"): r["avg_ts"] for r in json.loads(out)}
-        return res["prefill"], res["decode"]
+        res = {}
+        for r in json.loads(out):
+            if r.get("n_prompt"):
+                if not r.get("n_depth"):  # (pp512 @ d512 is not used)
+                    res["prefill"] = r["avg_ts"]
+            else:
+                res["decode" if r.get("n_depth") else "decode_d0"] = r["avg_ts"]
+        return res
 
 
 def float_gguf(path: Path, wtype: str) -> Path:
@@ -129,10 +139,14 @@ def quantized_gguf(path: Path, wtype: str, quantize: str) -> Path:
     return out
 
 
-def _summary(samples: list[tuple[float, float]]) -> dict:
-    pre, dec = [s[0] for s in samples], [s[1] for s in samples]
-    return {"prefill_tps": statistics.median(pre), "decode_tps": statistics.median(dec), "decode_all": dec,
-            "prefill_all": pre}
+def _summary(samples: list[dict[str, float]]) -> dict:
+    """Per measure (prefill, decode, decode_d0): the median over rounds as `<measure>_tps` and every round's value
+    as `<measure>_all`."""
+    res: dict = {}
+    for k in samples[0]:
+        res[f"{k}_tps"] = statistics.median(s[k] for s in samples)
+        res[f"{k}_all"] = [s[k] for s in samples]
+    return res
 
 
 def main() -> None:
@@ -197,22 +211,23 @@ def main() -> None:
             lc["share_of_copy_bw"] = statistics.median(wb * d / 1e9 / b for d, b in zip(lc["decode_all"], bws))
             # each round's ratio (the two engines ran back to back), median over rounds: this machine's speed
             # changes by up to 4x between phases, which a ratio of medians mixes
-            for k in ("decode", "prefill"):
+            for k in ("decode", "decode_d0", "prefill"):
                 row[f"{k}_ratio_per_round"] = [t / ll for t, ll in zip(ts[f"{k}_all"], lc[f"{k}_all"])]
                 row[f"{k}_ratio_paired"] = statistics.median(row[f"{k}_ratio_per_round"])
         rows.append(row)
-        line = (f"{dtype:9s} turbospec decode {ts['decode_tps']:6.1f} t/s  prefill {ts['prefill_tps']:7.1f} t/s"
+        line = (f"{dtype:9s} turbospec decode {ts['decode_tps']:6.1f} t/s (depth 0: {ts['decode_d0_tps']:6.1f})  prefill {ts['prefill_tps']:7.1f} t/s"
                 f"  weights {row['weight_GBps']:5.1f} GB/s ({share:4.0%} of copy bw)")
         if hf:
             line += (f" | transformers decode {hf['decode_tps']:6.1f}  prefill {hf['prefill_tps']:7.1f}"
                      f" | ratio decode {ts['decode_tps'] / hf['decode_tps']:4.2f}x"
                      f" prefill {ts['prefill_tps'] / hf['prefill_tps']:4.2f}x")
         if lc:
-            line += (f" | llama.cpp decode {lc['decode_tps']:6.1f} ({lc['share_of_copy_bw']:4.0%})"
+            line += (f" | llama.cpp decode {lc['decode_tps']:6.1f} (depth 0: {lc['decode_d0_tps']:6.1f})"
                      f"  prefill {lc['prefill_tps']:7.1f}"
                      f" | turbospec/llama.cpp decode {ts['decode_tps'] / lc['decode_tps']:4.2f}x"
                      f" prefill {ts['prefill_tps'] / lc['prefill_tps']:4.2f}x"
                      f" (paired per round: decode {row['decode_ratio_paired']:4.2f}x"
+                     f" depth 0 {row['decode_d0_ratio_paired']:4.2f}x"
                      f" prefill {row['prefill_ratio_paired']:4.2f}x)")
         print(line, flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpu_count": torch.get_num_threads(),

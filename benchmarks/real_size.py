@@ -3,7 +3,8 @@ parameters with real hidden sizes (hidden 2048, intermediate 6144, 16 + 16 linea
 attention heads of 256, vocabulary 248,320, tied embeddings, one MTP layer; `--layers` of them, 24 by default),
 exported as a Q4_K GGUF file (`turbospec export-gguf --type q4_k`, byte-identical to `llama-quantize --pure
 Q4_K`), then run by turbospec and by llama.cpp's `llama-bench` on that same file, in interleaved rounds, each run
-in its own process: load time, peak RSS, decode (and prefill) t/s. Memory rows: the bf16 checkpoint loaded as
+in its own process: load time, peak RSS, decode (and prefill) t/s. Decode at the same depth in both engines: after
+the prompt (llama-bench `-d 0,PROMPT`: its tg at depth PROMPT, its pp at depth 0). Memory rows: the bf16 checkpoint loaded as
 bf16 and quantized at load (`--weights q8_0 / q4_k`): peak RSS of loading against the weight bytes.
 
     python benchmarks/real_size.py [--dir /tmp/real2b] [--layers 24] [--rounds 3] [--prompt 128] [--gen 32]
@@ -136,11 +137,18 @@ def turbospec(path: Path, dtype: str, weights: str, prompt: int, gen: int) -> di
 
 def llama_bench(binary: str, gguf: Path, prompt: int, gen: int) -> dict:
     t = time.perf_counter()
+    # decode at turbospec's depth (after the prompt: tg @ d<prompt>), prefill from an empty cache (pp @ d0)
     r = subprocess.run(["/usr/bin/time", "-f", "MAXRSS %M", binary, "-m", str(gguf), "-p", str(prompt), "-n",
-                        str(gen), "-t", "2", "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
+                        str(gen), "-d", f"0,{prompt}", "-t", "2", "-r", "1", "-o", "json"], check=True,
+                       capture_output=True, text=True)
     wall = time.perf_counter() - t
     rows = json.loads(r.stdout)
-    res = {("prefill_tps" if row.get("n_prompt") else "decode_tps"): row["avg_ts"] for row in rows}
+    res = {}
+    for row in rows:
+        if row.get("n_prompt") and not row.get("n_depth"):
+            res["prefill_tps"] = row["avg_ts"]
+        elif not row.get("n_prompt") and row.get("n_depth"):
+            res["decode_tps"] = row["avg_ts"]
     rss = next(int(line.split()[1]) * 1024 for line in r.stderr.splitlines() if line.startswith("MAXRSS"))
     return {**res, "peak_rss": rss, "wall_s": wall}
 
