@@ -2,11 +2,17 @@
 per run, the types interleaved within each round, the median of each round's ratio to f16 (issue #26 item 5's
 measurement). The benchmark shape (`models/demo-qwen3`, made if missing) in float16 by default. `--spec T` also
 runs every type with `--spec-type T` (rows `type+T`, their ratios still to plain f16), and with `--spec-adaptive`
-also with adaptive speculation (rows `type+T+adaptive`).
+also with adaptive speculation (rows `type+T+adaptive`). Every row also keeps the prefill t/s of the `--prompt`
+tokens read at that depth (so MTP on against off at the same depth). `--llama-bench PATH --gguf FILE` runs
+llama.cpp's `llama-bench` on a GGUF of the same weights in the same rounds, decode at the same depth
+(`-d DEPTH -n GEN`, flash attention on, KV types `--llama-types`; rows `llama.cpp:type`, their ratios to turbospec's
+f16), with its prefill of the same prompt at that depth (a second test, `-p PROMPT`, of the same run).
 
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
     python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
         --types f16 q8_0 tbq4_0 turbo3 --depths 0 2048 8192 --gen 128 --out docs/results/kv_bench_cli_mtp.json
+    python benchmarks/kv_bench_cli.py --types f16 q8_0 tbq4_0 turbo3 --depths 0 8192 32768 --prompt 512 \
+        --llama-bench <llama.cpp>/build/bin/llama-bench --gguf models/demo-qwen3/bench-f16.gguf
 """
 
 from __future__ import annotations
@@ -24,19 +30,32 @@ TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 
 
 def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec: str | None = None,
-          categories: str | None = None, adaptive: bool = False) -> tuple[float, float | None]:
-    """(decode t/s, draft acceptance rate or None) of one `turbospec bench` run (medians over `reps`
-    repetitions)."""
+          categories: str | None = None, adaptive: bool = False, prompt: int = 16) -> tuple[float, float | None, float]:
+    """(decode t/s, draft acceptance rate or None, prefill t/s of the prompt at the depth) of one `turbospec bench`
+    run (medians over `reps` repetitions)."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p", "16",
-               "-n", str(gen), "-r", str(reps), "-c", str(depth + gen + 64), "-ctk", kv, "-ctv", kv, "-q",
+        cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p",
+               str(prompt), "-n", str(gen), "-r", str(reps), "-c", str(depth + prompt + gen + 64), "-ctk", kv, "-ctv",
+               kv, "-q",
                "--out", out, *(["--spec-type", spec] if spec else []), *(["--spec-adaptive"] if spec and adaptive else []),
                *(["--categories", categories] if categories else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
         row = json.loads((Path(out) / "report.json").read_text())["rows"][0]
-        return row["decode_tps"], row.get("acc_rate")
+        return row["decode_tps"], row.get("acc_rate"), row["prefill_tps"]
+
+
+def llama_bench(binary: str, gguf: str, kv: str, depth: int, prompt: int, gen: int, reps: int,
+                threads: int) -> tuple[float, float]:
+    """(decode t/s, prefill t/s of `prompt` tokens) at `depth` from one `llama-bench` run (`reps` repetitions)."""
+    cmd = [binary, "-m", gguf, "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-ctk", kv, "-ctv", kv, "-fa", "on",
+           "-t", str(threads), "-r", str(reps), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    res = {("prefill" if t.get("n_prompt") else "decode"): t["avg_ts"] for t in json.loads(r.stdout)}
+    return res["decode"], res["prefill"]
 
 
 def main() -> int:
@@ -51,8 +70,15 @@ def main() -> int:
     ap.add_argument("--spec", default=None, help="also run each type with this --spec-type")
     ap.add_argument("--spec-adaptive", action="store_true", help="also run each type with --spec and --spec-adaptive")
     ap.add_argument("--categories", default=None, help="bench prompt category (default: bench's)")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens read at the depth (their prefill t/s)")
+    ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench (with --gguf)")
+    ap.add_argument("--gguf", default=None, help="GGUF file of the same weights for llama-bench")
+    ap.add_argument("--llama-types", nargs="*", default=["f16", "q8_0", "q4_0"])
+    ap.add_argument("--threads", type=int, default=2, help="llama-bench threads")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if bool(a.llama_bench) != bool(a.gguf):
+        ap.error("--llama-bench and --gguf go together")
     if not (ROOT / a.model / "config.json").exists():
         from turbospec.demo import make_demo_model
 
@@ -64,26 +90,36 @@ def main() -> int:
         runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if a.spec else [])
         runs += [(t, a.spec, True) for t in a.types] if a.spec and a.spec_adaptive else []
         names = [t if sp is None else f"{t}+{sp}" + ("+adaptive" if ad else "") for t, sp, ad in runs]
-        tps: dict[str, list[float]] = {n: [] for n in names}
-        acc: dict[str, list[float | None]] = {n: [] for n in names}
+        llama = [f"llama.cpp:{t}" for t in a.llama_types] if a.llama_bench else []
+        tps: dict[str, list[float]] = {n: [] for n in names + llama}
+        acc: dict[str, list[float | None]] = {n: [] for n in names + llama}
+        pre: dict[str, list[float]] = {n: [] for n in names + llama}
         for r in range(a.rounds):
             for name, (t, sp, ad) in zip(names, runs):
-                speed, rate = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories, ad)
+                speed, rate, pp = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories, ad, a.prompt)
                 tps[name].append(speed)
                 acc[name].append(rate)
+                pre[name].append(pp)
+            for name, t in zip(llama, a.llama_types):
+                speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, a.prompt, a.gen, a.reps, a.threads)
+                tps[name].append(speed)
+                acc[name].append(None)
+                pre[name].append(pp)
             print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f}" for t, v in tps.items()), flush=True)
-        for t in names:
+        for t in names + llama:
             ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
             rows.append({"type": t, "depth": depth, "decode_tps": statistics.median(tps[t]), "runs": tps[t],
-                         "ratio_vs_f16": statistics.median(ratios), "ratios": ratios, "acc_rate": acc[t]})
-    print(f"\n{'type':>16} {'depth':>6} {'t/s':>8} {'x f16':>6}")
+                         "ratio_vs_f16": statistics.median(ratios), "ratios": ratios, "acc_rate": acc[t],
+                         "prefill_tps": statistics.median(pre[t]), "prefill_runs": pre[t]})
+    print(f"\n{'type':>20} {'depth':>6} {'t/s':>8} {'x f16':>6} {'prefill':>8}")
     for row in rows:
-        print(f"{row['type']:>16} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}")
+        print(f"{row['type']:>20} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}"
+              f" {row['prefill_tps']:8.1f}")
     if a.out:
         meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
                 "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
-                "spec_adaptive": a.spec_adaptive,
-                "categories": a.categories}
+                "spec_adaptive": a.spec_adaptive, "categories": a.categories, "prompt": a.prompt,
+                "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench else None}
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
