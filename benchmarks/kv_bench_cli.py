@@ -5,8 +5,8 @@ runs every type with `--spec-type T` (rows `type+T`, their ratios still to plain
 also with adaptive speculation (rows `type+T+adaptive`). Every row also keeps the prefill t/s of the `--prompt`
 tokens read at that depth (so MTP on against off at the same depth). `--llama-bench PATH --gguf FILE` runs
 llama.cpp's `llama-bench` on a GGUF of the same weights in the same rounds, decode at the same depth
-(`-d DEPTH -n GEN`, flash attention on, KV types `--llama-types`; rows `llama.cpp:type`, their ratios to turbospec's
-f16), with its prefill of the same prompt at that depth (a second test, `-p PROMPT`, of the same run).
+(`-d DEPTH+PROMPT -n GEN`, flash attention on, KV types `--llama-types`; rows `llama.cpp:type`, their ratios to
+turbospec's f16), with its prefill of the same prompt at that depth (`-d DEPTH -p PROMPT`).
 
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
     python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
@@ -48,14 +48,18 @@ def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec
 
 def llama_bench(binary: str, gguf: str, kv: str, depth: int, prompt: int, gen: int, reps: int,
                 threads: int) -> tuple[float, float]:
-    """(decode t/s, prefill t/s of `prompt` tokens) at `depth` from one `llama-bench` run (`reps` repetitions)."""
-    cmd = [binary, "-m", gguf, "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-ctk", kv, "-ctv", kv, "-fa", "on",
-           "-t", str(threads), "-r", str(reps), "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-    res = {("prefill" if t.get("n_prompt") else "decode"): t["avg_ts"] for t in json.loads(r.stdout)}
-    return res["decode"], res["prefill"]
+    """(decode t/s, prefill t/s) as `turbospec bench -d DEPTH -p PROMPT` measures them: the prompt read at `depth`,
+    decode after it (at depth + prompt), from two `llama-bench` runs (`reps` repetitions each; llama-bench's `-d`
+    fills the cache before each test, and its generation test does not read the prompt first)."""
+    res = []
+    for p, n, d in ((prompt, 0, depth), (0, gen, depth + prompt)):
+        cmd = [binary, "-m", gguf, "-p", str(p), "-n", str(n), "-d", str(d), "-ctk", kv, "-ctv", kv, "-fa", "on",
+               "-t", str(threads), "-r", str(reps), "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        res.append(json.loads(r.stdout)[0]["avg_ts"])
+    return res[1], res[0]
 
 
 def main() -> int:
