@@ -2,12 +2,13 @@
 
 Model: the random-weight Qwen3 benchmark shape (hidden 512, 8 layers, 8 heads, 2 KV heads, head_dim 64,
 vocab 32000, tied; 40.5M parameters), built locally by turbospec.demo. Greedy, 512-token prompt, 128 generated
-tokens, one warm-up round discarded, median of 5. Decode is measured at two depths, the same for every engine: after
-the 512-token prompt ("decode", positions 512-639: llama-bench's `tg128 @ d512`) and from a one-token prompt
-("decode_d0", positions 1-128: llama-bench's plain `tg128`, which starts from an empty cache). Interleaved: every round runs each engine at each dtype once
-(this machine's speed drifts by 30% within minutes, so engines measured minutes apart are not comparable), after
-measuring the machine's copy bandwidth (numpy, 256 MB); the weight bandwidth each engine achieves (weight bytes
-read per token x decode t/s) is divided by the copy bandwidth of its own round, median over rounds. The ratio to
+tokens, one warm-up round discarded, median of 5. Decode is measured at two depths, the same for every
+engine: after the 512-token prompt ("decode", positions 512-639: llama-bench's `tg128 @ d512`) and from a one-token
+prompt ("decode_d0", positions 1-128: llama-bench's plain `tg128`, which starts from an empty cache).
+Interleaved: every round runs each engine at each dtype once (this machine's speed drifts by 30% within
+minutes, so engines measured minutes apart are not comparable), after measuring the machine's copy bandwidth
+(numpy, 256 MB); the weight bandwidth each engine achieves (weight bytes read per token x decode t/s) is divided
+by the copy bandwidth of its own round, median over rounds. The ratio to
 llama.cpp is given both as the ratio of the medians and paired: each round's ratio (the two engines back to back),
 median over rounds.
 With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights are written as GGUF
@@ -215,8 +216,8 @@ def main() -> None:
                 row[f"{k}_ratio_per_round"] = [t / ll for t, ll in zip(ts[f"{k}_all"], lc[f"{k}_all"])]
                 row[f"{k}_ratio_paired"] = statistics.median(row[f"{k}_ratio_per_round"])
         rows.append(row)
-        line = (f"{dtype:9s} turbospec decode {ts['decode_tps']:6.1f} t/s (depth 0: {ts['decode_d0_tps']:6.1f})  prefill {ts['prefill_tps']:7.1f} t/s"
-                f"  weights {row['weight_GBps']:5.1f} GB/s ({share:4.0%} of copy bw)")
+        line = (f"{dtype:9s} turbospec decode {ts['decode_tps']:6.1f} t/s (depth 0: {ts['decode_d0_tps']:6.1f})"
+                f"  prefill {ts['prefill_tps']:7.1f} t/s  weights {row['weight_GBps']:5.1f} GB/s ({share:4.0%} of copy bw)")
         if hf:
             line += (f" | transformers decode {hf['decode_tps']:6.1f}  prefill {hf['prefill_tps']:7.1f}"
                      f" | ratio decode {ts['decode_tps'] / hf['decode_tps']:4.2f}x"

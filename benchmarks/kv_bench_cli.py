@@ -36,9 +36,8 @@ def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p",
                str(prompt), "-n", str(gen), "-r", str(reps), "-c", str(depth + prompt + gen + 64), "-ctk", kv, "-ctv",
-               kv, "-q",
-               "--out", out, *(["--spec-type", spec] if spec else []), *(["--spec-adaptive"] if spec and adaptive else []),
-               *(["--categories", categories] if categories else [])]
+               kv, "-q", "--out", out, *(["--spec-type", spec] if spec else []),
+               *(["--spec-adaptive"] if spec and adaptive else []), *(["--categories", categories] if categories else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")

@@ -2,10 +2,11 @@
 parameters with real hidden sizes (hidden 2048, intermediate 6144, 16 + 16 linear-attention heads of 128, 8 / 2
 attention heads of 256, vocabulary 248,320, tied embeddings, one MTP layer; `--layers` of them, 24 by default),
 exported as a Q4_K GGUF file (`turbospec export-gguf --type q4_k`, byte-identical to `llama-quantize --pure
-Q4_K`), then run by turbospec and by llama.cpp's `llama-bench` on that same file, in interleaved rounds, each run
-in its own process: load time, peak RSS, decode (and prefill) t/s. Decode at the same depth in both engines: after
-the prompt (llama-bench `-d 0,PROMPT`: its tg at depth PROMPT, its pp at depth 0). Memory rows: the bf16 checkpoint loaded as
-bf16 and quantized at load (`--weights q8_0 / q4_k`): peak RSS of loading against the weight bytes.
+Q4_K`), then run by turbospec and by llama.cpp's `llama-bench` on that same file, in interleaved rounds, each
+run in its own process: load time, peak RSS, decode (and prefill) t/s. Decode at the same depth in both engines:
+after the prompt (llama-bench `-d 0,PROMPT`: its tg at depth PROMPT, its pp at depth 0). Memory rows: the bf16
+checkpoint loaded as bf16 and quantized at load (`--weights q8_0 / q4_k`): peak RSS of loading against the weight
+bytes.
 
     python benchmarks/real_size.py [--dir /tmp/real2b] [--layers 24] [--rounds 3] [--prompt 128] [--gen 32]
         [--llama-bench PATH] [--out docs/results/real_size_q4k.json]

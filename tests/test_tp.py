@@ -299,9 +299,10 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     from tests.test_server_cancel import _free_port
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                             "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1", "--port", str(port)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--standalone", "-m", "turbospec.cli", "serve", "-m", str(BUNDLED), "-t", "1",
+                             "--port", str(port)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
         while True:
