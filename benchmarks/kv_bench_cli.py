@@ -88,6 +88,10 @@ def main() -> int:
         make_demo_model(ROOT / a.model)
     if "f16" not in a.types:
         a.types = ["f16", *a.types]
+    meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
+            "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
+            "spec_adaptive": a.spec_adaptive, "categories": a.categories, "prompt": a.prompt,
+            "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench else None}
     rows = []
     for depth in a.depths:
         runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if a.spec else [])
@@ -108,22 +112,19 @@ def main() -> int:
                 tps[name].append(speed)
                 acc[name].append(None)
                 pre[name].append(pp)
-            print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f}" for t, v in tps.items()), flush=True)
+            print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f} (prefill {pre[t][-1]:.0f})"
+                                                         for t, v in tps.items()), flush=True)
         for t in names + llama:
             ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
             rows.append({"type": t, "depth": depth, "decode_tps": statistics.median(tps[t]), "runs": tps[t],
                          "ratio_vs_f16": statistics.median(ratios), "ratios": ratios, "acc_rate": acc[t],
                          "prefill_tps": statistics.median(pre[t]), "prefill_runs": pre[t]})
+        if a.out:  # after every depth: a long run stopped part-way keeps the depths it finished
+            Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"\n{'type':>20} {'depth':>6} {'t/s':>8} {'x f16':>6} {'prefill':>8}")
     for row in rows:
         print(f"{row['type']:>20} {row['depth']:>6} {row['decode_tps']:8.1f} {row['ratio_vs_f16']:6.2f}"
               f" {row['prefill_tps']:8.1f}")
-    if a.out:
-        meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
-                "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
-                "spec_adaptive": a.spec_adaptive, "categories": a.categories, "prompt": a.prompt,
-                "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench else None}
-        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
 
