@@ -6,7 +6,8 @@ also with adaptive speculation (rows `type+T+adaptive`). Every row also keeps th
 tokens read at that depth (so MTP on against off at the same depth). `--llama-bench PATH --gguf FILE` runs
 llama.cpp's `llama-bench` on a GGUF of the same weights in the same rounds, decode at the same depth
 (`-d DEPTH+PROMPT -n GEN`, flash attention on, KV types `--llama-types`; rows `llama.cpp:type`, their ratios to
-turbospec's f16), with its prefill of the same prompt at that depth (`-d DEPTH -p PROMPT`).
+turbospec's f16), with its prefill of a prompt as long at that depth (`-d DEPTH -p PROMPT`; with `--categories`
+the category prompt's length).
 
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
     python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
@@ -30,9 +31,10 @@ TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 
 
 def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec: str | None = None,
-          categories: str | None = None, adaptive: bool = False, prompt: int = 16) -> tuple[float, float | None, float]:
-    """(decode t/s, draft acceptance rate or None, prefill t/s of the prompt at the depth) of one `turbospec bench`
-    run (medians over `reps` repetitions)."""
+          categories: str | None = None, adaptive: bool = False,
+          prompt: int = 16) -> tuple[float, float | None, float, int]:
+    """(decode t/s, draft acceptance rate or None, prefill t/s of the prompt at the depth, prompt tokens) of one
+    `turbospec bench` run (medians over `reps` repetitions; with `categories` the prompt is that category's)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p",
                str(prompt), "-n", str(gen), "-r", str(reps), "-c", str(depth + prompt + gen + 64), "-ctk", kv, "-ctv",
@@ -42,7 +44,7 @@ def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec
         if r.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
         row = json.loads((Path(out) / "report.json").read_text())["rows"][0]
-        return row["decode_tps"], row.get("acc_rate"), row["prefill_tps"]
+        return row["decode_tps"], row.get("acc_rate"), row["prefill_tps"], row["n_prompt"]
 
 
 def llama_bench(binary: str, gguf: str, kv: str, depth: int, prompt: int, gen: int, reps: int,
@@ -102,13 +104,15 @@ def main() -> int:
         acc: dict[str, list[float | None]] = {n: [] for n in names + llama}
         pre: dict[str, list[float]] = {n: [] for n in names + llama}
         for r in range(a.rounds):
+            n_prompt = a.prompt
             for name, (t, sp, ad) in zip(names, runs):
-                speed, rate, pp = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories, ad, a.prompt)
+                speed, rate, pp, n_prompt = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories, ad,
+                                                  a.prompt)
                 tps[name].append(speed)
                 acc[name].append(rate)
                 pre[name].append(pp)
             for name, t in zip(llama, a.llama_types):
-                speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, a.prompt, a.gen, a.reps, a.threads)
+                speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, n_prompt, a.gen, a.reps, a.threads)
                 tps[name].append(speed)
                 acc[name].append(None)
                 pre[name].append(pp)
