@@ -101,15 +101,13 @@ class LlamaCppRunner:
     def once(self) -> dict[str, float]:
         import subprocess
 
-        out = subprocess.run(self.cmd, check=True, capture_output=True, text=True).stdout
-        res = {}
-        for r in json.loads(out):
-            if r.get("n_prompt"):
-                if not r.get("n_depth"):  # (pp512 @ d512 is not used)
-                    res["prefill"] = r["avg_ts"]
-            else:
-                res["decode" if r.get("n_depth") else "decode_d0"] = r["avg_ts"]
-        return res
+        speed = llama_bench_speeds(subprocess.run(self.cmd, check=True, capture_output=True, text=True).stdout)
+        return {"prefill": speed["pp", 0], "decode": speed["tg", PROMPT], "decode_d0": speed["tg", 0]}
+
+
+def llama_bench_speeds(stdout: str) -> dict[tuple[str, int], float]:
+    """`llama-bench -o json` output as {("pp" or "tg", depth): t/s} (also used by real_size.py)."""
+    return {("pp" if r.get("n_prompt") else "tg", r.get("n_depth", 0)): r["avg_ts"] for r in json.loads(stdout)}
 
 
 def float_gguf(path: Path, wtype: str) -> Path:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from engine_speed import llama_bench_speeds  # (this folder is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -143,15 +144,9 @@ def llama_bench(binary: str, gguf: Path, prompt: int, gen: int) -> dict:
                         str(gen), "-d", f"0,{prompt}", "-t", "2", "-r", "1", "-o", "json"], check=True,
                        capture_output=True, text=True)
     wall = time.perf_counter() - t
-    rows = json.loads(r.stdout)
-    res = {}
-    for row in rows:
-        if row.get("n_prompt") and not row.get("n_depth"):
-            res["prefill_tps"] = row["avg_ts"]
-        elif not row.get("n_prompt") and row.get("n_depth"):
-            res["decode_tps"] = row["avg_ts"]
+    speed = llama_bench_speeds(r.stdout)
     rss = next(int(line.split()[1]) * 1024 for line in r.stderr.splitlines() if line.startswith("MAXRSS"))
-    return {**res, "peak_rss": rss, "wall_s": wall}
+    return {"prefill_tps": speed["pp", 0], "decode_tps": speed["tg", prompt], "peak_rss": rss, "wall_s": wall}
 
 
 def fit_load_peak(path: Path, dtype: str, weights: str) -> int:
