@@ -254,7 +254,7 @@ void add_bias(const c10::optional<torch::Tensor>& b, float* y, int64_t m, int64_
 // rows hold bf16 values (a bf16 model's activations), so bf16 weights may use the bf16 dot-product path.
 void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, const float* x, float* y, int64_t m,
              bool x_bf16) {
-  const int64_t in = in_features(w), out = w.size(0);
+  const int64_t in = in_features(w), out = out_features(w);
   if (packed::is_packed(w))
     packed::product(w, x, y, m);
   else if (x_bf16 && m >= bf16_dot_rows && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
@@ -271,7 +271,7 @@ using Parts = std::vector<torch::Tensor>;
 
 int64_t out_rows(const Parts& ws) {
   int64_t n = 0;
-  for (const auto& w : ws) n += w.size(0);
+  for (const auto& w : ws) n += out_features(w);
   return n;
 }
 
@@ -291,7 +291,7 @@ void product(const Parts& ws, const c10::optional<torch::Tensor>& b, const float
   std::vector<float> t;
   int64_t off = 0;
   for (const auto& w : ws) {
-    const int64_t o = w.size(0);
+    const int64_t o = out_features(w);
     t.resize(m * o);
     product(w, c10::nullopt, x, t.data(), m, x_bf16);
     for (int64_t r = 0; r < m; ++r) std::copy(t.begin() + r * o, t.begin() + (r + 1) * o, y + r * out + off);
@@ -378,7 +378,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   TORCH_CHECK((w.dim() == 2 || packed::is_packed(w)) && w.is_contiguous(), "weight must be a contiguous 2-D or packed tensor");
   auto out_dtype = x.scalar_type();
   auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
-  const int64_t m = xs.size(0), in = xs.size(1), out = w.size(0);
+  const int64_t m = xs.size(0), in = xs.size(1), out = out_features(w);
   TORCH_CHECK(in_features(w) == in, "shape mismatch");
   auto y = torch::empty({m, out}, xs.options());
   product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m, out_dtype == torch::kBFloat16);
@@ -505,7 +505,7 @@ torch::Tensor norm_linear(torch::Tensor x, torch::Tensor norm_w, double eps, boo
 template <typename T>
 torch::Tensor mtp_in_t(const torch::Tensor& e, const torch::Tensor& ne, const torch::Tensor& h, const torch::Tensor& nh,
                        double eps, bool zc, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  const int64_t d = e.size(-1), m = e.numel() / d, out = w.size(0);
+  const int64_t d = e.size(-1), m = e.numel() / d, out = out_features(w);
   std::vector<float> ef = to_floats<T>(e), hf = to_floats<T>(h), xn(m * 2 * d), y(m * out);
   for (int64_t r = 0; r < m; ++r) {
     rms_row<T>(&ef[r * d], ne.data_ptr<T>(), &xn[r * 2 * d], d, static_cast<float>(eps), zc);
@@ -566,8 +566,8 @@ torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Ten
                       c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn, c10::optional<torch::Tensor> b_dn) {
   TORCH_CHECK(a.scalar_type() == x.scalar_type() && post_w.scalar_type() == x.scalar_type(), "dtype mismatch");
   TORCH_CHECK(w_o.is_contiguous() && w_gu.is_contiguous() && w_dn.is_contiguous(), "weights must be contiguous");
-  TORCH_CHECK(in_features(w_o) * x.size(0) == a.numel() && w_o.size(0) == x.size(-1), "o shape mismatch");
-  TORCH_CHECK(w_gu.size(0) == 2 * in_features(w_dn) && in_features(w_gu) == x.size(-1) && w_dn.size(0) == x.size(-1),
+  TORCH_CHECK(in_features(w_o) * x.size(0) == a.numel() && out_features(w_o) == x.size(-1), "o shape mismatch");
+  TORCH_CHECK(out_features(w_gu) == 2 * in_features(w_dn) && in_features(w_gu) == x.size(-1) && out_features(w_dn) == x.size(-1),
               "mlp shape mismatch");
   if (gate.has_value())
     TORCH_CHECK(gate->scalar_type() == x.scalar_type() && gate->stride(1) == 1 && gate->size(1) == in_features(w_o),
@@ -1151,6 +1151,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");
   m.def("packed_rows", &packed_rows, "rows ids of a packed table as float32");
+  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved Q4_K as Q4_K)");
+  m.def("q4k_interleave_", &q4k_interleave_, "Q4_K blocks rearranged in place into 8-row interleaved blocks");
+  m.def("q4k_interleaved_here", &q4k_interleaved_here, "whether this CPU multiplies interleaved Q4_K weights");
   m.def("moe_experts", &moe_experts, "the routed experts of a MoE layer for a few rows (packed weights)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");

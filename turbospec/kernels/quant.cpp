@@ -1,7 +1,8 @@
 // Packed ggml weight blocks (Q8_0, Q4_0, Q4_K) multiplied without unpacking the matrix (included by gemv.cpp).
 //
 // A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
-// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K). Products for few rows quantize
+// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 1152: Q4_K with 8 rows
+// interleaved, made from Q4_K at load on CPUs with AVX-512 VBMI, see `q4k_interleave_`). Products for few rows quantize
 // the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for Q4_K, as llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
 // depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
@@ -10,7 +11,7 @@
 
 namespace packed {
 
-enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K };
+enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K, Q4_KX8 };
 
 inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
 
@@ -20,12 +21,16 @@ inline Fmt fmt_of(const torch::Tensor& w) {
     case 18: return Fmt::Q4_0;
     case 144: return Fmt::Q4_K;
     case 210: return Fmt::Q6_K;
+    case 1152: return Fmt::Q4_KX8;
     default: TORCH_CHECK(false, "packed weight: unknown block size ", w.size(2));
   }
   return Fmt::Q8_0;
 }
 
-inline int64_t block_values(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q6_K ? 256 : 32; }
+inline int64_t block_values(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q6_K || f == Fmt::Q4_KX8 ? 256 : 32; }
+
+// Weight rows per row of the tensor: 8 for the interleaved Q4_K ([out / 8, blocks, 1152]), else 1.
+inline int64_t rows_per(Fmt f) { return f == Fmt::Q4_KX8 ? 8 : 1; }
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -54,6 +59,8 @@ struct QRow {
   std::vector<int8_t> qp;      // on AVX-512: q reordered as the nibbles unpack (q4_0_layout, q4_k_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
   std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (q8_0_layout)
+  std::vector<int8_t> ex;      // interleaved Q4_K: the inputs of each 4-byte weight lane (x8_layout)
+  std::vector<int16_t> bs;     // ... and the sub-block sums in the lanes of its mins
 };
 
 // The AVX-512 Q4_0 input layout of a quantized row (rows_q4_0_avx512), for whole groups of 8 blocks: per 4
@@ -449,6 +456,183 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
   }
 }
 
+// ---- Q4_K with 8 rows interleaved (block size 1152; `q4k_interleave_` makes it from Q4_K in place at load) ----
+// Block b of rows 8g..8g+7 is one 1152-byte block holding the 8 rows' Q4_K blocks b: bytes 0-15 the rows' d
+// (float16, row r at 2r), 16-31 their dmin, 32-95 one byte per (sub-block j, row r) at j * 8 + r: the 6-bit scale
+// | the top 2 bits of the 6-bit min << 6, 96-127 the mins' low 4 bits (index j * 8 + r: byte index % 32, the low
+// nibble for indices below 32), then 16 vectors of 64 bytes: vector 4k + q, 4-byte lane L = row L % 8's bytes
+// 32k + 8q + 4(L / 8) .. +3 of its 128 nibble bytes (low nibbles: values of sub-block 2k, high: sub-block 2k + 1).
+// Every 32-bit lane belongs to one row, so one vpdpbusd against inputs laid out per lane (x8_layout) sums 4 values
+// of 8 rows x 2 places, a sub-block's 8 scales multiply 8 rows at once (one byte permute builds them), and a block's
+// float scaling is one multiply-add for 8 rows: no per-row scale decoding or shuffles (against rows_q4k_avx512,
+// 1.4-1.9x on one input row; llama.cpp's repack interleaves 8 Q4_K rows too, in a layout of its own). The bytes
+// are the Q4_K blocks' rearranged: the same size, and `q4k_block` gives each row's block back exactly.
+
+// Row r's Q4_K block (144 bytes) from the interleaved block at p.
+inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
+  std::memcpy(blk, p + 2 * r, 2);
+  std::memcpy(blk + 2, p + 16 + 2 * r, 2);
+  int sc[8], m[8];
+  for (int j = 0; j < 8; ++j) {
+    const int i = j * 8 + r, b = p[32 + i];
+    sc[j] = b & 63;
+    m[j] = ((p[96 + (i & 31)] >> (i < 32 ? 0 : 4)) & 15) | ((b >> 6) << 4);
+  }
+  uint8_t* s = blk + 4;  // the inverse of scale_min
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>((m[j] & 63) | ((m[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+  }
+  for (int k = 0; k < 4; ++k)
+    for (int q = 0; q < 4; ++q)
+      for (int h = 0; h < 2; ++h) std::memcpy(blk + 16 + 32 * k + 8 * q + 4 * h, p + 128 + 64 * (4 * k + q) + 4 * (h * 8 + r), 4);
+}
+
+// The interleaved block at p from the 8 rows' Q4_K blocks blk[r] (144 bytes each).
+inline void x8_block(const uint8_t* const* blk, uint8_t* p) {
+  std::memset(p + 96, 0, 32);
+  for (int r = 0; r < 8; ++r) {
+    std::memcpy(p + 2 * r, blk[r], 2);
+    std::memcpy(p + 16 + 2 * r, blk[r] + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min(blk[r] + 4, j, sc, m);
+      const int i = j * 8 + r;
+      p[32 + i] = static_cast<uint8_t>(sc | ((m >> 4) << 6));
+      p[96 + (i & 31)] |= static_cast<uint8_t>((m & 15) << (i < 32 ? 0 : 4));
+    }
+    for (int k = 0; k < 4; ++k)
+      for (int q = 0; q < 4; ++q)
+        for (int h = 0; h < 2; ++h) std::memcpy(p + 128 + 64 * (4 * k + q) + 4 * (h * 8 + r), blk[r] + 16 + 32 * k + 8 * q + 4 * h, 4);
+  }
+}
+
+// The byte permutes of rows_q4kx8: sc[j] puts sub-block j's 8 scales in the low bytes of the 16 lanes (lane L: row
+// L % 8), mn[z] the mins of sub-blocks 4z..4z+3 as int16 pairs (lane D: row D % 8, sub-blocks 2p, 2p + 1 for
+// p = 2z + D / 8), against the pairs of sub-block sums in x8_layout's bs.
+struct X8Perm {
+  alignas(64) int8_t sc[8][64];
+  alignas(64) int8_t mn[2][64];
+};
+
+inline const X8Perm& x8_perm() {
+  static const X8Perm t = [] {
+    X8Perm t{};
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 64; ++i) t.sc[j][i] = static_cast<int8_t>(j * 8 + (i / 4) % 8);
+    for (int z = 0; z < 2; ++z)
+      for (int d = 0; d < 16; ++d) {
+        const int r = d % 8, p = 2 * z + d / 8;
+        t.mn[z][4 * d] = static_cast<int8_t>(2 * p * 8 + r);
+        t.mn[z][4 * d + 2] = static_cast<int8_t>((2 * p + 1) * 8 + r);
+      }
+    return t;
+  }();
+  return t;
+}
+
+// The interleaved kernel's input layout: per block, for vector 4k + q and nibble half n (0: low, 1: high), 64
+// bytes whose lanes 0-7 hold inputs 64k + 32n + 8q .. +3 and lanes 8-15 the next 4 (x8_block's lanes), and per
+// block the sub-block sums as int16 pairs in the mins' lanes (x8_perm().mn).
+TS_VBMI inline void x8_layout(QRow& r, int64_t in) {
+  const int64_t nb = in / 256;
+  r.ex.resize(nb * 2048);
+  r.bs.resize(nb * 64);
+  alignas(64) int32_t idx[8][16];
+  for (int n = 0; n < 2; ++n)
+    for (int q = 0; q < 4; ++q)
+      for (int l = 0; l < 16; ++l) idx[4 * n + q][l] = 8 * n + 2 * q + l / 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = _mm512_loadu_si512(&r.q[b * 256 + 64 * k]);
+      for (int q = 0; q < 4; ++q)
+        for (int n = 0; n < 2; ++n)
+          _mm512_storeu_si512(&r.ex[b * 2048 + 128 * (4 * k + q) + 64 * n],
+                              _mm512_permutexvar_epi32(_mm512_load_si512(idx[4 * n + q]), v));
+    }
+    const int16_t* s = &r.sum16[b * 8];
+    for (int z = 0; z < 2; ++z)
+      for (int d = 0; d < 16; ++d) {
+        const int p = 2 * z + d / 8;
+        r.bs[b * 64 + z * 32 + 2 * d] = s[2 * p];
+        r.bs[b * 64 + z * 32 + 2 * d + 1] = s[2 * p + 1];
+      }
+  }
+}
+
+// out[j * 8 + r] = row r of the 8 interleaved rows at w (nb blocks) . input row x[j], j < NX. Sub-block sums of one
+// vpdpbusd lane stay below 2^15 (4 x 4 products of a nibble and |q| <= 127), so the scales apply by vpdpwssd.
+// Every row's arithmetic is the same whatever NX is: a row's result does not depend on the rows beside it.
+constexpr int64_t X8_AHEAD = 16384;  // prefetch distance (bytes) on the weights' stream
+template <int NX>
+TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
+  const X8Perm& P = x8_perm();
+  const __m512i low = _mm512_set1_epi8(15), m3f = _mm512_set1_epi8(0x3f), m30 = _mm512_set1_epi8(0x30);
+  __m512 acc[NX], accm[NX];
+  for (int j = 0; j < NX; ++j) acc[j] = accm[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = w + b * 1152;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1152);
+    const __m512i scb = _mm512_loadu_si512(o + 32);
+    const __m512i sc = _mm512_and_si512(scb, m3f);
+    const __m256i ml = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 96));
+    const __m512i mn = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(ml, _mm256_set1_epi8(15))),
+                                          _mm256_and_si256(_mm256_srli_epi16(ml, 4), _mm256_set1_epi8(15)), 1);
+    const __m512i mins = _mm512_or_si512(mn, _mm512_and_si512(_mm512_srli_epi16(scb, 2), m30));
+    const __m512i m0 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(P.mn[0]), mins);
+    const __m512i m1 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(P.mn[1]), mins);
+    const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
+    const __m512 dm = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16))));
+    __m512i bi[NX];
+    for (int j = 0; j < NX; ++j) bi[j] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      const __m512i s0 = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(P.sc[2 * k]), sc);
+      const __m512i s1 = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(P.sc[2 * k + 1]), sc);
+      __m512i sl[NX], sh[NX];
+      for (int j = 0; j < NX; ++j) sl[j] = sh[j] = _mm512_setzero_si512();
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(o + 128 + 64 * (4 * k + q));
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int j = 0; j < NX; ++j) {
+          const int8_t* e = &x[j]->ex[b * 2048 + 128 * (4 * k + q)];
+          sl[j] = _mm512_dpbusd_epi32(sl[j], lo, _mm512_loadu_si512(e));
+          sh[j] = _mm512_dpbusd_epi32(sh[j], hi, _mm512_loadu_si512(e + 64));
+        }
+      }
+      for (int j = 0; j < NX; ++j) bi[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(bi[j], sl[j], s0), sh[j], s1);
+    }
+    for (int j = 0; j < NX; ++j) {
+      const __m512 xd = _mm512_set1_ps(x[j]->d[b]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bi[j]), _mm512_mul_ps(d, xd), acc[j]);
+      const int16_t* bs = &x[j]->bs[b * 64];
+      const __m512i mi = _mm512_dpwssd_epi32(_mm512_madd_epi16(m0, _mm512_loadu_si512(bs)), m1, _mm512_loadu_si512(bs + 32));
+      accm[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi), _mm512_mul_ps(dm, xd), accm[j]);
+    }
+  }
+  for (int j = 0; j < NX; ++j) {
+    const __m512 t = _mm512_sub_ps(acc[j], accm[j]);
+    _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm512_castps512_ps256(t),
+                                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))));
+  }
+}
+
+// y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m, the inputs in pairs.
+TS_VBMI void range_q4kx8(const uint8_t* w, int64_t nb, const QRow* const* x, int64_t m, int64_t g0, int64_t g1,
+                         float* y, int64_t out) {
+  alignas(32) float t[16];
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * nb * 1152;
+    for (int64_t j = 0; j < m; j += 2) {
+      const int nx = j + 1 < m ? 2 : 1;
+      if (nx == 2) rows_q4kx8_avx512<2>(wg, nb, x + j, t);
+      else rows_q4kx8_avx512<1>(wg, nb, x + j, t);
+      for (int k = 0; k < nx; ++k)
+        for (int r = 0; r < 8; ++r) y[(j + k) * out + 8 * g + r] = t[8 * k + r];
+    }
+  }
+}
+
 // Q6_K with AVX-512 (BW + VNNI): per 128-value half, one 64-byte load of the low nibbles (values 0..63 in its low
 // nibbles, 64..127 in its high ones) and the 32 bytes of high bits in both 256-bit lanes (shifted by 0 / 2, or 4 /
 // 6, per lane: the two quarters each vector holds); 64 values per multiply, the 16-value scales applied by int16
@@ -681,10 +865,12 @@ inline bool use_vbmi() {
 // x (in values) quantized for products with format f's weights on this CPU: quantize_row, plus the AVX-512
 // kernels' input layouts.
 inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
+  TORCH_CHECK(f != Fmt::Q4_KX8 || use_vbmi(), "interleaved Q4_K weights need AVX-512 VBMI");
   quantize_row(x, in, block_values(f), r);
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
+  if (f == Fmt::Q4_KX8) x8_layout(r, in);
 }
 
 // fn(integral_constant<Fmt, f>): a packed format as a compile-time value.
@@ -695,6 +881,7 @@ inline void by_fmt(Fmt f, Fn&& fn) {
     case Fmt::Q4_0: fn(std::integral_constant<Fmt, Fmt::Q4_0>{}); break;
     case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
     case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
+    case Fmt::Q4_KX8: TORCH_CHECK(false, "interleaved Q4_K weights multiply through product() only");
   }
 }
 
@@ -803,11 +990,18 @@ void moe_experts(const float* x, int64_t m, int64_t hidden, const std::vector<to
 
 void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
   const Fmt f = fmt_of(w);
-  const int64_t nb = w.size(1), out = w.size(0), qk = block_values(f), in = nb * qk, row_bytes = nb * w.size(2);
+  const int64_t nb = w.size(1), out = w.size(0) * rows_per(f), qk = block_values(f), in = nb * qk,
+                row_bytes = nb * w.size(2);
   thread_local std::vector<QRow> xq;  // reused: no allocation per product once warm
   if (static_cast<int64_t>(xq.size()) < m) xq.resize(m);
   for (int64_t r = 0; r < m; ++r) prepare_row(x + r * in, in, f, xq[r]);
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (f == Fmt::Q4_KX8) {  // groups of 8 rows per thread range
+    std::vector<const QRow*> xs(m);
+    for (int64_t r = 0; r < m; ++r) xs[r] = &xq[r];
+    at::parallel_for(0, w.size(0), 8, [&](int64_t g0, int64_t g1) { range_q4kx8(wp, nb, xs.data(), m, g0, g1, y, out); });
+    return;
+  }
   by_fmt(f, [&](auto fc) { run<decltype(fc)::value>(wp, nb, row_bytes, xq, y, m, out); });
 }
 
@@ -819,10 +1013,15 @@ void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y) {
   const int64_t nb = w.size(1), bb = w.size(2), in = nb * block_values(f);
   const uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t e) {
+    alignas(64) uint8_t blk[144];
     for (int64_t r = a; r < e; ++r) {
-      const uint8_t* p = base + r * nb * bb;
       float* yr = y + (r - r0) * in;
-      for (int64_t b = 0; b < nb; ++b, p += bb) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = base + (r * nb + b) * bb;
+        if (f == Fmt::Q4_KX8) {  // row r % 8's Q4_K block, then as Q4_K
+          q4k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
+          p = blk;
+        }
         if (f == Fmt::Q8_0) {
           const __m256 d = _mm256_set1_ps(f16(p));
           for (int i = 0; i < 32; i += 8) {
@@ -887,8 +1086,13 @@ inline int64_t in_features(const torch::Tensor& w) {
   return packed::is_packed(w) ? w.size(1) * packed::block_values(packed::fmt_of(w)) : w.size(1);
 }
 
+// Rows of a weight (output features): its first size, times 8 for the interleaved Q4_K.
+inline int64_t out_features(const torch::Tensor& w) {
+  return packed::is_packed(w) ? w.size(0) * packed::rows_per(packed::fmt_of(w)) : w.size(0);
+}
+
 torch::Tensor dequantize_packed(torch::Tensor w, int64_t r0, int64_t r1) {
-  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && 0 <= r0 && r0 <= r1 && r1 <= w.size(0), "bad packed weight");
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && 0 <= r0 && r0 <= r1 && r1 <= out_features(w), "bad packed weight");
   auto y = torch::empty({r1 - r0, in_features(w)}, torch::kFloat);
   packed::dequantize_rows(w, r0, r1, y.data_ptr<float>());
   return y;
@@ -900,7 +1104,7 @@ torch::Tensor dequantize_packed(torch::Tensor w, int64_t r0, int64_t r1) {
 // below the int8 rounding of the inputs in decode).
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t skinny) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
-  const int64_t in = in_features(w), out = w.size(0);
+  const int64_t in = in_features(w), out = out_features(w);
   TORCH_CHECK(x.size(-1) == in, "shape mismatch");
   auto shape = x.sizes().vec();
   shape.back() = out;
@@ -958,11 +1162,56 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
   auto y = torch::empty({n, in}, torch::kFloat);
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(0 <= ip[i] && ip[i] < w.size(0), "index out of range");
+    TORCH_CHECK(0 <= ip[i] && ip[i] < out_features(w), "index out of range");
     packed::dequantize_rows(w, ip[i], ip[i] + 1, y.data_ptr<float>() + i * in);
   }
   return y;
 }
+
+// Q4_K weights [out, blocks, 144] rearranged in place into 8-row interleaved blocks (packed::x8_block), returned as
+// the [out / 8, blocks, 1152] view of the same memory. The caller owns the memory (nothing else reads it as Q4_K).
+torch::Tensor q4k_interleave_(torch::Tensor w) {
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(2) == 144 && w.size(0) % 8 == 0,
+              "q4k_interleave_: contiguous Q4_K blocks with rows in whole groups of 8");
+  TORCH_CHECK(packed::use_vbmi(), "interleaved Q4_K weights need AVX-512 VBMI");
+  const int64_t groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * 144;
+  uint8_t* base = w.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> tmp(bytes);
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* p = base + g * bytes;
+      std::memcpy(tmp.data(), p, bytes);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk[8];
+        for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + b) * 144;
+        packed::x8_block(blk, p + b * 1152);
+      }
+    }
+  });
+  return w.view({groups, nb, 1152});
+}
+
+// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved Q4_K's rows as Q4_K blocks
+// (packed::q4k_block), any other format's rows as they are.
+torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
+  auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
+  if (packed::fmt_of(w) != packed::Fmt::Q4_KX8) return w.index_select(0, idc);
+  const int64_t n = idc.size(0), nb = w.size(1);
+  auto y = torch::empty({n, nb, 144}, torch::kByte);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  uint8_t* yp = y.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= ip[i] && ip[i] < out_features(w), "index out of range");
+    for (int64_t b = 0; b < nb; ++b)
+      packed::q4k_block(base + ((ip[i] / 8) * nb + b) * 1152, static_cast<int>(ip[i] % 8), yp + (i * nb + b) * 144);
+  }
+  return y;
+}
+
+// Whether this CPU multiplies interleaved Q4_K weights (AVX-512 with VNNI and VBMI, TURBOSPEC_NO_AVX512 unset).
+bool q4k_interleaved_here() { return packed::use_vbmi(); }
 
 // ---- Quantization of float rows into ggml blocks, as llama.cpp's reference quantizers (quantize_row_*_ref):
 // the same weights give the same bytes. Every step is written out (no fused multiply-add), as the C reference.

@@ -17,7 +17,7 @@ from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import packed
 from turbospec.kernels.gemv import load_kernel
-from turbospec.weights import format_of, in_features, is_packed, release
+from turbospec.weights import format_of, ggml_blocks, in_features, interleave, is_packed, out_features, release
 
 # env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
 # than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
@@ -125,16 +125,20 @@ class Linear:
         live as long as any tensor in them (the model's weights)."""
         self.kernel = load_kernel()
         self.weight = weight.contiguous()
+        copied = False
         if (hugepages and self.kernel is not None and env.HUGEPAGES and self.weight.device.type == "cpu"
                 and not self.weight.requires_grad and not self.kernel.in_arena(self.weight)):
-            self.weight = self.kernel.hugepage_copy(self.weight)
+            self.weight, copied = self.kernel.hugepage_copy(self.weight), True
+        if hugepages:  # the model's weights: a Q4_K matrix interleaved for this CPU's kernel
+            self.weight = interleave(self.weight, owned=copied)
         self.bias = bias
-        self.out_features, self.in_features = self.weight.shape[0], in_features(self.weight)
+        self.out_features, self.in_features = out_features(self.weight), in_features(self.weight)
         self.packed = is_packed(self.weight)
 
     def take(self, rows: torch.Tensor) -> Linear:
         """The layer over output rows `rows` alone (in ordinary memory: it may be rebuilt often)."""
-        return Linear(self.weight[rows], None if self.bias is None else self.bias[rows], hugepages=False)
+        w = ggml_blocks(self.weight, rows) if self.packed else self.weight[rows]
+        return Linear(w, None if self.bias is None else self.bias[rows], hugepages=False)
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
