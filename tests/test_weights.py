@@ -132,6 +132,56 @@ def test_avx2_and_avx512_paths_agree():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
+x8 = pytest.mark.skipif(load_kernel() is None or not load_kernel().interleaved_here(),
+                        reason="interleaved Q4_0 / Q4_K need AVX-512 VBMI")
+
+
+@x8
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt):
+    """`Linear` rearranges a Q4_0 / Q4_K matrix into 8-row interleaved blocks (the same bytes in another order):
+    every row comes back as its ggml blocks, and dequantizes and looks up bit for bit as before; the caller's
+    tensor is untouched, and matrices whose rows (or Q4_0's columns, in 128s) do not fit stay as they are."""
+    p = W.quantize(matrix(72, 1024), fmt)
+    before = p.clone()
+    lin = Linear(p)
+    assert torch.equal(p, before)
+    x8 = W.INTERLEAVED[W.PACKED[fmt]]
+    assert W.format_of(lin.weight) is x8 and tuple(lin.weight.shape) == (9, 1024 // x8.block_values, x8.block_bytes)
+    assert (lin.out_features, lin.in_features) == (72, 1024) and lin.nbytes == p.numel()
+    assert torch.equal(W.ggml_blocks(lin.weight), p)
+    ids = torch.tensor([71, 0, 8, 13, 13])
+    assert torch.equal(W.ggml_blocks(lin.weight, ids), p[ids])
+    assert torch.equal(W.dequantize(lin.weight), W.dequantize(p))
+    assert torch.equal(W.dequantize(lin.weight, slice(5, 17)), W.dequantize(p, slice(5, 17)))
+    assert torch.equal(W.rows_of(lin.weight, ids, torch.float32), W.dequantize(p)[ids])
+    assert torch.equal(lin.take(ids).weight, p[ids])
+    assert W.format_of(Linear(W.quantize(matrix(68, 512), fmt)).weight).name == fmt
+    if fmt == "q4_0":
+        assert W.format_of(Linear(W.quantize(matrix(72, 96), fmt)).weight).name == fmt
+
+
+@x8
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+def test_interleaved_products_equal_the_one_row_kernels(fmt):
+    """The same int8 sums as the kernels over the file's layout, added in float32 in another order; a row's result
+    does not depend on its batch or on the rows beside it; above the skinny limit both take the same dequantized
+    tiles (equal bits)."""
+    k = load_kernel()
+    p = W.quantize(matrix(72, 1024), fmt)
+    w8 = Linear(p).weight
+    x = torch.randn(20, 1024, generator=torch.Generator().manual_seed(4))
+    b = torch.randn(72)
+    for m in (1, 2, 3, 16):
+        y, want = k.packed_linear(x[:m], w8, b, 16), k.packed_linear(x[:m], p, b, 16)
+        assert float((y - want).norm() / want.norm()) < 1e-6, m
+    assert torch.equal(k.packed_linear(x, w8, b, 16), k.packed_linear(x, p, b, 16))
+    solo = torch.cat([k.packed_linear(x[i:i + 1], w8, b, 16) for i in range(16)])
+    assert torch.equal(k.packed_linear(x[:16], w8, b, 16), solo)
+    part = Linear(W.quantize(matrix(72, 1024), fmt)[16:48].contiguous()).weight  # groups 2-5 alone
+    assert torch.equal(k.packed_linear(x[:3], part, None, 16), k.packed_linear(x[:3], w8, None, 16)[:, 16:48])
+
+
 def test_linear_and_embedding_rows():
     w = matrix(64, 256)
     p = W.quantize(w, "q4_k")
@@ -269,13 +319,14 @@ def test_gguf_blocks_load_packed_as_the_files_bytes(tmp_path, kind):
     export_gguf(path, out, kind)
     from_file, at_load = load_model(out, "float32"), load_model(path, "float32", kind)
     qkv = from_file.layers[0].attn.qkv
-    assert qkv.packed and W.format_of(qkv.weight).name == kind
+    assert qkv.packed and W.format_of(W.ggml_blocks(qkv.weight)).name == kind  # (interleaved where the CPU can)
     for a, b in ((from_file.layers[0].mlp.down, at_load.layers[0].mlp.down),
                  (from_file.layers[1].attn.qkv, at_load.layers[1].attn.qkv)):
         assert torch.equal(a.weight, b.weight)
     f = gguf.GGUFReader(str(out))
     raw = next(t for t in f.tensors if t.name == "blk.0.ffn_down.weight")
-    assert np.array_equal(from_file.layers[0].mlp.down.weight.numpy().reshape(raw.data.shape), raw.data)
+    down = W.ggml_blocks(from_file.layers[0].mlp.down.weight)
+    assert np.array_equal(down.numpy().reshape(raw.data.shape), raw.data)
     ids = list(range(3, 30))
     assert greedy(from_file, ids, 12) == greedy(at_load, ids, 12)
 

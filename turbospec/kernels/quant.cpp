@@ -1,8 +1,8 @@
 // Packed ggml weight blocks (Q8_0, Q4_0, Q4_K) multiplied without unpacking the matrix (included by gemv.cpp).
 //
 // A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
-// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 1152: Q4_K with 8 rows
-// interleaved, made from Q4_K at load on CPUs with AVX-512 VBMI, see `q4k_interleave_`). Products for few rows quantize
+// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 576 / 1152: Q4_0 / Q4_K
+// with 8 rows interleaved, made at load on CPUs with AVX-512 VBMI, see `interleave_`). Products for few rows quantize
 // the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for Q4_K, as llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
 // depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
@@ -11,7 +11,7 @@
 
 namespace packed {
 
-enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K, Q4_KX8 };
+enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K, Q4_0X8, Q4_KX8 };
 
 inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
 
@@ -21,16 +21,21 @@ inline Fmt fmt_of(const torch::Tensor& w) {
     case 18: return Fmt::Q4_0;
     case 144: return Fmt::Q4_K;
     case 210: return Fmt::Q6_K;
+    case 576: return Fmt::Q4_0X8;
     case 1152: return Fmt::Q4_KX8;
     default: TORCH_CHECK(false, "packed weight: unknown block size ", w.size(2));
   }
   return Fmt::Q8_0;
 }
 
-inline int64_t block_values(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q6_K || f == Fmt::Q4_KX8 ? 256 : 32; }
+inline int64_t block_values(Fmt f) {
+  return f == Fmt::Q4_K || f == Fmt::Q6_K || f == Fmt::Q4_KX8 ? 256 : f == Fmt::Q4_0X8 ? 128 : 32;
+}
 
-// Weight rows per row of the tensor: 8 for the interleaved Q4_K ([out / 8, blocks, 1152]), else 1.
-inline int64_t rows_per(Fmt f) { return f == Fmt::Q4_KX8 ? 8 : 1; }
+inline bool interleaved(Fmt f) { return f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8; }
+
+// Weight rows per row of the tensor: 8 for the interleaved formats ([out / 8, blocks, bytes]), else 1.
+inline int64_t rows_per(Fmt f) { return interleaved(f) ? 8 : 1; }
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -59,8 +64,9 @@ struct QRow {
   std::vector<int8_t> qp;      // on AVX-512: q reordered as the nibbles unpack (q4_0_layout, q4_k_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
   std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (q8_0_layout)
-  std::vector<int8_t> ex;      // interleaved Q4_K: the inputs of each 4-byte weight lane (x8_layout)
-  std::vector<int16_t> bs;     // ... and the sub-block sums in the lanes of its mins
+  std::vector<int8_t> ex;      // interleaved Q4_0 / Q4_K: the inputs of each 4-byte weight lane (x8_layout)
+  std::vector<int16_t> bs;     // interleaved Q4_K: the sub-block sums in the lanes of its mins
+  std::vector<int32_t> off4;   // interleaved Q4_0: -4 x each block's input sum (x8_0_layout)
 };
 
 // The AVX-512 Q4_0 input layout of a quantized row (rows_q4_0_avx512), for whole groups of 8 blocks: per 4
@@ -456,7 +462,7 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
   }
 }
 
-// ---- Q4_K with 8 rows interleaved (block size 1152; `q4k_interleave_` makes it from Q4_K in place at load) ----
+// ---- Q4_K with 8 rows interleaved (block size 1152; `interleave_` makes it from Q4_K in place at load) ----
 // Block b of rows 8g..8g+7 is one 1152-byte block holding the 8 rows' Q4_K blocks b: bytes 0-15 the rows' d
 // (float16, row r at 2r), 16-31 their dmin, 32-95 one byte per (sub-block j, row r) at j * 8 + r: the 6-bit scale
 // | the top 2 bits of the 6-bit min << 6, 96-127 the mins' low 4 bits (index j * 8 + r: byte index % 32, the low
@@ -617,16 +623,102 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8
   }
 }
 
-// y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m, the inputs in pairs.
-TS_VBMI void range_q4kx8(const uint8_t* w, int64_t nb, const QRow* const* x, int64_t m, int64_t g0, int64_t g1,
-                         float* y, int64_t out) {
+// ---- Q4_0 with 8 rows interleaved (block size 576; `interleave_` makes it from Q4_0 in place at load) ----
+// Blocks 4c..4c+3 of rows 8g..8g+7 are one 576-byte block: bytes 0-63 the rows' d (block i, row r: float16 at
+// 16i + 2r), then 8 vectors of 64 bytes: vector 2i + q, 4-byte lane L = row L % 8's nibble bytes 8q + 4(L / 8) ..
+// +3 of block i (low nibbles: values 8q + 4(L / 8) + 0..3, high: the same + 16). As for Q4_K, one vpdpbusd sums 4
+// values of 8 rows x 2 places and one multiply-add scales a block for the 8 rows; each row's two lanes start from
+// -4 x the block's input sum (the weights' -8, x8_0_layout). Against the 8-blocks-per-row kernel
+// (rows_q4_0_avx512): 1.3-1.5x on one input row, one thread, matrices in the cache (scratch, not stored).
+
+// Row r's Q4_0 block i (18 bytes) from the interleaved block at p.
+inline void q40_block(const uint8_t* p, int i, int r, uint8_t* blk) {
+  std::memcpy(blk, p + 16 * i + 2 * r, 2);
+  for (int q = 0; q < 2; ++q)
+    for (int h = 0; h < 2; ++h) std::memcpy(blk + 2 + 8 * q + 4 * h, p + 64 + 64 * (2 * i + q) + 4 * (h * 8 + r), 4);
+}
+
+// The interleaved block at p from the 8 rows' 4 Q4_0 blocks, blk[r] (72 bytes each).
+inline void x8_0_block(const uint8_t* const* blk, uint8_t* p) {
+  for (int r = 0; r < 8; ++r)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* b = blk[r] + 18 * i;
+      std::memcpy(p + 16 * i + 2 * r, b, 2);
+      for (int q = 0; q < 2; ++q)
+        for (int h = 0; h < 2; ++h) std::memcpy(p + 64 + 64 * (2 * i + q) + 4 * (h * 8 + r), b + 2 + 8 * q + 4 * h, 4);
+    }
+}
+
+// The interleaved Q4_0 kernel's input layout: per 32-value block, for vector q and nibble half n, 64 bytes whose
+// lanes 0-7 hold inputs 16n + 8q .. +3 and lanes 8-15 the next 4; and -4 x the block's input sum.
+TS_VBMI inline void x8_0_layout(QRow& r, int64_t in) {
+  const int64_t nb = in / 32;
+  r.ex.resize(in * 8);
+  r.off4.resize(nb);
+  alignas(64) int32_t idx[4][16];
+  for (int n = 0; n < 2; ++n)
+    for (int q = 0; q < 2; ++q)
+      for (int l = 0; l < 16; ++l) idx[2 * q + n][l] = 4 * n + 2 * q + l / 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&r.q[b * 32])));
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_si512(&r.ex[b * 256 + 64 * k], _mm512_permutexvar_epi32(_mm512_load_si512(idx[k]), v));
+    r.off4[b] = -4 * r.sum32[b];
+  }
+}
+
+// out[j * 8 + r] = row r of the 8 interleaved Q4_0 rows at w (nc blocks of 4) . input row x[j], j < NX.
+template <int NX>
+TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[NX];
+  for (int j = 0; j < NX; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    const uint8_t* o = w + c * 576;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 576);
+    const __m512 d01 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
+    const __m512 d23 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512 dd = i < 2 ? d01 : d23;  // block i's 8 scales in both halves
+      const __m512 d = i % 2 == 0 ? _mm512_shuffle_f32x4(dd, dd, 0x44) : _mm512_shuffle_f32x4(dd, dd, 0xEE);
+      const int64_t b = 4 * c + i;
+      __m512i s[NX];
+      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32(x[j]->off4[b]);
+      for (int q = 0; q < 2; ++q) {
+        const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (2 * i + q));
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int j = 0; j < NX; ++j) {
+          const int8_t* e = &x[j]->ex[b * 256 + 128 * q];
+          s[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[j], lo, _mm512_loadu_si512(e)), hi, _mm512_loadu_si512(e + 64));
+        }
+      }
+      for (int j = 0; j < NX; ++j)
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, _mm512_set1_ps(x[j]->d[b])), acc[j]);
+    }
+  }
+  for (int j = 0; j < NX; ++j)
+    _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1))));
+}
+
+// y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
+// F, blocks of `bytes` per group), the inputs in pairs.
+template <Fmt F>
+TS_VBMI void range_x8(const uint8_t* w, int64_t nb, int64_t bytes, const QRow* const* x, int64_t m, int64_t g0,
+                      int64_t g1, float* y, int64_t out) {
   alignas(32) float t[16];
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * nb * 1152;
+    const uint8_t* wg = w + g * nb * bytes;
     for (int64_t j = 0; j < m; j += 2) {
       const int nx = j + 1 < m ? 2 : 1;
-      if (nx == 2) rows_q4kx8_avx512<2>(wg, nb, x + j, t);
-      else rows_q4kx8_avx512<1>(wg, nb, x + j, t);
+      if constexpr (F == Fmt::Q4_KX8) {
+        if (nx == 2) rows_q4kx8_avx512<2>(wg, nb, x + j, t);
+        else rows_q4kx8_avx512<1>(wg, nb, x + j, t);
+      } else {
+        if (nx == 2) rows_q40x8_avx512<2>(wg, nb, x + j, t);
+        else rows_q40x8_avx512<1>(wg, nb, x + j, t);
+      }
       for (int k = 0; k < nx; ++k)
         for (int r = 0; r < 8; ++r) y[(j + k) * out + 8 * g + r] = t[8 * k + r];
     }
@@ -865,12 +957,13 @@ inline bool use_vbmi() {
 // x (in values) quantized for products with format f's weights on this CPU: quantize_row, plus the AVX-512
 // kernels' input layouts.
 inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
-  TORCH_CHECK(f != Fmt::Q4_KX8 || use_vbmi(), "interleaved Q4_K weights need AVX-512 VBMI");
-  quantize_row(x, in, block_values(f), r);
+  TORCH_CHECK(!interleaved(f) || use_vbmi(), "interleaved Q4_0 / Q4_K weights need AVX-512 VBMI");
+  quantize_row(x, in, f == Fmt::Q4_0X8 ? 32 : block_values(f), r);  // one scale per weight block (Q4_0's: 32)
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
   if (f == Fmt::Q4_KX8) x8_layout(r, in);
+  if (f == Fmt::Q4_0X8) x8_0_layout(r, in);
 }
 
 // fn(integral_constant<Fmt, f>): a packed format as a compile-time value.
@@ -881,7 +974,8 @@ inline void by_fmt(Fmt f, Fn&& fn) {
     case Fmt::Q4_0: fn(std::integral_constant<Fmt, Fmt::Q4_0>{}); break;
     case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
     case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
-    case Fmt::Q4_KX8: TORCH_CHECK(false, "interleaved Q4_K weights multiply through product() only");
+    case Fmt::Q4_0X8:
+    case Fmt::Q4_KX8: TORCH_CHECK(false, "interleaved weights multiply through product() only");
   }
 }
 
@@ -996,10 +1090,14 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
   if (static_cast<int64_t>(xq.size()) < m) xq.resize(m);
   for (int64_t r = 0; r < m; ++r) prepare_row(x + r * in, in, f, xq[r]);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (f == Fmt::Q4_KX8) {  // groups of 8 rows per thread range
+  if (interleaved(f)) {  // groups of 8 rows per thread range
     std::vector<const QRow*> xs(m);
     for (int64_t r = 0; r < m; ++r) xs[r] = &xq[r];
-    at::parallel_for(0, w.size(0), 8, [&](int64_t g0, int64_t g1) { range_q4kx8(wp, nb, xs.data(), m, g0, g1, y, out); });
+    const int64_t bytes = w.size(2);
+    at::parallel_for(0, w.size(0), 8, [&](int64_t g0, int64_t g1) {
+      if (f == Fmt::Q4_KX8) range_x8<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else range_x8<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+    });
     return;
   }
   by_fmt(f, [&](auto fc) { run<decltype(fc)::value>(wp, nb, row_bytes, xq, y, m, out); });
@@ -1009,19 +1107,22 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
 // package's: Q8_0 d * q, Q4_0 d * (q - 8), Q4_K (d * sc) * q - (dmin * m), each product rounded to float32.
 __attribute__((optimize("fp-contract=off")))  // multiply, then subtract: two roundings, as numpy
 void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y) {
-  const Fmt f = fmt_of(w);
-  const int64_t nb = w.size(1), bb = w.size(2), in = nb * block_values(f);
+  const Fmt fw = fmt_of(w);  // an interleaved format's rows go as its blocks' format, one block at a time
+  const Fmt f = fw == Fmt::Q4_KX8 ? Fmt::Q4_K : fw == Fmt::Q4_0X8 ? Fmt::Q4_0 : fw;
+  const int64_t nb = w.size(1) * block_values(fw) / block_values(f), bb = w.size(2), in = nb * block_values(f);
   const uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t e) {
     alignas(64) uint8_t blk[144];
     for (int64_t r = a; r < e; ++r) {
       float* yr = y + (r - r0) * in;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = base + (r * nb + b) * bb;
-        if (f == Fmt::Q4_KX8) {  // row r % 8's Q4_K block, then as Q4_K
+        const uint8_t* p = blk;
+        if (fw == Fmt::Q4_KX8)  // row r % 8's Q4_K block b
           q4k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
-          p = blk;
-        }
+        else if (fw == Fmt::Q4_0X8)  // row r % 8's Q4_0 block b
+          q40_block(base + ((r / 8) * w.size(1) + b / 4) * bb, static_cast<int>(b % 4), static_cast<int>(r % 8), blk);
+        else
+          p = base + (r * nb + b) * bb;
         if (f == Fmt::Q8_0) {
           const __m256 d = _mm256_set1_ps(f16(p));
           for (int i = 0; i < 32; i += 8) {
@@ -1168,50 +1269,61 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Q4_K weights [out, blocks, 144] rearranged in place into 8-row interleaved blocks (packed::x8_block), returned as
-// the [out / 8, blocks, 1152] view of the same memory. The caller owns the memory (nothing else reads it as Q4_K).
-torch::Tensor q4k_interleave_(torch::Tensor w) {
-  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(2) == 144 && w.size(0) % 8 == 0,
-              "q4k_interleave_: contiguous Q4_K blocks with rows in whole groups of 8");
-  TORCH_CHECK(packed::use_vbmi(), "interleaved Q4_K weights need AVX-512 VBMI");
-  const int64_t groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * 144;
+// Q4_0 / Q4_K weights [out, blocks, 18 / 144] rearranged in place into 8-row interleaved blocks (packed::x8_0_block,
+// packed::x8_block), returned as the [out / 8, blocks / 4 (Q4_0) or blocks, 576 / 1152] view of the same memory.
+// The caller owns the memory (nothing else reads it in the old layout).
+torch::Tensor interleave_(torch::Tensor w) {
+  TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
+              (w.size(2) == 144 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
+              "interleave_: contiguous Q4_0 / Q4_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
+  TORCH_CHECK(packed::use_vbmi(), "interleaved Q4_0 / Q4_K weights need AVX-512 VBMI");
+  const bool k = w.size(2) == 144;
+  const int64_t groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * w.size(2);
+  const int64_t per = k ? 1 : 4, out_blocks = nb / per, out_bytes = 8 * per * w.size(2);  // per interleaved block
   uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> tmp(bytes);
     for (int64_t g = g0; g < g1; ++g) {
       uint8_t* p = base + g * bytes;
       std::memcpy(tmp.data(), p, bytes);
-      for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t c = 0; c < out_blocks; ++c) {
         const uint8_t* blk[8];
-        for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + b) * 144;
-        packed::x8_block(blk, p + b * 1152);
+        for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + c * per) * w.size(2);
+        if (k) packed::x8_block(blk, p + c * out_bytes);
+        else packed::x8_0_block(blk, p + c * out_bytes);
       }
     }
   });
-  return w.view({groups, nb, 1152});
+  return w.view({groups, out_blocks, out_bytes});
 }
 
-// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved Q4_K's rows as Q4_K blocks
-// (packed::q4k_block), any other format's rows as they are.
+// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved format's rows as Q4_0 / Q4_K
+// blocks (packed::q40_block, packed::q4k_block), any other format's rows as they are.
 torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
   auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
-  if (packed::fmt_of(w) != packed::Fmt::Q4_KX8) return w.index_select(0, idc);
-  const int64_t n = idc.size(0), nb = w.size(1);
-  auto y = torch::empty({n, nb, 144}, torch::kByte);
+  const packed::Fmt f = packed::fmt_of(w);
+  if (!packed::interleaved(f)) return w.index_select(0, idc);
+  const bool k = f == packed::Fmt::Q4_KX8;
+  const int64_t n = idc.size(0), per = k ? 1 : 4, nb = w.size(1) * per, bb = k ? 144 : 18;
+  auto y = torch::empty({n, nb, bb}, torch::kByte);
   const int64_t* ip = idc.data_ptr<int64_t>();
   const uint8_t* base = w.data_ptr<uint8_t>();
   uint8_t* yp = y.data_ptr<uint8_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(0 <= ip[i] && ip[i] < out_features(w), "index out of range");
-    for (int64_t b = 0; b < nb; ++b)
-      packed::q4k_block(base + ((ip[i] / 8) * nb + b) * 1152, static_cast<int>(ip[i] % 8), yp + (i * nb + b) * 144);
+    const int r = static_cast<int>(ip[i] % 8);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = base + ((ip[i] / 8) * w.size(1) + b / per) * w.size(2);
+      if (k) packed::q4k_block(p, r, yp + (i * nb + b) * bb);
+      else packed::q40_block(p, static_cast<int>(b % 4), r, yp + (i * nb + b) * bb);
+    }
   }
   return y;
 }
 
-// Whether this CPU multiplies interleaved Q4_K weights (AVX-512 with VNNI and VBMI, TURBOSPEC_NO_AVX512 unset).
-bool q4k_interleaved_here() { return packed::use_vbmi(); }
+// Whether this CPU multiplies interleaved Q4_0 / Q4_K weights (AVX-512 VNNI + VBMI, TURBOSPEC_NO_AVX512 unset).
+bool interleaved_here() { return packed::use_vbmi(); }
 
 // ---- Quantization of float rows into ggml blocks, as llama.cpp's reference quantizers (quantize_row_*_ref):
 // the same weights give the same bytes. Every step is written out (no fused multiply-add), as the C reference.
