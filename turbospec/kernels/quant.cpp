@@ -64,7 +64,7 @@ struct QRow {
   std::vector<int8_t> qp;      // on AVX-512: q reordered as the nibbles unpack (q4_0_layout, q4_k_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
   std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (q8_0_layout)
-  std::vector<int8_t> ex;      // interleaved Q4_0 / Q4_K: the inputs of each 4-byte weight lane (x8_layout)
+  std::vector<int8_t> ex;      // interleaved Q4_0 / Q4_K: the inputs of each 4-byte weight lane (x8_k_layout)
   std::vector<int16_t> bs;     // interleaved Q4_K: the sub-block sums in the lanes of its mins
   std::vector<int32_t> off4;   // interleaved Q4_0: -4 x each block's input sum (x8_0_layout)
 };
@@ -468,7 +468,7 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
 // | the top 2 bits of the 6-bit min << 6, 96-127 the mins' low 4 bits (index j * 8 + r: byte index % 32, the low
 // nibble for indices below 32), then 16 vectors of 64 bytes: vector 4k + q, 4-byte lane L = row L % 8's bytes
 // 32k + 8q + 4(L / 8) .. +3 of its 128 nibble bytes (low nibbles: values of sub-block 2k, high: sub-block 2k + 1).
-// Every 32-bit lane belongs to one row, so one vpdpbusd against inputs laid out per lane (x8_layout) sums 4 values
+// Every 32-bit lane belongs to one row, so one vpdpbusd against inputs laid out per lane (x8_k_layout) sums 4 values
 // of 8 rows x 2 places, a sub-block's 8 scales multiply 8 rows at once (one byte permute builds them), and a block's
 // float scaling is one multiply-add for 8 rows: no per-row scale decoding or shuffles (against rows_q4k_avx512,
 // 1.4-1.9x on one input row; llama.cpp's repack interleaves 8 Q4_K rows too, in a layout of its own). The bytes
@@ -496,7 +496,7 @@ inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
 }
 
 // The interleaved block at p from the 8 rows' Q4_K blocks blk[r] (144 bytes each).
-inline void x8_block(const uint8_t* const* blk, uint8_t* p) {
+inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
   std::memset(p + 96, 0, 32);
   for (int r = 0; r < 8; ++r) {
     std::memcpy(p + 2 * r, blk[r], 2);
@@ -516,7 +516,7 @@ inline void x8_block(const uint8_t* const* blk, uint8_t* p) {
 
 // The byte permutes of rows_q4kx8: sc[j] puts sub-block j's 8 scales in the low bytes of the 16 lanes (lane L: row
 // L % 8), mn[z] the mins of sub-blocks 4z..4z+3 as int16 pairs (lane D: row D % 8, sub-blocks 2p, 2p + 1 for
-// p = 2z + D / 8), against the pairs of sub-block sums in x8_layout's bs.
+// p = 2z + D / 8), against the pairs of sub-block sums in x8_k_layout's bs.
 struct X8Perm {
   alignas(64) int8_t sc[8][64];
   alignas(64) int8_t mn[2][64];
@@ -539,9 +539,9 @@ inline const X8Perm& x8_perm() {
 }
 
 // The interleaved kernel's input layout: per block, for vector 4k + q and nibble half n (0: low, 1: high), 64
-// bytes whose lanes 0-7 hold inputs 64k + 32n + 8q .. +3 and lanes 8-15 the next 4 (x8_block's lanes), and per
+// bytes whose lanes 0-7 hold inputs 64k + 32n + 8q .. +3 and lanes 8-15 the next 4 (x8_k_block's lanes), and per
 // block the sub-block sums as int16 pairs in the mins' lanes (x8_perm().mn).
-TS_VBMI inline void x8_layout(QRow& r, int64_t in) {
+TS_VBMI inline void x8_k_layout(QRow& r, int64_t in) {
   const int64_t nb = in / 256;
   r.ex.resize(nb * 2048);
   r.bs.resize(nb * 64);
@@ -962,7 +962,7 @@ inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
-  if (f == Fmt::Q4_KX8) x8_layout(r, in);
+  if (f == Fmt::Q4_KX8) x8_k_layout(r, in);
   if (f == Fmt::Q4_0X8) x8_0_layout(r, in);
 }
 
@@ -1270,7 +1270,7 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
 }
 
 // Q4_0 / Q4_K weights [out, blocks, 18 / 144] rearranged in place into 8-row interleaved blocks (packed::x8_0_block,
-// packed::x8_block), returned as the [out / 8, blocks / 4 (Q4_0) or blocks, 576 / 1152] view of the same memory.
+// packed::x8_k_block), returned as the [out / 8, blocks / 4 (Q4_0) or blocks, 576 / 1152] view of the same memory.
 // The caller owns the memory (nothing else reads it in the old layout).
 torch::Tensor interleave_(torch::Tensor w) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
@@ -1289,7 +1289,7 @@ torch::Tensor interleave_(torch::Tensor w) {
       for (int64_t c = 0; c < out_blocks; ++c) {
         const uint8_t* blk[8];
         for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + c * per) * w.size(2);
-        if (k) packed::x8_block(blk, p + c * out_bytes);
+        if (k) packed::x8_k_block(blk, p + c * out_bytes);
         else packed::x8_0_block(blk, p + c * out_bytes);
       }
     }

@@ -17,7 +17,15 @@ from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.kernels import packed
 from turbospec.kernels.gemv import load_kernel
-from turbospec.weights import format_of, ggml_blocks, in_features, interleave, is_packed, out_features, release
+from turbospec.weights import (
+    format_of,
+    ggml_blocks,
+    in_features,
+    interleave,
+    is_packed,
+    out_features,
+    release,
+)
 
 # env.HUGEPAGES: decode streams every matrix once per step; from 2 MB pages the products ran up to 1.2-1.4x faster
 # than from 4 KB pages (TLB misses; docs/speed.md). TURBOSPEC_NO_HUGEPAGES=1 keeps weights where the loader put
@@ -117,8 +125,9 @@ def batch_products():
 
 class Linear:
     """y = x W^T + b. Several HF projections can be fused into one (rows concatenated). W is a float matrix or
-    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q6_K), multiplied by the kernel without unpacking the
-    matrix for decode and verification rows, and by float32 tiles for prefill (on a GPU: turbospec.kernels.packed)."""
+    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q6_K; Q4_0 / Q4_K rearranged into 8-row interleaved
+    blocks where the CPU's kernels multiply those faster), multiplied by the kernel without unpacking the matrix for
+    decode and verification rows, and by float32 tiles for prefill (on a GPU: turbospec.kernels.packed)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, hugepages: bool = True):
         """`hugepages=False` for short-lived matrices: huge-page copies come from a bump allocator whose mappings
@@ -129,7 +138,7 @@ class Linear:
         if (hugepages and self.kernel is not None and env.HUGEPAGES and self.weight.device.type == "cpu"
                 and not self.weight.requires_grad and not self.kernel.in_arena(self.weight)):
             self.weight, copied = self.kernel.hugepage_copy(self.weight), True
-        if hugepages:  # the model's weights: a Q4_K matrix interleaved for this CPU's kernel
+        if hugepages:  # the model's weights: Q4_0 / Q4_K rows interleaved for this CPU's kernels (weights.interleave)
             self.weight = interleave(self.weight, owned=copied)
         self.bias = bias
         self.out_features, self.in_features = out_features(self.weight), in_features(self.weight)
