@@ -64,9 +64,6 @@ struct QRow {
   std::vector<int8_t> qp;      // on AVX-512: q reordered as the nibbles unpack (q4_0_layout, q4_k_layout)
   std::vector<int32_t> off;    // ... and -8 x the input sum of each product lane
   std::vector<int32_t> off8;   // Q8_0 on AVX-512: -128 x the sum of each 4 q (q8_0_layout)
-  std::vector<int8_t> ex;      // interleaved Q4_0 / Q4_K: the inputs of each 4-byte weight lane (x8_k_layout)
-  std::vector<int16_t> bs;     // interleaved Q4_K: the sub-block sums in the lanes of its mins
-  std::vector<int32_t> off4;   // interleaved Q4_0: -4 x each block's input sum (x8_0_layout)
 };
 
 // The AVX-512 Q4_0 input layout of a quantized row (rows_q4_0_avx512), for whole groups of 8 blocks: per 4
@@ -466,13 +463,15 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
 // Block b of rows 8g..8g+7 is one 1152-byte block holding the 8 rows' Q4_K blocks b: bytes 0-15 the rows' d
 // (float16, row r at 2r), 16-31 their dmin, 32-95 one byte per (sub-block j, row r) at j * 8 + r: the 6-bit scale
 // | the top 2 bits of the 6-bit min << 6, 96-127 the mins' low 4 bits (index j * 8 + r: byte index % 32, the low
-// nibble for indices below 32), then 16 vectors of 64 bytes: vector 4k + q, 4-byte lane L = row L % 8's bytes
-// 32k + 8q + 4(L / 8) .. +3 of its 128 nibble bytes (low nibbles: values of sub-block 2k, high: sub-block 2k + 1).
-// Every 32-bit lane belongs to one row, so one vpdpbusd against inputs laid out per lane (x8_k_layout) sums 4 values
-// of 8 rows x 2 places, a sub-block's 8 scales multiply 8 rows at once (one byte permute builds them), and a block's
-// float scaling is one multiply-add for 8 rows: no per-row scale decoding or shuffles (against rows_q4k_avx512,
-// 1.4-1.9x on one input row; llama.cpp's repack interleaves 8 Q4_K rows too, in a layout of its own). The bytes
-// are the Q4_K blocks' rearranged: the same size, and `q4k_block` gives each row's block back exactly.
+// nibble for indices below 32), then 16 vectors of 64 bytes: vector 4k + q, 4-byte lane L = row L / 2's bytes
+// 32k + 8q + 4(L % 2) .. +3 of its 128 nibble bytes (low nibbles: values of sub-block 2k, high: sub-block 2k + 1).
+// Every 32-bit lane belongs to one row, and a row's two lanes hold 8 consecutive values, so one vpdpbusd against 8
+// input bytes broadcast to every qword (the quantized input row as it is) sums 4 values of 8 rows x 2 places; a
+// sub-block's 8 scales multiply 8 rows at once (one byte permute builds them), and a block's float scaling is one
+// multiply-add for 8 rows: no per-row scale decoding or shuffles. Against rows_q4k_avx512: 1.5-2x on one input row,
+// 2-3x on 2-4 (scratch timing, one thread, matrices in the cache; not stored). llama.cpp's repack interleaves 8
+// Q4_K rows too, in a layout of its own. The bytes are the Q4_K blocks' rearranged: the same size, and `q4k_block`
+// gives each row's block back exactly.
 
 // Row r's Q4_K block (144 bytes) from the interleaved block at p.
 inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
@@ -491,8 +490,7 @@ inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
     s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
   }
   for (int k = 0; k < 4; ++k)
-    for (int q = 0; q < 4; ++q)
-      for (int h = 0; h < 2; ++h) std::memcpy(blk + 16 + 32 * k + 8 * q + 4 * h, p + 128 + 64 * (4 * k + q) + 4 * (h * 8 + r), 4);
+    for (int q = 0; q < 4; ++q) std::memcpy(blk + 16 + 32 * k + 8 * q, p + 128 + 64 * (4 * k + q) + 8 * r, 8);
 }
 
 // The interleaved block at p from the 8 rows' Q4_K blocks blk[r] (144 bytes each).
@@ -509,62 +507,50 @@ inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
       p[96 + (i & 31)] |= static_cast<uint8_t>((m & 15) << (i < 32 ? 0 : 4));
     }
     for (int k = 0; k < 4; ++k)
-      for (int q = 0; q < 4; ++q)
-        for (int h = 0; h < 2; ++h) std::memcpy(p + 128 + 64 * (4 * k + q) + 4 * (h * 8 + r), blk[r] + 16 + 32 * k + 8 * q + 4 * h, 4);
+      for (int q = 0; q < 4; ++q) std::memcpy(p + 128 + 64 * (4 * k + q) + 8 * r, blk[r] + 16 + 32 * k + 8 * q, 8);
   }
 }
 
-// The byte permutes of rows_q4kx8: sc[j] puts sub-block j's 8 scales in the low bytes of the 16 lanes (lane L: row
-// L % 8), mn[z] the mins of sub-blocks 4z..4z+3 as int16 pairs (lane D: row D % 8, sub-blocks 2p, 2p + 1 for
-// p = 2z + D / 8), against the pairs of sub-block sums in x8_k_layout's bs.
+// The permutes of the interleaved kernels: sc[j] puts Q4_K sub-block j's 8 scales in the low bytes of the 16 lanes
+// (lane L: row L / 2); mn[z] the mins of sub-blocks 4z..4z+3 as int16 pairs (lane D: row D / 2, sub-blocks 2p and
+// 2p + 1 for p = 2z + D % 2), against the input's 4 sub-block sums 4z..4z+3 broadcast to every qword; dup[L] = L / 2
+// (8 rows' floats to their two lanes each); dup2[L] = 8 + L / 2 (the next 8).
 struct X8Perm {
   alignas(64) int8_t sc[8][64];
   alignas(64) int8_t mn[2][64];
+  alignas(64) int32_t dup[16];
+  alignas(64) int32_t dup2[16];
 };
 
 inline const X8Perm& x8_perm() {
   static const X8Perm t = [] {
     X8Perm t{};
     for (int j = 0; j < 8; ++j)
-      for (int i = 0; i < 64; ++i) t.sc[j][i] = static_cast<int8_t>(j * 8 + (i / 4) % 8);
+      for (int i = 0; i < 64; ++i) t.sc[j][i] = static_cast<int8_t>(j * 8 + i / 8);
     for (int z = 0; z < 2; ++z)
       for (int d = 0; d < 16; ++d) {
-        const int r = d % 8, p = 2 * z + d / 8;
+        const int r = d / 2, p = 2 * z + d % 2;
         t.mn[z][4 * d] = static_cast<int8_t>(2 * p * 8 + r);
         t.mn[z][4 * d + 2] = static_cast<int8_t>((2 * p + 1) * 8 + r);
       }
+    for (int l = 0; l < 16; ++l) t.dup[l] = l / 2, t.dup2[l] = 8 + l / 2;
     return t;
   }();
   return t;
 }
 
-// The interleaved kernel's input layout: per block, for vector 4k + q and nibble half n (0: low, 1: high), 64
-// bytes whose lanes 0-7 hold inputs 64k + 32n + 8q .. +3 and lanes 8-15 the next 4 (x8_k_block's lanes), and per
-// block the sub-block sums as int16 pairs in the mins' lanes (x8_perm().mn).
-TS_VBMI inline void x8_k_layout(QRow& r, int64_t in) {
-  const int64_t nb = in / 256;
-  r.ex.resize(nb * 2048);
-  r.bs.resize(nb * 64);
-  alignas(64) int32_t idx[8][16];
-  for (int n = 0; n < 2; ++n)
-    for (int q = 0; q < 4; ++q)
-      for (int l = 0; l < 16; ++l) idx[4 * n + q][l] = 8 * n + 2 * q + l / 8;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int k = 0; k < 4; ++k) {
-      const __m512i v = _mm512_loadu_si512(&r.q[b * 256 + 64 * k]);
-      for (int q = 0; q < 4; ++q)
-        for (int n = 0; n < 2; ++n)
-          _mm512_storeu_si512(&r.ex[b * 2048 + 128 * (4 * k + q) + 64 * n],
-                              _mm512_permutexvar_epi32(_mm512_load_si512(idx[4 * n + q]), v));
-    }
-    const int16_t* s = &r.sum16[b * 8];
-    for (int z = 0; z < 2; ++z)
-      for (int d = 0; d < 16; ++d) {
-        const int p = 2 * z + d / 8;
-        r.bs[b * 64 + z * 32 + 2 * d] = s[2 * p];
-        r.bs[b * 64 + z * 32 + 2 * d + 1] = s[2 * p + 1];
-      }
-  }
+// 8 input bytes at p in every qword of a vector.
+TS_VBMI inline __m512i bcast8(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+
+// Lane sums of the two lanes of each row: out[r] = t[2r] + t[2r + 1].
+TS_VBMI inline void pair_sums(__m512 t, float* out) {
+  alignas(64) float v[16];
+  _mm512_store_ps(v, t);
+  for (int r = 0; r < 8; ++r) out[r] = v[2 * r] + v[2 * r + 1];
 }
 
 // out[j * 8 + r] = row r of the 8 interleaved rows at w (nb blocks) . input row x[j], j < NX. Sub-block sums of one
@@ -575,6 +561,7 @@ template <int NX>
 TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
   const X8Perm& P = x8_perm();
   const __m512i low = _mm512_set1_epi8(15), m3f = _mm512_set1_epi8(0x3f), m30 = _mm512_set1_epi8(0x30);
+  const __m512i dup = _mm512_load_si512(P.dup);
   __m512 acc[NX], accm[NX];
   for (int j = 0; j < NX; ++j) acc[j] = accm[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -588,8 +575,8 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8
     const __m512i mins = _mm512_or_si512(mn, _mm512_and_si512(_mm512_srli_epi16(scb, 2), m30));
     const __m512i m0 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(P.mn[0]), mins);
     const __m512i m1 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(P.mn[1]), mins);
-    const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
-    const __m512 dm = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16))));
+    const __m512 d = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)))));
+    const __m512 dm = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)))));
     __m512i bi[NX];
     for (int j = 0; j < NX; ++j) bi[j] = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {
@@ -601,9 +588,9 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8
         const __m512i v = _mm512_loadu_si512(o + 128 + 64 * (4 * k + q));
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int j = 0; j < NX; ++j) {
-          const int8_t* e = &x[j]->ex[b * 2048 + 128 * (4 * k + q)];
-          sl[j] = _mm512_dpbusd_epi32(sl[j], lo, _mm512_loadu_si512(e));
-          sh[j] = _mm512_dpbusd_epi32(sh[j], hi, _mm512_loadu_si512(e + 64));
+          const int8_t* e = &x[j]->q[b * 256 + 64 * k + 8 * q];
+          sl[j] = _mm512_dpbusd_epi32(sl[j], lo, bcast8(e));
+          sh[j] = _mm512_dpbusd_epi32(sh[j], hi, bcast8(e + 32));
         }
       }
       for (int j = 0; j < NX; ++j) bi[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(bi[j], sl[j], s0), sh[j], s1);
@@ -611,31 +598,26 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8
     for (int j = 0; j < NX; ++j) {
       const __m512 xd = _mm512_set1_ps(x[j]->d[b]);
       acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bi[j]), _mm512_mul_ps(d, xd), acc[j]);
-      const int16_t* bs = &x[j]->bs[b * 64];
-      const __m512i mi = _mm512_dpwssd_epi32(_mm512_madd_epi16(m0, _mm512_loadu_si512(bs)), m1, _mm512_loadu_si512(bs + 32));
+      const int16_t* bs = &x[j]->sum16[b * 8];
+      const __m512i mi = _mm512_dpwssd_epi32(_mm512_madd_epi16(m0, bcast8(bs)), m1, bcast8(bs + 4));
       accm[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi), _mm512_mul_ps(dm, xd), accm[j]);
     }
   }
-  for (int j = 0; j < NX; ++j) {
-    const __m512 t = _mm512_sub_ps(acc[j], accm[j]);
-    _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm512_castps512_ps256(t),
-                                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))));
-  }
+  for (int j = 0; j < NX; ++j) pair_sums(_mm512_sub_ps(acc[j], accm[j]), out + 8 * j);
 }
 
 // ---- Q4_0 with 8 rows interleaved (block size 576; `interleave_` makes it from Q4_0 in place at load) ----
 // Blocks 4c..4c+3 of rows 8g..8g+7 are one 576-byte block: bytes 0-63 the rows' d (block i, row r: float16 at
-// 16i + 2r), then 8 vectors of 64 bytes: vector 2i + q, 4-byte lane L = row L % 8's nibble bytes 8q + 4(L / 8) ..
-// +3 of block i (low nibbles: values 8q + 4(L / 8) + 0..3, high: the same + 16). As for Q4_K, one vpdpbusd sums 4
-// values of 8 rows x 2 places and one multiply-add scales a block for the 8 rows; each row's two lanes start from
-// -4 x the block's input sum (the weights' -8, x8_0_layout). Against the 8-blocks-per-row kernel
+// 16i + 2r), then 8 vectors of 64 bytes: vector 2i + q, 4-byte lane L = row L / 2's nibble bytes 8q + 4(L % 2) ..
+// +3 of block i (low nibbles: values 8q + 4(L % 2) + 0..3, high: the same + 16). As for Q4_K, one vpdpbusd sums 4
+// values of 8 rows x 2 places against 8 broadcast input bytes, and one multiply-add scales a block for the 8 rows;
+// each row's two lanes start from -4 x the block's input sum (the weights' -8). Against the 8-blocks-per-row kernel
 // (rows_q4_0_avx512): 1.3-1.5x on one input row, one thread, matrices in the cache (scratch, not stored).
 
 // Row r's Q4_0 block i (18 bytes) from the interleaved block at p.
 inline void q40_block(const uint8_t* p, int i, int r, uint8_t* blk) {
   std::memcpy(blk, p + 16 * i + 2 * r, 2);
-  for (int q = 0; q < 2; ++q)
-    for (int h = 0; h < 2; ++h) std::memcpy(blk + 2 + 8 * q + 4 * h, p + 64 + 64 * (2 * i + q) + 4 * (h * 8 + r), 4);
+  for (int q = 0; q < 2; ++q) std::memcpy(blk + 2 + 8 * q, p + 64 + 64 * (2 * i + q) + 8 * r, 8);
 }
 
 // The interleaved block at p from the 8 rows' 4 Q4_0 blocks, blk[r] (72 bytes each).
@@ -644,33 +626,15 @@ inline void x8_0_block(const uint8_t* const* blk, uint8_t* p) {
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = blk[r] + 18 * i;
       std::memcpy(p + 16 * i + 2 * r, b, 2);
-      for (int q = 0; q < 2; ++q)
-        for (int h = 0; h < 2; ++h) std::memcpy(p + 64 + 64 * (2 * i + q) + 4 * (h * 8 + r), b + 2 + 8 * q + 4 * h, 4);
+      for (int q = 0; q < 2; ++q) std::memcpy(p + 64 + 64 * (2 * i + q) + 8 * r, b + 2 + 8 * q, 8);
     }
-}
-
-// The interleaved Q4_0 kernel's input layout: per 32-value block, for vector q and nibble half n, 64 bytes whose
-// lanes 0-7 hold inputs 16n + 8q .. +3 and lanes 8-15 the next 4; and -4 x the block's input sum.
-TS_VBMI inline void x8_0_layout(QRow& r, int64_t in) {
-  const int64_t nb = in / 32;
-  r.ex.resize(in * 8);
-  r.off4.resize(nb);
-  alignas(64) int32_t idx[4][16];
-  for (int n = 0; n < 2; ++n)
-    for (int q = 0; q < 2; ++q)
-      for (int l = 0; l < 16; ++l) idx[2 * q + n][l] = 4 * n + 2 * q + l / 8;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&r.q[b * 32])));
-    for (int k = 0; k < 4; ++k)
-      _mm512_storeu_si512(&r.ex[b * 256 + 64 * k], _mm512_permutexvar_epi32(_mm512_load_si512(idx[k]), v));
-    r.off4[b] = -4 * r.sum32[b];
-  }
 }
 
 // out[j * 8 + r] = row r of the 8 interleaved Q4_0 rows at w (nc blocks of 4) . input row x[j], j < NX.
 template <int NX>
 TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
-  const __m512i low = _mm512_set1_epi8(15);
+  const X8Perm& P = x8_perm();
+  const __m512i low = _mm512_set1_epi8(15), dup = _mm512_load_si512(P.dup), dup2 = _mm512_load_si512(P.dup2);
   __m512 acc[NX];
   for (int j = 0; j < NX; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
@@ -680,26 +644,23 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8
     const __m512 d23 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m512 dd = i < 2 ? d01 : d23;  // block i's 8 scales in both halves
-      const __m512 d = i % 2 == 0 ? _mm512_shuffle_f32x4(dd, dd, 0x44) : _mm512_shuffle_f32x4(dd, dd, 0xEE);
+      const __m512 d = _mm512_permutexvar_ps(i % 2 == 0 ? dup : dup2, i < 2 ? d01 : d23);  // block i's 8 scales
       const int64_t b = 4 * c + i;
       __m512i s[NX];
-      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32(x[j]->off4[b]);
+      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32(-4 * x[j]->sum32[b]);
       for (int q = 0; q < 2; ++q) {
         const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (2 * i + q));
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int j = 0; j < NX; ++j) {
-          const int8_t* e = &x[j]->ex[b * 256 + 128 * q];
-          s[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[j], lo, _mm512_loadu_si512(e)), hi, _mm512_loadu_si512(e + 64));
+          const int8_t* e = &x[j]->q[b * 32 + 8 * q];
+          s[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[j], lo, bcast8(e)), hi, bcast8(e + 16));
         }
       }
       for (int j = 0; j < NX; ++j)
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, _mm512_set1_ps(x[j]->d[b])), acc[j]);
     }
   }
-  for (int j = 0; j < NX; ++j)
-    _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
-                                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1))));
+  for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
 }
 
 // y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
@@ -962,8 +923,6 @@ inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
-  if (f == Fmt::Q4_KX8) x8_k_layout(r, in);
-  if (f == Fmt::Q4_0X8) x8_0_layout(r, in);
 }
 
 // fn(integral_constant<Fmt, f>): a packed format as a compile-time value.
