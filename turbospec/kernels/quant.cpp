@@ -468,8 +468,8 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
 // Every 32-bit lane belongs to one row, and a row's two lanes hold 8 consecutive values, so one vpdpbusd against 8
 // input bytes broadcast to every qword (the quantized input row as it is) sums 4 values of 8 rows x 2 places; a
 // sub-block's 8 scales multiply 8 rows at once (one byte permute builds them), and a block's float scaling is one
-// multiply-add for 8 rows: no per-row scale decoding or shuffles. Against rows_q4k_avx512: 1.5-2x on one input row,
-// 2-3x on 2-4 (scratch timing, one thread, matrices in the cache; not stored). llama.cpp's repack interleaves 8
+// multiply-add for 8 rows: no per-row scale decoding or shuffles. Against rows_q4k_avx512 (packed_linear, one
+// thread, matrices in the cache; scratch timing, not stored): 1.9-3.3x on one input row, 2.0-2.3x on 2 or 4. llama.cpp's repack interleaves 8
 // Q4_K rows too, in a layout of its own. The bytes are the Q4_K blocks' rearranged: the same size, and `q4k_block`
 // gives each row's block back exactly.
 
@@ -612,7 +612,7 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8
 // +3 of block i (low nibbles: values 8q + 4(L % 2) + 0..3, high: the same + 16). As for Q4_K, one vpdpbusd sums 4
 // values of 8 rows x 2 places against 8 broadcast input bytes, and one multiply-add scales a block for the 8 rows;
 // each row's two lanes start from -4 x the block's input sum (the weights' -8). Against the 8-blocks-per-row kernel
-// (rows_q4_0_avx512): 1.3-1.5x on one input row, one thread, matrices in the cache (scratch, not stored).
+// (rows_q4_0_avx512; the same timing): 1.6-1.8x on one input row, 1.7-1.9x on 2 or 4.
 
 // Row r's Q4_0 block i (18 bytes) from the interleaved block at p.
 inline void q40_block(const uint8_t* p, int i, int r, uint8_t* blk) {
