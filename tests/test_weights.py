@@ -133,7 +133,7 @@ def test_avx2_and_avx512_paths_agree():
 
 
 x8 = pytest.mark.skipif(load_kernel() is None or not load_kernel().interleaved_here(),
-                        reason="interleaved Q4_0 / Q4_K need AVX-512 VBMI")
+                        reason="TURBOSPEC_NO_INTERLEAVE is set")
 
 
 @x8
@@ -180,6 +180,26 @@ def test_interleaved_products_equal_the_one_row_kernels(fmt):
     assert torch.equal(k.packed_linear(x[:16], w8, b, 16), solo)
     part = Linear(W.quantize(matrix(72, 1024), fmt)[16:48].contiguous()).weight  # groups 2-5 alone
     assert torch.equal(k.packed_linear(x[:3], part, None, 16), k.packed_linear(x[:3], w8, None, 16)[:, 16:48])
+
+
+@x8
+def test_interleaved_avx2_kernels_equal_the_file_layouts():
+    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q4_0 / Q4_K products equal the
+    products over the file's layout (float sums in another order) and a row's result does not depend on its batch."""
+    code = ("import torch,sys; sys.path.insert(0,'.'); from turbospec import weights as W\n"
+            "from turbospec.layers.linear import Linear; from turbospec.kernels.gemv import load_kernel\n"
+            "k=load_kernel(); torch.manual_seed(0); x=torch.randn(16,1024); b=torch.randn(72); bad=[]\n"
+            "for f in ('q4_0','q4_k'):\n"
+            "  p=W.quantize(torch.randn(72,1024),f); w8=Linear(p).weight\n"
+            "  assert W.format_of(w8).rows==8, W.format_of(w8)\n"
+            "  for m in (1,2,3,16):\n"
+            "    y,want=k.packed_linear(x[:m],w8,b,16),k.packed_linear(x[:m],p,b,16)\n"
+            "    if float((y-want).norm()/want.norm())>=1e-6: bad.append((f,m))\n"
+            "  solo=torch.cat([k.packed_linear(x[i:i+1],w8,b,16) for i in range(16)])\n"
+            "  if not torch.equal(k.packed_linear(x,w8,b,16),solo): bad.append((f,'batch'))\n"
+            "assert not bad, bad\n")
+    env = {**os.environ, "TURBOSPEC_NO_AVX512": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).parents[1])
 
 
 def test_linear_and_embedding_rows():

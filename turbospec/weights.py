@@ -3,7 +3,7 @@ Q6_K as GGUF files hold it).
 
 A packed matrix is a uint8 tensor [out, blocks per row, block bytes], each row the ggml blocks of one output row
 (the bytes a GGUF file holds for it, so GGUF tensors map without conversion). The block size names the format.
-On CPUs with AVX-512 VBMI, `Linear` rearranges a Q4_0 or Q4_K matrix's bytes at load into 8-row interleaved
+`Linear` rearranges a Q4_0 or Q4_K matrix's bytes at load into 8-row interleaved
 blocks (`Q4_0_X8` [out / 8, blocks / 4, 576], `Q4_K_X8` [out / 8, blocks, 1152]: the same bytes in another order,
 `interleave`), which its kernels multiply faster; `ggml_blocks` gives the rows back as ggml blocks.
 `Linear` multiplies packed matrices with the fused kernels in turbospec/kernels/quant.cpp; `quantize` writes
@@ -69,8 +69,8 @@ def out_features(w: torch.Tensor) -> int:
 
 
 def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
-    """A Q4_0 / Q4_K matrix as `Q4_0_X8` / `Q4_K_X8` where this CPU's kernels multiply those (AVX-512 VBMI,
-    TURBOSPEC_NO_AVX512 unset) and its rows come in whole groups of 8 (Q4_0: and its columns in 128s); any other
+    """A Q4_0 / Q4_K matrix as `Q4_0_X8` / `Q4_K_X8` (kernels for AVX-512 VNNI + VBMI and for AVX2) when its rows
+    come in whole groups of 8 (Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is unset; any other
     matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy) or `w` is the
     whole of a huge-page mapping of its own (`consume`'s large results), else in a copy (a file mapping's pages
     dropped after it)."""

@@ -2,7 +2,7 @@
 //
 // A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
 // ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 576 / 1152: Q4_0 / Q4_K
-// with 8 rows interleaved, made at load on CPUs with AVX-512 VBMI, see `interleave_`). Products for few rows quantize
+// with 8 rows interleaved, made at load, see `interleave_`). Products for few rows quantize
 // the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for Q4_K, as llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
 // depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
@@ -663,28 +663,190 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8
   for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
 }
 
-// y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
-// F, blocks of `bytes` per group), the inputs in pairs.
-template <Fmt F>
-TS_VBMI void range_x8(const uint8_t* w, int64_t nb, int64_t bytes, const QRow* const* x, int64_t m, int64_t g0,
-                      int64_t g1, float* y, int64_t out) {
-  alignas(32) float t[16];
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * nb * bytes;
-    for (int64_t j = 0; j < m; j += 2) {
-      const int nx = j + 1 < m ? 2 : 1;
-      if constexpr (F == Fmt::Q4_KX8) {
-        if (nx == 2) rows_q4kx8_avx512<2>(wg, nb, x + j, t);
-        else rows_q4kx8_avx512<1>(wg, nb, x + j, t);
-      } else {
-        if (nx == 2) rows_q40x8_avx512<2>(wg, nb, x + j, t);
-        else rows_q40x8_avx512<1>(wg, nb, x + j, t);
+// ---- The interleaved formats with AVX2 (CPUs without AVX-512 VBMI, or TURBOSPEC_NO_AVX512): the same blocks, each 64-byte vector taken
+// as two halves of 4 rows. `vpmaddubsw` sums pairs of nibble x input products in int16 (a sub-block's 4 vectors add
+// up to at most 4 x 2 x 15 x 127 = 15240), `vpmaddwd` applies the scales (Q4_K) or sums to int32 (Q4_0).
+
+// 8 input bytes at p in every qword of a 256-bit vector.
+inline __m256i bcast8_256(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+
+// Lane sums of the two lanes of each of 4 rows: out[r] = t[2r] + t[2r + 1].
+inline void pair_sums4(__m256 t, float* out) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, t);
+  for (int r = 0; r < 4; ++r) out[r] = v[2 * r] + v[2 * r + 1];
+}
+
+// The byte shuffles of rows_q4kx8_avx2: sc[h] takes rows 4h..4h+3's scales (of 8 scale bytes in every qword) into
+// both int16 halves of their two 32-bit lanes; dup[h] takes rows 4h..4h+3's floats (of 8) to their two lanes each.
+struct X8Avx2 {
+  alignas(32) int8_t sc[2][32];
+  alignas(32) int32_t dup[2][8];
+};
+
+inline const X8Avx2& x8_avx2() {
+  static const X8Avx2 t = [] {
+    X8Avx2 t{};
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 32; ++i)  // byte i: 32-bit lane 4 (i / 16) + (i % 16) / 4 of row 4h + that lane / 2
+        t.sc[h][i] = static_cast<int8_t>(i % 2 ? -128 : 4 * h + 2 * (i / 16) + (i % 16) / 8);
+      for (int l = 0; l < 8; ++l) t.dup[h][l] = 4 * h + l / 2;
+    }
+    return t;
+  }();
+  return t;
+}
+
+// out[j * 8 + r] as rows_q4kx8_avx512, with AVX2.
+template <int NX>
+__attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
+  const X8Avx2& P = x8_avx2();
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i shuf[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.sc[0])),
+                           _mm256_load_si256(reinterpret_cast<const __m256i*>(P.sc[1]))};
+  const __m256i dup[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[0])),
+                          _mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[1]))};
+  __m256 acc[NX][2], accm[NX];
+  for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = accm[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = w + b * 1152;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1152);
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+    const __m256 d[2] = {_mm256_permutevar8x32_ps(d8, dup[0]), _mm256_permutevar8x32_ps(d8, dup[1])};
+    // the mins: byte j * 8 + r, low nibbles at 96.., top bits in the scale bytes' bits 6-7
+    const __m256i ml = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 96));
+    const __m256i sb0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32));
+    const __m256i sb1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64));
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    alignas(32) uint8_t mins[64];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mins),
+                       _mm256_or_si256(_mm256_and_si256(ml, low), _mm256_and_si256(_mm256_srli_epi16(sb0, 2), m30)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mins + 32),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ml, 4), low),
+                                       _mm256_and_si256(_mm256_srli_epi16(sb1, 2), m30)));
+    __m256i bi[NX][2];
+    for (int j = 0; j < NX; ++j) bi[j][0] = bi[j][1] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      __m256i s0[2], s1[2];  // sub-blocks 2k and 2k + 1's scales for each half
+      for (int h = 0; h < 2; ++h) {
+        s0[h] = _mm256_shuffle_epi8(_mm256_and_si256(bcast8_256(o + 32 + 16 * k), _mm256_set1_epi8(0x3f)), shuf[h]);
+        s1[h] = _mm256_shuffle_epi8(_mm256_and_si256(bcast8_256(o + 40 + 16 * k), _mm256_set1_epi8(0x3f)), shuf[h]);
       }
-      for (int k = 0; k < nx; ++k)
-        for (int r = 0; r < 8; ++r) y[(j + k) * out + 8 * g + r] = t[8 * k + r];
+      __m256i sl[NX][2], sh[NX][2];
+      for (int j = 0; j < NX; ++j) sl[j][0] = sl[j][1] = sh[j][0] = sh[j][1] = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 128 + 64 * (4 * k + q) + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int j = 0; j < NX; ++j) {
+            const int8_t* e = &x[j]->q[b * 256 + 64 * k + 8 * q];
+            sl[j][h] = _mm256_add_epi16(sl[j][h], _mm256_maddubs_epi16(lo, bcast8_256(e)));
+            sh[j][h] = _mm256_add_epi16(sh[j][h], _mm256_maddubs_epi16(hi, bcast8_256(e + 32)));
+          }
+        }
+      for (int j = 0; j < NX; ++j)
+        for (int h = 0; h < 2; ++h)
+          bi[j][h] = _mm256_add_epi32(bi[j][h], _mm256_add_epi32(_mm256_madd_epi16(sl[j][h], s0[h]),
+                                                                 _mm256_madd_epi16(sh[j][h], s1[h])));
+    }
+    for (int j = 0; j < NX; ++j) {
+      const __m256 xd = _mm256_set1_ps(x[j]->d[b]);
+      for (int h = 0; h < 2; ++h)
+        acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bi[j][h]), _mm256_mul_ps(d[h], xd), acc[j][h]);
+      // row r's mins . sub-block sums, the 8 rows in the 8 lanes: pairs of sub-blocks (2t, 2t + 1) per vpmaddwd
+      const int16_t* bs = &x[j]->sum16[b * 8];
+      __m256i mi = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m128i two = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 16 * t));  // sub-blocks 2t, 2t + 1
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128(two, 8)));
+        int32_t pair;
+        std::memcpy(&pair, bs + 2 * t, 4);
+        mi = _mm256_add_epi32(mi, _mm256_madd_epi16(m16, _mm256_set1_epi32(pair)));
+      }
+      accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dm8, xd), accm[j]);
     }
   }
+  for (int j = 0; j < NX; ++j) {
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, accm[j]);
+    pair_sums4(acc[j][0], out + 8 * j);
+    pair_sums4(acc[j][1], out + 8 * j + 4);
+    for (int r = 0; r < 8; ++r) out[8 * j + r] -= m8[r];
+  }
 }
+
+// out[j * 8 + r] as rows_q40x8_avx512, with AVX2.
+template <int NX>
+__attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
+  const X8Avx2& P = x8_avx2();
+  const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  const __m256i dup[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[0])),
+                          _mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[1]))};
+  __m256 acc[NX][2];
+  for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    const uint8_t* o = w + c * 576;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 576);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * i)));
+      const int64_t b = 4 * c + i;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_permutevar8x32_ps(d8, dup[h]);
+        __m256i s16[NX];
+        for (int j = 0; j < NX; ++j) s16[j] = _mm256_setzero_si256();
+        for (int q = 0; q < 2; ++q) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64 + 64 * (2 * i + q) + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int j = 0; j < NX; ++j) {
+            const int8_t* e = &x[j]->q[b * 32 + 8 * q];
+            s16[j] = _mm256_add_epi16(s16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast8_256(e)),
+                                                               _mm256_maddubs_epi16(hi, bcast8_256(e + 16))));
+          }
+        }
+        for (int j = 0; j < NX; ++j) {
+          const __m256i s = _mm256_add_epi32(_mm256_set1_epi32(-4 * x[j]->sum32[b]), _mm256_madd_epi16(s16[j], one));
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x[j]->d[b])), acc[j][h]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NX; ++j) {
+    pair_sums4(acc[j][0], out + 8 * j);
+    pair_sums4(acc[j][1], out + 8 * j + 4);
+  }
+}
+
+// y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
+// F, blocks of `bytes` per group), the inputs in pairs.
+#define TS_RANGE_X8(TARGET, NAME, SUFFIX)                                                                      \
+  template <Fmt F>                                                                                               \
+  TARGET void NAME(const uint8_t* w, int64_t nb, int64_t bytes, const QRow* const* x, int64_t m, int64_t g0,      \
+                   int64_t g1, float* y, int64_t out) {                                                          \
+    alignas(32) float t[16];                                                                                     \
+    for (int64_t g = g0; g < g1; ++g) {                                                                          \
+      const uint8_t* wg = w + g * nb * bytes;                                                                    \
+      for (int64_t j = 0; j < m; j += 2) {                                                                       \
+        const int nx = j + 1 < m ? 2 : 1;                                                                        \
+        if constexpr (F == Fmt::Q4_KX8) {                                                                        \
+          if (nx == 2) rows_q4kx8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
+          else rows_q4kx8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
+        } else {                                                                                                 \
+          if (nx == 2) rows_q40x8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
+          else rows_q40x8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
+        }                                                                                                        \
+        for (int k = 0; k < nx; ++k)                                                                             \
+          for (int r = 0; r < 8; ++r) y[(j + k) * out + 8 * g + r] = t[8 * k + r];                               \
+      }                                                                                                          \
+    }                                                                                                            \
+  }
+TS_RANGE_X8(TS_VBMI, range_x8, avx512)
+TS_RANGE_X8(, range_x8_avx2, avx2)
+#undef TS_RANGE_X8
 
 // Q6_K with AVX-512 (BW + VNNI): per 128-value half, one 64-byte load of the low nibbles (values 0..63 in its low
 // nibbles, 64..127 in its high ones) and the 32 bytes of high bits in both 256-bit lanes (shifted by 0 / 2, or 4 /
@@ -918,7 +1080,6 @@ inline bool use_vbmi() {
 // x (in values) quantized for products with format f's weights on this CPU: quantize_row, plus the AVX-512
 // kernels' input layouts.
 inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
-  TORCH_CHECK(!interleaved(f) || use_vbmi(), "interleaved Q4_0 / Q4_K weights need AVX-512 VBMI");
   quantize_row(x, in, f == Fmt::Q4_0X8 ? 32 : block_values(f), r);  // one scale per weight block (Q4_0's: 32)
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
@@ -1053,9 +1214,12 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
     std::vector<const QRow*> xs(m);
     for (int64_t r = 0; r < m; ++r) xs[r] = &xq[r];
     const int64_t bytes = w.size(2);
+    const bool vbmi = use_vbmi();
     at::parallel_for(0, w.size(0), 8, [&](int64_t g0, int64_t g1) {
-      if (f == Fmt::Q4_KX8) range_x8<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
-      else range_x8<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      if (f == Fmt::Q4_KX8 && vbmi) range_x8<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q4_KX8) range_x8_avx2<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (vbmi) range_x8<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else range_x8_avx2<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
     });
     return;
   }
@@ -1235,7 +1399,6 @@ torch::Tensor interleave_(torch::Tensor w) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
               (w.size(2) == 144 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
               "interleave_: contiguous Q4_0 / Q4_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
-  TORCH_CHECK(packed::use_vbmi(), "interleaved Q4_0 / Q4_K weights need AVX-512 VBMI");
   const bool k = w.size(2) == 144;
   const int64_t groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * w.size(2);
   const int64_t per = k ? 1 : 4, out_blocks = nb / per, out_bytes = 8 * per * w.size(2);  // per interleaved block
@@ -1281,8 +1444,9 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Whether this CPU multiplies interleaved Q4_0 / Q4_K weights (AVX-512 VNNI + VBMI, TURBOSPEC_NO_AVX512 unset).
-bool interleaved_here() { return packed::use_vbmi(); }
+// Whether Linear interleaves Q4_0 / Q4_K weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels: AVX-512 VNNI +
+// VBMI where the CPU has them, AVX2 otherwise).
+bool interleaved_here() { return !std::getenv("TURBOSPEC_NO_INTERLEAVE"); }
 
 // ---- Quantization of float rows into ggml blocks, as llama.cpp's reference quantizers (quantize_row_*_ref):
 // the same weights give the same bytes. Every step is written out (no fused multiply-add), as the C reference.

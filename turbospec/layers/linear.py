@@ -125,8 +125,8 @@ def batch_products():
 
 class Linear:
     """y = x W^T + b. Several HF projections can be fused into one (rows concatenated). W is a float matrix or
-    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q6_K; Q4_0 / Q4_K rearranged into 8-row interleaved
-    blocks where the CPU's kernels multiply those faster), multiplied by the kernel without unpacking the matrix for
+    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q6_K; Q4_0 / Q4_K rearranged at load into 8-row
+    interleaved blocks, which the kernels multiply faster), multiplied by the kernel without unpacking the matrix for
     decode and verification rows, and by float32 tiles for prefill (on a GPU: turbospec.kernels.packed)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, hugepages: bool = True):
