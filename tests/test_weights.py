@@ -138,7 +138,7 @@ x8 = pytest.mark.skipif(load_kernel() is None or not load_kernel().interleaved_h
 
 @x8
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
-def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt):
+def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt, monkeypatch):
     """`Linear` rearranges a Q4_0 / Q4_K matrix into 8-row interleaved blocks (the same bytes in another order):
     every row comes back as its ggml blocks, and dequantizes and looks up bit for bit as before; the caller's
     tensor is untouched, and matrices whose rows (or Q4_0's columns, in 128s) do not fit stay as they are."""
@@ -157,6 +157,9 @@ def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt):
     assert torch.equal(W.rows_of(lin.weight, ids, torch.float32), W.dequantize(p)[ids])
     assert torch.equal(lin.take(ids).weight, p[ids])
     assert W.format_of(Linear(W.quantize(matrix(68, 512), fmt)).weight).name == fmt
+    from turbospec import env  # without huge pages Linear keeps no copy of its own: the rearrangement copies
+    monkeypatch.setattr(env, "HUGEPAGES", False)
+    assert torch.equal(W.ggml_blocks(Linear(p).weight), before) and torch.equal(p, before)
     if fmt == "q4_0":
         assert W.format_of(Linear(W.quantize(matrix(72, 96), fmt)).weight).name == fmt
 
