@@ -3,9 +3,9 @@ Q6_K as GGUF files hold it).
 
 A packed matrix is a uint8 tensor [out, blocks per row, block bytes], each row the ggml blocks of one output row
 (the bytes a GGUF file holds for it, so GGUF tensors map without conversion). The block size names the format.
-`Linear` rearranges a Q4_0 or Q4_K matrix's bytes at load into 8-row interleaved
-blocks (`Q4_0_X8` [out / 8, blocks / 4, 576], `Q4_K_X8` [out / 8, blocks, 1152]: the same bytes in another order,
-`interleave`), which its kernels multiply faster; `ggml_blocks` gives the rows back as ggml blocks.
+`Linear` rearranges a Q4_0 or Q4_K matrix's bytes at load into 8-row interleaved blocks (`Q4_0_X8` [out / 8,
+blocks / 4, 576], `Q4_K_X8` [out / 8, blocks, 1152]: the same bytes in another order, `interleave`), which its
+kernels multiply faster; `ggml_blocks` gives the rows back as ggml blocks.
 `Linear` multiplies packed matrices with the fused kernels in turbospec/kernels/quant.cpp; `quantize` writes
 llama.cpp's reference blocks (the same weights give the same bytes as `llama-quantize`); `dequantize` equals the
 gguf package's dequantization bit for bit.

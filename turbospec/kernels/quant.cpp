@@ -469,9 +469,9 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
 // input bytes broadcast to every qword (the quantized input row as it is) sums 4 values of 8 rows x 2 places; a
 // sub-block's 8 scales multiply 8 rows at once (one byte permute builds them), and a block's float scaling is one
 // multiply-add for 8 rows: no per-row scale decoding or shuffles. Against rows_q4k_avx512 (packed_linear, one
-// thread, matrices in the cache; scratch timing, not stored): 1.9-3.3x on one input row, 2.0-2.3x on 2 or 4. llama.cpp's repack interleaves 8
-// Q4_K rows too, in a layout of its own. The bytes are the Q4_K blocks' rearranged: the same size, and `q4k_block`
-// gives each row's block back exactly.
+// thread, matrices in the cache; scratch timing, not stored): 1.9-3.3x on one input row, 2.0-2.3x on 2 or 4.
+// llama.cpp's repack interleaves 8 Q4_K rows too, in a layout of its own. The bytes are the Q4_K blocks'
+// rearranged: the same size, and `q4k_block` gives each row's block back exactly.
 
 // Row r's Q4_K block (144 bytes) from the interleaved block at p.
 inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
@@ -663,8 +663,8 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8
   for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
 }
 
-// ---- The interleaved formats with AVX2 (CPUs without AVX-512 VBMI, or TURBOSPEC_NO_AVX512): the same blocks, each 64-byte vector taken
-// as two halves of 4 rows. `vpmaddubsw` sums pairs of nibble x input products in int16 (a sub-block's 4 vectors add
+// ---- The interleaved formats with AVX2 (CPUs without AVX-512 VBMI, or TURBOSPEC_NO_AVX512): the same blocks, each
+// 64-byte vector taken as two halves of 4 rows. `vpmaddubsw` sums pairs of nibble x input products in int16 (a sub-block's 4 vectors add
 // up to at most 4 x 2 x 15 x 127 = 15240), `vpmaddwd` applies the scales (Q4_K) or sums to int32 (Q4_0).
 
 // 8 input bytes at p in every qword of a 256-bit vector.
@@ -732,11 +732,11 @@ __attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int
     __m256i bi[NX][2];
     for (int j = 0; j < NX; ++j) bi[j][0] = bi[j][1] = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {
-      __m256i s0[2], s1[2];  // sub-blocks 2k and 2k + 1's scales for each half
-      for (int h = 0; h < 2; ++h) {
-        s0[h] = _mm256_shuffle_epi8(_mm256_and_si256(bcast8_256(o + 32 + 16 * k), _mm256_set1_epi8(0x3f)), shuf[h]);
-        s1[h] = _mm256_shuffle_epi8(_mm256_and_si256(bcast8_256(o + 40 + 16 * k), _mm256_set1_epi8(0x3f)), shuf[h]);
-      }
+      // sub-blocks 2k and 2k + 1's 6-bit scales (8 rows each), then their lanes in each half
+      const __m256i c0 = _mm256_and_si256(bcast8_256(o + 32 + 16 * k), _mm256_set1_epi8(0x3f));
+      const __m256i c1 = _mm256_and_si256(bcast8_256(o + 40 + 16 * k), _mm256_set1_epi8(0x3f));
+      __m256i s0[2], s1[2];
+      for (int h = 0; h < 2; ++h) s0[h] = _mm256_shuffle_epi8(c0, shuf[h]), s1[h] = _mm256_shuffle_epi8(c1, shuf[h]);
       __m256i sl[NX][2], sh[NX][2];
       for (int j = 0; j < NX; ++j) sl[j][0] = sl[j][1] = sh[j][0] = sh[j][1] = _mm256_setzero_si256();
       for (int q = 0; q < 4; ++q)
