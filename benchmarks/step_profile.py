@@ -1,7 +1,7 @@
 """Where a decode step's time goes (the instrumented numbers quoted in docs/speed.md and docs/speculative.md).
 
     python benchmarks/step_profile.py dense --dtype float32     # benchmark-shape dense model: linear share
-    python benchmarks/step_profile.py spec                      # bundled model, MTP n_max 3: verify / draft split
+    python benchmarks/step_profile.py spec                      # bundled model, MTP n_max 3: verify / draft split (--model: a GGUF)
     python benchmarks/step_profile.py cold                      # a 8192x256 matrix-vector product, hot vs cold
     python benchmarks/step_profile.py store                     # QuantKVCache.store: C++ encoder vs torch encoders
     python benchmarks/step_profile.py chain --dtype float16     # all products back to back (TURBOSPEC_NO_HUGEPAGES=1: 4 KB pages)
@@ -93,15 +93,18 @@ def dense(dtype: str) -> None:
           f"({lin / total:.0%})")
 
 
-def spec() -> None:
+def spec(path: str | None, dtype: str) -> None:
     from turbospec.config import SpecConfig
     from turbospec.engine import Engine
     from turbospec.sampling import SamplingParams
     from turbospec.speculative import make_drafter
     from turbospec.tokenizer import Tokenizer
 
-    path = "models/turbospec-tiny-hybrid"
-    model, tok = load_model(path, "float32"), Tokenizer(path)
+    from turbospec.model.gguf import GGUFFile, is_gguf
+
+    path = path or "models/turbospec-tiny-hybrid"
+    model = load_model(path, dtype)
+    tok = Tokenizer.from_gguf(GGUFFile(path).meta) if is_gguf(path) else Tokenizer(path)
     prompt = json.loads(Path("turbospec/data/prompts.json").read_text())["prompts"]["code"]
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     plain = Engine(model, tok, EngineConfig(ctx=4096))
@@ -394,12 +397,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="chain: input rows per product")
-    ap.add_argument("--model", default=None, help="chain: a checkpoint instead of the benchmark model")
+    ap.add_argument("--model", default=None, help="chain, spec: a checkpoint or GGUF file instead of the default model")
     ap.add_argument("--steps", type=int, default=6000, help="loop: decode steps")
     ap.add_argument("--depth", type=int, default=512, help="kvtypes: context before decoding")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    {"dense": lambda: dense(a.dtype), "spec": spec, "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
+    {"dense": lambda: dense(a.dtype), "spec": lambda: spec(a.model, a.dtype), "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
      "dtypes": dtypes, "kvpages": kvpages, "kvtypes": lambda: kvtypes(a.dtype, a.depth), "bf16held": bf16held, "attention": lambda: attention(a.dtype),
      "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps), "gemm": gemm}[a.what]()
 

@@ -3,9 +3,9 @@ Q6_K as GGUF files hold it).
 
 A packed matrix is a uint8 tensor [out, blocks per row, block bytes], each row the ggml blocks of one output row
 (the bytes a GGUF file holds for it, so GGUF tensors map without conversion). The block size names the format.
-`Linear` rearranges a Q4_0 or Q4_K matrix's bytes at load into 8-row interleaved blocks (`Q4_0_X8` [out / 8,
-blocks / 4, 576], `Q4_K_X8` [out / 8, blocks, 1152]: the same bytes in another order, `interleave`), which its
-kernels multiply faster; `ggml_blocks` gives the rows back as ggml blocks.
+`Linear` rearranges a Q4_0, Q4_K or Q6_K matrix's bytes at load into 8-row interleaved blocks (`Q4_0_X8` [out / 8,
+blocks / 4, 576], `Q4_K_X8` [out / 8, blocks, 1152], `Q6_K_X8` [out / 8, blocks, 1680]: the same bytes in another
+order, `interleave`), which its kernels multiply faster; `ggml_blocks` gives the rows back as ggml blocks.
 `Linear` multiplies packed matrices with the fused kernels in turbospec/kernels/quant.cpp; `quantize` writes
 llama.cpp's reference blocks (the same weights give the same bytes as `llama-quantize`); `dequantize` equals the
 gguf package's dequantization bit for bit.
@@ -40,10 +40,11 @@ class WeightFormat:
 PACKED = {f.name: f for f in (WeightFormat("q8_0", 32, 34, "Q8_0"), WeightFormat("q4_0", 32, 18, "Q4_0"),
                               WeightFormat("q4_k", 256, 144, "Q4_K"))}  # what `quantize` writes (--weights)
 Q6_K = WeightFormat("q6_k", 256, 210, "Q6_K")  # multiplied packed as GGUF files hold it; no quantizer here
-# Q4_0's and Q4_K's blocks of 8 rows interleaved (`interleave`): only made at load, never written to a file
+# Q4_0's, Q4_K's and Q6_K's blocks of 8 rows interleaved (`interleave`): only made at load, never written to a file
 Q4_0_X8 = WeightFormat("q4_0_x8", 128, 576, "Q4_0", rows=8)
 Q4_K_X8 = WeightFormat("q4_k_x8", 256, 1152, "Q4_K", rows=8)
-INTERLEAVED = {PACKED["q4_0"]: Q4_0_X8, PACKED["q4_k"]: Q4_K_X8}
+Q6_K_X8 = WeightFormat("q6_k_x8", 256, 1680, "Q6_K", rows=8)
+INTERLEAVED = {PACKED["q4_0"]: Q4_0_X8, PACKED["q4_k"]: Q4_K_X8, Q6_K: Q6_K_X8}
 BY_BLOCK_BYTES = {f.block_bytes: f for f in (*PACKED.values(), Q6_K, *INTERLEAVED.values())}
 BY_GGUF_TYPE = {f.gguf_type: f for f in (*PACKED.values(), Q6_K)}
 WEIGHT_CHOICES = ("auto", *PACKED)  # --weights: auto = as stored (float: the model dtype)
@@ -69,9 +70,9 @@ def out_features(w: torch.Tensor) -> int:
 
 
 def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
-    """A Q4_0 / Q4_K matrix as `Q4_0_X8` / `Q4_K_X8` (kernels for AVX-512 VNNI + VBMI and for AVX2) when its rows
-    come in whole groups of 8 (Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is unset; any other
-    matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy) or `w` is the
+    """A Q4_0 / Q4_K / Q6_K matrix as `Q4_0_X8` / `Q4_K_X8` / `Q6_K_X8` (kernels for AVX-512 VNNI + VBMI and for
+    AVX2) when its rows come in whole groups of 8 (Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is
+    unset; any other matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy) or `w` is the
     whole of a huge-page mapping of its own (`consume`'s large results), else in a copy (a file mapping's pages
     dropped after it)."""
     k, f = load_kernel(), format_of(w)
@@ -87,7 +88,7 @@ def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
 
 def ggml_blocks(w: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` (all when None) of a packed matrix in ggml's layout ([n, blocks, block bytes]: the rows of an
-    interleaved matrix as Q4_0 / Q4_K blocks)."""
+    interleaved matrix as Q4_0 / Q4_K / Q6_K blocks)."""
     if format_of(w) not in INTERLEAVED.values():
         return w if ids is None else w[ids]
     return _kernel().packed_blocks(w, torch.arange(out_features(w)) if ids is None else ids)

@@ -1,8 +1,8 @@
 // Packed ggml weight blocks (Q8_0, Q4_0, Q4_K) multiplied without unpacking the matrix (included by gemv.cpp).
 //
 // A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
-// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 576 / 1152: Q4_0 / Q4_K
-// with 8 rows interleaved, made at load, see `interleave_`). Products for few rows quantize
+// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 576 / 1152 / 1680: Q4_0 /
+// Q4_K / Q6_K with 8 rows interleaved, made at load, see `interleave_`). Products for few rows quantize
 // the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for Q4_K, as llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
 // depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
@@ -11,7 +11,7 @@
 
 namespace packed {
 
-enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K, Q4_0X8, Q4_KX8 };
+enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K, Q4_0X8, Q4_KX8, Q6_KX8 };
 
 inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
 
@@ -23,16 +23,17 @@ inline Fmt fmt_of(const torch::Tensor& w) {
     case 210: return Fmt::Q6_K;
     case 576: return Fmt::Q4_0X8;
     case 1152: return Fmt::Q4_KX8;
+    case 1680: return Fmt::Q6_KX8;
     default: TORCH_CHECK(false, "packed weight: unknown block size ", w.size(2));
   }
   return Fmt::Q8_0;
 }
 
 inline int64_t block_values(Fmt f) {
-  return f == Fmt::Q4_K || f == Fmt::Q6_K || f == Fmt::Q4_KX8 ? 256 : f == Fmt::Q4_0X8 ? 128 : 32;
+  return f == Fmt::Q4_K || f == Fmt::Q6_K || f == Fmt::Q4_KX8 || f == Fmt::Q6_KX8 ? 256 : f == Fmt::Q4_0X8 ? 128 : 32;
 }
 
-inline bool interleaved(Fmt f) { return f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8; }
+inline bool interleaved(Fmt f) { return f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8 || f == Fmt::Q6_KX8; }
 
 // Weight rows per row of the tensor: 8 for the interleaved formats ([out / 8, blocks, bytes]), else 1.
 inline int64_t rows_per(Fmt f) { return interleaved(f) ? 8 : 1; }
@@ -663,6 +664,156 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8
   for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
 }
 
+// ---- Q6_K with 8 rows interleaved (block size 1680; `interleave_` makes it from Q6_K in place at load) ----
+// Block b of rows 8g..8g+7 is one 1680-byte block holding the 8 rows' Q6_K blocks b: bytes 0-15 the rows' d
+// (float16, row r at 2r), 16-143 the int8 scales (16-value sub-block j, row r at 16 + 8j + r), then 16 vectors of
+// 64 bytes of the values' low 4 bits laid out as Q4_K_X8's (vector 4k + q, 4-byte lane L = row L / 2: its values
+// 64k + 8q + 4(L % 2) + 0..3 in the low nibbles, the same + 32 in the high ones), then 8 vectors of 64 bytes of
+// their top 2 bits: byte i of vector m holds, at bits 0-1 / 2-3 / 4-5 / 6-7, those of the values in byte i of
+// nibble vector 2m (low, high nibble) and of nibble vector 2m + 1 (low, high). So the kernels rebuild 64 six-bit
+// values of 8 rows with a few whole-vector ops and multiply them as the Q4_K_X8 kernels do (8 input bytes broadcast
+// to every qword); the weights' -32 is taken once per block from the input's 16-value sums. The bytes are the Q6_K
+// blocks' rearranged: the same size, and `q6k_block` gives each row's block back exactly.
+
+// The 256 six-bit values (0..63) of a Q6_K block in order, and the block's 192 value bytes from them.
+inline void q6_values(const uint8_t* blk, uint8_t* v) {
+  for (int i = 0; i < 256; ++i) {
+    const int n = i / 128, t = (i % 128) / 32, l = i % 32;
+    const uint8_t lo = blk[64 * n + l + 32 * (t % 2)], hb = blk[128 + 32 * n + l];
+    v[i] = static_cast<uint8_t>(((t < 2 ? lo : lo >> 4) & 15) | (((hb >> (2 * t)) & 3) << 4));
+  }
+}
+
+inline void q6_pack(const uint8_t* v, uint8_t* blk) {
+  std::memset(blk, 0, 192);
+  for (int i = 0; i < 256; ++i) {
+    const int n = i / 128, t = (i % 128) / 32, l = i % 32;
+    blk[64 * n + l + 32 * (t % 2)] |= static_cast<uint8_t>((v[i] & 15) << (t < 2 ? 0 : 4));
+    blk[128 + 32 * n + l] |= static_cast<uint8_t>((v[i] >> 4) << (2 * t));
+  }
+}
+
+// Where nibble vector n and top-bits vector m lie in an interleaved block: per 64 values of the 8 rows (k = n / 4 =
+// m / 2), the 4 nibble vectors then their 2 top-bits vectors, so a block is read front to back.
+constexpr int x8_6_nib(int n) { return 144 + 384 * (n / 4) + 64 * (n % 4); }
+constexpr int x8_6_top(int m) { return 144 + 384 * (m / 2) + 256 + 64 * (m % 2); }
+
+// Byte 8r + u of nibble vector 4k + q holds row r's values 64k + 8q + u (low nibble) and that + 32 (high nibble).
+inline void x8_6_values(int n, int i, int& v_lo, int& v_hi) {
+  const int k = n / 4, q = n % 4, u = i % 8;
+  v_lo = 64 * k + 8 * q + u;
+  v_hi = v_lo + 32;
+}
+
+// Row r's Q6_K block (210 bytes) from the interleaved block at p.
+inline void q6k_block(const uint8_t* p, int r, uint8_t* blk) {
+  uint8_t v[256];
+  for (int n = 0; n < 16; ++n)
+    for (int u = 0; u < 8; ++u) {
+      const int i = 8 * r + u;
+      const uint8_t nib = p[x8_6_nib(n) + i], hb = p[x8_6_top(n / 2) + i] >> (4 * (n % 2));
+      int lo, hi;
+      x8_6_values(n, i, lo, hi);
+      v[lo] = static_cast<uint8_t>((nib & 15) | ((hb & 3) << 4));
+      v[hi] = static_cast<uint8_t>((nib >> 4) | (((hb >> 2) & 3) << 4));
+    }
+  q6_pack(v, blk);
+  for (int j = 0; j < 16; ++j) blk[192 + j] = p[16 + 8 * j + r];
+  std::memcpy(blk + 208, p + 2 * r, 2);
+}
+
+// The interleaved block at p from the 8 rows' Q6_K blocks blk[r] (210 bytes each).
+inline void x8_6_block(const uint8_t* const* blk, uint8_t* p) {
+  for (int m = 0; m < 8; ++m) std::memset(p + x8_6_top(m), 0, 64);
+  for (int r = 0; r < 8; ++r) {
+    uint8_t v[256];
+    q6_values(blk[r], v);
+    std::memcpy(p + 2 * r, blk[r] + 208, 2);
+    for (int j = 0; j < 16; ++j) p[16 + 8 * j + r] = blk[r][192 + j];
+    for (int n = 0; n < 16; ++n)
+      for (int u = 0; u < 8; ++u) {
+        const int i = 8 * r + u;
+        int lo, hi;
+        x8_6_values(n, i, lo, hi);
+        p[x8_6_nib(n) + i] = static_cast<uint8_t>((v[lo] & 15) | ((v[hi] & 15) << 4));
+        p[x8_6_top(n / 2) + i] |= static_cast<uint8_t>(((v[lo] >> 4) | ((v[hi] >> 4) << 2)) << (4 * (n % 2)));
+      }
+  }
+}
+
+// Row r's sum over the block of scale x the input's 16-value sums (for the weights' -32), the 8 rows in the 8 lanes:
+// sub-blocks (2t, 2t + 1) per vpmaddwd (|result| < 2^23).
+__attribute__((always_inline)) inline __m256i q6x8_offsets(const uint8_t* o, const int16_t* s16) {
+  __m256i t = _mm256_setzero_si256();
+  for (int u = 0; u < 8; ++u) {
+    const __m128i two = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 + 16 * u));  // sub-blocks 2u, 2u + 1
+    int32_t pair;
+    std::memcpy(&pair, s16 + 2 * u, 4);
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128(two, 8))),
+                                              _mm256_set1_epi32(pair)));
+  }
+  return t;
+}
+
+// The int16 permutes of rows_q6kx8_avx512: sc[jj] puts sub-block 4k + jj's 8 scales (of the 4 sub-blocks' 32 int16
+// scales) in the low int16 of the 16 lanes (lane L: row L / 2; the high halves masked to 0).
+struct X6Perm {
+  alignas(64) int16_t sc[4][32];
+};
+
+inline const X6Perm& x6_perm() {
+  static const X6Perm t = [] {
+    X6Perm t{};
+    for (int jj = 0; jj < 4; ++jj)
+      for (int i = 0; i < 32; ++i) t.sc[jj][i] = static_cast<int16_t>(jj * 8 + i / 4);
+    return t;
+  }();
+  return t;
+}
+
+// out[j * 8 + r] = row r of the 8 interleaved Q6_K rows at w (nb blocks) . input row x[j], j < NX. A vpdpbusd lane
+// sums 4 products of a six-bit value and |q| <= 127 (< 2^15), so each applies its sub-block's scale by vpdpwssd.
+template <int NX>
+TS_VBMI __attribute__((always_inline)) inline void rows_q6kx8_avx512(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
+  const X8Perm& P = x8_perm();
+  const X6Perm& S = x6_perm();
+  const __m512i m0f = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), zero = _mm512_setzero_si512();
+  const __m512i dup = _mm512_load_si512(P.dup);
+  __m512 acc[NX];
+  for (int j = 0; j < NX; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = w + b * 1680;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1680);
+    const __m512 d = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)))));
+    __m512i bi[NX];
+    for (int j = 0; j < NX; ++j) {  // both lanes of a row start from -16 x its offsets: -32 x them in the row's sum
+      const __m512i off = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(q6x8_offsets(o, &x[j]->half16[b * 16])));
+      bi[j] = _mm512_sub_epi32(zero, _mm512_slli_epi32(off, 4));
+    }
+    for (int k = 0; k < 4; ++k) {
+      const __m512i sc16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + 32 * k)));
+      __m512i sc[4];
+      for (int jj = 0; jj < 4; ++jj) sc[jj] = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_load_si512(S.sc[jj]), sc16);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(o + x8_6_nib(4 * k + q));
+        const __m512i h = _mm512_loadu_si512(o + x8_6_top(2 * k + q / 2));
+        const __m512i hl = q % 2 ? h : _mm512_slli_epi16(h, 4), hh = q % 2 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+        // (nibble & 15) | (top bits & 0x30): vpternlogd 0xEC is (a & c) | b
+        const __m512i lo = _mm512_ternarylogic_epi32(v, _mm512_and_si512(hl, m30), m0f, 0xEC);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(hh, m30), m0f, 0xEC);
+        for (int j = 0; j < NX; ++j) {
+          const int8_t* e = &x[j]->q[b * 256 + 64 * k + 8 * q];
+          bi[j] = _mm512_dpwssd_epi32(bi[j], _mm512_dpbusd_epi32(zero, lo, bcast8(e)), sc[q / 2]);
+          bi[j] = _mm512_dpwssd_epi32(bi[j], _mm512_dpbusd_epi32(zero, hi, bcast8(e + 32)), sc[2 + q / 2]);
+        }
+      }
+    }
+    for (int j = 0; j < NX; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bi[j]), _mm512_mul_ps(d, _mm512_set1_ps(x[j]->d[b])), acc[j]);
+  }
+  for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
+}
+
 // ---- The interleaved formats with AVX2 (CPUs without AVX-512 VBMI, or TURBOSPEC_NO_AVX512): the same blocks, each
 // 64-byte vector taken as two halves of 4 rows. `vpmaddubsw` sums pairs of nibble x input products in int16 (a sub-block's 4 vectors add
 // up to at most 4 x 2 x 15 x 127 = 15240), `vpmaddwd` applies the scales (Q4_K) or sums to int32 (Q4_0).
@@ -821,6 +972,85 @@ __attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int
   }
 }
 
+// The byte shuffle of rows_q6kx8_avx2: sc6[h] takes rows 4h..4h+3's int8 scales (of 8 scale bytes in every qword)
+// into the high byte of both int16 halves of their two 32-bit lanes (an arithmetic shift by 8 then sign-extends).
+struct X6Avx2 {
+  alignas(32) int8_t sc6[2][32];
+};
+
+inline const X6Avx2& x6_avx2() {
+  static const X6Avx2 t = [] {
+    X6Avx2 t{};
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 32; ++i) t.sc6[h][i] = static_cast<int8_t>(i % 2 ? 4 * h + 2 * (i / 16) + (i % 16) / 8 : -128);
+    return t;
+  }();
+  return t;
+}
+
+// out[j * 8 + r] as rows_q6kx8_avx512, with AVX2: vpmaddubsw pairs (at most 2 x 63 x 127) summed over the two
+// vectors of a 16-value sub-block stay within int16, and vpmaddwd applies its scale.
+template <int NX>
+__attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
+  const X8Avx2& P = x8_avx2();
+  const X6Avx2& S = x6_avx2();
+  const __m256i m0f = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  const __m256i shuf[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(S.sc6[0])),
+                           _mm256_load_si256(reinterpret_cast<const __m256i*>(S.sc6[1]))};
+  const __m256i dup[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[0])),
+                          _mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[1]))};
+  __m256 acc[NX][2];
+  for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = w + b * 1680;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1680);
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    const __m256 d[2] = {_mm256_permutevar8x32_ps(d8, dup[0]), _mm256_permutevar8x32_ps(d8, dup[1])};
+    __m256i bi[NX][2];
+    for (int j = 0; j < NX; ++j) {  // both lanes of a row start from -16 x its offsets: -32 x them in the row's sum
+      const __m256i off = _mm256_slli_epi32(q6x8_offsets(o, &x[j]->half16[b * 16]), 4);
+      for (int h = 0; h < 2; ++h) bi[j][h] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_permutevar8x32_epi32(off, dup[h]));
+    }
+    for (int k = 0; k < 4; ++k) {
+      __m256i sc[4][2];  // sub-block 4k + jj's scales in each half
+      for (int jj = 0; jj < 4; ++jj) {
+        const __m256i c = bcast8_256(o + 16 + 8 * (4 * k + jj));
+        for (int h = 0; h < 2; ++h) sc[jj][h] = _mm256_srai_epi16(_mm256_shuffle_epi8(c, shuf[h]), 8);
+      }
+      for (int p = 0; p < 2; ++p)  // nibble vectors 4k + 2p and 4k + 2p + 1: sub-blocks 4k + p (low), 4k + 2 + p (high)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + x8_6_top(2 * k + p) + 32 * h));
+          __m256i sl[NX], sh[NX];
+          for (int j = 0; j < NX; ++j) sl[j] = sh[j] = _mm256_setzero_si256();
+          for (int u = 0; u < 2; ++u) {
+            const int q = 2 * p + u;
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + x8_6_nib(4 * k + q) + 32 * h));
+            const __m256i hl = u ? hb : _mm256_slli_epi16(hb, 4), hh = u ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m0f), _mm256_and_si256(hl, m30));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m0f), _mm256_and_si256(hh, m30));
+            for (int j = 0; j < NX; ++j) {
+              const int8_t* e = &x[j]->q[b * 256 + 64 * k + 8 * q];
+              sl[j] = _mm256_add_epi16(sl[j], _mm256_maddubs_epi16(lo, bcast8_256(e)));
+              sh[j] = _mm256_add_epi16(sh[j], _mm256_maddubs_epi16(hi, bcast8_256(e + 32)));
+            }
+          }
+          for (int j = 0; j < NX; ++j)
+            bi[j][h] = _mm256_add_epi32(bi[j][h], _mm256_add_epi32(_mm256_madd_epi16(sl[j], sc[p][h]),
+                                                                   _mm256_madd_epi16(sh[j], sc[2 + p][h])));
+        }
+    }
+    for (int j = 0; j < NX; ++j) {
+      const __m256 xd = _mm256_set1_ps(x[j]->d[b]);
+      for (int h = 0; h < 2; ++h)
+        acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bi[j][h]), _mm256_mul_ps(d[h], xd), acc[j][h]);
+    }
+  }
+  for (int j = 0; j < NX; ++j) {
+    pair_sums4(acc[j][0], out + 8 * j);
+    pair_sums4(acc[j][1], out + 8 * j + 4);
+  }
+}
+
 // y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
 // F, blocks of `bytes` per group), the inputs in pairs.
 #define TS_RANGE_X8(TARGET, NAME, SUFFIX)                                                                      \
@@ -835,6 +1065,9 @@ __attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int
         if constexpr (F == Fmt::Q4_KX8) {                                                                        \
           if (nx == 2) rows_q4kx8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
           else rows_q4kx8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
+        } else if constexpr (F == Fmt::Q6_KX8) {                                                                 \
+          if (nx == 2) rows_q6kx8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
+          else rows_q6kx8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
         } else {                                                                                                 \
           if (nx == 2) rows_q40x8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
           else rows_q40x8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
@@ -1095,7 +1328,8 @@ inline void by_fmt(Fmt f, Fn&& fn) {
     case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
     case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
     case Fmt::Q4_0X8:
-    case Fmt::Q4_KX8: TORCH_CHECK(false, "interleaved weights multiply through product() only");
+    case Fmt::Q4_KX8:
+    case Fmt::Q6_KX8: TORCH_CHECK(false, "interleaved weights multiply through product() only");
   }
 }
 
@@ -1218,6 +1452,8 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
     at::parallel_for(0, w.size(0), 8, [&](int64_t g0, int64_t g1) {
       if (f == Fmt::Q4_KX8 && vbmi) range_x8<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (f == Fmt::Q4_KX8) range_x8_avx2<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q6_KX8 && vbmi) range_x8<Fmt::Q6_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q6_KX8) range_x8_avx2<Fmt::Q6_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (vbmi) range_x8<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else range_x8_avx2<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
     });
@@ -1231,17 +1467,19 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
 __attribute__((optimize("fp-contract=off")))  // multiply, then subtract: two roundings, as numpy
 void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y) {
   const Fmt fw = fmt_of(w);  // an interleaved format's rows go as its blocks' format, one block at a time
-  const Fmt f = fw == Fmt::Q4_KX8 ? Fmt::Q4_K : fw == Fmt::Q4_0X8 ? Fmt::Q4_0 : fw;
+  const Fmt f = fw == Fmt::Q4_KX8 ? Fmt::Q4_K : fw == Fmt::Q4_0X8 ? Fmt::Q4_0 : fw == Fmt::Q6_KX8 ? Fmt::Q6_K : fw;
   const int64_t nb = w.size(1) * block_values(fw) / block_values(f), bb = w.size(2), in = nb * block_values(f);
   const uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t e) {
-    alignas(64) uint8_t blk[144];
+    alignas(64) uint8_t blk[256];
     for (int64_t r = a; r < e; ++r) {
       float* yr = y + (r - r0) * in;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = blk;
         if (fw == Fmt::Q4_KX8)  // row r % 8's Q4_K block b
           q4k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
+        else if (fw == Fmt::Q6_KX8)  // row r % 8's Q6_K block b
+          q6k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
         else if (fw == Fmt::Q4_0X8)  // row r % 8's Q4_0 block b
           q40_block(base + ((r / 8) * w.size(1) + b / 4) * bb, static_cast<int>(b % 4), static_cast<int>(r % 8), blk);
         else
@@ -1392,16 +1630,16 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Q4_0 / Q4_K weights [out, blocks, 18 / 144] rearranged in place into 8-row interleaved blocks (packed::x8_0_block,
-// packed::x8_k_block), returned as the [out / 8, blocks / 4 (Q4_0) or blocks, 576 / 1152] view of the same memory.
-// The caller owns the memory (nothing else reads it in the old layout).
+// Q4_0 / Q4_K / Q6_K weights [out, blocks, 18 / 144 / 210] rearranged in place into 8-row interleaved blocks
+// (packed::x8_0_block, packed::x8_k_block, packed::x8_6_block), returned as the [out / 8, blocks / 4 (Q4_0) or
+// blocks, 576 / 1152 / 1680] view of the same memory. The caller owns the memory (nothing else reads it in the old
+// layout).
 torch::Tensor interleave_(torch::Tensor w) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
-              (w.size(2) == 144 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
-              "interleave_: contiguous Q4_0 / Q4_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
-  const bool k = w.size(2) == 144;
-  const int64_t groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * w.size(2);
-  const int64_t per = k ? 1 : 4, out_blocks = nb / per, out_bytes = 8 * per * w.size(2);  // per interleaved block
+              (w.size(2) == 144 || w.size(2) == 210 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
+              "interleave_: contiguous Q4_0 / Q4_K / Q6_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
+  const int64_t bs = w.size(2), groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * bs;
+  const int64_t per = bs == 18 ? 4 : 1, out_blocks = nb / per, out_bytes = 8 * per * bs;  // per interleaved block
   uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> tmp(bytes);
@@ -1410,8 +1648,9 @@ torch::Tensor interleave_(torch::Tensor w) {
       std::memcpy(tmp.data(), p, bytes);
       for (int64_t c = 0; c < out_blocks; ++c) {
         const uint8_t* blk[8];
-        for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + c * per) * w.size(2);
-        if (k) packed::x8_k_block(blk, p + c * out_bytes);
+        for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + c * per) * bs;
+        if (bs == 144) packed::x8_k_block(blk, p + c * out_bytes);
+        else if (bs == 210) packed::x8_6_block(blk, p + c * out_bytes);
         else packed::x8_0_block(blk, p + c * out_bytes);
       }
     }
@@ -1419,15 +1658,15 @@ torch::Tensor interleave_(torch::Tensor w) {
   return w.view({groups, out_blocks, out_bytes});
 }
 
-// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved format's rows as Q4_0 / Q4_K
-// blocks (packed::q40_block, packed::q4k_block), any other format's rows as they are.
+// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved format's rows as Q4_0 / Q4_K /
+// Q6_K blocks (packed::q40_block, packed::q4k_block, packed::q6k_block), any other format's rows as they are.
 torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
   auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
   const packed::Fmt f = packed::fmt_of(w);
   if (!packed::interleaved(f)) return w.index_select(0, idc);
-  const bool k = f == packed::Fmt::Q4_KX8;
-  const int64_t n = idc.size(0), per = k ? 1 : 4, nb = w.size(1) * per, bb = k ? 144 : 18;
+  const bool q40 = f == packed::Fmt::Q4_0X8;
+  const int64_t n = idc.size(0), per = q40 ? 4 : 1, nb = w.size(1) * per, bb = w.size(2) / (8 * per);
   auto y = torch::empty({n, nb, bb}, torch::kByte);
   const int64_t* ip = idc.data_ptr<int64_t>();
   const uint8_t* base = w.data_ptr<uint8_t>();
@@ -1437,14 +1676,16 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
     const int r = static_cast<int>(ip[i] % 8);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = base + ((ip[i] / 8) * w.size(1) + b / per) * w.size(2);
-      if (k) packed::q4k_block(p, r, yp + (i * nb + b) * bb);
-      else packed::q40_block(p, static_cast<int>(b % 4), r, yp + (i * nb + b) * bb);
+      uint8_t* dst = yp + (i * nb + b) * bb;
+      if (f == packed::Fmt::Q4_KX8) packed::q4k_block(p, r, dst);
+      else if (f == packed::Fmt::Q6_KX8) packed::q6k_block(p, r, dst);
+      else packed::q40_block(p, static_cast<int>(b % 4), r, dst);
     }
   }
   return y;
 }
 
-// Whether Linear interleaves Q4_0 / Q4_K weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels: AVX-512 VNNI +
+// Whether Linear interleaves Q4_0 / Q4_K / Q6_K weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels: AVX-512 VNNI +
 // VBMI where the CPU has them, AVX2 otherwise).
 bool interleaved_here() { return !std::getenv("TURBOSPEC_NO_INTERLEAVE"); }
 
