@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -231,7 +233,9 @@ def main() -> None:
         print(line, flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpu_count": torch.get_num_threads(),
             "torch": torch.__version__, "copy_bandwidth_GBps": bw, "copy_bandwidth_all": bws, "prompt": PROMPT,
-            "gen": GEN, "reps": a.reps, "interleaved": True, "weights_dtype": a.weights_dtype}
+            "gen": GEN, "reps": a.reps, "interleaved": True, "weights_dtype": a.weights_dtype,
+            "command": " ".join(["python", "benchmarks/engine_speed.py", *sys.argv[1:]]),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("TURBOSPEC_")}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"copy bandwidth {bw:.1f} GB/s (median of the rounds); wrote {a.out}")

@@ -136,17 +136,22 @@ x8 = pytest.mark.skipif(load_kernel() is None or not load_kernel().interleaved_h
                         reason="TURBOSPEC_NO_INTERLEAVE is set")
 
 
+def blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A packed matrix: Q6_K as random blocks (no quantizer here), the other formats quantized from `matrix`."""
+    return torch.from_numpy(q6_k_blocks(rows, cols, seed)) if fmt == "q6_k" else W.quantize(matrix(rows, cols, seed), fmt)
+
+
 @x8
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
-def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt, monkeypatch):
-    """`Linear` rearranges a Q4_0 / Q4_K matrix into 8-row interleaved blocks (the same bytes in another order):
-    every row comes back as its ggml blocks, and dequantizes and looks up bit for bit as before; the caller's
-    tensor is untouched, and matrices whose rows (or Q4_0's columns, in 128s) do not fit stay as they are."""
-    p = W.quantize(matrix(72, 1024), fmt)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+def test_linear_interleaves_blocks_and_keeps_every_rows_bytes(fmt, monkeypatch):
+    """`Linear` rearranges a Q4_0 / Q4_K / Q6_K matrix into 8-row interleaved blocks (the same bytes in another
+    order): every row comes back as its ggml blocks, and dequantizes and looks up bit for bit as before; the
+    caller's tensor is untouched, and matrices whose rows (or Q4_0's columns, in 128s) do not fit stay as they are."""
+    p = blocks(fmt, 72, 1024)
     before = p.clone()
     lin = Linear(p)
     assert torch.equal(p, before)
-    x8 = W.INTERLEAVED[W.PACKED[fmt]]
+    x8 = W.INTERLEAVED[W.format_of(p)]
     assert W.format_of(lin.weight) is x8 and tuple(lin.weight.shape) == (9, 1024 // x8.block_values, x8.block_bytes)
     assert (lin.out_features, lin.in_features) == (72, 1024) and lin.nbytes == p.numel()
     assert torch.equal(W.ggml_blocks(lin.weight), p)
@@ -156,7 +161,7 @@ def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt, monkeyp
     assert torch.equal(W.dequantize(lin.weight, slice(5, 17)), W.dequantize(p, slice(5, 17)))
     assert torch.equal(W.rows_of(lin.weight, ids, torch.float32), W.dequantize(p)[ids])
     assert torch.equal(lin.take(ids).weight, p[ids])
-    assert W.format_of(Linear(W.quantize(matrix(68, 512), fmt)).weight).name == fmt
+    assert W.format_of(Linear(blocks(fmt, 68, 512)).weight).name == fmt
     from turbospec import env  # without huge pages Linear keeps no copy of its own: the rearrangement copies
     monkeypatch.setattr(env, "HUGEPAGES", False)
     assert torch.equal(W.ggml_blocks(Linear(p).weight), before) and torch.equal(p, before)
@@ -165,13 +170,13 @@ def test_linear_interleaves_4_bit_blocks_and_keeps_every_rows_bytes(fmt, monkeyp
 
 
 @x8
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
 def test_interleaved_products_equal_the_one_row_kernels(fmt):
     """The same int8 sums as the kernels over the file's layout, added in float32 in another order; a row's result
     does not depend on its batch or on the rows beside it; above the skinny limit both take the same dequantized
     tiles (equal bits)."""
     k = load_kernel()
-    p = W.quantize(matrix(72, 1024), fmt)
+    p = blocks(fmt, 72, 1024)
     w8 = Linear(p).weight
     x = torch.randn(20, 1024, generator=torch.Generator().manual_seed(4))
     b = torch.randn(72)
@@ -181,19 +186,21 @@ def test_interleaved_products_equal_the_one_row_kernels(fmt):
     assert torch.equal(k.packed_linear(x, w8, b, 16), k.packed_linear(x, p, b, 16))
     solo = torch.cat([k.packed_linear(x[i:i + 1], w8, b, 16) for i in range(16)])
     assert torch.equal(k.packed_linear(x[:16], w8, b, 16), solo)
-    part = Linear(W.quantize(matrix(72, 1024), fmt)[16:48].contiguous()).weight  # groups 2-5 alone
+    part = Linear(blocks(fmt, 72, 1024)[16:48].contiguous()).weight  # groups 2-5 alone
     assert torch.equal(k.packed_linear(x[:3], part, None, 16), k.packed_linear(x[:3], w8, None, 16)[:, 16:48])
 
 
 @x8
 def test_interleaved_avx2_kernels_equal_the_file_layouts():
-    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q4_0 / Q4_K products equal the
-    products over the file's layout (float sums in another order) and a row's result does not depend on its batch."""
+    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q4_0 / Q4_K / Q6_K products
+    equal the products over the file's layout (float sums in another order) and a row's result does not depend on
+    its batch."""
     code = ("import torch,sys; sys.path.insert(0,'.'); from turbospec import weights as W\n"
             "from turbospec.layers.linear import Linear; from turbospec.kernels.gemv import load_kernel\n"
+            "from tests.test_weights import blocks\n"
             "k=load_kernel(); torch.manual_seed(0); x=torch.randn(16,1024); b=torch.randn(72); bad=[]\n"
-            "for f in ('q4_0','q4_k'):\n"
-            "  p=W.quantize(torch.randn(72,1024),f); w8=Linear(p).weight\n"
+            "for f in ('q4_0','q4_k','q6_k'):\n"
+            "  p=blocks(f,72,1024,1); w8=Linear(p).weight\n"
             "  assert W.format_of(w8).rows==8, W.format_of(w8)\n"
             "  for m in (1,2,3,16):\n"
             "    y,want=k.packed_linear(x[:m],w8,b,16),k.packed_linear(x[:m],p,b,16)\n"
@@ -278,7 +285,7 @@ def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
 
     m = load_model(path, "float32")
     assert isinstance(m.layers[0].attn.qkv, SplitLinear) and m.layers[0].mlp.down.packed and m.lm_head.packed
-    assert W.format_of(m.layers[0].mlp.down.weight).name == "q6_k"
+    assert W.format_of(m.layers[0].mlp.down.weight).gguf_type == "Q6_K"  # (interleaved where the CPU can)
     ids = list(range(3, 40))
 
     def logits(model):
