@@ -93,11 +93,15 @@ def main() -> int:
             res.setdefault(str(s), []).append(batched(model, s, a.prompt, a.gen, vocab, r))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in res.items()), flush=True)
     base = statistics.median(res["alone"])
-    rows = [{"streams": k, "decode_tps": statistics.median(v), "runs": [round(x, 1) for x in v],
-             "vs_alone": statistics.median(v) / base} for k, v in res.items()]
-    print(f"\n{'streams':>8s} {'decode t/s':>11s} {'x alone':>8s}")
+    rows = []
+    for k, v in res.items():
+        paired = [x / a for x, a in zip(v, res["alone"])]  # each round against that round's lone sequence
+        rows.append({"streams": k, "decode_tps": statistics.median(v), "runs": [round(x, 1) for x in v],
+                     "vs_alone": statistics.median(v) / base, "vs_alone_paired": statistics.median(paired),
+                     "vs_alone_paired_range": [round(min(paired), 2), round(max(paired), 2)]})
+    print(f"\n{'streams':>8s} {'decode t/s':>11s} {'x alone':>8s} {'paired':>8s}")
     for row in rows:
-        print(f"{row['streams']:>8s} {row['decode_tps']:11.0f} {row['vs_alone']:8.2f}")
+        print(f"{row['streams']:>8s} {row['decode_tps']:11.0f} {row['vs_alone']:8.2f} {row['vs_alone_paired']:8.2f}")
     if a.json:
         out = {"command": " ".join(["python", "benchmarks/batch_steps.py", *sys.argv[1:]]), "model": a.model,
                "dtype": a.dtype, "prompt_tokens": a.prompt, "gen_tokens": a.gen, "rows": rows}
