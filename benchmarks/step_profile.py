@@ -96,11 +96,10 @@ def dense(dtype: str) -> None:
 def spec(path: str | None, dtype: str) -> None:
     from turbospec.config import SpecConfig
     from turbospec.engine import Engine
+    from turbospec.model.gguf import GGUFFile, is_gguf
     from turbospec.sampling import SamplingParams
     from turbospec.speculative import make_drafter
     from turbospec.tokenizer import Tokenizer
-
-    from turbospec.model.gguf import GGUFFile, is_gguf
 
     path = path or "models/turbospec-tiny-hybrid"
     model = load_model(path, dtype)

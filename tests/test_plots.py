@@ -289,3 +289,26 @@ def test_seeds_report_figures():
     assert len(bars) == 2 * len(report["rows"])
     assert sorted(round(b.get_height(), 3) for b in bars) == sorted(
         round(r[k], 3) for r in report["rows"] for k in ("code_tps", "prose_tps"))
+
+
+def test_plot_depth_reads_results_and_logs(tmp_path):
+    """benchmarks/plot_depth.py: kv_bench_cli results files and its per-round log (medians), a later file's rows
+    replacing an earlier one's, one line per configuration at evenly spaced depths, llama.cpp's dashed."""
+    from benchmarks.plot_depth import figure, read
+
+    log = tmp_path / "r.log"
+    log.write_text("# header\ndepth 0 round 0: f16 100.0, llama.cpp:f16 80.0\ndepth 0 round 1: f16 120.0, "
+                   "llama.cpp:f16 90.0\ndepth 0 round 2: f16 110.0, llama.cpp:f16 70.0\n")
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps({"rows": [{"type": "f16", "depth": 8192, "decode_tps": 50.0},
+                                        {"type": "llama.cpp:f16", "depth": 0, "decode_tps": 99.0},
+                                        {"type": "tbq4_0", "depth": 8192, "decode_tps": None}]}))
+    points = read(log)
+    assert points == {("f16", 0): 110.0, ("llama.cpp:f16", 0): 80.0}
+    points.update(read(res))
+    assert points == {("f16", 0): 110.0, ("llama.cpp:f16", 0): 99.0, ("f16", 8192): 50.0}
+    ax = figure(points, "t").axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(lines["f16"].get_xdata()) == [0, 1] and list(lines["f16"].get_ydata()) == [110.0, 50.0]
+    assert lines["llama.cpp:f16"].get_linestyle() == "--" and lines["f16"].get_linestyle() == "-"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "8K"]
