@@ -365,3 +365,23 @@ def test_weights_flag_is_validated():
     with pytest.raises(TurboSpecError, match="--weights"):
         EngineConfig(weights="q3_k")
     assert EngineConfig(weights="Q4_K").weights == "q4_k"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q6_k"])
+def test_bf16_prefill_tiles_are_torchs_rounding(fmt):
+    """Prefill rows of a bfloat16 model multiply tiles dequantized straight to bfloat16, row by row: the same bits
+    as dequantizing to float32 and rounding with torch (file layout and interleaved); scales of inf / NaN (a
+    damaged file) give the same infinities and NaNs."""
+    k = load_kernel()
+    p = blocks(fmt, 72, 1024, 6)
+    if fmt == "q8_0":  # row 3: a block scaled by inf (inf and NaN weights), row 9: one scaled by NaN
+        p[3, 1, :2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)
+        p[9, 0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for w in (p, Linear(p).weight):
+        got = k.packed_linear(x, w, None, 16)  # 40 rows: the tile path
+        want = torch.mm(x, W.dequantize(w).to(torch.bfloat16).t())
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    if fmt == "q8_0":
+        assert bool(torch.isnan(got[:, 3]).all()) and bool(torch.isnan(got[:, 9]).all())
