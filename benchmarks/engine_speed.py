@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from turbospec import env
 from turbospec.config import EngineConfig
 from turbospec.demo import make_demo_model
 from turbospec.dtypes import parse_dtype
@@ -235,7 +235,7 @@ def main() -> None:
             "torch": torch.__version__, "copy_bandwidth_GBps": bw, "copy_bandwidth_all": bws, "prompt": PROMPT,
             "gen": GEN, "reps": a.reps, "interleaved": True, "weights_dtype": a.weights_dtype,
             "command": " ".join(["python", "benchmarks/engine_speed.py", *sys.argv[1:]]),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("TURBOSPEC_")}}
+            "env": env.all_set()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"copy bandwidth {bw:.1f} GB/s (median of the rounds); wrote {a.out}")

@@ -13,7 +13,8 @@ bytes.
 
 `--type q4_k_m --llama-quantize PATH`: the speed rounds run llama.cpp's Q4_K_M mix of the same checkpoint instead
 (its f16 export quantized by `llama-quantize`: Q4_K, with Q6_K for the 248,320-row LM head and some attn_v /
-ffn_down, Q8_0 / Q5_0 where rows are not whole 256-value blocks), the file users download.
+ffn_down, Q8_0 / Q5_0 where rows are not whole 256-value blocks), the file users download; `--type q6_k` /
+`q8_0` the same way, llama.cpp's Q6_K / Q8_0 files.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import torch
 from engine_speed import llama_bench_speeds  # (this folder is on sys.path when run as a script)
+
+from turbospec import env as turbospec_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -166,12 +169,13 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--no-memory", action="store_true", help="skip the memory rows (speed rounds only)")
-    ap.add_argument("--type", default="q4_k", choices=("q4_k", "q4_k_m"), help="the GGUF file of the speed rounds")
-    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (for --type q4_k_m)")
+    ap.add_argument("--type", default="q4_k", choices=("q4_k", "q4_k_m", "q6_k", "q8_0"),
+                    help="the GGUF file of the speed rounds")
+    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (for the --type other than q4_k)")
     ap.add_argument("--out", default="docs/results/real_size_q4k.json")
     a = ap.parse_args()
-    if a.type == "q4_k_m" and not a.llama_quantize:
-        ap.error("--type q4_k_m needs --llama-quantize (llama.cpp makes the mix)")
+    if a.type != "q4_k" and not a.llama_quantize:
+        ap.error(f"--type {a.type} needs --llama-quantize (llama.cpp makes the file)")
     d = Path(a.dir)
     ckpt, gguf = d / "checkpoint", d / "q4_k.gguf"
     if not (ckpt / "config.json").exists():
@@ -185,13 +189,13 @@ def main() -> None:
         export_gguf(ckpt, gguf, "q4_k")
         print(f"exported {gguf} ({gguf.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
     run_file = gguf
-    if a.type == "q4_k_m":
-        run_file = d / "q4_k_m.gguf"
+    if a.type != "q4_k":
+        run_file = d / f"{a.type}.gguf"
         if not run_file.exists():
             t = time.perf_counter()
             f16 = d / "f16.gguf"
             export_gguf(ckpt, f16, "f16")
-            subprocess.run([a.llama_quantize, str(f16), str(run_file), "Q4_K_M"], check=True, capture_output=True)
+            subprocess.run([a.llama_quantize, str(f16), str(run_file), a.type.upper()], check=True, capture_output=True)
             f16.unlink()
             print(f"quantized {run_file} ({run_file.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
                   flush=True)
@@ -231,6 +235,7 @@ def main() -> None:
     Path(a.out).write_text(json.dumps({"shape": {**SHAPE, "layers": a.layers}, "parameters": params,
                                        "type": a.type, "gguf_bytes": run_file.stat().st_size,
                                        "command": " ".join(["python", "benchmarks/real_size.py", *sys.argv[1:]]),
+                                       "env": turbospec_env.all_set(),
                                        "prompt": a.prompt, "gen": a.gen,
                                        "summary": summary, "rounds": rows, "memory": memory}, indent=1))
     print(json.dumps(summary, indent=1))
