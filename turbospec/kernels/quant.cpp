@@ -515,12 +515,15 @@ inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
 // The permutes of the interleaved kernels: sc[j] puts Q4_K sub-block j's 8 scales in the low bytes of the 16 lanes
 // (lane L: row L / 2); mn[z] the mins of sub-blocks 4z..4z+3 as int16 pairs (lane D: row D / 2, sub-blocks 2p and
 // 2p + 1 for p = 2z + D % 2), against the input's 4 sub-block sums 4z..4z+3 broadcast to every qword; dup[L] = L / 2
-// (8 rows' floats to their two lanes each); dup2[L] = 8 + L / 2 (the next 8).
+// (8 rows' floats to their two lanes each); dup2[L] = 8 + L / 2 (the next 8); q6[jj] (Q6_K, an int16 permute) puts
+// sub-block 4k + jj's 8 scales (of the 4 sub-blocks' 32 int16 scales) in the low int16 of the 16 lanes (the high
+// halves masked to 0).
 struct X8Perm {
   alignas(64) int8_t sc[8][64];
   alignas(64) int8_t mn[2][64];
   alignas(64) int32_t dup[16];
   alignas(64) int32_t dup2[16];
+  alignas(64) int16_t q6[4][32];
 };
 
 inline const X8Perm& x8_perm() {
@@ -535,6 +538,8 @@ inline const X8Perm& x8_perm() {
         t.mn[z][4 * d + 2] = static_cast<int8_t>((2 * p + 1) * 8 + r);
       }
     for (int l = 0; l < 16; ++l) t.dup[l] = l / 2, t.dup2[l] = 8 + l / 2;
+    for (int jj = 0; jj < 4; ++jj)
+      for (int i = 0; i < 32; ++i) t.q6[jj][i] = static_cast<int16_t>(jj * 8 + i / 4);
     return t;
   }();
   return t;
@@ -759,28 +764,11 @@ __attribute__((always_inline)) inline __m256i q6x8_offsets(const uint8_t* o, con
   return t;
 }
 
-// The int16 permutes of rows_q6kx8_avx512: sc[jj] puts sub-block 4k + jj's 8 scales (of the 4 sub-blocks' 32 int16
-// scales) in the low int16 of the 16 lanes (lane L: row L / 2; the high halves masked to 0).
-struct X6Perm {
-  alignas(64) int16_t sc[4][32];
-};
-
-inline const X6Perm& x6_perm() {
-  static const X6Perm t = [] {
-    X6Perm t{};
-    for (int jj = 0; jj < 4; ++jj)
-      for (int i = 0; i < 32; ++i) t.sc[jj][i] = static_cast<int16_t>(jj * 8 + i / 4);
-    return t;
-  }();
-  return t;
-}
-
 // out[j * 8 + r] = row r of the 8 interleaved Q6_K rows at w (nb blocks) . input row x[j], j < NX. A vpdpbusd lane
 // sums 4 products of a six-bit value and |q| <= 127 (< 2^15), so each applies its sub-block's scale by vpdpwssd.
 template <int NX>
 TS_VBMI __attribute__((always_inline)) inline void rows_q6kx8_avx512(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
   const X8Perm& P = x8_perm();
-  const X6Perm& S = x6_perm();
   const __m512i m0f = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), zero = _mm512_setzero_si512();
   const __m512i dup = _mm512_load_si512(P.dup);
   __m512 acc[NX];
@@ -797,7 +785,7 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q6kx8_avx512(const uint8
     for (int k = 0; k < 4; ++k) {
       const __m512i sc16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + 32 * k)));
       __m512i sc[4];
-      for (int jj = 0; jj < 4; ++jj) sc[jj] = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_load_si512(S.sc[jj]), sc16);
+      for (int jj = 0; jj < 4; ++jj) sc[jj] = _mm512_maskz_permutexvar_epi16(0x55555555u, _mm512_load_si512(P.q6[jj]), sc16);
       for (int q = 0; q < 4; ++q) {
         const __m512i v = _mm512_loadu_si512(o + x8_6_nib(4 * k + q));
         const __m512i h = _mm512_loadu_si512(o + x8_6_top(2 * k + q / 2));
@@ -837,18 +825,24 @@ inline void pair_sums4(__m256 t, float* out) {
 }
 
 // The byte shuffles of rows_q4kx8_avx2: sc[h] takes rows 4h..4h+3's scales (of 8 scale bytes in every qword) into
-// both int16 halves of their two 32-bit lanes; dup[h] takes rows 4h..4h+3's floats (of 8) to their two lanes each.
+// both int16 halves of their two 32-bit lanes; dup[h] takes rows 4h..4h+3's floats (of 8) to their two lanes each;
+// q6[h] (rows_q6kx8_avx2) takes rows 4h..4h+3's int8 scales into the high byte of both int16 halves of their two
+// lanes (an arithmetic shift by 8 then sign-extends them).
 struct X8Avx2 {
   alignas(32) int8_t sc[2][32];
   alignas(32) int32_t dup[2][8];
+  alignas(32) int8_t q6[2][32];
 };
 
 inline const X8Avx2& x8_avx2() {
   static const X8Avx2 t = [] {
     X8Avx2 t{};
     for (int h = 0; h < 2; ++h) {
-      for (int i = 0; i < 32; ++i)  // byte i: 32-bit lane 4 (i / 16) + (i % 16) / 4 of row 4h + that lane / 2
-        t.sc[h][i] = static_cast<int8_t>(i % 2 ? -128 : 4 * h + 2 * (i / 16) + (i % 16) / 8);
+      for (int i = 0; i < 32; ++i) {  // byte i: 32-bit lane 4 (i / 16) + (i % 16) / 4 of row 4h + that lane / 2
+        const int8_t row = static_cast<int8_t>(4 * h + 2 * (i / 16) + (i % 16) / 8);
+        t.sc[h][i] = i % 2 ? -128 : row;
+        t.q6[h][i] = i % 2 ? row : -128;
+      }
       for (int l = 0; l < 8; ++l) t.dup[h][l] = 4 * h + l / 2;
     }
     return t;
@@ -856,15 +850,20 @@ inline const X8Avx2& x8_avx2() {
   return t;
 }
 
+// A table's two 32-byte rows (an X8Avx2 field, one per half of 4 rows) in two vectors.
+inline void load_halves(const void* table, __m256i* out) {
+  for (int h = 0; h < 2; ++h) out[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(table) + h);
+}
+
 // out[j * 8 + r] as rows_q4kx8_avx512, with AVX2.
 template <int NX>
 __attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
   const X8Avx2& P = x8_avx2();
   const __m256i low = _mm256_set1_epi8(15);
-  const __m256i shuf[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.sc[0])),
-                           _mm256_load_si256(reinterpret_cast<const __m256i*>(P.sc[1]))};
-  const __m256i dup[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[0])),
-                          _mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[1]))};
+  __m256i shuf[2];
+  load_halves(P.sc, shuf);
+  __m256i dup[2];
+  load_halves(P.dup, dup);
   __m256 acc[NX][2], accm[NX];
   for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = accm[j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -940,8 +939,8 @@ template <int NX>
 __attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
   const X8Avx2& P = x8_avx2();
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-  const __m256i dup[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[0])),
-                          _mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[1]))};
+  __m256i dup[2];
+  load_halves(P.dup, dup);
   __m256 acc[NX][2];
   for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
@@ -976,33 +975,16 @@ __attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int
   }
 }
 
-// The byte shuffle of rows_q6kx8_avx2: sc6[h] takes rows 4h..4h+3's int8 scales (of 8 scale bytes in every qword)
-// into the high byte of both int16 halves of their two 32-bit lanes (an arithmetic shift by 8 then sign-extends).
-struct X6Avx2 {
-  alignas(32) int8_t sc6[2][32];
-};
-
-inline const X6Avx2& x6_avx2() {
-  static const X6Avx2 t = [] {
-    X6Avx2 t{};
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 32; ++i) t.sc6[h][i] = static_cast<int8_t>(i % 2 ? 4 * h + 2 * (i / 16) + (i % 16) / 8 : -128);
-    return t;
-  }();
-  return t;
-}
-
 // out[j * 8 + r] as rows_q6kx8_avx512, with AVX2: vpmaddubsw pairs (at most 2 x 63 x 127) summed over the two
 // vectors of a 16-value sub-block stay within int16, and vpmaddwd applies its scale.
 template <int NX>
 __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
   const X8Avx2& P = x8_avx2();
-  const X6Avx2& S = x6_avx2();
   const __m256i m0f = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-  const __m256i shuf[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(S.sc6[0])),
-                           _mm256_load_si256(reinterpret_cast<const __m256i*>(S.sc6[1]))};
-  const __m256i dup[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[0])),
-                          _mm256_load_si256(reinterpret_cast<const __m256i*>(P.dup[1]))};
+  __m256i shuf[2];
+  load_halves(P.q6, shuf);
+  __m256i dup[2];
+  load_halves(P.dup, dup);
   __m256 acc[NX][2];
   for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
