@@ -4,7 +4,7 @@ at the same configuration and depth). Also reads the per-round log `kv_bench_cli
 per depth (lines `depth D round R: name t/s, name t/s, ...`; the median over rounds).
 
     python benchmarks/plot_depth.py docs/results/kv_depth_hybrid_llama.json docs/results/kv_depth_hybrid_llama_32k.json \
-        --title "bundled hybrid, float16" --out docs/img/depth_hybrid.png
+        --title "bundled hybrid, float16" --out docs/results/depth/hybrid.png
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory rows (speed rounds only)")
     ap.add_argument("--type", default="q4_k", choices=("q4_k", "q4_k_m", "q6_k", "q8_0"),
                     help="the GGUF file of the speed rounds")
-    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (for the --type other than q4_k)")
+    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (every --type but q4_k)")
     ap.add_argument("--out", default="docs/results/real_size_q4k.json")
     a = ap.parse_args()
     if a.type != "q4_k" and not a.llama_quantize:

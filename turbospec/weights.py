@@ -72,9 +72,9 @@ def out_features(w: torch.Tensor) -> int:
 def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
     """A Q4_0 / Q4_K / Q6_K matrix as `Q4_0_X8` / `Q4_K_X8` / `Q6_K_X8` (kernels for AVX-512 VNNI + VBMI and for
     AVX2) when its rows come in whole groups of 8 (Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is
-    unset; any other matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy) or `w` is the
-    whole of a huge-page mapping of its own (`consume`'s large results), else in a copy (a file mapping's pages
-    dropped after it)."""
+    unset; any other matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy)
+    or `w` is the whole of a huge-page mapping of its own (`consume`'s large results), else in a copy (a file
+    mapping's pages dropped after it)."""
     k, f = load_kernel(), format_of(w)
     if (k is None or w.device.type != "cpu" or f not in INTERLEAVED or w.shape[0] % 8
             or w.shape[1] * f.block_values % INTERLEAVED[f].block_values or not k.interleaved_here()):

@@ -54,6 +54,20 @@ inline void store8(at::BFloat16* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+// T row of n values -> float32, and back (rounded to nearest even).
+template <typename T>
+inline void row_to_floats(const T* p, float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, load8(p + i));
+  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
+}
+template <typename T>
+inline void row_from_floats(const float* v, T* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(p + i, _mm256_loadu_ps(v + i));
+  for (; i < n; ++i) p[i] = static_cast<T>(v[i]);
+}
+
 // Software prefetch distance: while one block of 4 weight rows is multiplied, the block this many bytes ahead
 // is fetched (the hardware prefetcher alone leaves the 0.5-3 MB matrices of a decode step at ~60% of copy
 // bandwidth; see docs/speed.md).
@@ -320,20 +334,6 @@ void rms_row(const float* x, const T* w, float* y, int64_t d, float eps, bool zc
     const float n = x[i] * inv;
     y[i] = zc ? rnd<T>(n * (1.0f + wi)) : rnd<T>(rnd<T>(n) * wi);
   }
-}
-
-// T row of n values -> float32, and back (rounded to nearest even).
-template <typename T>
-inline void row_to_floats(const T* p, float* v, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, load8(p + i));
-  for (; i < n; ++i) v[i] = static_cast<float>(p[i]);
-}
-template <typename T>
-inline void row_from_floats(const float* v, T* p, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(p + i, _mm256_loadu_ps(v + i));
-  for (; i < n; ++i) p[i] = static_cast<T>(v[i]);
 }
 
 // SwiGLU's middle for one row: h = rnd(rnd(silu(g)) * u) from gu = [g | u] (T-valued floats), as the op-by-op
@@ -1151,9 +1151,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");
   m.def("packed_rows", &packed_rows, "rows ids of a packed table as float32");
-  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved as Q4_0 / Q4_K)");
-  m.def("interleave_", &interleave_, "Q4_0 / Q4_K blocks rearranged in place into 8-row interleaved blocks");
-  m.def("interleaved_here", &interleaved_here, "whether this CPU multiplies interleaved Q4_0 / Q4_K weights");
+  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved ones as Q4_0 / Q4_K / Q6_K)");
+  m.def("interleave_", &interleave_, "Q4_0 / Q4_K / Q6_K blocks rearranged in place into 8-row interleaved blocks");
+  m.def("interleaved_here", &interleaved_here, "whether Linear interleaves Q4_0 / Q4_K / Q6_K weights");
   m.def("moe_experts", &moe_experts, "the routed experts of a MoE layer for a few rows (packed weights)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");

@@ -1448,28 +1448,12 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
   by_fmt(f, [&](auto fc) { run<decltype(fc)::value>(wp, nb, row_bytes, xq, y, m, out); });
 }
 
-// n float32 values as bfloat16 bits, rounded to nearest even (torch's conversion; NaN as 0x7FC0).
-inline void to_bf16(const float* x, int64_t n, uint16_t* y) {
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i h[2];
-    for (int k = 0; k < 2; ++k) {
-      const __m256 v = _mm256_loadu_ps(x + i + 8 * k);
-      const __m256i u = _mm256_castps_si256(v);
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
-      h[k] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8));
-  }
-  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
-}
-
 // Weight rows [r0, r1) of packed w as float32, into y (row-major, in values per row), or as bfloat16 into y16 when
-// it is given (each row rounded from float32 as torch rounds: the same bits as converting y). The arithmetic is
-// the gguf package's: Q8_0 d * q, Q4_0 d * (q - 8), Q4_K (d * sc) * q - (dmin * m), each product rounded to float32.
+// it is given (each row rounded from float32 by row_from_floats, as torch rounds: the same bits as converting y).
+// The arithmetic is the gguf package's: Q8_0 d * q, Q4_0 d * (q - 8), Q4_K (d * sc) * q - (dmin * m), each product
+// rounded to float32.
 __attribute__((optimize("fp-contract=off")))  // multiply, then subtract: two roundings, as numpy
-void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, uint16_t* y16 = nullptr) {
+void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, at::BFloat16* y16 = nullptr) {
   const Fmt fw = fmt_of(w);  // an interleaved format's rows go as its blocks' format, one block at a time
   const Fmt f = fw == Fmt::Q4_KX8 ? Fmt::Q4_K : fw == Fmt::Q4_0X8 ? Fmt::Q4_0 : fw == Fmt::Q6_KX8 ? Fmt::Q6_K : fw;
   const int64_t nb = w.size(1) * block_values(fw) / block_values(f), bb = w.size(2), in = nb * block_values(f);
@@ -1562,7 +1546,7 @@ void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, u
           }
         }
       }
-      if (y16) to_bf16(yr, in, y16 + (r - r0) * in);
+      if (y16) row_from_floats(yr, y16 + (r - r0) * in, in);
     }
   });
 }
@@ -1613,7 +1597,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
     const int64_t n = std::min(tile, out - o);
     auto t = buf.narrow(0, 0, n);
     if (bf16)  // rounded to bfloat16 row by row as they are dequantized (no float32 tile in memory)
-      packed::dequantize_rows(w, o, o + n, nullptr, reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()));
+      packed::dequantize_rows(w, o, o + n, nullptr, t.data_ptr<at::BFloat16>());
     else
       packed::dequantize_rows(w, o, o + n, t.data_ptr<float>());
     y.narrow(1, o, n).copy_(at::mm(xs, t.t()));
