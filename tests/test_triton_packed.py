@@ -1,5 +1,5 @@
 """Packed weight blocks off the C++ kernels (turbospec.kernels.packed, triton_packed): the torch and Triton
-dequantizers against the gguf package bit for bit (Q8_0, Q4_0, Q4_K, Q6_K); the fused Triton product against the
+dequantizers against the gguf package bit for bit (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); the fused Triton product against the
 float product of the dequantized weights, a row's result independent of its batch; prefill tiles; `Linear`,
 embedding rows and a whole packed model on the GPU's code path (C++ kernels off, Triton on), greedy speculation
 there equal to plain decoding. On a GPU where there is one, else in Triton's interpreter (tests/conftest.py)."""
@@ -33,7 +33,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MODELS = Path(__file__).resolve().parents[1] / "models"
 # block bytes, values per block, the byte offsets of float16 scales, gguf type
 FORMATS = {"q8_0": (34, 32, (0,), "Q8_0"), "q4_0": (18, 32, (0,), "Q4_0"), "q4_k": (144, 256, (0, 2), "Q4_K"),
-           "q6_k": (210, 256, (208,), "Q6_K")}
+           "q5_k": (176, 256, (0, 2), "Q5_K"), "q6_k": (210, 256, (208,), "Q6_K")}
 
 
 @pytest.fixture

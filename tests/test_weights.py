@@ -19,6 +19,7 @@ from turbospec import weights as W
 from turbospec.config import EngineConfig
 from turbospec.engine import Engine
 from turbospec.errors import TurboSpecError
+from turbospec.kernels import packed
 from turbospec.kernels.gemv import load_kernel
 from turbospec.layers.linear import Linear
 from turbospec.model import load_model
@@ -97,12 +98,12 @@ def test_a_weight_rows_result_does_not_depend_on_its_neighbours(fmt):
             assert torch.equal(k.packed_linear(x[:m], p[a:b].contiguous(), None, 16), full[:, a:b]), (m, a, b)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "q6_k"])
+@pytest.mark.parametrize("fmt", [*FORMATS, "q5_k", "q6_k"])
 def test_long_rows_one_at_a_time_give_the_batch_bits(fmt):
     """Rows longer than 1152 bytes go through one at a time for a few input rows (faster streamed from memory) and
     4 at a time for more: a row's result is the same bits either way."""
     k = load_kernel()
-    p = torch.from_numpy(q6_k_blocks(37, 2304, 5)) if fmt == "q6_k" else W.quantize(matrix(37, 2304), fmt)
+    p = blocks(fmt, 37, 2304, 5)
     assert p.shape[1] * p.shape[2] > 1152
     x = torch.randn(20, 2304, generator=torch.Generator().manual_seed(3))
     batch = k.packed_linear(x, p, None, 64)  # 20 rows: 4 weight rows at a time
@@ -114,11 +115,11 @@ def test_avx2_and_avx512_paths_agree():
     """The same products with TURBOSPEC_NO_AVX512=1 (the AVX2 path) in a child process, every packed format: the
     same int8 sums, float sums in another order."""
     code = ("import torch,sys; sys.path.insert(0,'.'); from turbospec import weights as W\n"
-            "from turbospec.kernels.gemv import load_kernel; from tests.test_weights import q6_k_blocks\n"
+            "from turbospec.kernels.gemv import load_kernel; from tests.test_weights import blocks\n"
             "torch.manual_seed(0); x=torch.randn(3,2304); out=[]\n"
             "for f in ('q8_0','q4_0','q4_k'):\n"
             "  w=torch.randn(50,2304); out.append(load_kernel().packed_linear(x,W.quantize(w,f),None,16))\n"
-            "out.append(load_kernel().packed_linear(x,torch.from_numpy(q6_k_blocks(37,2304,3)),None,16))\n"
+            "for f in ('q5_k','q6_k'): out.append(load_kernel().packed_linear(x,blocks(f,37,2304,3),None,16))\n"
             "torch.save(out, sys.argv[1])\n")
     got = {}
     for flag in ("0", "1"):
@@ -137,14 +138,17 @@ x8 = pytest.mark.skipif(load_kernel() is None or not load_kernel().interleaved_h
 
 
 def blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """A packed matrix: Q6_K as random blocks (no quantizer here), the other formats quantized from `matrix`."""
-    return torch.from_numpy(q6_k_blocks(rows, cols, seed)) if fmt == "q6_k" else W.quantize(matrix(rows, cols, seed), fmt)
+    """A packed matrix: Q5_K / Q6_K as random blocks (no quantizer here), the other formats quantized from
+    `matrix`."""
+    if fmt in ("q5_k", "q6_k"):
+        return torch.from_numpy((q5_k_blocks if fmt == "q5_k" else q6_k_blocks)(rows, cols, seed))
+    return W.quantize(matrix(rows, cols, seed), fmt)
 
 
 @x8
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q5_k", "q6_k"])
 def test_linear_interleaves_blocks_and_keeps_every_rows_bytes(fmt, monkeypatch):
-    """`Linear` rearranges a Q4_0 / Q4_K / Q6_K matrix into 8-row interleaved blocks (the same bytes in another
+    """`Linear` rearranges a Q4_0 / Q4_K / Q5_K / Q6_K matrix into 8-row interleaved blocks (the same bytes in another
     order): every row comes back as its ggml blocks, and dequantizes and looks up bit for bit as before; the
     caller's tensor is untouched, and matrices whose rows (or Q4_0's columns, in 128s) do not fit stay as they are."""
     p = blocks(fmt, 72, 1024)
@@ -170,7 +174,7 @@ def test_linear_interleaves_blocks_and_keeps_every_rows_bytes(fmt, monkeypatch):
 
 
 @x8
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q5_k", "q6_k"])
 def test_interleaved_products_equal_the_one_row_kernels(fmt):
     """The same int8 sums as the kernels over the file's layout, added in float32 in another order; a row's result
     does not depend on its batch or on the rows beside it; above the skinny limit both take the same dequantized
@@ -192,14 +196,14 @@ def test_interleaved_products_equal_the_one_row_kernels(fmt):
 
 @x8
 def test_interleaved_avx2_kernels_equal_the_file_layouts():
-    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q4_0 / Q4_K / Q6_K products
+    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q4_0 / Q4_K / Q5_K / Q6_K products
     equal the products over the file's layout (float sums in another order) and a row's result does not depend on
     its batch."""
     code = ("import torch,sys; sys.path.insert(0,'.'); from turbospec import weights as W\n"
             "from turbospec.layers.linear import Linear; from turbospec.kernels.gemv import load_kernel\n"
             "from tests.test_weights import blocks\n"
             "k=load_kernel(); torch.manual_seed(0); x=torch.randn(16,1024); b=torch.randn(72); bad=[]\n"
-            "for f in ('q4_0','q4_k','q6_k'):\n"
+            "for f in ('q4_0','q4_k','q5_k','q6_k'):\n"
             "  p=blocks(f,72,1024,1); w8=Linear(p).weight\n"
             "  assert W.format_of(w8).rows==8, W.format_of(w8)\n"
             "  for m in (1,2,3,16):\n"
@@ -249,12 +253,22 @@ def q6_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
-def test_q6_k_blocks_multiply_packed():
-    """Q6_K as GGUF files hold it: dequantization bit-exact with the gguf package, products as the float ones."""
-    raw = q6_k_blocks(24, 512)
+def q5_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 176), dtype=np.uint8)
+    raw[..., :4] = rng.uniform(1e-3, 2e-2, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    return raw
+
+
+@pytest.mark.parametrize("fmt", ["q5_k", "q6_k"])
+def test_k_blocks_from_files_multiply_packed(fmt):
+    """Q5_K / Q6_K as GGUF files hold them: dequantization bit-exact with the gguf package (C++ and the torch
+    reference), products as the float ones."""
+    raw = (q5_k_blocks if fmt == "q5_k" else q6_k_blocks)(24, 512)
     p = torch.from_numpy(raw)
-    ref = gguf.quants.dequantize(raw.reshape(24, -1), gguf.GGMLQuantizationType.Q6_K)
-    assert W.format_of(p).name == "q6_k" and np.array_equal(W.dequantize(p).numpy(), ref)
+    ref = gguf.quants.dequantize(raw.reshape(24, -1), getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    assert W.format_of(p).name == fmt and np.array_equal(W.dequantize(p).numpy(), ref)
+    assert np.array_equal(packed.dequantize_torch(p).numpy(), ref)
     x = torch.randn(20, 512)
     want = x @ torch.from_numpy(ref).T
     got = load_kernel().packed_linear(x, p, None, 64)  # 20 rows: 4 weight rows at a time; 1 row: one at a time
@@ -367,7 +381,7 @@ def test_weights_flag_is_validated():
     assert EngineConfig(weights="Q4_K").weights == "q4_k"
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
 def test_bf16_prefill_tiles_are_torchs_rounding(fmt):
     """Prefill rows of a bfloat16 model multiply tiles dequantized straight to bfloat16, row by row: the same bits
     as dequantizing to float32 and rounding with torch (file layout and interleaved); scales of inf / NaN (a

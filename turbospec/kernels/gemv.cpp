@@ -1147,13 +1147,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
   m.def("bf16_dot", &bf16_dot, "whether bf16 products can use AVX-512 BF16 dot products");
   m.def("set_bf16_dot_rows", &set_bf16_dot_rows, "fewest rows for bf16 dot products; returns the previous value");
-  m.def("packed_linear", &packed_linear, "x W^T for a packed (Q8_0 / Q4_0 / Q4_K) W, any number of rows");
+  m.def("packed_linear", &packed_linear, "x W^T for a packed (Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K) W, any number of rows");
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");
   m.def("packed_rows", &packed_rows, "rows ids of a packed table as float32");
-  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved ones as Q4_0 / Q4_K / Q6_K)");
-  m.def("interleave_", &interleave_, "Q4_0 / Q4_K / Q6_K blocks rearranged in place into 8-row interleaved blocks");
-  m.def("interleaved_here", &interleaved_here, "whether Linear interleaves Q4_0 / Q4_K / Q6_K weights");
+  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved ones as Q4_0 / Q4_K / Q5_K / Q6_K)");
+  m.def("interleave_", &interleave_, "Q4_0 / Q4_K / Q5_K / Q6_K blocks rearranged in place into 8-row interleaved blocks");
+  m.def("interleaved_here", &interleaved_here, "whether Linear interleaves Q4_0 / Q4_K / Q5_K / Q6_K weights");
   m.def("moe_experts", &moe_experts, "the routed experts of a MoE layer for a few rows (packed weights)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");

@@ -35,16 +35,19 @@ def dequantize_torch(w: torch.Tensor, ids: torch.Tensor | None = None) -> torch.
         qs = w[..., 2:]
         q = torch.cat([qs & 15, qs >> 4], -1).to(torch.int8) - 8
         v = _half(w[..., :2]) * q.float()
-    elif size == 144:  # Q4_K
+    elif size in (144, 176):  # Q4_K, Q5_K (Q4_K plus a fifth bit: bit j of qh[l] for sub-block j's value l)
         s = w[..., 4:16]
         sd, sm, sx = s[..., 0:4], s[..., 4:8], s[..., 8:12]
         sc = torch.cat([sd & 63, (sx & 15) | ((sd >> 2) & 48)], -1).float()
         mn = torch.cat([sm & 63, (sx >> 4) | ((sm >> 2) & 48)], -1).float()
         d = (_half(w[..., 0:2]) * sc).unsqueeze(-1)
         dm = (_half(w[..., 2:4]) * mn).unsqueeze(-1)
-        qs = w[..., 16:].reshape(n, nb, 4, 32)
-        q = torch.stack([qs & 15, qs >> 4], 3).reshape(n, nb, 8, 32).float()
-        v = d * q - dm
+        qs = w[..., size - 128:].reshape(n, nb, 4, 32)
+        q = torch.stack([qs & 15, qs >> 4], 3).reshape(n, nb, 8, 32)
+        if size == 176:
+            qh = w[..., 16:48].reshape(n, nb, 1, 32)
+            q = q | (((qh >> torch.arange(8, dtype=torch.uint8, device=w.device).reshape(1, 1, 8, 1)) & 1) << 4)
+        v = d * q.float() - dm
     elif size == 210:  # Q6_K
         ql = w[..., :128].reshape(n, nb, 2, 64)
         ql = torch.stack([ql & 15, ql >> 4], 3).reshape(n, nb, 8, 32)

@@ -1,9 +1,11 @@
-// Packed ggml weight blocks (Q8_0, Q4_0, Q4_K) multiplied without unpacking the matrix (included by gemv.cpp).
+// Packed ggml weight blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) multiplied without unpacking the matrix (included by
+// gemv.cpp).
 //
 // A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
-// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 210: Q6_K; 576 / 1152 / 1680: Q4_0 /
-// Q4_K / Q6_K with 8 rows interleaved, made at load, see `interleave_`). Products for few rows quantize
-// the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for Q4_K, as llama.cpp's Q8_0 / Q8_K) and sum
+// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 176: Q5_K, 210: Q6_K; 576 / 1152 /
+// 1408 / 1680: Q4_0 / Q4_K / Q5_K / Q6_K with 8 rows interleaved, made at load, see `interleave_`). Products for
+// few rows quantize the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for the K formats, as
+// llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
 // depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
 // (prefill) dequantize tiles of weight rows to float32 and use torch's GEMM. `dequantize_packed` equals the gguf
@@ -11,7 +13,7 @@
 
 namespace packed {
 
-enum class Fmt { Q8_0, Q4_0, Q4_K, Q6_K, Q4_0X8, Q4_KX8, Q6_KX8 };
+enum class Fmt { Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_0X8, Q4_KX8, Q5_KX8, Q6_KX8 };
 
 inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
 
@@ -20,20 +22,31 @@ inline Fmt fmt_of(const torch::Tensor& w) {
     case 34: return Fmt::Q8_0;
     case 18: return Fmt::Q4_0;
     case 144: return Fmt::Q4_K;
+    case 176: return Fmt::Q5_K;
     case 210: return Fmt::Q6_K;
     case 576: return Fmt::Q4_0X8;
     case 1152: return Fmt::Q4_KX8;
+    case 1408: return Fmt::Q5_KX8;
     case 1680: return Fmt::Q6_KX8;
     default: TORCH_CHECK(false, "packed weight: unknown block size ", w.size(2));
   }
   return Fmt::Q8_0;
 }
 
-inline int64_t block_values(Fmt f) {
-  return f == Fmt::Q4_K || f == Fmt::Q6_K || f == Fmt::Q4_KX8 || f == Fmt::Q6_KX8 ? 256 : f == Fmt::Q4_0X8 ? 128 : 32;
-}
+inline int64_t block_values(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q4_0 ? 32 : f == Fmt::Q4_0X8 ? 128 : 256; }
 
-inline bool interleaved(Fmt f) { return f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8 || f == Fmt::Q6_KX8; }
+inline bool interleaved(Fmt f) { return f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8 || f == Fmt::Q5_KX8 || f == Fmt::Q6_KX8; }
+
+// The format of an interleaved format's rows (Q4_0X8 -> Q4_0, ...); any other format itself.
+inline Fmt row_fmt(Fmt f) {
+  switch (f) {
+    case Fmt::Q4_0X8: return Fmt::Q4_0;
+    case Fmt::Q4_KX8: return Fmt::Q4_K;
+    case Fmt::Q5_KX8: return Fmt::Q5_K;
+    case Fmt::Q6_KX8: return Fmt::Q6_K;
+    default: return f;
+  }
+}
 
 // Weight rows per row of the tensor: 8 for the interleaved formats ([out / 8, blocks, bytes]), else 1.
 inline int64_t rows_per(Fmt f) { return interleaved(f) ? 8 : 1; }
@@ -198,6 +211,13 @@ inline __m256i sum_lanes8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
+// Bit `bit` (0..7) of each byte of h moved to bit 4, the other bits 0 (Q5_K's fifth bits; a 16-bit shift's
+// spill from the neighbouring byte never reaches bit 4).
+inline __m256i bit_at4(__m256i h, int bit) {
+  const __m256i at = bit <= 4 ? _mm256_slli_epi16(h, 4 - bit) : _mm256_srli_epi16(h, bit - 4);
+  return _mm256_and_si256(at, _mm256_set1_epi8(16));
+}
+
 // int32 products of one Q8_0 / Q4_0 block (at w) with 32 int8 inputs; Q4_0's are of q (0..15), its -8 comes later.
 template <Fmt F>
 inline __m256i block_int(const uint8_t* w, const int8_t* x) {
@@ -281,18 +301,25 @@ void row_dot(const uint8_t* w, int64_t nb, const QRow* x0, const QRow* x1, int n
     }
     c0 = -t0;
     c1 = -t1;
-  } else {  // Q4_K: 256 values = 8 sub-blocks of 32, weight d * sc_j * q - dmin * m_j
+  } else {  // Q4_K / Q5_K: 256 values = 8 sub-blocks of 32, weight d * sc_j * q - dmin * m_j
+    constexpr bool Q5 = F == Fmt::Q5_K;  // q's fifth bit: bit j of qh[value % 32] for sub-block j
+    constexpr int64_t BB = Q5 ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(15);
-    for (int64_t b = 0; b < nb; ++b, w += 144) {
+    for (int64_t b = 0; b < nb; ++b, w += BB) {
       const float d = f16(w), dmin = f16(w + 2);
       uint32_t u[4];
       unpack_scales(w + 4, u);
       const uint8_t* sc = reinterpret_cast<const uint8_t*>(u);
-      const uint8_t* qs = w + 16;
+      const uint8_t* qs = w + (Q5 ? 48 : 16);
+      const __m256i qh = Q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : low;
       __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {  // 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high ones
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (Q5) {
+          lo = _mm256_or_si256(lo, bit_at4(qh, 2 * j));
+          hi = _mm256_or_si256(hi, bit_at4(qh, 2 * j + 1));
+        }
         const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]), s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
         const int8_t* q0 = &x0->q[b * 256 + 64 * j];
         i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(q0)), s_lo));
@@ -474,8 +501,8 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
 // llama.cpp's repack interleaves 8 Q4_K rows too, in a layout of its own. The bytes are the Q4_K blocks'
 // rearranged: the same size, and `q4k_block` gives each row's block back exactly.
 
-// Row r's Q4_K block (144 bytes) from the interleaved block at p.
-inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
+// Row r's d, dmin and 12 scale bytes (the first 16 bytes of its Q4_K / Q5_K block) from the interleaved block at p.
+inline void k_header(const uint8_t* p, int r, uint8_t* blk) {
   std::memcpy(blk, p + 2 * r, 2);
   std::memcpy(blk + 2, p + 16 + 2 * r, 2);
   int sc[8], m[8];
@@ -490,12 +517,17 @@ inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
     s[j + 4] = static_cast<uint8_t>((m[j] & 63) | ((m[j + 4] >> 4) << 6));
     s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
   }
+}
+
+// Row r's Q4_K block (144 bytes) from the interleaved block at p.
+inline void q4k_block(const uint8_t* p, int r, uint8_t* blk) {
+  k_header(p, r, blk);
   for (int k = 0; k < 4; ++k)
     for (int q = 0; q < 4; ++q) std::memcpy(blk + 16 + 32 * k + 8 * q, p + 128 + 64 * (4 * k + q) + 8 * r, 8);
 }
 
-// The interleaved block at p from the 8 rows' Q4_K blocks blk[r] (144 bytes each).
-inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
+// The first 128 bytes of an interleaved Q4_K / Q5_K block at p (d, dmin, scales, mins) from the 8 rows' blocks blk[r].
+inline void x8_k_header(const uint8_t* const* blk, uint8_t* p) {
   std::memset(p + 96, 0, 32);
   for (int r = 0; r < 8; ++r) {
     std::memcpy(p + 2 * r, blk[r], 2);
@@ -507,9 +539,59 @@ inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
       p[32 + i] = static_cast<uint8_t>(sc | ((m >> 4) << 6));
       p[96 + (i & 31)] |= static_cast<uint8_t>((m & 15) << (i < 32 ? 0 : 4));
     }
+  }
+}
+
+// The interleaved block at p from the 8 rows' Q4_K blocks blk[r] (144 bytes each).
+inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
+  x8_k_header(blk, p);
+  for (int r = 0; r < 8; ++r)
     for (int k = 0; k < 4; ++k)
       for (int q = 0; q < 4; ++q) std::memcpy(p + 128 + 64 * (4 * k + q) + 8 * r, blk[r] + 16 + 32 * k + 8 * q, 8);
+}
+
+// ---- Q5_K with 8 rows interleaved (block size 1408; `interleave_` makes it from Q5_K in place at load) ----
+// A Q5_K block (176 bytes: d, dmin, Q4_K's 12 scale bytes, 32 bytes qh, 128 nibble bytes as Q4_K's) adds a fifth
+// bit to each value: for values 64k + l and 64k + 32 + l (l < 32; the low and high nibbles of byte 32k + l) bits 2k
+// and 2k + 1 of qh[l]. Block b of rows 8g..8g+7 is Q4_K_X8's block of the 8 rows (the same 128-byte header, the
+// same 16 nibble vectors) with after each k's 4 nibble vectors one vector of their fifth bits: byte i of fifth-bit
+// vector k holds at bits 2q / 2q + 1 those of the low / high nibble of byte i of nibble vector 4k + q. A block is
+// read front to back; the kernels are Q4_K_X8's with each nibble vector's fifth bits or-ed in (a shift and a
+// vpternlogd). The bytes are the Q5_K blocks' rearranged: the same size, and `q5k_block` gives each row's back.
+constexpr int x8_5_nib(int n) { return 128 + 320 * (n / 4) + 64 * (n % 4); }
+constexpr int x8_5_top(int k) { return 128 + 320 * k + 256; }
+
+// Row r's Q5_K block (176 bytes) from the interleaved block at p.
+inline void q5k_block(const uint8_t* p, int r, uint8_t* blk) {
+  k_header(p, r, blk);
+  constexpr uint64_t m3 = 0x0303030303030303ULL;
+  uint64_t qh[4] = {0, 0, 0, 0};  // qh[8q .. 8q + 8)
+  for (int k = 0; k < 4; ++k) {
+    uint64_t top;
+    std::memcpy(&top, p + x8_5_top(k) + 8 * r, 8);
+    for (int q = 0; q < 4; ++q) {
+      std::memcpy(blk + 48 + 32 * k + 8 * q, p + x8_5_nib(4 * k + q) + 8 * r, 8);
+      qh[q] |= ((top >> (2 * q)) & m3) << (2 * k);
+    }
   }
+  std::memcpy(blk + 16, qh, 32);
+}
+
+// The interleaved block at p from the 8 rows' Q5_K blocks blk[r] (176 bytes each), 8 bytes at a time.
+inline void x8_5_block(const uint8_t* const* blk, uint8_t* p) {
+  x8_k_header(blk, p);
+  constexpr uint64_t m3 = 0x0303030303030303ULL;
+  for (int r = 0; r < 8; ++r)
+    for (int k = 0; k < 4; ++k) {
+      uint64_t top = 0;
+      for (int q = 0; q < 4; ++q) {
+        std::memcpy(p + x8_5_nib(4 * k + q) + 8 * r, blk[r] + 48 + 32 * k + 8 * q, 8);
+        uint64_t h;
+        std::memcpy(&h, blk[r] + 16 + 8 * q, 8);
+        top |= ((h >> (2 * k)) & m3) << (2 * q);
+      }
+      std::memcpy(p + x8_5_top(k) + 8 * r, &top, 8);
+    }
 }
 
 // The permutes of the interleaved kernels: sc[j] puts Q4_K sub-block j's 8 scales in the low bytes of the 16 lanes
@@ -559,20 +641,23 @@ TS_VBMI inline void pair_sums(__m512 t, float* out) {
   for (int r = 0; r < 8; ++r) out[r] = v[2 * r] + v[2 * r + 1];
 }
 
-// out[j * 8 + r] = row r of the 8 interleaved rows at w (nb blocks) . input row x[j], j < NX. Sub-block sums of one
-// vpdpbusd lane stay below 2^15 (4 x 4 products of a nibble and |q| <= 127), so the scales apply by vpdpwssd.
-// Every row's arithmetic is the same whatever NX is: a row's result does not depend on the rows beside it.
+// out[j * 8 + r] = row r of the 8 interleaved Q4_K (Q5: Q5_K) rows at w (nb blocks) . input row x[j], j < NX.
+// Sub-block sums of one vpdpbusd lane stay below 2^15 (Q4_K: 4 x 4 products of a nibble and |q| <= 127; Q5_K: 2 x 4
+// of a five-bit value, the scales applied every two vectors), so the scales apply by vpdpwssd. Every row's
+// arithmetic is the same whatever NX is: a row's result does not depend on the rows beside it.
 constexpr int64_t X8_AHEAD = 16384;  // prefetch distance (bytes) on the weights' stream
-template <int NX>
+template <int NX, bool Q5 = false>
 TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
   const X8Perm& P = x8_perm();
   const __m512i low = _mm512_set1_epi8(15), m3f = _mm512_set1_epi8(0x3f), m30 = _mm512_set1_epi8(0x30);
+  const __m512i m10 = _mm512_set1_epi8(0x10);
+  constexpr int64_t BB = Q5 ? 1408 : 1152;
   const __m512i dup = _mm512_load_si512(P.dup);
   __m512 acc[NX], accm[NX];
   for (int j = 0; j < NX; ++j) acc[j] = accm[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = w + b * 1152;
-    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1152);
+    const uint8_t* o = w + b * BB;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), BB);
     const __m512i scb = _mm512_loadu_si512(o + 32);
     const __m512i sc = _mm512_and_si512(scb, m3f);
     const __m256i ml = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 96));
@@ -588,18 +673,30 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q4kx8_avx512(const uint8
     for (int k = 0; k < 4; ++k) {
       const __m512i s0 = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(P.sc[2 * k]), sc);
       const __m512i s1 = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(P.sc[2 * k + 1]), sc);
+      const __m512i top = Q5 ? _mm512_loadu_si512(o + x8_5_top(k)) : low;
       __m512i sl[NX], sh[NX];
       for (int j = 0; j < NX; ++j) sl[j] = sh[j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_loadu_si512(o + 128 + 64 * (4 * k + q));
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i v = _mm512_loadu_si512(o + (Q5 ? x8_5_nib(4 * k + q) : 128 + 64 * (4 * k + q)));
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (Q5) {  // | the fifth bits (bits 2q, 2q + 1 of `top`) at bit 4: vpternlogd 0xF8 is a | (b & c)
+          const __m512i tl = q < 2 ? _mm512_slli_epi16(top, 4 - 2 * q) : _mm512_srli_epi16(top, 2 * q - 4);
+          const __m512i th = q < 2 ? _mm512_slli_epi16(top, 3 - 2 * q) : _mm512_srli_epi16(top, 2 * q - 3);
+          lo = _mm512_ternarylogic_epi32(lo, tl, m10, 0xF8);
+          hi = _mm512_ternarylogic_epi32(hi, th, m10, 0xF8);
+        }
         for (int j = 0; j < NX; ++j) {
           const int8_t* e = &x[j]->q[b * 256 + 64 * k + 8 * q];
           sl[j] = _mm512_dpbusd_epi32(sl[j], lo, bcast8(e));
           sh[j] = _mm512_dpbusd_epi32(sh[j], hi, bcast8(e + 32));
         }
+        if (q == 3 || (Q5 && q == 1))
+          for (int j = 0; j < NX; ++j) {
+            bi[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(bi[j], sl[j], s0), sh[j], s1);
+            sl[j] = sh[j] = _mm512_setzero_si512();
+          }
       }
-      for (int j = 0; j < NX; ++j) bi[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(bi[j], sl[j], s0), sh[j], s1);
     }
     for (int j = 0; j < NX; ++j) {
       const __m512 xd = _mm512_set1_ps(x[j]->d[b]);
@@ -855,8 +952,9 @@ inline void load_halves(const void* table, __m256i* out) {
   for (int h = 0; h < 2; ++h) out[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(table) + h);
 }
 
-// out[j * 8 + r] as rows_q4kx8_avx512, with AVX2.
-template <int NX>
+// out[j * 8 + r] as rows_q4kx8_avx512, with AVX2 (Q5_K: a sub-block's 4 vectors' pairs sum to at most 4 x 2 x 31
+// x 127 = 31496 in int16).
+template <int NX, bool Q5 = false>
 __attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int64_t nb, const QRow* const* x, float* out) {
   const X8Avx2& P = x8_avx2();
   const __m256i low = _mm256_set1_epi8(15);
@@ -866,9 +964,10 @@ __attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int
   load_halves(P.dup, dup);
   __m256 acc[NX][2], accm[NX];
   for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = accm[j] = _mm256_setzero_ps();
+  constexpr int64_t BB = Q5 ? 1408 : 1152;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = w + b * 1152;
-    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1152);
+    const uint8_t* o = w + b * BB;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), BB);
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
     const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
     const __m256 d[2] = {_mm256_permutevar8x32_ps(d8, dup[0]), _mm256_permutevar8x32_ps(d8, dup[1])};
@@ -895,8 +994,14 @@ __attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int
       for (int j = 0; j < NX; ++j) sl[j][0] = sl[j][1] = sh[j][0] = sh[j][1] = _mm256_setzero_si256();
       for (int q = 0; q < 4; ++q)
         for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 128 + 64 * (4 * k + q) + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          const int at = (Q5 ? x8_5_nib(4 * k + q) : 128 + 64 * (4 * k + q)) + 32 * h;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at));
+          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (Q5) {
+            const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + x8_5_top(k) + 32 * h));
+            lo = _mm256_or_si256(lo, bit_at4(top, 2 * q));
+            hi = _mm256_or_si256(hi, bit_at4(top, 2 * q + 1));
+          }
           for (int j = 0; j < NX; ++j) {
             const int8_t* e = &x[j]->q[b * 256 + 64 * k + 8 * q];
             sl[j][h] = _mm256_add_epi16(sl[j][h], _mm256_maddubs_epi16(lo, bcast8_256(e)));
@@ -1048,9 +1153,10 @@ __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int
       const uint8_t* wg = w + g * nb * bytes;                                                                    \
       for (int64_t j = 0; j < m; j += 2) {                                                                       \
         const int nx = j + 1 < m ? 2 : 1;                                                                        \
-        if constexpr (F == Fmt::Q4_KX8) {                                                                        \
-          if (nx == 2) rows_q4kx8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
-          else rows_q4kx8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
+        if constexpr (F == Fmt::Q4_KX8 || F == Fmt::Q5_KX8) {                                                    \
+          constexpr bool Q5 = F == Fmt::Q5_KX8;                                                                  \
+          if (nx == 2) rows_q4kx8_##SUFFIX<2, Q5>(wg, nb, x + j, t);                                             \
+          else rows_q4kx8_##SUFFIX<1, Q5>(wg, nb, x + j, t);                                                     \
         } else if constexpr (F == Fmt::Q6_KX8) {                                                                 \
           if (nx == 2) rows_q6kx8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
           else rows_q6kx8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
@@ -1312,17 +1418,20 @@ inline void by_fmt(Fmt f, Fn&& fn) {
     case Fmt::Q8_0: fn(std::integral_constant<Fmt, Fmt::Q8_0>{}); break;
     case Fmt::Q4_0: fn(std::integral_constant<Fmt, Fmt::Q4_0>{}); break;
     case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
+    case Fmt::Q5_K: fn(std::integral_constant<Fmt, Fmt::Q5_K>{}); break;
     case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
     case Fmt::Q4_0X8:
     case Fmt::Q4_KX8:
+    case Fmt::Q5_KX8:
     case Fmt::Q6_KX8: TORCH_CHECK(false, "interleaved weights multiply through product() only");
   }
 }
 
-// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI).
+// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI; Q5_K has none: its rows are
+// interleaved at load, and the rows left over go through the AVX2 row_dot).
 template <Fmt F>
 inline bool avx512_rows() {
-  return use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
+  return F != Fmt::Q5_K && use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
 }
 
 // y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m: the AVX-512 kernels where `avx512`
@@ -1334,8 +1443,8 @@ inline void dot_range(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRo
     if constexpr (F == Fmt::Q4_K) range_q4k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     else if constexpr (F == Fmt::Q8_0) range_q8_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     else if constexpr (F == Fmt::Q4_0) range_q4_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
-    else range_q6k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
-    return;
+    else if constexpr (F == Fmt::Q6_K) range_q6k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
+    if constexpr (F != Fmt::Q5_K) return;  // (Q5_K has no AVX-512 kernel of its own: avx512_rows says so)
   }
   for (int64_t o = o0; o < o1; ++o)
     for (int64_t j = 0; j < m; j += 2) {
@@ -1438,6 +1547,8 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
     at::parallel_for(0, w.size(0), 8, [&](int64_t g0, int64_t g1) {
       if (f == Fmt::Q4_KX8 && vbmi) range_x8<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (f == Fmt::Q4_KX8) range_x8_avx2<Fmt::Q4_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q5_KX8 && vbmi) range_x8<Fmt::Q5_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q5_KX8) range_x8_avx2<Fmt::Q5_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (f == Fmt::Q6_KX8 && vbmi) range_x8<Fmt::Q6_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (f == Fmt::Q6_KX8) range_x8_avx2<Fmt::Q6_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (vbmi) range_x8<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
@@ -1455,7 +1566,7 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
 __attribute__((optimize("fp-contract=off")))  // multiply, then subtract: two roundings, as numpy
 void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, at::BFloat16* y16 = nullptr) {
   const Fmt fw = fmt_of(w);  // an interleaved format's rows go as its blocks' format, one block at a time
-  const Fmt f = fw == Fmt::Q4_KX8 ? Fmt::Q4_K : fw == Fmt::Q4_0X8 ? Fmt::Q4_0 : fw == Fmt::Q6_KX8 ? Fmt::Q6_K : fw;
+  const Fmt f = row_fmt(fw);
   const int64_t nb = w.size(1) * block_values(fw) / block_values(f), bb = w.size(2), in = nb * block_values(f);
   const uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t e) {
@@ -1489,6 +1600,8 @@ void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, a
         const uint8_t* p = blk;
         if (fw == Fmt::Q4_KX8)  // row r % 8's Q4_K block b
           q4k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
+        else if (fw == Fmt::Q5_KX8)  // row r % 8's Q5_K block b
+          q5k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
         else if (fw == Fmt::Q4_0X8)  // row r % 8's Q4_0 block b
           q40_block(base + ((r / 8) * w.size(1) + b / 4) * bb, static_cast<int>(b % 4), static_cast<int>(r % 8), blk);
         else
@@ -1527,19 +1640,23 @@ void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, a
               }
             }
           }
-        } else {
+        } else {  // Q4_K / Q5_K: (d * sc) * q - (dmin * m)
+          const bool q5 = f == Fmt::Q5_K;
           const float d = f16(p), dmin = f16(p + 2);
           for (int j = 0; j < 8; ++j) {
             int sc, m;
             scale_min(p + 4, j, sc, m);
             const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc)), dm = _mm256_set1_ps(dmin * static_cast<float>(m));
-            const uint8_t* qs = p + 16 + 32 * (j / 2);
+            const uint8_t* qs = p + (q5 ? 48 : 16) + 32 * (j / 2);
             const int shift = 4 * (j % 2);
-            const __m128i sh = _mm_cvtsi32_si128(shift);
+            const __m128i sh = _mm_cvtsi32_si128(shift), hs = _mm_cvtsi32_si128(j);
             for (int i = 0; i < 32; i += 8) {
-              const __m256i q = _mm256_and_si256(
+              __m256i q = _mm256_and_si256(
                   _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + i))), sh),
                   _mm256_set1_epi32(15));
+              if (q5)  // + 16 x bit j of qh[i..i+8)
+                q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 + i))), hs), _mm256_set1_epi32(1)), 4));
               const __m256 v = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q));
               _mm256_storeu_ps(yr + b * 256 + 32 * j + i, _mm256_sub_ps(v, dm));
             }
@@ -1643,14 +1760,14 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Q4_0 / Q4_K / Q6_K weights [out, blocks, 18 / 144 / 210] rearranged in place into 8-row interleaved blocks
-// (packed::x8_0_block, packed::x8_k_block, packed::x8_6_block), returned as the [out / 8, blocks / 4 (Q4_0) or
-// blocks, 576 / 1152 / 1680] view of the same memory. The caller owns the memory (nothing else reads it in the old
+// Q4_0 / Q4_K / Q5_K / Q6_K weights [out, blocks, 18 / 144 / 176 / 210] rearranged in place into 8-row interleaved
+// blocks (packed::x8_0_block, x8_k_block, x8_5_block, x8_6_block), returned as the [out / 8, blocks / 4 (Q4_0) or
+// blocks, 576 / 1152 / 1408 / 1680] view of the same memory. The caller owns the memory (nothing else reads it in the old
 // layout).
 torch::Tensor interleave_(torch::Tensor w) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
-              (w.size(2) == 144 || w.size(2) == 210 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
-              "interleave_: contiguous Q4_0 / Q4_K / Q6_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
+              (w.size(2) == 144 || w.size(2) == 176 || w.size(2) == 210 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
+              "interleave_: contiguous Q4_0 / Q4_K / Q5_K / Q6_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
   const int64_t bs = w.size(2), groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * bs;
   const int64_t per = bs == 18 ? 4 : 1, out_blocks = nb / per, out_bytes = 8 * per * bs;  // per interleaved block
   uint8_t* base = w.data_ptr<uint8_t>();
@@ -1663,6 +1780,7 @@ torch::Tensor interleave_(torch::Tensor w) {
         const uint8_t* blk[8];
         for (int r = 0; r < 8; ++r) blk[r] = tmp.data() + (r * nb + c * per) * bs;
         if (bs == 144) packed::x8_k_block(blk, p + c * out_bytes);
+        else if (bs == 176) packed::x8_5_block(blk, p + c * out_bytes);
         else if (bs == 210) packed::x8_6_block(blk, p + c * out_bytes);
         else packed::x8_0_block(blk, p + c * out_bytes);
       }
@@ -1672,7 +1790,7 @@ torch::Tensor interleave_(torch::Tensor w) {
 }
 
 // Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved format's rows as Q4_0 / Q4_K /
-// Q6_K blocks (packed::q40_block, packed::q4k_block, packed::q6k_block), any other format's rows as they are.
+// Q5_K / Q6_K blocks (packed::q40_block, q4k_block, q5k_block, q6k_block), any other format's rows as they are.
 torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
   auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
@@ -1691,6 +1809,7 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
       const uint8_t* p = base + ((ip[i] / 8) * w.size(1) + b / per) * w.size(2);
       uint8_t* dst = yp + (i * nb + b) * bb;
       if (f == packed::Fmt::Q4_KX8) packed::q4k_block(p, r, dst);
+      else if (f == packed::Fmt::Q5_KX8) packed::q5k_block(p, r, dst);
       else if (f == packed::Fmt::Q6_KX8) packed::q6k_block(p, r, dst);
       else packed::q40_block(p, static_cast<int>(b % 4), r, dst);
     }
@@ -1698,7 +1817,7 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Whether Linear interleaves Q4_0 / Q4_K / Q6_K weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels: AVX-512 VNNI +
+// Whether Linear interleaves Q4_0 / Q4_K / Q5_K / Q6_K weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels: AVX-512 VNNI +
 // VBMI where the CPU has them, AVX2 otherwise).
 bool interleaved_here() { return !std::getenv("TURBOSPEC_NO_INTERLEAVE"); }
 

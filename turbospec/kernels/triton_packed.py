@@ -1,4 +1,4 @@
-"""Packed ggml weight blocks (Q8_0, Q4_0, Q4_K, Q6_K) on a GPU, in Triton (the counterpart of quant.cpp): a fused
+"""Packed ggml weight blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) on a GPU, in Triton (the counterpart of quant.cpp): a fused
 dequantizing product for decode and verification rows, which reads each weight byte once per step and never
 writes a float copy of the matrix, and a dequantizer (embedding rows, prefill tiles).
 
@@ -17,8 +17,8 @@ from functools import cache
 
 import torch
 
-FMT = {34: 0, 18: 1, 144: 2, 210: 3}  # block bytes -> the programs' FMT
-VALUES = {34: 32, 18: 32, 144: 256, 210: 256}  # block bytes -> values per block
+FMT = {34: 0, 18: 1, 144: 2, 210: 3, 176: 4}  # block bytes -> the programs' FMT
+VALUES = {34: 32, 18: 32, 144: 256, 210: 256, 176: 256}  # block bytes -> values per block
 MAX_ROWS = 64  # input rows of the fused product (decode and verification); prefill dequantizes tiles
 ROWS, COLS, DEPTH = 16, 32, 128  # tile: input rows, weight rows, values per step
 WIDE = 512, 256  # COLS, DEPTH in the interpreter (the tests on the CPU), whose cost is per program

@@ -4,8 +4,9 @@ when it is defined).
 A packed matrix is uint8 [out, blocks, block bytes] (turbospec.weights): row r's bytes start at r * row_bytes, value
 column k lies in block k // BV. FMT: 0 Q8_0 (34 bytes: f16 d, 32 int8), 1 Q4_0 (18: f16 d, 16 bytes of nibbles),
 2 Q4_K (144: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles), 3 Q6_K (210: 128 bytes of
-low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d). Values are formed in float32 in the gguf package's
-order of operations (launched without fused multiply-adds: bit for bit its dequantization).
+low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d), 4 Q5_K (176: Q4_K's first 16 bytes, 32 bytes of fifth
+bits, Q4_K's 128 bytes of nibbles). Values are formed in float32 in the gguf package's order of operations
+(launched without fused multiply-adds: bit for bit its dequantization).
 """
 
 import triton
@@ -36,8 +37,9 @@ def _values(w, rows, rmask, k, kmask, row_bytes, FMT: tl.constexpr):
         b = tl.load(p + 2 + (j % 16)[None, :], mask=m, other=0).to(tl.int32)
         q = ((b >> (j // 16 * 4)[None, :]) & 15) - 8
         v = d * q.to(tl.float32)
-    elif FMT == 2:
-        p = w + rows[:, None] * row_bytes + (k // 256 * 144)[None, :]
+    elif FMT == 2 or FMT == 4:
+        BB = 144 + FMT // 4 * 32  # block bytes: Q4_K 144, Q5_K 176
+        p = w + rows[:, None] * row_bytes + (k // 256 * BB)[None, :]
         d = _f16(p, m)
         dmin = _f16(p + 2, m)
         j = k % 256
@@ -48,8 +50,11 @@ def _values(w, rows, rmask, k, kmask, row_bytes, FMT: tl.constexpr):
         b3 = tl.load(p + 4 + sub[None, :], mask=m, other=0).to(tl.int32)
         sc = tl.where(low[None, :], b1 & 63, (b1 & 15) | ((b2 >> 6) << 4))
         mn = tl.where(low[None, :], b2 & 63, (b1 >> 4) | ((b3 >> 6) << 4))
-        b = tl.load(p + 16 + (j // 64 * 32 + j % 32)[None, :], mask=m, other=0).to(tl.int32)
+        b = tl.load(p + (BB - 128) + (j // 64 * 32 + j % 32)[None, :], mask=m, other=0).to(tl.int32)
         q = (b >> (sub % 2 * 4)[None, :]) & 15
+        if FMT == 4:  # Q5_K's fifth bit: bit `sub` of qh[j % 32]
+            h = tl.load(p + 16 + (j % 32)[None, :], mask=m, other=0).to(tl.int32)
+            q = q | (((h >> sub[None, :]) & 1) << 4)
         v = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
     else:
         p = w + rows[:, None] * row_bytes + (k // 256 * 210)[None, :]
