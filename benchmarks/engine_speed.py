@@ -17,8 +17,8 @@ With `--llama-bench PATH` (a llama.cpp `llama-bench` binary) the same weights ar
 Packed weight types (`--weights q8_0 q4_0 q4_k`): with `--llama-quantize PATH` the f32 GGUF is quantized by
 llama.cpp (`llama-quantize --pure`, every matrix in the type) and both engines run *that file* (turbospec keeps its
 blocks packed, activations in --weights-dtype); without it, turbospec quantizes the checkpoint at load (`--weights`).
-`q6_k` (pure) and `q4_k_m` (llama.cpp's mix: Q4_K, with Q6_K for the LM head and some attn_v / ffn_down, the file
-users download most) need `--llama-quantize`.
+`q5_k` / `q6_k` (pure) and `q4_k_m` / `q5_k_m` (llama.cpp's mixes: Q4_K or Q5_K, with Q6_K for the LM head and some
+attn_v / ffn_down, the files users download most) need `--llama-quantize`.
 
     python benchmarks/engine_speed.py [--reps 5] [--dtypes float32 bfloat16 float16] [--llama-bench PATH]
         [--weights q8_0 q4_0 q4_k] [--llama-quantize PATH] [--out docs/results/engine_speed.json]
@@ -124,7 +124,7 @@ def float_gguf(path: Path, wtype: str) -> Path:
     return out
 
 
-LLAMA_ONLY = ("q4_k_m", "q6_k")  # types only llama.cpp quantizes to (turbospec has no quantizer for them)
+LLAMA_ONLY = ("q4_k_m", "q5_k_m", "q5_k", "q6_k")  # types only llama.cpp quantizes to (turbospec has no quantizer for them)
 
 
 def quantized_gguf(path: Path, wtype: str, quantize: str) -> Path:
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="path of a llama.cpp llama-bench binary")
     ap.add_argument("--weights", nargs="*", default=[],
-                    help="packed weight types: q8_0 q4_0 q4_k, and with --llama-quantize q6_k q4_k_m")
+                    help="packed weight types: q8_0 q4_0 q4_k, and with --llama-quantize q5_k q6_k q4_k_m q5_k_m")
     ap.add_argument("--weights-dtype", default="bfloat16", help="activations / KV of the packed rows")
     ap.add_argument("--llama-quantize", default=None, help="path of llama.cpp's llama-quantize (packed rows)")
     ap.add_argument("--out", default="docs/results/engine_speed.json")

@@ -13,8 +13,8 @@ bytes.
 
 `--type q4_k_m --llama-quantize PATH`: the speed rounds run llama.cpp's Q4_K_M mix of the same checkpoint instead
 (its f16 export quantized by `llama-quantize`: Q4_K, with Q6_K for the 248,320-row LM head and some attn_v /
-ffn_down, Q8_0 / Q5_0 where rows are not whole 256-value blocks), the file users download; `--type q6_k` /
-`q8_0` the same way, llama.cpp's Q6_K / Q8_0 files.
+ffn_down, Q8_0 / Q5_0 where rows are not whole 256-value blocks), the file users download; `--type q5_k_m` /
+`q6_k` / `q8_0` the same way, llama.cpp's Q5_K_M / Q6_K / Q8_0 files.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--no-memory", action="store_true", help="skip the memory rows (speed rounds only)")
-    ap.add_argument("--type", default="q4_k", choices=("q4_k", "q4_k_m", "q6_k", "q8_0"),
+    ap.add_argument("--type", default="q4_k", choices=("q4_k", "q4_k_m", "q5_k_m", "q6_k", "q8_0"),
                     help="the GGUF file of the speed rounds")
     ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (every --type but q4_k)")
     ap.add_argument("--out", default="docs/results/real_size_q4k.json")

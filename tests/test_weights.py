@@ -277,18 +277,23 @@ def test_k_blocks_from_files_multiply_packed(fmt):
     assert torch.equal(got, solo)
 
 
-def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
-    """A qwen3 file laid out like Q4_K_M (Q4_K q/k/gate/up/o, Q6_K v/down/output): every matrix stays packed in
-    its file type, the split q/k/v layer runs op by op, and greedy decoding equals the same model with every
-    matrix dequantized to float32 (up to the int8 rounding of the inputs: compared on logits)."""
+@pytest.mark.parametrize("base", ["q4_k", "q5_k"])
+def test_k_m_style_file_runs_with_mixed_blocks(tmp_path, base):
+    """A qwen3 file laid out like Q4_K_M / Q5_K_M (Q4_K or Q5_K q/k/gate/up/o, Q6_K v/down/output): every matrix
+    stays packed in its file type, the split q/k/v layer runs op by op, and greedy decoding equals the same model
+    with every matrix dequantized to float32 (up to the int8 rounding of the inputs: compared on logits)."""
     from turbospec.kv.plan import AttentionPlan
 
     rng = np.random.default_rng(0)
     h, vocab = 256, 300
 
-    def matrix(i, name, rows, cols):  # Q6_K for v and down (as Q4_K_M does in half the layers), Q4_K otherwise
+    def matrix(i, name, rows, cols):  # Q6_K for v and down (as the _M mixes do in half the layers), base otherwise
         if name in ("attn_v", "ffn_down"):
             return q6_k_blocks(rows, cols, 2 + i + 10 * (name == "ffn_down")).reshape(rows, -1), Q.Q6_K
+        if base == "q5_k":  # random blocks, scaled as the quantized Q4_K ones (values of ~0.05)
+            raw = q5_k_blocks(rows, cols, 20 + i + 10 * len(name))
+            raw[..., :4] = np.array([0.0015, 0.024], dtype=np.float16).view(np.uint8)
+            return raw.reshape(rows, -1), Q.Q5_K
         x = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
         return W.quantize(x, "q4_k").numpy().reshape(rows, -1), Q.Q4_K
 
@@ -300,6 +305,7 @@ def test_q4_k_m_style_file_runs_with_mixed_blocks(tmp_path):
     m = load_model(path, "float32")
     assert isinstance(m.layers[0].attn.qkv, SplitLinear) and m.layers[0].mlp.down.packed and m.lm_head.packed
     assert W.format_of(m.layers[0].mlp.down.weight).gguf_type == "Q6_K"  # (interleaved where the CPU can)
+    assert W.format_of(m.layers[0].mlp.gate_up.weight).gguf_type == base.upper()
     ids = list(range(3, 40))
 
     def logits(model):

@@ -6,7 +6,7 @@ Architectures: `qwen3`, `qwen2`, `llama` (dense), `qwen3moe` (Qwen3-MoE), `qwen3
 hybrid and its mixture-of-experts variant, with the `nextn` MTP block as the checkpoint's `mtp.*`). Tensor types:
 `TYPES`. `get` undoes what llama.cpp's converter did to a tensor (llama's permuted q/k rows; for qwen35 / qwen35moe
 the +1 on norm weights, -exp(A_log), the squeezed conv1d, the tiled value heads), so the tensors are the
-checkpoint's again. Matrices stored as Q8_0, Q4_0, Q4_K or Q6_K stay packed (`matrix`: the file's blocks, rows
+checkpoint's again. Matrices stored as Q8_0, Q4_0, Q4_K, Q5_K or Q6_K stay packed (`matrix`: the file's blocks, rows
 reordered where the converter reordered them); other quantized types are dequantized by the `gguf` package to the
 model's dtype. A MoE layer's experts are the file's stacked `ffn_{gate,up,down}_exps` (or a fused
 `ffn_gate_up_exps`) tensors under the names `decoder.load_moe` asks for (`experts.gate_proj` [E, I, H], ...), read
@@ -281,7 +281,7 @@ class GGUFWeights(IndexedSource):
         return t
 
     def matrix(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        """The file's blocks [out, blocks, block bytes] for a Q8_0 / Q4_0 / Q4_K / Q6_K matrix (a view of the
+        """The file's blocks [out, blocks, block bytes] for a Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrix (a view of the
         memory map unless rows had to be reordered), else `get` (float, or packed per `pack`)."""
         t = self._tensor(name)
         fmt = BY_GGUF_TYPE.get(t.tensor_type.name)
@@ -311,7 +311,7 @@ class GGUFWeights(IndexedSource):
         return self.tiled.get(name, 1)
 
     def expert_matrix(self, name: str, index: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        """Expert `index` of a stacked [E, out, in] tensor, only its bytes read: Q8_0 / Q4_0 / Q4_K / Q6_K blocks
+        """Expert `index` of a stacked [E, out, in] tensor, only its bytes read: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks
         [out, blocks, block bytes] as a view of the memory map (no copy: its pages come in as the kernel reads
         them); other types as values in `dtype` (quantized ones dequantized by the `gguf` package), or packed per
         `pack` (--weights)."""

@@ -82,7 +82,7 @@ def weight_bytes(arch: Arch, setup: Setup, mtp: bool) -> tuple[int, int]:
     if setup.backend == "cpu" and setup.weights_bpw is None:
         db = dtypes.nbytes(setup.dtype)
         if arch.gguf_packed_bytes is not None:
-            # a GGUF file: Q8_0 / Q4_0 / Q4_K / Q6_K matrices stay packed at their file bytes; the other tensors
+            # a GGUF file: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrices stay packed at their file bytes; the other tensors
             # go to the dtype, or to --weights' format (float matrices only; counted as if all were packable)
             (pt, pm), (ft, fm) = arch.gguf_packed_bytes, arch.gguf_float_params
             per = PACKED[setup.weights].bits_per_value / 8 if setup.weights in PACKED else db
