@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--depths", default="4096,32768,262144")
     ap.add_argument("--formats", default="f16,q8_0,q4_0,tbq4_0,turbo3,turbo4")
-    ap.add_argument("--weights", default="bf16,q8_0,q4_0,q4_k,q6_k", help="the packed product's formats (bf16: torch)")
+    ap.add_argument("--weights", default="bf16,q8_0,q4_0,q4_k,q5_k,q6_k", help="the packed product's formats (bf16: torch)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="gpu_kernels.json")
     a = ap.parse_args()
@@ -129,7 +129,9 @@ def main() -> None:
     # packed weights: the MLP's matrices of Qwen3.6-27B (gate+up [34816, 5120], down [5120, 17408]) in each packed
     # format through the fused product, beside torch's bf16 product of the same shape
     from turbospec.kernels import triton_packed as tpk
-    from turbospec.weights import PACKED, Q6_K, random_blocks
+    from turbospec.weights import PACKED, Q5_K, Q6_K, random_blocks
+
+    by_name = {**PACKED, "q5_k": Q5_K, "q6_k": Q6_K}
 
     report["packed"] = []
     shapes = [(34816, 5120), (5120, 17408)] if cuda else [(512, 256)]
@@ -141,7 +143,7 @@ def main() -> None:
                     w = (torch.randn(out_f, in_f, generator=g, device=dev) * 0.02).to(torch.bfloat16)
                 else:
                     with torch.device(dev):
-                        w = random_blocks(Q6_K if name == "q6_k" else PACKED[name], (out_f, in_f), generator=g)
+                        w = random_blocks(by_name[name], (out_f, in_f), generator=g)
                 secs = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w) if w.dtype != torch.uint8
                              else tpk.matmul(x, w, None), a.reps, cuda)
                 nbytes = w.numel() * w.element_size()
