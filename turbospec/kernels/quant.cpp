@@ -418,10 +418,24 @@ TS_AVX512 inline __m128i q4k_scales(const uint8_t* s) {
 
 // Q4_K with AVX-512 (BW + VNNI): 64 values (two sub-blocks) per multiply, the scales applied by int16 dot products
 // (the same integers as the AVX2 path; the float sums differ in order and, for the mins, in one fused
-// multiply-add), against the input in q4_k_layout.
-template <int R, int NX>
+// multiply-add), against the input in q4_k_layout. Q5 (Q5_K: the same block with 32 bytes of fifth bits before the
+// nibbles): each 64-byte vector of nibbles (sub-blocks 4h, 4h + 2 low, 4h + 1, 4h + 3 high) takes its fifth bits
+// from the 32 qh bytes in both halves, shifted per half by a variable word shift.
+template <int R, int NX, bool Q5 = false>
 TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
-  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i low = _mm512_set1_epi8(15), m10 = _mm512_set1_epi8(0x10);
+  constexpr int64_t BB = Q5 ? 176 : 144;
+  // the word shifts that bring bit s = 4h + k + 2 * half of each qh byte to bit 4 (nibble vector h, low / high
+  // nibbles k, 32-byte half): left by 4 - s where s < 4, else right by s - 4
+  __m512i shl[2][2], shr[2][2];
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {
+      const int s0 = 4 * h + k, s1 = s0 + 2;
+      shl[h][k] = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(std::max(0, 4 - s0))),
+                                     _mm256_set1_epi16(static_cast<int16_t>(std::max(0, 4 - s1))), 1);
+      shr[h][k] = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(std::max(0, s0 - 4))),
+                                     _mm256_set1_epi16(static_cast<int16_t>(std::max(0, s1 - 4))), 1);
+    }
   // multiply k's int16 lanes 0..15 take sub-block A_k's scale, 16..31 B_k's: byte shuffles of the 8 scale bytes
   // (copied to every 16-byte lane), low byte the scale, high byte zero
   static const Q4KLanes ln = [] {
@@ -451,17 +465,21 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
       for (int r = 0; r < 4; ++r) mt[j][r] = _mm_setzero_si128();
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {  // unrolled: the sums stay in registers
-      const uint8_t* wb = w + r * row_bytes + b * 144;
+      const uint8_t* wb = w + r * row_bytes + b * BB;
       const float d = f16(wb);
       dmin[r] = f16(wb + 2);
       const __m128i sm = q4k_scales(wb + 4);
       const __m512i sc4 = _mm512_broadcast_i32x4(sm);
       const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+      const __m512i qh = Q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16))) : low;
       __m512i ii[NX];
       for (int j = 0; j < NX; ++j) ii[j] = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {  // 64 bytes: sub-blocks 4h, 4h + 2 in the low nibbles, 4h + 1, 4h + 3 high
-        const __m512i v = _mm512_loadu_si512(wb + 16 + 64 * h);
-        const __m512i q[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+        const __m512i v = _mm512_loadu_si512(wb + (Q5 ? 48 : 16) + 64 * h);
+        __m512i q[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+        if constexpr (Q5)  // vpternlogd 0xF8: a | (b & c)
+          for (int k = 0; k < 2; ++k)
+            q[k] = _mm512_ternarylogic_epi32(q[k], _mm512_srlv_epi16(_mm512_sllv_epi16(qh, shl[h][k]), shr[h][k]), m10, 0xF8);
         for (int k = 0; k < 2; ++k) {
           const __m512i s = _mm512_shuffle_epi8(sc4, _mm512_load_si512(ln.b[2 * h + k]));
           for (int j = 0; j < NX; ++j)
@@ -485,6 +503,12 @@ TS_AVX512 __attribute__((always_inline)) inline void rows_q4k_avx512(const uint8
     _mm_store_ps(cs, c[j]);
     for (int r = 0; r < R; ++r) out[r * NX + j] -= cs[r];
   }
+}
+
+// Q5_K rows: rows_q4k_avx512 with the fifth bits.
+template <int R, int NX>
+TS_AVX512 __attribute__((always_inline)) inline void rows_q5k_avx512(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRow* const* x, float* out) {
+  rows_q4k_avx512<R, NX, true>(w, row_bytes, nb, x, out);
 }
 
 // ---- Q4_K with 8 rows interleaved (block size 1152; `interleave_` makes it from Q4_K in place at load) ----
@@ -1382,6 +1406,7 @@ constexpr int64_t LONG_ROW = 1152;
     for (; o < o1; ++o) { TS_RANGE_STEP(KERNEL, 1) }                                                           \
   }
 TS_RANGE(TS_AVX512, range_q4k_avx512, rows_q4k_avx512, 1)
+TS_RANGE(TS_AVX512, range_q5k_avx512, rows_q5k_avx512, 1)
 TS_RANGE(TS_AVX512, range_q8_0_avx512, rows_q8_0_avx512, 4)
 TS_RANGE(TS_AVX512, range_q6k_avx512, rows_q6k_avx512, 16)
 TS_RANGE(TS_VBMI, range_q4_0_avx512, rows_q4_0_avx512, 1)
@@ -1407,7 +1432,7 @@ inline bool use_vbmi() {
 inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
   quantize_row(x, in, f == Fmt::Q4_0X8 ? 32 : block_values(f), r);  // one scale per weight block (Q4_0's: 32)
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
-  if (f == Fmt::Q4_K && use_avx512()) q4_k_layout(r, in);
+  if ((f == Fmt::Q4_K || f == Fmt::Q5_K) && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
 }
 
@@ -1427,11 +1452,10 @@ inline void by_fmt(Fmt f, Fn&& fn) {
   }
 }
 
-// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI; Q5_K has none: its rows are
-// interleaved at load, and the rows left over go through the AVX2 row_dot).
+// Whether format F has an AVX-512 kernel on this CPU (Q4_0's also needs VBMI).
 template <Fmt F>
 inline bool avx512_rows() {
-  return F != Fmt::Q5_K && use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
+  return use_avx512() && (F != Fmt::Q4_0 || use_vbmi());
 }
 
 // y[j * out + o] = weight row o . input row x[j] for o in [o0, o1) and j < m: the AVX-512 kernels where `avx512`
@@ -1443,8 +1467,9 @@ inline void dot_range(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRo
     if constexpr (F == Fmt::Q4_K) range_q4k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     else if constexpr (F == Fmt::Q8_0) range_q8_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
     else if constexpr (F == Fmt::Q4_0) range_q4_0_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
-    else if constexpr (F == Fmt::Q6_K) range_q6k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
-    if constexpr (F != Fmt::Q5_K) return;  // (Q5_K has no AVX-512 kernel of its own: avx512_rows says so)
+    else if constexpr (F == Fmt::Q5_K) range_q5k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
+    else range_q6k_avx512(w, row_bytes, nb, x, m, o0, o1, y, out);
+    return;
   }
   for (int64_t o = o0; o < o1; ++o)
     for (int64_t j = 0; j < m; j += 2) {
