@@ -405,3 +405,24 @@ def test_bf16_prefill_tiles_are_torchs_rounding(fmt):
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     if fmt == "q8_0":
         assert bool(torch.isnan(got[:, 3]).all()) and bool(torch.isnan(got[:, 9]).all())
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_moe_experts_kernel_takes_k_quant_experts(fmt):
+    """A MoE layer's routed experts in a K-quant (as a Q4_K_M / Q5_K_M file's experts stay, in the file's layout)
+    through `moe_experts`: each pair's result is its expert's products one by one (float32 intermediates; within
+    rounding)."""
+    k = load_kernel()
+    h, inter = 256, 512
+    gate = [blocks(fmt, inter, h, 10 + i) for i in range(3)]
+    up = [blocks(fmt, inter, h, 20 + i) for i in range(3)]
+    down = [blocks(fmt, h, inter, 30 + i) for i in range(3)]
+    x = torch.randn(2, h, generator=torch.Generator().manual_seed(5))
+    rows, weights = [0, 0, 1], [0.5, 0.25, 1.0]
+    got = k.moe_experts(x, gate, up, down, rows, weights)
+    want = torch.zeros(2, h)
+    for e, (r, wt) in enumerate(zip(rows, weights)):
+        xr = x[r:r + 1]
+        act = torch.nn.functional.silu(k.packed_linear(xr, gate[e], None, 16)) * k.packed_linear(xr, up[e], None, 16)
+        want[r] += wt * k.packed_linear(act, down[e], None, 16)[0]
+    assert float((got - want).norm() / want.norm()) < 1e-3
