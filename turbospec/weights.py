@@ -73,7 +73,7 @@ def out_features(w: torch.Tensor) -> int:
 
 
 def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
-    """A Q4_0 / Q4_K / Q5_K / Q6_K matrix as its `*_X8` format (kernels for AVX-512 VNNI + VBMI and for
+    """A Q4_0 / Q4_K / Q5_K / Q6_K matrix as its `*_X8` format (kernels for AVX-512 VNNI + VBMI + GFNI and for
     AVX2) when its rows come in whole groups of 8 (Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is
     unset; any other matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy)
     or `w` is the whole of a huge-page mapping of its own (`consume`'s large results), else in a copy (a file

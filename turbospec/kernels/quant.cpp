@@ -580,8 +580,9 @@ inline void x8_k_block(const uint8_t* const* blk, uint8_t* p) {
 // and 2k + 1 of qh[l]. Block b of rows 8g..8g+7 is Q4_K_X8's block of the 8 rows (the same 128-byte header, the
 // same 16 nibble vectors) with after each k's 4 nibble vectors one vector of their fifth bits: byte i of fifth-bit
 // vector k holds at bits 2q / 2q + 1 those of the low / high nibble of byte i of nibble vector 4k + q. A block is
-// read front to back; the kernels are Q4_K_X8's with each nibble vector's fifth bits or-ed in (a shift and a
-// vpternlogd). The bytes are the Q5_K blocks' rearranged: the same size, and `q5k_block` gives each row's back.
+// read front to back; the kernels are Q4_K_X8's with each nibble vector's fifth bits or-ed in (AVX-512: a GF(2)
+// affine map and a vpternlogd; AVX2: a shift, an and, an or). The bytes are the Q5_K blocks' rearranged: the same
+// size, and `q5k_block` gives each row's back.
 constexpr int x8_5_nib(int n) { return 128 + 320 * (n / 4) + 64 * (n % 4); }
 constexpr int x8_5_top(int k) { return 128 + 320 * k + 256; }
 
