@@ -388,10 +388,12 @@ def test_weights_flag_is_validated():
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
-def test_bf16_prefill_tiles_are_torchs_rounding(fmt):
-    """Prefill rows of a bfloat16 model multiply tiles dequantized straight to bfloat16, row by row: the same bits
-    as dequantizing to float32 and rounding with torch (file layout and interleaved); scales of inf / NaN (a
-    damaged file) give the same infinities and NaNs."""
+def test_bf16_prefill_rows(fmt):
+    """Prefill rows of a bfloat16 model: through the int8 kernel at any row count for the formats of
+    `weights.INT8_ANY_ROWS` (each row's result is the row's alone, close to the float product), else through tiles
+    dequantized straight to bfloat16, row by row: the same bits as dequantizing to float32 and rounding with torch
+    (file layout and interleaved); scales of inf / NaN (a damaged file) give the same infinities and NaNs. float32
+    rows take the tiles whatever the format."""
     k = load_kernel()
     p = blocks(fmt, 72, 1024, 6)
     if fmt == "q8_0":  # row 3: a block scaled by inf (inf and NaN weights), row 9: one scaled by NaN
@@ -399,12 +401,20 @@ def test_bf16_prefill_tiles_are_torchs_rounding(fmt):
         p[9, 0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)
     x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(2)).bfloat16()
     for w in (p, Linear(p).weight):
-        got = k.packed_linear(x, w, None, 16)  # 40 rows: the tile path
+        got = k.packed_linear(x, w, None, 16)  # 40 rows: above the skinny limit
         want = torch.mm(x, W.dequantize(w).to(torch.bfloat16).t())
+        if W.format_of(w) in W.INT8_ANY_ROWS:
+            assert torch.equal(got, torch.cat([k.packed_linear(x[i:i + 1], w, None, 16) for i in range(40)]))
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < 3e-2
+            f32 = k.packed_linear(x.float(), w, None, 16)
+            assert torch.allclose(f32, x.float() @ W.dequantize(w).t(), rtol=1e-4, atol=1e-3)  # float32: tiles
+            continue
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     if fmt == "q8_0":
         assert bool(torch.isnan(got[:, 3]).all()) and bool(torch.isnan(got[:, 9]).all())
+    assert any(W.format_of(w) in W.INT8_ANY_ROWS for w in (p, Linear(p).weight)) == (
+        fmt in ("q4_0", "q4_k", "q5_k") and load_kernel().interleaved_here())
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])

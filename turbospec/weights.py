@@ -48,6 +48,9 @@ Q4_K_X8 = WeightFormat("q4_k_x8", 256, 1152, "Q4_K", rows=8)
 Q5_K_X8 = WeightFormat("q5_k_x8", 256, 1408, "Q5_K", rows=8)
 Q6_K_X8 = WeightFormat("q6_k_x8", 256, 1680, "Q6_K", rows=8)
 INTERLEAVED = {PACKED["q4_0"]: Q4_0_X8, PACKED["q4_k"]: Q4_K_X8, Q5_K: Q5_K_X8, Q6_K: Q6_K_X8}
+# formats whose 16-bit activation rows take the int8 kernel at any row count, prefill too (quant.cpp's
+# int8_rows_any: faster than bf16 tiles there); the others take tiles beyond the skinny limit
+INT8_ANY_ROWS = frozenset({Q4_0_X8, Q4_K_X8, Q5_K_X8})
 BY_BLOCK_BYTES = {f.block_bytes: f for f in (*PACKED.values(), Q5_K, Q6_K, *INTERLEAVED.values())}
 BY_GGUF_TYPE = {f.gguf_type: f for f in (*PACKED.values(), Q5_K, Q6_K)}
 WEIGHT_CHOICES = ("auto", *PACKED)  # --weights: auto = as stored (float: the model dtype)

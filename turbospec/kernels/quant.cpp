@@ -1566,7 +1566,10 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
                 row_bytes = nb * w.size(2);
   thread_local std::vector<QRow> xq;  // reused: no allocation per product once warm
   if (static_cast<int64_t>(xq.size()) < m) xq.resize(m);
-  for (int64_t r = 0; r < m; ++r) prepare_row(x + r * in, in, f, xq[r]);
+  std::vector<QRow>& rows = xq;  // (the threads below fill the caller's rows)
+  at::parallel_for(0, m, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) prepare_row(x + r * in, in, f, rows[r]);
+  });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (interleaved(f)) {  // groups of 8 rows per thread range
     std::vector<const QRow*> xs(m);
@@ -1716,10 +1719,20 @@ torch::Tensor dequantize_packed(torch::Tensor w, int64_t r0, int64_t r1) {
   return y;
 }
 
-// x [.., in] . W^T (+ b) for a packed W and any number of rows: the int8 kernel for up to `skinny` rows, else
-// tiles of weight rows dequantized to float32 times torch's GEMM (for a bfloat16 x the tiles are rounded to
+// x [.., in] . W^T (+ b) for a packed W and any number of rows: the int8 kernel for up to `skinny` rows (any
+// number for int8_rows_any), else tiles of weight rows dequantized to float32 times torch's GEMM (for a bfloat16 x the tiles are rounded to
 // bfloat16 and the GEMM is bfloat16's, ~2.5x faster on CPUs with AVX-512 BF16; the rounding, 2^-9 of a weight, is
 // below the int8 rounding of the inputs in decode).
+// Whether 16-bit activations multiply w through the int8 kernel at any row count (prefill too): interleaved Q4_0 /
+// Q4_K / Q5_K, whose int8 kernels beat bf16 tiles and oneDNN's GEMM at 64-512 rows (the 1.94B shape's 12288 x 2048,
+// 2 threads: Q4_K 1.35-2.1x, Q4_0 1.3-1.9x, Q5_K 1.0-1.6x; Q6_K_X8 and Q8_0 lose beyond 64 rows). float32
+// activations keep the tiles: exact dequantized weights, no int8 rounding of the inputs.
+inline bool int8_rows_any(const torch::Tensor& w, const torch::Tensor& x) {
+  const packed::Fmt f = packed::fmt_of(w);
+  return x.scalar_type() != torch::kFloat &&
+         (f == packed::Fmt::Q4_0X8 || f == packed::Fmt::Q4_KX8 || f == packed::Fmt::Q5_KX8);
+}
+
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t skinny) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
   const int64_t in = in_features(w), out = out_features(w);
@@ -1727,7 +1740,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto shape = x.sizes().vec();
   shape.back() = out;
   const int64_t m = x.numel() / in;
-  if (m <= skinny) {
+  if (m <= skinny || int8_rows_any(w, x)) {
     auto xs = x.reshape({-1, in}).to(torch::kFloat).contiguous();
     auto y = torch::empty({m, out}, xs.options());
     packed::product(w, xs.data_ptr<float>(), y.data_ptr<float>(), m);
