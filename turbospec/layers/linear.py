@@ -39,7 +39,8 @@ from turbospec.weights import (
 # Packed matrices multiply up to this many rows with the int8 kernel, whose per-row results do not depend on the
 # batch: verification steps (trees of up to 64 nodes) then give each node exactly the logits a single-token step
 # would, so greedy speculation over packed weights stays token-for-token plain decoding. More rows (prefill
-# chunks) take dequantized tiles.
+# chunks) take dequantized tiles, but for the formats of `weights.INT8_ANY_ROWS` with 16-bit activations, whose
+# int8 kernel is the faster one at any row count.
 PACKED_ROW_LIMIT = 64
 # bf16 rows over bf16 weights, on CPUs with AVX-512 BF16 dot products (kernels/bf16dot.cpp), stay memory-bound to
 # dozens of rows: the skinny kernel and the fused layers take up to this many (continuous batching's decode rows).
