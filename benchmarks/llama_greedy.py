@@ -1,9 +1,9 @@
 """Greedy tokens of turbospec against llama.cpp's on the same GGUF file: for every shipped prompt
-(turbospec/data/prompts.json, as token ids), llama-server's `/completion` at temperature 0 and turbospec's engine
-(plain decoding, and `--spec-type draft-mtp` when the file has an MTP layer), each token after the prompt compared;
-the first position where they differ is reported per prompt. Near-ties can go either way (turbospec's decode rows
-are rounded to int8 per 256 / 32 values, llama.cpp's to its own blocks), so a divergence is a signal to look at,
-not by itself a fault.
+(turbospec/data/prompts.json, as token ids), llama-server's `/completion` at temperature 0 and turbospec's
+engine (plain decoding, and `--spec-type draft-mtp` when the file has an MTP layer), each token after the prompt
+compared; the first position where they differ is reported per prompt. Near-ties can go either way (the two
+engines sum in different orders and keep different intermediate precisions), so a divergence is a signal to look
+at, not by itself a fault.
 
     python benchmarks/llama_greedy.py -m hyb-q5_k_m.gguf --llama-server <llama.cpp>/build/bin/llama-server \\
         [-n 48] [--json docs/results/llama_greedy_q5_k_m.json]
@@ -46,18 +46,20 @@ def main() -> None:
     params = SamplingParams(max_tokens=a.n, temperature=0.0, ignore_eos=True)
     rows = []
     port = free_port()
-    cmd = [a.llama_server, "-m", a.model, "--port", str(port), "-c", "4096", "-np", "1", "--no-webui", "-t", "2"]
+    cmd = [a.llama_server, "-m", a.model, "--port", str(port), "-c", "4096", "-np", "1", "--no-webui",
+           "-t", "2"]
     with server(cmd, port) as url:
         for cat, text in prompts.items():
             ids = tok.encode(text)
-            theirs = httpx.post(f"{url}/completion", json={"prompt": ids, "n_predict": a.n, "temperature": 0,
-                                                           "top_k": 1, "return_tokens": True, "cache_prompt": False},
-                                timeout=600).json()["tokens"]
+            body = {"prompt": ids, "n_predict": a.n, "temperature": 0, "top_k": 1, "return_tokens": True,
+                    "cache_prompt": False}
+            theirs = httpx.post(f"{url}/completion", json=body, timeout=600).json()["tokens"]
             for mode in modes:
                 sc = SpecConfig(types=(mode,), n_max=3) if mode != "plain" else SpecConfig()
                 drafter = make_drafter(sc, model, 4096, a.model) if mode != "plain" else None
                 eng = Engine(model, tok, EngineConfig(ctx=4096, spec=sc, prefix_cache=False), drafter=drafter)
-                ours = [t for ch in eng.stream(ids, params) for t in ch.tokens][:len(theirs)]  # llama.cpp stops at EOS
+                ours = [t for ch in eng.stream(ids, params) for t in ch.tokens]
+                ours = ours[:len(theirs)]  # (llama.cpp stops at an end-of-generation token)
                 same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(theirs))
                 rows.append({"prompt": cat, "mode": mode, "compared": len(theirs), "equal_prefix": same})
                 print(f"{cat:18s} {mode:9s} {same:3d} of {len(theirs)} tokens equal llama-server's", flush=True)

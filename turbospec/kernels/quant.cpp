@@ -8,7 +8,8 @@
 // llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
 // depends on that row alone, so a batch's rows equal the same rows multiplied one at a time. Larger inputs
-// (prefill) dequantize tiles of weight rows to float32 and use torch's GEMM. `dequantize_packed` equals the gguf
+// (prefill) dequantize tiles of weight rows to float32 and use torch's GEMM, but where the int8 kernels are the
+// faster ones at any row count (`int8_rows_any`). `dequantize_packed` equals the gguf
 // package's dequantization bit for bit (no fused multiply-add where it multiplies then subtracts).
 
 namespace packed {
