@@ -3,9 +3,10 @@ Q5_K / Q6_K as GGUF files hold them).
 
 A packed matrix is a uint8 tensor [out, blocks per row, block bytes], each row the ggml blocks of one output row
 (the bytes a GGUF file holds for it, so GGUF tensors map without conversion). The block size names the format.
-`Linear` rearranges a Q4_0, Q4_K, Q5_K or Q6_K matrix's bytes at load into 8-row interleaved blocks (`Q4_0_X8`
-[out / 8, blocks / 4, 576], `Q4_K_X8` / `Q5_K_X8` / `Q6_K_X8` [out / 8, blocks, 1152 / 1408 / 1680]: the same bytes
-in another order, `interleave`), which its kernels multiply faster; `ggml_blocks` gives the rows back as ggml blocks.
+`Linear` rearranges a packed matrix's bytes at load into 8-row interleaved blocks (`Q8_0_X8` / `Q4_0_X8` [out / 8,
+blocks / 4, 1088 / 576], `Q4_K_X8` / `Q5_K_X8` / `Q6_K_X8` [out / 8, blocks, 1152 / 1408 / 1680]: the same bytes
+in another order, Q8_0's values + 128, `interleave`), which its kernels multiply faster; `ggml_blocks` gives the
+rows back as ggml blocks.
 `Linear` multiplies packed matrices with the fused kernels in turbospec/kernels/quant.cpp; `quantize` writes
 llama.cpp's reference blocks (the same weights give the same bytes as `llama-quantize`); `dequantize` equals the
 gguf package's dequantization bit for bit.
@@ -42,15 +43,17 @@ PACKED = {f.name: f for f in (WeightFormat("q8_0", 32, 34, "Q8_0"), WeightFormat
 # multiplied packed as GGUF files hold them; no quantizer here
 Q5_K = WeightFormat("q5_k", 256, 176, "Q5_K")
 Q6_K = WeightFormat("q6_k", 256, 210, "Q6_K")
-# Q4_0's, Q4_K's, Q5_K's and Q6_K's blocks of 8 rows interleaved (`interleave`): only made at load, never written
+# the blocks of 8 rows interleaved (`interleave`): only made at load, never written
+Q8_0_X8 = WeightFormat("q8_0_x8", 128, 1088, "Q8_0", rows=8)  # (its values stored + 128: unsigned for vpdpbusd)
 Q4_0_X8 = WeightFormat("q4_0_x8", 128, 576, "Q4_0", rows=8)
 Q4_K_X8 = WeightFormat("q4_k_x8", 256, 1152, "Q4_K", rows=8)
 Q5_K_X8 = WeightFormat("q5_k_x8", 256, 1408, "Q5_K", rows=8)
 Q6_K_X8 = WeightFormat("q6_k_x8", 256, 1680, "Q6_K", rows=8)
-INTERLEAVED = {PACKED["q4_0"]: Q4_0_X8, PACKED["q4_k"]: Q4_K_X8, Q5_K: Q5_K_X8, Q6_K: Q6_K_X8}
+INTERLEAVED = {PACKED["q8_0"]: Q8_0_X8, PACKED["q4_0"]: Q4_0_X8, PACKED["q4_k"]: Q4_K_X8, Q5_K: Q5_K_X8,
+               Q6_K: Q6_K_X8}
 # formats whose 16-bit activation rows take the int8 kernel at any row count, prefill too (quant.cpp's
 # int8_rows_any: faster than bf16 tiles there); the others take tiles beyond the skinny limit
-INT8_ANY_ROWS = frozenset({Q4_0_X8, Q4_K_X8, Q5_K_X8})
+INT8_ANY_ROWS = frozenset({Q8_0_X8, Q4_0_X8, Q4_K_X8, Q5_K_X8})
 BY_BLOCK_BYTES = {f.block_bytes: f for f in (*PACKED.values(), Q5_K, Q6_K, *INTERLEAVED.values())}
 BY_GGUF_TYPE = {f.gguf_type: f for f in (*PACKED.values(), Q5_K, Q6_K)}
 WEIGHT_CHOICES = ("auto", *PACKED)  # --weights: auto = as stored (float: the model dtype)
@@ -76,9 +79,9 @@ def out_features(w: torch.Tensor) -> int:
 
 
 def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
-    """A Q4_0 / Q4_K / Q5_K / Q6_K matrix as its `*_X8` format (kernels for AVX-512 VNNI + VBMI + GFNI and for
-    AVX2) when its rows come in whole groups of 8 (Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is
-    unset; any other matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy)
+    """A packed matrix as its `*_X8` format (kernels for AVX-512 VNNI + VBMI + GFNI and for AVX2) when its rows
+    come in whole groups of 8 (Q8_0 / Q4_0: and its columns in 128s) and TURBOSPEC_NO_INTERLEAVE is unset; any
+    other matrix as it is. The bytes are rearranged in place when the caller `owned` them (its own copy)
     or `w` is the whole of a huge-page mapping of its own (`consume`'s large results), else in a copy (a file
     mapping's pages dropped after it)."""
     k, f = load_kernel(), format_of(w)
@@ -94,7 +97,7 @@ def interleave(w: torch.Tensor, owned: bool = False) -> torch.Tensor:
 
 def ggml_blocks(w: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` (all when None) of a packed matrix in ggml's layout ([n, blocks, block bytes]: the rows of an
-    interleaved matrix as Q4_0 / Q4_K / Q5_K / Q6_K blocks)."""
+    interleaved matrix as its ggml blocks)."""
     if format_of(w) not in INTERLEAVED.values():
         return w if ids is None else w[ids]
     return _kernel().packed_blocks(w, torch.arange(out_features(w)) if ids is None else ids)

@@ -14,7 +14,7 @@
 
 namespace packed {
 
-enum class Fmt { Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_0X8, Q4_KX8, Q5_KX8, Q6_KX8 };
+enum class Fmt { Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0X8, Q4_0X8, Q4_KX8, Q5_KX8, Q6_KX8 };
 
 inline bool is_packed(const torch::Tensor& w) { return w.scalar_type() == torch::kByte && w.dim() == 3; }
 
@@ -26,6 +26,7 @@ inline Fmt fmt_of(const torch::Tensor& w) {
     case 176: return Fmt::Q5_K;
     case 210: return Fmt::Q6_K;
     case 576: return Fmt::Q4_0X8;
+    case 1088: return Fmt::Q8_0X8;
     case 1152: return Fmt::Q4_KX8;
     case 1408: return Fmt::Q5_KX8;
     case 1680: return Fmt::Q6_KX8;
@@ -34,13 +35,18 @@ inline Fmt fmt_of(const torch::Tensor& w) {
   return Fmt::Q8_0;
 }
 
-inline int64_t block_values(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q4_0 ? 32 : f == Fmt::Q4_0X8 ? 128 : 256; }
+inline int64_t block_values(Fmt f) {
+  return f == Fmt::Q8_0 || f == Fmt::Q4_0 ? 32 : f == Fmt::Q8_0X8 || f == Fmt::Q4_0X8 ? 128 : 256;
+}
 
-inline bool interleaved(Fmt f) { return f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8 || f == Fmt::Q5_KX8 || f == Fmt::Q6_KX8; }
+inline bool interleaved(Fmt f) {
+  return f == Fmt::Q8_0X8 || f == Fmt::Q4_0X8 || f == Fmt::Q4_KX8 || f == Fmt::Q5_KX8 || f == Fmt::Q6_KX8;
+}
 
 // The format of an interleaved format's rows (Q4_0X8 -> Q4_0, ...); any other format itself.
 inline Fmt row_fmt(Fmt f) {
   switch (f) {
+    case Fmt::Q8_0X8: return Fmt::Q8_0;
     case Fmt::Q4_0X8: return Fmt::Q4_0;
     case Fmt::Q4_KX8: return Fmt::Q4_K;
     case Fmt::Q5_KX8: return Fmt::Q5_K;
@@ -793,6 +799,70 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8
   for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
 }
 
+// ---- Q8_0 with 8 rows interleaved (block size 1088; `interleave_` makes it from Q8_0 in place at load) ----
+// Blocks 4c..4c+3 of rows 8g..8g+7 are one 1088-byte block: bytes 0-63 the rows' d (block i, row r: float16 at
+// 16i + 2r), then 16 vectors of 64 bytes: vector 4i + q, 4-byte lane L = row L / 2's values 8q + 4(L % 2) .. +3 of
+// block i, each stored + 128 (the byte xor 0x80: unsigned, for vpdpbusd). One vpdpbusd sums 4 values of 8 rows x 2
+// places against 8 broadcast input bytes, as Q4_0_X8's, with no unpacking; each row's two lanes start from -64 x
+// the block's input sum (the + 128). `q80_block` gives each row's block back exactly.
+
+// Row r's Q8_0 block i (34 bytes) from the interleaved block at p.
+inline void q80_block(const uint8_t* p, int i, int r, uint8_t* blk) {
+  std::memcpy(blk, p + 16 * i + 2 * r, 2);
+  constexpr uint64_t flip = 0x8080808080808080ULL;
+  for (int q = 0; q < 4; ++q) {
+    uint64_t v;
+    std::memcpy(&v, p + 64 + 64 * (4 * i + q) + 8 * r, 8);
+    v ^= flip;
+    std::memcpy(blk + 2 + 8 * q, &v, 8);
+  }
+}
+
+// The interleaved block at p from the 8 rows' 4 Q8_0 blocks, blk[r] (136 bytes each).
+inline void x8_8_block(const uint8_t* const* blk, uint8_t* p) {
+  constexpr uint64_t flip = 0x8080808080808080ULL;
+  for (int r = 0; r < 8; ++r)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* b = blk[r] + 34 * i;
+      std::memcpy(p + 16 * i + 2 * r, b, 2);
+      for (int q = 0; q < 4; ++q) {
+        uint64_t v;
+        std::memcpy(&v, b + 2 + 8 * q, 8);
+        v ^= flip;
+        std::memcpy(p + 64 + 64 * (4 * i + q) + 8 * r, &v, 8);
+      }
+    }
+}
+
+// out[j * 8 + r] = row r of the 8 interleaved Q8_0 rows at w (nc blocks of 4) . input row x[j], j < NX.
+template <int NX>
+TS_VBMI __attribute__((always_inline)) inline void rows_q80x8_avx512(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
+  const X8Perm& P = x8_perm();
+  const __m512i dup = _mm512_load_si512(P.dup), dup2 = _mm512_load_si512(P.dup2);
+  __m512 acc[NX];
+  for (int j = 0; j < NX; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    const uint8_t* o = w + c * 1088;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1088);
+    const __m512 d01 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
+    const __m512 d23 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512 d = _mm512_permutexvar_ps(i % 2 == 0 ? dup : dup2, i < 2 ? d01 : d23);  // block i's 8 scales
+      const int64_t b = 4 * c + i;
+      __m512i s[NX];
+      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32(-64 * x[j]->sum32[b]);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (4 * i + q));
+        for (int j = 0; j < NX; ++j) s[j] = _mm512_dpbusd_epi32(s[j], v, bcast8(&x[j]->q[b * 32 + 8 * q]));
+      }
+      for (int j = 0; j < NX; ++j)
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, _mm512_set1_ps(x[j]->d[b])), acc[j]);
+    }
+  }
+  for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
+}
+
 // ---- Q6_K with 8 rows interleaved (block size 1680; `interleave_` makes it from Q6_K in place at load) ----
 // Block b of rows 8g..8g+7 is one 1680-byte block holding the 8 rows' Q6_K blocks b: bytes 0-15 the rows' d
 // (float16, row r at 2r), 16-143 the int8 scales (16-value sub-block j, row r at 16 + 8j + r), then per 64 values
@@ -1108,6 +1178,45 @@ __attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int
   }
 }
 
+// out[j * 8 + r] as rows_q80x8_avx512, with AVX2: the weights back to signed (xor 0x80), then the Q8_0 sign trick
+// (|w| x sign(x, w): vpmaddubsw pairs of at most 2 x 128 x 127, no saturation) and vpmaddwd to int32.
+template <int NX>
+__attribute__((always_inline)) inline void rows_q80x8_avx2(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
+  const X8Avx2& P = x8_avx2();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), one = _mm256_set1_epi16(1);
+  __m256i dup[2];
+  load_halves(P.dup, dup);
+  __m256 acc[NX][2];
+  for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    const uint8_t* o = w + c * 1088;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1088);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * i)));
+      const int64_t b = 4 * c + i;
+      for (int h = 0; h < 2; ++h) {
+        __m256i s[NX];
+        for (int j = 0; j < NX; ++j) s[j] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; ++q) {
+          const __m256i v = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64 + 64 * (4 * i + q) + 32 * h)), flip);
+          const __m256i u = _mm256_sign_epi8(v, v);
+          for (int j = 0; j < NX; ++j)
+            s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(u, _mm256_sign_epi8(bcast8_256(&x[j]->q[b * 32 + 8 * q]), v)), one));
+        }
+        const __m256 d = _mm256_permutevar8x32_ps(d8, dup[h]);
+        for (int j = 0; j < NX; ++j)
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(d, _mm256_set1_ps(x[j]->d[b])), acc[j][h]);
+      }
+    }
+  }
+  for (int j = 0; j < NX; ++j) {
+    pair_sums4(acc[j][0], out + 8 * j);
+    pair_sums4(acc[j][1], out + 8 * j + 4);
+  }
+}
+
 // out[j * 8 + r] as rows_q6kx8_avx512, with AVX2: vpmaddubsw pairs (at most 2 x 63 x 127) summed over the two
 // vectors of a 16-value sub-block stay within int16, and vpmaddwd applies its scale.
 template <int NX>
@@ -1188,6 +1297,9 @@ __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int
         } else if constexpr (F == Fmt::Q6_KX8) {                                                                 \
           if (nx == 2) rows_q6kx8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
           else rows_q6kx8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
+        } else if constexpr (F == Fmt::Q8_0X8) {                                                                 \
+          if (nx == 2) rows_q80x8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
+          else rows_q80x8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
         } else {                                                                                                 \
           if (nx == 2) rows_q40x8_##SUFFIX<2>(wg, nb, x + j, t);                                                 \
           else rows_q40x8_##SUFFIX<1>(wg, nb, x + j, t);                                                         \
@@ -1435,7 +1547,7 @@ inline bool use_vbmi() {  // (TS_VBMI code may also use GFNI: every CPU with AVX
 // x (in values) quantized for products with format f's weights on this CPU: quantize_row, plus the AVX-512
 // kernels' input layouts.
 inline void prepare_row(const float* x, int64_t in, Fmt f, QRow& r) {
-  quantize_row(x, in, f == Fmt::Q4_0X8 ? 32 : block_values(f), r);  // one scale per weight block (Q4_0's: 32)
+  quantize_row(x, in, f == Fmt::Q4_0X8 || f == Fmt::Q8_0X8 ? 32 : block_values(f), r);  // a scale per 32-value block
   if (f == Fmt::Q4_0 && use_vbmi()) q4_0_layout(r, in);
   if ((f == Fmt::Q4_K || f == Fmt::Q5_K) && use_avx512()) q4_k_layout(r, in);
   if (f == Fmt::Q8_0 && use_avx512()) q8_0_layout(r, in);
@@ -1450,6 +1562,7 @@ inline void by_fmt(Fmt f, Fn&& fn) {
     case Fmt::Q4_K: fn(std::integral_constant<Fmt, Fmt::Q4_K>{}); break;
     case Fmt::Q5_K: fn(std::integral_constant<Fmt, Fmt::Q5_K>{}); break;
     case Fmt::Q6_K: fn(std::integral_constant<Fmt, Fmt::Q6_K>{}); break;
+    case Fmt::Q8_0X8:
     case Fmt::Q4_0X8:
     case Fmt::Q4_KX8:
     case Fmt::Q5_KX8:
@@ -1584,6 +1697,8 @@ void product(const torch::Tensor& w, const float* x, float* y, int64_t m) {
       else if (f == Fmt::Q5_KX8) range_x8_avx2<Fmt::Q5_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (f == Fmt::Q6_KX8 && vbmi) range_x8<Fmt::Q6_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (f == Fmt::Q6_KX8) range_x8_avx2<Fmt::Q6_KX8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q8_0X8 && vbmi) range_x8<Fmt::Q8_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
+      else if (f == Fmt::Q8_0X8) range_x8_avx2<Fmt::Q8_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else if (vbmi) range_x8<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
       else range_x8_avx2<Fmt::Q4_0X8>(wp, nb, bytes, xs.data(), m, g0, g1, y, out);
     });
@@ -1637,6 +1752,8 @@ void dequantize_rows(const torch::Tensor& w, int64_t r0, int64_t r1, float* y, a
           q5k_block(base + ((r / 8) * nb + b) * bb, static_cast<int>(r % 8), blk);
         else if (fw == Fmt::Q4_0X8)  // row r % 8's Q4_0 block b
           q40_block(base + ((r / 8) * w.size(1) + b / 4) * bb, static_cast<int>(b % 4), static_cast<int>(r % 8), blk);
+        else if (fw == Fmt::Q8_0X8)  // row r % 8's Q8_0 block b
+          q80_block(base + ((r / 8) * w.size(1) + b / 4) * bb, static_cast<int>(b % 4), static_cast<int>(r % 8), blk);
         else
           p = base + (r * nb + b) * bb;
         if (f == Fmt::Q8_0) {
@@ -1730,8 +1847,8 @@ torch::Tensor dequantize_packed(torch::Tensor w, int64_t r0, int64_t r1) {
 // activations keep the tiles: exact dequantized weights, no int8 rounding of the inputs.
 inline bool int8_rows_any(const torch::Tensor& w, const torch::Tensor& x) {
   const packed::Fmt f = packed::fmt_of(w);
-  return x.scalar_type() != torch::kFloat &&
-         (f == packed::Fmt::Q4_0X8 || f == packed::Fmt::Q4_KX8 || f == packed::Fmt::Q5_KX8);
+  return x.scalar_type() != torch::kFloat && (f == packed::Fmt::Q8_0X8 || f == packed::Fmt::Q4_0X8 ||
+                                              f == packed::Fmt::Q4_KX8 || f == packed::Fmt::Q5_KX8);
 }
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t skinny) {
@@ -1809,10 +1926,12 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
 // layout).
 torch::Tensor interleave_(torch::Tensor w) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
-              (w.size(2) == 144 || w.size(2) == 176 || w.size(2) == 210 || (w.size(2) == 18 && w.size(1) % 4 == 0)),
-              "interleave_: contiguous Q4_0 / Q4_K / Q5_K / Q6_K blocks, rows in whole groups of 8 (Q4_0: blocks in groups of 4)");
+              (w.size(2) == 144 || w.size(2) == 176 || w.size(2) == 210 ||
+               ((w.size(2) == 18 || w.size(2) == 34) && w.size(1) % 4 == 0)),
+              "interleave_: contiguous Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks, rows in whole groups of 8 (Q8_0 / Q4_0: "
+              "blocks in groups of 4)");
   const int64_t bs = w.size(2), groups = w.size(0) / 8, nb = w.size(1), bytes = 8 * nb * bs;
-  const int64_t per = bs == 18 ? 4 : 1, out_blocks = nb / per, out_bytes = 8 * per * bs;  // per interleaved block
+  const int64_t per = bs == 18 || bs == 34 ? 4 : 1, out_blocks = nb / per, out_bytes = 8 * per * bs;  // per block
   uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> tmp(bytes);
@@ -1825,6 +1944,7 @@ torch::Tensor interleave_(torch::Tensor w) {
         if (bs == 144) packed::x8_k_block(blk, p + c * out_bytes);
         else if (bs == 176) packed::x8_5_block(blk, p + c * out_bytes);
         else if (bs == 210) packed::x8_6_block(blk, p + c * out_bytes);
+        else if (bs == 34) packed::x8_8_block(blk, p + c * out_bytes);
         else packed::x8_0_block(blk, p + c * out_bytes);
       }
     }
@@ -1839,7 +1959,7 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
   const packed::Fmt f = packed::fmt_of(w);
   if (!packed::interleaved(f)) return w.index_select(0, idc);
-  const bool q40 = f == packed::Fmt::Q4_0X8;
+  const bool q40 = f == packed::Fmt::Q4_0X8 || f == packed::Fmt::Q8_0X8;  // 4 blocks per interleaved block
   const int64_t n = idc.size(0), per = q40 ? 4 : 1, nb = w.size(1) * per, bb = w.size(2) / (8 * per);
   auto y = torch::empty({n, nb, bb}, torch::kByte);
   const int64_t* ip = idc.data_ptr<int64_t>();
@@ -1854,6 +1974,7 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
       if (f == packed::Fmt::Q4_KX8) packed::q4k_block(p, r, dst);
       else if (f == packed::Fmt::Q5_KX8) packed::q5k_block(p, r, dst);
       else if (f == packed::Fmt::Q6_KX8) packed::q6k_block(p, r, dst);
+      else if (f == packed::Fmt::Q8_0X8) packed::q80_block(p, static_cast<int>(b % 4), r, dst);
       else packed::q40_block(p, static_cast<int>(b % 4), r, dst);
     }
   }
