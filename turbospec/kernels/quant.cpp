@@ -766,30 +766,38 @@ inline void x8_0_block(const uint8_t* const* blk, uint8_t* p) {
     }
 }
 
-// out[j * 8 + r] = row r of the 8 interleaved Q4_0 rows at w (nc blocks of 4) . input row x[j], j < NX.
-template <int NX>
+// out[j * 8 + r] = row r of the 8 interleaved Q4_0 (Q8: Q8_0) rows at w (nc blocks of 4) . input row x[j], j < NX.
+template <int NX, bool Q8 = false>
 TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
   const X8Perm& P = x8_perm();
   const __m512i low = _mm512_set1_epi8(15), dup = _mm512_load_si512(P.dup), dup2 = _mm512_load_si512(P.dup2);
+  constexpr int64_t BB = Q8 ? 1088 : 576;
   __m512 acc[NX];
   for (int j = 0; j < NX; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
-    const uint8_t* o = w + c * 576;
-    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 576);
+    const uint8_t* o = w + c * BB;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), BB);
     const __m512 d01 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
     const __m512 d23 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m512 d = _mm512_permutexvar_ps(i % 2 == 0 ? dup : dup2, i < 2 ? d01 : d23);  // block i's 8 scales
       const int64_t b = 4 * c + i;
-      __m512i s[NX];
-      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32(-4 * x[j]->sum32[b]);
-      for (int q = 0; q < 2; ++q) {
-        const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (2 * i + q));
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int j = 0; j < NX; ++j) {
-          const int8_t* e = &x[j]->q[b * 32 + 8 * q];
-          s[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[j], lo, bcast8(e)), hi, bcast8(e + 16));
+      __m512i s[NX];  // each row's two lanes start from the weights' offset (-8, or + 128) x the block's input sum
+      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32((Q8 ? -64 : -4) * x[j]->sum32[b]);
+      if constexpr (Q8) {
+        for (int q = 0; q < 4; ++q) {
+          const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (4 * i + q));
+          for (int j = 0; j < NX; ++j) s[j] = _mm512_dpbusd_epi32(s[j], v, bcast8(&x[j]->q[b * 32 + 8 * q]));
+        }
+      } else {
+        for (int q = 0; q < 2; ++q) {
+          const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (2 * i + q));
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int j = 0; j < NX; ++j) {
+            const int8_t* e = &x[j]->q[b * 32 + 8 * q];
+            s[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[j], lo, bcast8(e)), hi, bcast8(e + 16));
+          }
         }
       }
       for (int j = 0; j < NX; ++j)
@@ -804,7 +812,8 @@ TS_VBMI __attribute__((always_inline)) inline void rows_q40x8_avx512(const uint8
 // 16i + 2r), then 16 vectors of 64 bytes: vector 4i + q, 4-byte lane L = row L / 2's values 8q + 4(L % 2) .. +3 of
 // block i, each stored + 128 (the byte xor 0x80: unsigned, for vpdpbusd). One vpdpbusd sums 4 values of 8 rows x 2
 // places against 8 broadcast input bytes, as Q4_0_X8's, with no unpacking; each row's two lanes start from -64 x
-// the block's input sum (the + 128). `q80_block` gives each row's block back exactly.
+// the block's input sum (the + 128). The AVX-512 kernel is Q4_0_X8's (rows_q40x8_avx512<NX, true>). `q80_block`
+// gives each row's block back exactly.
 
 // Row r's Q8_0 block i (34 bytes) from the interleaved block at p.
 inline void q80_block(const uint8_t* p, int i, int r, uint8_t* blk) {
@@ -834,33 +843,11 @@ inline void x8_8_block(const uint8_t* const* blk, uint8_t* p) {
     }
 }
 
-// out[j * 8 + r] = row r of the 8 interleaved Q8_0 rows at w (nc blocks of 4) . input row x[j], j < NX.
+
+// Q8_0_X8 rows: rows_q40x8_avx512 over values stored + 128.
 template <int NX>
 TS_VBMI __attribute__((always_inline)) inline void rows_q80x8_avx512(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
-  const X8Perm& P = x8_perm();
-  const __m512i dup = _mm512_load_si512(P.dup), dup2 = _mm512_load_si512(P.dup2);
-  __m512 acc[NX];
-  for (int j = 0; j < NX; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
-    const uint8_t* o = w + c * 1088;
-    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1088);
-    const __m512 d01 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
-    const __m512 d23 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m512 d = _mm512_permutexvar_ps(i % 2 == 0 ? dup : dup2, i < 2 ? d01 : d23);  // block i's 8 scales
-      const int64_t b = 4 * c + i;
-      __m512i s[NX];
-      for (int j = 0; j < NX; ++j) s[j] = _mm512_set1_epi32(-64 * x[j]->sum32[b]);
-      for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_loadu_si512(o + 64 + 64 * (4 * i + q));
-        for (int j = 0; j < NX; ++j) s[j] = _mm512_dpbusd_epi32(s[j], v, bcast8(&x[j]->q[b * 32 + 8 * q]));
-      }
-      for (int j = 0; j < NX; ++j)
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, _mm512_set1_ps(x[j]->d[b])), acc[j]);
-    }
-  }
-  for (int j = 0; j < NX; ++j) pair_sums(acc[j], out + 8 * j);
+  rows_q40x8_avx512<NX, true>(w, nc, x, out);
 }
 
 // ---- Q6_K with 8 rows interleaved (block size 1680; `interleave_` makes it from Q6_K in place at load) ----
