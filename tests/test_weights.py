@@ -148,9 +148,10 @@ def blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 @x8
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
 def test_linear_interleaves_blocks_and_keeps_every_rows_bytes(fmt, monkeypatch):
-    """`Linear` rearranges a Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrix into 8-row interleaved blocks (the same bytes in
-    another order; Q8_0's values + 128): every row comes back as its ggml blocks, and dequantizes and looks up bit for bit as before; the
-    caller's tensor is untouched, and matrices whose rows (or Q4_0's columns, in 128s) do not fit stay as they are."""
+    """`Linear` rearranges a Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K matrix into 8-row interleaved blocks (the same bytes
+    in another order; Q8_0's values + 128): every row comes back as its ggml blocks, and dequantizes and looks up
+    bit for bit as before; the caller's tensor is untouched, and matrices whose rows (or Q8_0 / Q4_0's columns, in
+    128s) do not fit stay as they are."""
     p = blocks(fmt, 72, 1024)
     before = p.clone()
     lin = Linear(p)
@@ -196,9 +197,9 @@ def test_interleaved_products_equal_the_one_row_kernels(fmt):
 
 @x8
 def test_interleaved_avx2_kernels_equal_the_file_layouts():
-    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K products
-    equal the products over the file's layout (float sums in another order) and a row's result does not depend on
-    its batch."""
+    """With TURBOSPEC_NO_AVX512=1 (the AVX2 kernels, in a child process) interleaved Q8_0 / Q4_0 / Q4_K / Q5_K /
+    Q6_K products equal the products over the file's layout (float sums in another order) and a row's result does
+    not depend on its batch."""
     code = ("import torch,sys; sys.path.insert(0,'.'); from turbospec import weights as W\n"
             "from turbospec.layers.linear import Linear; from turbospec.kernels.gemv import load_kernel\n"
             "from tests.test_weights import blocks\n"
