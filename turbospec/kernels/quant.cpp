@@ -1124,75 +1124,51 @@ __attribute__((always_inline)) inline void rows_q4kx8_avx2(const uint8_t* w, int
   }
 }
 
-// out[j * 8 + r] as rows_q40x8_avx512, with AVX2.
-template <int NX>
+// out[j * 8 + r] as rows_q40x8_avx512 (Q8: rows_q80x8_avx512), with AVX2. Q8_0's weights go back to signed (xor
+// 0x80) for its sign trick (|w| x sign(x, w): vpmaddubsw pairs of at most 2 x 128 x 127, no saturation).
+template <int NX, bool Q8 = false>
 __attribute__((always_inline)) inline void rows_q40x8_avx2(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
   const X8Avx2& P = x8_avx2();
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t BB = Q8 ? 1088 : 576;
   __m256i dup[2];
   load_halves(P.dup, dup);
   __m256 acc[NX][2];
   for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
-    const uint8_t* o = w + c * 576;
-    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 576);
+    const uint8_t* o = w + c * BB;
+    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), BB);
     for (int i = 0; i < 4; ++i) {
       const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * i)));
       const int64_t b = 4 * c + i;
       for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_permutevar8x32_ps(d8, dup[h]);
-        __m256i s16[NX];
-        for (int j = 0; j < NX; ++j) s16[j] = _mm256_setzero_si256();
-        for (int q = 0; q < 2; ++q) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64 + 64 * (2 * i + q) + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int j = 0; j < NX; ++j) {
-            const int8_t* e = &x[j]->q[b * 32 + 8 * q];
-            s16[j] = _mm256_add_epi16(s16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast8_256(e)),
-                                                               _mm256_maddubs_epi16(hi, bcast8_256(e + 16))));
+        __m256i s[NX];  // Q4_0: from -8 x the block's input sum (the weights' -8), its pairs summed in int16 first
+        for (int j = 0; j < NX; ++j) s[j] = _mm256_set1_epi32(Q8 ? 0 : -4 * x[j]->sum32[b]);
+        if constexpr (Q8) {
+          for (int q = 0; q < 4; ++q) {
+            const __m256i v = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64 + 64 * (4 * i + q) + 32 * h)), flip);
+            const __m256i u = _mm256_sign_epi8(v, v);
+            for (int j = 0; j < NX; ++j)
+              s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(
+                  _mm256_maddubs_epi16(u, _mm256_sign_epi8(bcast8_256(&x[j]->q[b * 32 + 8 * q]), v)), one));
           }
+        } else {
+          __m256i s16[NX];
+          for (int j = 0; j < NX; ++j) s16[j] = _mm256_setzero_si256();
+          for (int q = 0; q < 2; ++q) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64 + 64 * (2 * i + q) + 32 * h));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int j = 0; j < NX; ++j) {
+              const int8_t* e = &x[j]->q[b * 32 + 8 * q];
+              s16[j] = _mm256_add_epi16(s16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast8_256(e)),
+                                                                 _mm256_maddubs_epi16(hi, bcast8_256(e + 16))));
+            }
+          }
+          for (int j = 0; j < NX; ++j) s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(s16[j], one));
         }
-        for (int j = 0; j < NX; ++j) {
-          const __m256i s = _mm256_add_epi32(_mm256_set1_epi32(-4 * x[j]->sum32[b]), _mm256_madd_epi16(s16[j], one));
-          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x[j]->d[b])), acc[j][h]);
-        }
-      }
-    }
-  }
-  for (int j = 0; j < NX; ++j) {
-    pair_sums4(acc[j][0], out + 8 * j);
-    pair_sums4(acc[j][1], out + 8 * j + 4);
-  }
-}
-
-// out[j * 8 + r] as rows_q80x8_avx512, with AVX2: the weights back to signed (xor 0x80), then the Q8_0 sign trick
-// (|w| x sign(x, w): vpmaddubsw pairs of at most 2 x 128 x 127, no saturation) and vpmaddwd to int32.
-template <int NX>
-__attribute__((always_inline)) inline void rows_q80x8_avx2(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
-  const X8Avx2& P = x8_avx2();
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), one = _mm256_set1_epi16(1);
-  __m256i dup[2];
-  load_halves(P.dup, dup);
-  __m256 acc[NX][2];
-  for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
-    const uint8_t* o = w + c * 1088;
-    prefetch_l2(reinterpret_cast<const char*>(o + X8_AHEAD), 1088);
-    for (int i = 0; i < 4; ++i) {
-      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * i)));
-      const int64_t b = 4 * c + i;
-      for (int h = 0; h < 2; ++h) {
-        __m256i s[NX];
-        for (int j = 0; j < NX; ++j) s[j] = _mm256_setzero_si256();
-        for (int q = 0; q < 4; ++q) {
-          const __m256i v = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 64 + 64 * (4 * i + q) + 32 * h)), flip);
-          const __m256i u = _mm256_sign_epi8(v, v);
-          for (int j = 0; j < NX; ++j)
-            s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(
-                _mm256_maddubs_epi16(u, _mm256_sign_epi8(bcast8_256(&x[j]->q[b * 32 + 8 * q]), v)), one));
-        }
-        const __m256 d = _mm256_permutevar8x32_ps(d8, dup[h]);
         for (int j = 0; j < NX; ++j)
           acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[j]), _mm256_mul_ps(d, _mm256_set1_ps(x[j]->d[b])), acc[j][h]);
       }
@@ -1202,6 +1178,12 @@ __attribute__((always_inline)) inline void rows_q80x8_avx2(const uint8_t* w, int
     pair_sums4(acc[j][0], out + 8 * j);
     pair_sums4(acc[j][1], out + 8 * j + 4);
   }
+}
+
+// Q8_0_X8 rows with AVX2: rows_q40x8_avx2 over values stored + 128.
+template <int NX>
+__attribute__((always_inline)) inline void rows_q80x8_avx2(const uint8_t* w, int64_t nc, const QRow* const* x, float* out) {
+  rows_q40x8_avx2<NX, true>(w, nc, x, out);
 }
 
 // out[j * 8 + r] as rows_q6kx8_avx512, with AVX2: vpmaddubsw pairs (at most 2 x 63 x 127) summed over the two
