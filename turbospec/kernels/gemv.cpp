@@ -1151,9 +1151,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_packed", &dequantize_packed, "rows of a packed weight as float32");
   m.def("quantize_packed", &quantize_packed, "float rows as ggml blocks (34: Q8_0, 18: Q4_0, 144: Q4_K)");
   m.def("packed_rows", &packed_rows, "rows ids of a packed table as float32");
-  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved ones as Q4_0 / Q4_K / Q5_K / Q6_K)");
-  m.def("interleave_", &interleave_, "Q4_0 / Q4_K / Q5_K / Q6_K blocks rearranged in place into 8-row interleaved blocks");
-  m.def("interleaved_here", &interleaved_here, "whether Linear interleaves Q4_0 / Q4_K / Q5_K / Q6_K weights");
+  m.def("packed_blocks", &packed_blocks, "rows ids of a packed weight as ggml blocks (interleaved ones too)");
+  m.def("interleave_", &interleave_, "Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks rearranged in place into 8-row interleaved blocks");
+  m.def("interleaved_here", &interleaved_here, "whether Linear interleaves packed weights");
   m.def("moe_experts", &moe_experts, "the routed experts of a MoE layer for a few rows (packed weights)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u] rows");

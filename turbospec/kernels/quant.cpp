@@ -2,8 +2,8 @@
 // gemv.cpp).
 //
 // A packed weight is a uint8 tensor [out, blocks per row, block bytes], each row the blocks of one output row in
-// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 176: Q5_K, 210: Q6_K; 576 / 1152 /
-// 1408 / 1680: Q4_0 / Q4_K / Q5_K / Q6_K with 8 rows interleaved, made at load, see `interleave_`). Products for
+// ggml's layout; the block size names the format (34: Q8_0, 18: Q4_0, 144: Q4_K, 176: Q5_K, 210: Q6_K; 1088 / 576 /
+// 1152 / 1408 / 1680: the same with 8 rows interleaved, made at load, see `interleave_`). Products for
 // few rows quantize the input rows to int8 (per 32 values for Q8_0 / Q4_0, per 256 for the K formats, as
 // llama.cpp's Q8_0 / Q8_K) and sum
 // int8 x int8 / uint4 x int8 products in int32 (maddubs), scaling once per block in float32: a row's result
@@ -1889,9 +1889,9 @@ torch::Tensor packed_rows(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Q4_0 / Q4_K / Q5_K / Q6_K weights [out, blocks, 18 / 144 / 176 / 210] rearranged in place into 8-row interleaved
-// blocks (packed::x8_0_block, x8_k_block, x8_5_block, x8_6_block), returned as the [out / 8, blocks / 4 (Q4_0) or
-// blocks, 576 / 1152 / 1408 / 1680] view of the same memory. The caller owns the memory (nothing else reads it in the old
+// Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights [out, blocks, 34 / 18 / 144 / 176 / 210] rearranged in place into 8-row
+// interleaved blocks (packed::x8_8_block, x8_0_block, x8_k_block, x8_5_block, x8_6_block), returned as the [out / 8,
+// blocks / 4 (Q8_0, Q4_0) or blocks, 1088 / 576 / 1152 / 1408 / 1680] view of the same memory. The caller owns the memory (nothing else reads it in the old
 // layout).
 torch::Tensor interleave_(torch::Tensor w) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous() && w.size(0) % 8 == 0 &&
@@ -1921,8 +1921,8 @@ torch::Tensor interleave_(torch::Tensor w) {
   return w.view({groups, out_blocks, out_bytes});
 }
 
-// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved format's rows as Q4_0 / Q4_K /
-// Q5_K / Q6_K blocks (packed::q40_block, q4k_block, q5k_block, q6k_block), any other format's rows as they are.
+// Rows `ids` of a packed weight as ggml blocks [n, blocks, block bytes]: an interleaved format's rows as its rows'
+// blocks (packed::q80_block, q40_block, q4k_block, q5k_block, q6k_block), any other format's rows as they are.
 torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   TORCH_CHECK(packed::is_packed(w) && w.is_contiguous(), "packed weight expected");
   auto idc = ids.reshape({-1}).to(torch::kLong).contiguous();
@@ -1950,7 +1950,7 @@ torch::Tensor packed_blocks(torch::Tensor w, torch::Tensor ids) {
   return y;
 }
 
-// Whether Linear interleaves Q4_0 / Q4_K / Q5_K / Q6_K weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels:
+// Whether Linear interleaves packed weights: unless TURBOSPEC_NO_INTERLEAVE is set (the kernels:
 // AVX-512 VNNI + VBMI + GFNI where the CPU has them, AVX2 otherwise).
 bool interleaved_here() { return !std::getenv("TURBOSPEC_NO_INTERLEAVE"); }
 

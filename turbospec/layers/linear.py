@@ -126,7 +126,7 @@ def batch_products():
 
 class Linear:
     """y = x W^T + b. Several HF projections can be fused into one (rows concatenated). W is a float matrix or
-    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K; all but Q8_0 rearranged at load into 8-row
+    packed blocks (`turbospec.weights`: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K; rearranged at load into 8-row
     interleaved blocks, which the kernels multiply faster), multiplied by the kernel without unpacking the matrix for
     decode and verification rows, and for prefill by dequantized tiles or, for `weights.INT8_ANY_ROWS` in 16-bit
     models, the same kernel (on a GPU: turbospec.kernels.packed)."""
@@ -140,7 +140,7 @@ class Linear:
         if (hugepages and self.kernel is not None and env.HUGEPAGES and self.weight.device.type == "cpu"
                 and not self.weight.requires_grad and not self.kernel.in_arena(self.weight)):
             self.weight, copied = self.kernel.hugepage_copy(self.weight), True
-        if hugepages:  # the model's weights: Q4_0 / Q4_K / Q5_K / Q6_K rows interleaved (weights.interleave)
+        if hugepages:  # the model's packed weights: rows interleaved (weights.interleave)
             self.weight = interleave(self.weight, owned=copied)
         self.bias = bias
         self.out_features, self.in_features = out_features(self.weight), in_features(self.weight)
