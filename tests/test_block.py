@@ -80,11 +80,26 @@ def test_fused_layer_takes_parts_in_different_formats(hf_models, name, monkeypat
     """A q/k/v projection in parts of different formats runs through the fused calls (each part's product into its
     columns), as the op-by-op path computes it."""
     model = split_input_projections(load_model(hf_models[name], "float32"))
-    calls = []
-    orig = block.attention_layer
-    monkeypatch.setattr(block, "attention_layer", lambda *a: calls.append(1) or orig(*a))
+    calls = _count_fused_layers(monkeypatch)
     compare(model, "float32", monkeypatch)
     assert calls
+
+
+def _count_fused_layers(monkeypatch) -> list:
+    """A list that grows by one per attention layer step run by the fused calls: `decode_layer` (a step at a plain
+    cache's end, the layer's arguments cached) or `attention_layer` (every other fused step)."""
+    calls: list = []
+    orig_layer, orig_decode = block.attention_layer, block.decode_layer
+
+    def decode(*a):
+        out = orig_decode(*a)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(block, "attention_layer", lambda *a: calls.append(1) or orig_layer(*a))
+    monkeypatch.setattr(block, "decode_layer", decode)
+    return calls
 
 
 def test_hybrid_fused_layer_takes_parts_in_different_formats(tmp_path, monkeypatch):
@@ -112,9 +127,7 @@ def test_hybrid_fused_layer_takes_parts_in_different_formats(tmp_path, monkeypat
 
 def test_fused_path_is_taken(hf_models, monkeypatch):
     """The fused calls run for decode-sized steps (so the comparisons above compare two different paths)."""
-    calls = []
-    orig = block.attention_layer
-    monkeypatch.setattr(block, "attention_layer", lambda *a: calls.append(1) or orig(*a))
+    calls = _count_fused_layers(monkeypatch)
     model = load_model(hf_models["qwen3"], "float32")
     cache = model.new_cache(8)
     model.forward(torch.tensor([1, 2]), AttentionPlan.causal(0, 2), cache)

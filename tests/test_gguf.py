@@ -233,13 +233,16 @@ def test_export_round_trip(hf_models, tmp_path, name, kind):
 @pytest.mark.parametrize("bundled", ["turbospec-tiny", "turbospec-tiny-hybrid"])
 def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled):
     """The bundled models through `turbospec export-gguf`: the file's tokenizer is the checkpoint's (ids, chat
-    template), and greedy decoding from the file equals decoding from the directory (MTP drafting too)."""
+    template, the draft vocabulary's ranking), and greedy decoding from the file equals decoding from the directory
+    (MTP drafting too, over the same reduced vocabulary)."""
     from turbospec import EngineConfig, SamplingParams, SpecConfig, build_engine
     from turbospec.cli.main import main
+    from turbospec.model import draft_vocab
 
     src = Path(__file__).resolve().parents[1] / "models" / bundled
     out = tmp_path / "b.gguf"
     assert main(["export-gguf", str(src), str(out), "--type", "f32"]) == 0
+    assert draft_vocab.load(out) == draft_vocab.load(src) is not None
     spec = SpecConfig(types=("draft-mtp",)) if bundled.endswith("hybrid") else SpecConfig()
     a, b = (build_engine(EngineConfig(model=str(p), spec=spec)) for p in (src, out))
     text = "def f(x):\n    return x  # 12345 café 🙂 <|im_end|>"
@@ -251,6 +254,7 @@ def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled):
     assert [c.tokens for c in ga] == [c.tokens for c in gb]
     if bundled.endswith("hybrid"):
         assert a.last_stats.spec.accepted == b.last_stats.spec.accepted > 0
+        assert a.drafter.head_ids == b.drafter.head_ids is not None
 
 
 def test_export_refuses_what_it_cannot_write(hf_models, tmp_path):

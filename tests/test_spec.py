@@ -263,7 +263,7 @@ def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
 
     from training.draft_vocab import rank_tokens
-    from turbospec.speculative.draft_vocab import FILE, load
+    from turbospec.model.draft_vocab import FILE, load
 
     model_dir = tmp_path / "m"
     shutil.copytree(paths["target"], model_dir)

@@ -10,7 +10,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from turbospec.speculative.draft_vocab import FILE
+from turbospec.model.draft_vocab import FILE
 
 
 def rank_tokens(tokenizer, texts: list[str], vocab_size: int, batch: int = 256, progress: bool = False

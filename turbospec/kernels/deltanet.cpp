@@ -34,20 +34,23 @@ void conv_rows(const int64_t* parents, int64_t t, int64_t kernel, int64_t* rows)
   while (len < kernel) rows[kernel - 1 - len++] = r--;
 }
 
-// One token of the delta rule on a state S [dk, dv] (in place), dv a multiple of 32, 32 columns at a time (a
-// column block's delta depends on that block only, so both passes run while its 8 KB stay in L1):
-// S *= decay; delta = (v - S^T k) * beta; S += k delta^T; o = S^T q. Multiplies and adds are kept apart and in
-// the order of the scalar loop, so the result is the same to the bit.
-inline void delta_rule_32(float* s, const float* q, const float* k, const float* v, float decay, float beta,
-                          int64_t dk, int64_t dv, float* o) {
+// One token of the delta rule from state `src` [dk, dv] into `dst` (the same buffer for an update in place), dv a
+// multiple of 32, 32 columns at a time (a column block's delta depends on that block only, so both passes run while
+// its 8 KB stay in L1): S = decay src; delta = (v - S^T k) * beta; S += k delta^T; o = S^T q. Multiplies and adds
+// are kept apart and in the order of the scalar loop, so the result is the same to the bit. Reading the previous
+// state and writing the new one in the first pass saves a copy of the state per token (a verification step keeps
+// every token's state).
+inline void delta_rule_32(const float* src, float* dst, const float* q, const float* k, const float* v, float decay,
+                          float beta, int64_t dk, int64_t dv, float* o) {
   const __m256 dec = _mm256_set1_ps(decay), bet = _mm256_set1_ps(beta);
   for (int64_t c = 0; c < dv; c += 32) {
     __m256 m[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < dk; ++i) {
-      float* row = s + i * dv + c;
+      const float* in = src + i * dv + c;
+      float* row = dst + i * dv + c;
       const __m256 ki = _mm256_set1_ps(k[i]);
       for (int u = 0; u < 4; ++u) {
-        const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * u), dec);
+        const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(in + 8 * u), dec);
         _mm256_storeu_ps(row + 8 * u, r);
         m[u] = _mm256_add_ps(m[u], _mm256_mul_ps(ki, r));
       }
@@ -58,7 +61,7 @@ inline void delta_rule_32(float* s, const float* q, const float* k, const float*
       acc[u] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < dk; ++i) {
-      float* row = s + i * dv + c;
+      float* row = dst + i * dv + c;
       const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
       for (int u = 0; u < 4; ++u) {
         const __m256 r = _mm256_add_ps(_mm256_loadu_ps(row + 8 * u), _mm256_mul_ps(ki, d[u]));
@@ -79,13 +82,16 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
   // conv + SiLU over all channels of the n new tokens, in float (rounded like the Python path)
   std::vector<float> mixed(n * c);
   std::vector<int64_t> rows(kernel);
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < n; ++t) {  // tap by tap over all channels (vectorizes), each channel's sum in tap order
     conv_rows(parents, t, kernel, rows.data());
-    for (int64_t ch = 0; ch < c; ++ch) {
-      float acc = rnd<T>(static_cast<float>(window[rows[0] * c + ch]) * static_cast<float>(conv_t[ch]));
-      for (int64_t i = 1; i < kernel; ++i)
-        acc = rnd<T>(acc + rnd<T>(static_cast<float>(window[rows[i] * c + ch]) * static_cast<float>(conv_t[i * c + ch])));
-      mixed[t * c + ch] = acc;
+    float* acc = mixed.data() + t * c;
+    const T* w0 = window + rows[0] * c;
+    for (int64_t ch = 0; ch < c; ++ch) acc[ch] = rnd<T>(static_cast<float>(w0[ch]) * static_cast<float>(conv_t[ch]));
+    for (int64_t i = 1; i < kernel; ++i) {
+      const T* wi = window + rows[i] * c;
+      const T* ti = conv_t + i * c;
+      for (int64_t ch = 0; ch < c; ++ch)
+        acc[ch] = rnd<T>(acc[ch] + rnd<T>(static_cast<float>(wi[ch]) * static_cast<float>(ti[ch])));
     }
   }
   silu_all(mixed.data(), mixed.data(), n * c);
@@ -105,26 +111,28 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
   }
   const int64_t state_sz = dk * dv;
   at::parallel_for(0, nv, 1, [&](int64_t h0, int64_t h1) {  // heads in parallel (2 cores: 2 threads)
-    std::vector<float> s(state_sz), mem(dv), o(dv), gz(dv);
+    std::vector<float> s(all_states ? 0 : state_sz), mem(dv), o(dv), gz(dv);
     for (int64_t h = h0; h < h1; ++h) {
-      std::copy(state0 + h * state_sz, state0 + (h + 1) * state_sz, s.begin());
+      // each token's state goes straight to its place in `states` (all_states), else to `s` and the last token's
+      // to `states`; the previous state is read where it lies (no copies)
+      const float* prev = state0 + h * state_sz;
       const int64_t kh = h / rep;
       for (int64_t t = 0; t < n; ++t) {
-        if (parents && parents[t] != t - 1) {  // a tree node: continue from its parent's state
-          const float* src = parents[t] < 0 ? state0 + h * state_sz : states + (parents[t] * nv + h) * state_sz;
-          std::copy(src, src + state_sz, s.begin());
-        }
+        if (parents && parents[t] != t - 1)  // a tree node: continue from its parent's state
+          prev = parents[t] < 0 ? state0 + h * state_sz : states + (parents[t] * nv + h) * state_sz;
+        float* cur = all_states ? states + (t * nv + h) * state_sz : t == n - 1 ? states + h * state_sz : s.data();
         const float* q = mixed.data() + t * c + kh * dk;
         const float* k = mixed.data() + t * c + key_dim + kh * dk;
         const float* v = mixed.data() + t * c + 2 * key_dim + h * dv;
         const float beta = sigmoid(static_cast<float>(b[t * nv + h]));
         const float decay = std::exp(neg_a[h] * softplus(static_cast<float>(a[t * nv + h]) + dt_bias[h]));
         if (dv % 32 == 0) {
-          delta_rule_32(s.data(), q, k, v, decay, beta, dk, dv, o.data());
+          delta_rule_32(prev, cur, q, k, v, decay, beta, dk, dv, o.data());
         } else {
+          if (cur != prev) std::copy(prev, prev + state_sz, cur);
           std::fill(mem.begin(), mem.end(), 0.0f);
           for (int64_t i = 0; i < dk; ++i) {
-            float* row = s.data() + i * dv;
+            float* row = cur + i * dv;
             const float ki = k[i];
             for (int64_t j = 0; j < dv; ++j) {
               row[j] *= decay;
@@ -134,7 +142,7 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
           for (int64_t j = 0; j < dv; ++j) mem[j] = (v[j] - mem[j]) * beta;  // delta
           std::fill(o.begin(), o.end(), 0.0f);
           for (int64_t i = 0; i < dk; ++i) {
-            float* row = s.data() + i * dv;
+            float* row = cur + i * dv;
             const float ki = k[i], qi = q[i];
             for (int64_t j = 0; j < dv; ++j) {
               row[j] += ki * mem[j];
@@ -142,10 +150,7 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
             }
           }
         }
-        if (all_states || t == n - 1) {
-          float* dst = states + ((all_states ? t : 0) * nv + h) * state_sz;
-          std::copy(s.begin(), s.end(), dst);
-        }
+        prev = cur;
         // gated RMSNorm: (w * round(o / rms(o))) * silu(z)
         float ss = 0.0f;
         for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];

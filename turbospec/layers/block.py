@@ -49,13 +49,66 @@ def _input_projection(m) -> bool:
     return isinstance(m, Linear) or (isinstance(m, SplitLinear) and all(isinstance(p, Linear) for p in m.parts))
 
 
-def fusable(x: torch.Tensor, mlp, norm: torch.Tensor, mixer):
-    """`kernel_for(x, norm)` for a decoder layer whose MLP is a SwiGLU `MLP` (not MoE) whose projections are single
-    matrices, and whose mixer's output projection is one matrix (its input projection may be parts), else None."""
+def fusable_structure(mlp, mixer) -> bool:
+    """Whether a decoder layer's MLP is a SwiGLU `MLP` (not MoE) whose projections are single matrices and its
+    mixer's output projection is one matrix (its input projection may be parts)."""
     inp, out = mixer.linears()
-    if not (isinstance(mlp, MLP) and all(_one_matrix(m) for m in (*mlp.linears(), out)) and _input_projection(inp)):
+    return isinstance(mlp, MLP) and all(_one_matrix(m) for m in (*mlp.linears(), out)) and _input_projection(inp)
+
+
+def fusable(x: torch.Tensor, mlp, norm: torch.Tensor, mixer):
+    """`kernel_for(x, norm)` for a layer of `fusable_structure`, else None."""
+    return kernel_for(x, norm) if fusable_structure(mlp, mixer) else None
+
+
+class OneCall:
+    """The arguments of a layer's one-call kernel that stay the same from step to step (weights, norms, sizes), worked
+    out on the layer's first step and again when one of the objects in `key` is replaced (the MTP block's bf16
+    copies, tensor-parallel wrapping): a decode step then pays for the call, not for the checks and attribute
+    lookups that pick it (several microseconds per layer, a tenth of a small model's step)."""
+
+    __slots__ = ("key", "args")
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.args = None
+
+    def get(self, key: tuple, build):
+        """`build()` (a tuple of argument groups, or None where the layer cannot take the call) for these `key`
+        objects; compared by identity (layers and projections define no equality)."""
+        if key != self.key:
+            self.key, self.args = key, build()
+        return self.args
+
+
+def layer_decode_args(attn: Attention, mlp, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, zc: bool
+                      ) -> tuple | None:
+    """`layer_decode`'s unchanging arguments as (before the RoPE tables, between them and the cache, after the
+    cache's length) for a layer that `fusable` takes, with whole output and down projections and a head size the
+    one-call attention takes; None otherwise."""
+    inp, out = attn.linears()
+    if not fusable_structure(mlp, attn) or split(out, mlp.down) or attn.hd % 8:
         return None
-    return kernel_for(x, norm)
+    return ((in_norm, eps, zc, inp.matrices, inp.bias, attn.q_norm, attn.k_norm), (attn.nh, attn.nkv, attn.hd, attn.gated),
+            (1.0 / math.sqrt(attn.hd), out.weight, out.bias, post_norm, mlp.gate_up.weight, mlp.gate_up.bias,
+             mlp.down.weight, mlp.down.bias))
+
+
+def layer_key(mixer, mlp) -> tuple:
+    """The objects whose replacement changes a layer's one-call arguments (`OneCall.get`)."""
+    return (mixer, *mixer.linears(), mlp, *(mlp.linears() if isinstance(mlp, MLP) else ()))
+
+
+def decode_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
+                 cache, layer: int) -> torch.Tensor | None:
+    """`attention_layer`'s one-call case with the arguments of `layer_decode_args`: causal tokens or a draft tree
+    at the end of a plain cache (each row equal to its single-token step); None for any other step."""
+    if (not isinstance(cache, KVCache) or plan.start != cache.length
+            or (plan.mask is not None and plan.parents is None)):
+        return None
+    pre, mid, post = args
+    return k.layer_decode(x, *pre, rope[0], rope[1], *mid, cache.k[layer], cache.v[layer], cache.length, *post,
+                          _parents(plan))
 
 
 def split(*projections) -> bool:

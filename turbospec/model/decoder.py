@@ -21,8 +21,17 @@ class DecoderLayer:
                  zero_centred: bool = False):
         self.attn, self.mlp = attn, mlp
         self.in_norm, self.post_norm, self.eps, self.zc = in_norm, post_norm, eps, zero_centred
+        self._calls = block.OneCall()
+
+    def _decode_args(self) -> tuple | None:
+        return block.layer_decode_args(self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc)
 
     def __call__(self, x, rope, plan, cache, layer, out_rows: int | None = None):
+        k = block.kernel_for(x, self.in_norm)
+        if k is not None:  # decode / verification over a plain cache: one C++ call
+            args = self._calls.get(block.layer_key(self.attn, self.mlp), self._decode_args)
+            if args is not None and (out := block.decode_layer(k, args, x, rope, plan, cache, layer)) is not None:
+                return out
         if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None
                 and isinstance(cache, KVCache)):
             # prefill's last layer: only the last rows go on (K/V of every row are still stored)

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
+from turbospec.model import draft_vocab
 from turbospec.model.config import ModelConfig
 from turbospec.model.gguf import (
     GLOBAL_NAMES,
@@ -159,6 +160,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
     w.add_name(model_dir.name)
     write_metadata(w, cfg, arch, kind, has_mtp, [b for _, b in moe_blocks],
                    model_dir if (model_dir / "tokenizer.json").exists() else None)
+    ranked = draft_vocab.load(model_dir)
+    if ranked is not None:  # the MTP drafter's reduced vocabulary travels with the file
+        w.add_array(draft_vocab.GGUF_KEY, ranked)
     lin = cfg.linear_dims() if hybrid else {}
     m = cfg.moe()
 

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.kv.base import Cache
 from turbospec.kv.cache import KVCache
@@ -99,9 +100,42 @@ class HybridLayer:
         self.kind, self.slot = kind, slot  # slot: index among layers of the same kind (cache index)
         self.mixer, self.mlp = mixer, mlp
         self.in_norm, self.post_norm, self.eps = in_norm, post_norm, eps
+        self._calls = block.OneCall()
+
+    def _one_call_args(self) -> tuple | None:
+        """The unchanging arguments of this layer's one-call kernel (`layer_decode` or `gdn_layer`), or None."""
+        if self.kind == "full_attention":
+            return block.layer_decode_args(self.mixer, self.mlp, self.in_norm, self.post_norm, self.eps, True)
+        gdn, mlp = self.mixer, self.mlp
+        if (block.fusable_structure(mlp, gdn) and gdn.out_tiling == 1 and not block.split(gdn.out, mlp.down)):
+            return ((self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias),
+                    (gdn.conv_t, gdn.neg_a, gdn.dt_bias, gdn.norm_weight),
+                    (gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps, gdn.out.weight, gdn.out.bias, self.post_norm,
+                     mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias))
+        return None
+
+    def _one_call(self, k, x: torch.Tensor, rope, plan: AttentionPlan, cache) -> torch.Tensor | None:
+        """A decode / verification step of this layer in one C++ call with its cached arguments, or None where the
+        step or the layer needs the general path."""
+        args = self._calls.get(block.layer_key(self.mixer, self.mlp), self._one_call_args)
+        if args is None or not isinstance(cache, HybridCache):
+            return None
+        if self.kind == "full_attention":
+            return block.decode_layer(k, args, x, rope, plan, cache.kv, self.slot)
+        if not cache.track_all_states or env.on("TURBOSPEC_NO_GDN_KERNEL"):  # (load_gdn_kernel's switch)
+            return None
+        conv, ssm = cache.gdn_state(self.slot)
+        par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
+        pre, mid, post = args
+        x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
+        cache.gdn_stash(self.slot, window, states)
+        return x
 
     def __call__(self, x: torch.Tensor, rope, plan: AttentionPlan, cache: HybridCache, out_rows: int | None = None
                  ) -> torch.Tensor:
+        k = block.kernel_for(x, self.in_norm)
+        if k is not None and (out := self._one_call(k, x, rope, plan, cache)) is not None:
+            return out
         if (out_rows is not None and out_rows < x.shape[0] and self.kind == "full_attention"
                 and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None and isinstance(cache.kv, KVCache)):
             # prefill's last layer: only the last rows are wanted

@@ -66,7 +66,7 @@ def _suffix(c: DraftContext) -> Drafter:
 
 @register("draft-mtp")
 def _mtp(c: DraftContext) -> Drafter:
-    from turbospec.speculative.draft_vocab import load as load_ranked_vocab
+    from turbospec.model.draft_vocab import load as load_ranked_vocab
     from turbospec.speculative.mtp import MTPDrafter
 
     if c.target.mtp is None:

@@ -3,7 +3,8 @@
 A reduced draft head (`--spec-draft-vocab N`) scores only N rows of the lm_head. Byte-level BPE numbers tokens
 in merge order, so "the first N ids" is only a rough frequency order; counting the training split's tokens gives
 the real order. The ranking is stored beside the model as `draft_vocab.json` (written by
-`python -m training.draft_vocab`); verification stays exact whatever the drafter proposes.
+`python -m training.draft_vocab`), and in a GGUF file that `turbospec export-gguf` wrote from such a model under
+`GGUF_KEY` (llama.cpp ignores keys it does not know); verification stays exact whatever the drafter proposes.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ import json
 from pathlib import Path
 
 FILE = "draft_vocab.json"
+GGUF_KEY = "turbospec.draft_vocab.ranked_ids"
 
 
-def load(model_dir: str | Path | None) -> list[int] | None:
-    """The ranked ids stored beside a model, or None."""
-    if not model_dir:
+def load(model: str | Path | None) -> list[int] | None:
+    """The ranked ids stored beside a model directory or in a GGUF file, or None."""
+    if not model:
         return None
-    path = Path(model_dir) / FILE
+    from turbospec.model.gguf import GGUFFile, is_gguf
+
+    if is_gguf(model):
+        ranked = GGUFFile(model).meta.get(GGUF_KEY)
+        return [int(t) for t in ranked] if ranked is not None else None
+    path = Path(model) / FILE
     if not path.exists():
         return None
     return [int(t) for t in json.loads(path.read_text())["ranked_ids"]]
