@@ -325,12 +325,13 @@ class Engine:
                         else:
                             ctl.costs.observe(len(tree), time.perf_counter() - t_drafted, t_drafted - t_step,
                                               self.cache.length)
-                        ranked = drafter.ranked() if wide and drafter is not None and len(tree) else []
-                        # the best candidates accepted in a row (an accepted alternative ends the path: not counted)
-                        spine, miss, target = first_miss(tree, path if len(tree) else [], nxt, ranked)
-                        ctl.observe(max((tree.depth(i) for i in range(len(tree))), default=0), spine)
-                        if miss >= 0:
-                            ctl.observe_alternatives(miss, ranked[miss], target)
+                        if len(tree):  # (a plain step teaches the acceptance nothing)
+                            ranked = drafter.ranked() if wide and drafter is not None else []
+                            # the best candidates accepted in a row (an accepted alternative ends the path: not counted)
+                            spine, miss, target = first_miss(tree, path, nxt, ranked)
+                            ctl.observe(max(tree.depth(i) for i in range(len(tree))), spine)
+                            if miss >= 0:
+                                ctl.observe_alternatives(miss, ranked[miss], target)
                     if drafter is not None:
                         drafter.accept([root] + accepted, hidden_rows, nxt)
                 context += accepted

@@ -12,8 +12,9 @@ E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice chan
 
 While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
 one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
-draft, not a verification row), the interval doubling (up to 256) each time the probe misses and back to the minimum
-when one hits; a request's first draft is one token long (verified), so the prior's optimism costs one row; and
+draft, not a verification row), the interval doubling (up to 256) each time the probe misses (or hits while drafting
+would still not pay at the acceptance seen) and back to the minimum when one hits and drafting would pay -- and 256 whatever the hits while the costs say that no draft could pay even if every token were
+accepted (a model small enough to sit in the cache: its verification rows and drafts cost what they save); a request's first draft is one token long (verified), so the prior's optimism costs one row; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
 pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
 the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
@@ -193,6 +194,13 @@ class Controller:
             self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
             if self._started == 1 or self.costs.wants_plain(depth):
                 return 0
+        if room > 0 and self._last == 0 and 0 < self._since < self.probe - 1 and self._since % PROBE_MIN:
+            # drafting is off and no probe is due: the acceptance has not moved (nothing was drafted), only the plain
+            # cost, which is read again every PROBE_MIN steps -- a small model's step is short enough that working out
+            # the rates on every step costs a few percent
+            self._since += 1
+            self.off_steps += 1
+            return 0
         rates = [e / self.costs.step(k) for k, e in enumerate(self.expected(room))]
         best = max(range(room + 1), key=lambda k: rates[k])
         if self._last <= room and rates[best] < rates[self._last] * (1 + HYSTERESIS):
@@ -203,7 +211,10 @@ class Controller:
         self._last = best
         if best == 0 and room > 0:
             self._since += 1
-            if self._since >= self.probe:  # look again: is drafting paying now? (a draft the plain step checks)
+            # look again: is drafting paying now? (a draft the plain step checks) -- unless no draft could pay even
+            # if every token were accepted (drafting and verifying cost more than the plain steps they replace: a
+            # small model whose weights sit in the cache), where a probe only costs; then once every PROBE_MAX steps
+            if self._since >= (self.probe if self.could_pay(room) else PROBE_MAX):
                 self.shadow = True
                 return 1
             self.off_steps += 1
@@ -217,6 +228,12 @@ class Controller:
                 return best + 1
         return best
 
+    def could_pay(self, room: int) -> bool:
+        """Whether a draft of at most `room` tokens would beat a plain step by HYSTERESIS if every token were
+        accepted (the cost model's upper bound on drafting's gain)."""
+        plain = 1.0 / self.costs.step(0)
+        return any((1 + k) / self.costs.step(k) >= plain * (1 + HYSTERESIS) for k in range(1, room + 1))
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens (depth) of which the first `accepted` were accepted."""
         if drafted <= 0:
@@ -227,8 +244,15 @@ class Controller:
             c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
             c[1] = (1 - RATE) * c[1] + 1.0
         self._since = 0
-        if probing:  # a probe: keep probing rarely while its draft misses, often once it hits
-            self.probe = PROBE_MIN if accepted else min(PROBE_MAX, self.probe * 2)
+        if probing:  # a probe: keep probing rarely while its draft misses (or hits, but drafting would still not pay
+            # at the acceptance seen), often once it hits and drafting would pay
+            self.probe = PROBE_MIN if accepted and self.pays() else min(PROBE_MAX, self.probe * 2)
+
+    def pays(self) -> bool:
+        """Whether some draft of up to n_max tokens beats a plain step by HYSTERESIS at the current estimates."""
+        e = self.expected(self.n_max)
+        plain = 1.0 / self.costs.step(0)
+        return any(e[k] / self.costs.step(k) >= plain * (1 + HYSTERESIS) for k in range(1, self.n_max + 1))
 
 
 def first_miss(tree: DraftTree, path: list[int], nxt: int, ranked: list[list[int]]) -> tuple[int, int, int]:

@@ -69,6 +69,7 @@ class MTPDrafter(Drafter):
         self.prompt_window = prompt_window
         self.pending_tokens: list[int] = []  # x_{j+1} of true pairs not yet in the MTP cache
         self.pending_hidden: list[torch.Tensor] = []  # h_j rows for them (the last one waits for its token)
+        self._waiting = 0  # rows in pending_hidden
         self.offset = 0  # target position of MTP cache entry 0
 
     def sampling(self, params: SamplingParams) -> None:
@@ -189,6 +190,7 @@ class MTPDrafter(Drafter):
             self.cache.commit()
         self.pending_tokens = []
         self.pending_hidden = [hidden[n - 1:n]]
+        self._waiting = 1
 
     def _flush_and_first(self, root: int) -> torch.Tensor:
         """Process the pending true pairs plus (h_{L-1}, root); return the last MTP output row."""
@@ -199,7 +201,7 @@ class MTPDrafter(Drafter):
         out = self.mtp.forward(toks, hid, plan, self.cache)
         # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
         self.cache.commit()
-        self.pending_tokens, self.pending_hidden = [], []
+        self.pending_tokens, self.pending_hidden, self._waiting = [], [], 0
         return out[-1:]
 
     @property
@@ -240,17 +242,18 @@ class MTPDrafter(Drafter):
         # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}
         assert hidden is not None and hidden.shape[0] == len(committed)
         self._add_vocab(committed + [next_token])
-        waiting = sum(h.shape[0] for h in self.pending_hidden)
-        if waiting > len(self.pending_tokens):  # the MTP did not draft this step: root completes the waiting pair
+        if self._waiting > len(self.pending_tokens):  # the MTP did not draft this step: root completes the waiting pair
             self.pending_tokens.append(committed[0])
         self.pending_tokens += committed[1:]
         self.pending_hidden.append(hidden)
+        self._waiting += hidden.shape[0]
         # while other drafters of a chain draft, only the last CATCH_UP pairs wait (the skipped positions take no
         # cache room, as the prompt's outside the window): a long accepted run costs the MTP at most that many rows
         skip = len(self.pending_tokens) - CATCH_UP
         if skip > 0:
             self.pending_tokens = self.pending_tokens[skip:]
             self.offset += skip
+            self._waiting -= skip
             while skip:  # the first `skip` hidden rows go (no copy of the others: this runs on every undrafted step)
                 first = self.pending_hidden[0]
                 if first.shape[0] <= skip:
