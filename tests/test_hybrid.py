@@ -408,3 +408,29 @@ def test_drafts_deeper_than_the_rollback_limit_are_cut_to_it(models):
     assert eng.generate([prompt], p)[0]["tokens"] == plain.generate([prompt], p)[0]["tokens"]
     st = eng.last_stats.spec
     assert len(st.per_pos_drafted) == eng.cache.step_rows - 1  # 15 deep, not 24
+
+
+def test_states_committed_whole_read_exact_from_either_path(models, monkeypatch):
+    """A decode step committed whole leaves the step's conv window and states in the cache untrimmed (the one-call
+    kernel takes their last rows); the Python path, checkpoints and the stacked states read them as exact [K-1, C]
+    and [Hv, Dk, Dv] tensors. Steps alternating between the two paths give the logits of a plain run."""
+    from turbospec.layers import block
+
+    model = models("qwen3_5")
+    ids = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(3))
+    want = run(model, ids)
+    cache = model.new_cache(64)
+    run(model, ids[:6], cache)
+    rows = []
+    for i in range(6, 12):
+        monkeypatch.setattr(block, "ENABLED", i % 2 == 0)  # fused, Python, fused, ...
+        rows.append(run(model, ids[i:i + 1], cache))
+        raw_conv, raw_ssm = cache.gdn_state_raw(0)
+        conv, ssm = cache.gdn_state(0)
+        assert conv.shape == model._conv_shape and ssm.shape == model._ssm_shape
+        assert raw_conv.shape[0] == conv.shape[0] + 1 and raw_ssm.dim() == 4  # the step's own outputs
+        assert torch.equal(conv, raw_conv[-conv.shape[0]:])
+        assert torch.equal(ssm, raw_ssm[-1] if raw_ssm.dim() == 4 else raw_ssm)
+    assert torch.allclose(torch.cat(rows), want[6:], atol=TOL)
+    assert cache.conv.shape == (model.num_gdn_layers, *model._conv_shape)
+    assert cache.ssm.shape == (model.num_gdn_layers, *model._ssm_shape)

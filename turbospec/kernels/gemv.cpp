@@ -858,7 +858,8 @@ namespace gdn {
 }  // namespace gdn
 
 // x [N, H] -> (x + mixer + MLP [N, H], conv window [K-1+N, C], recurrent states [N, Hv, Dk, Dv]) for the cache's
-// stash. The same three calls as the Python path (norm_linear, gdn_step, out_mlp) without the torch glue.
+// stash; conv_state: [>= K-1, C] (its last K-1 rows), ssm_state: [Hv, Dk, Dv] or [T, Hv, Dk, Dv] (its last). The
+// same three calls as the Python path (norm_linear, gdn_step, out_mlp) without the torch glue.
 std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_proj,
                                      c10::optional<torch::Tensor> b_proj, torch::Tensor conv_state,
                                      torch::Tensor conv_t, torch::Tensor neg_a, torch::Tensor dt_bias,
@@ -869,6 +870,12 @@ std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double
                                      c10::optional<torch::Tensor> b_dn) {
   const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv;
   TORCH_CHECK(out_rows(w_proj) == c + vd + 2 * nv, "gdn_layer: input projection width mismatch");
+  // the committed states may be a whole step's outputs: its conv window (the last K-1 rows are the state) and its
+  // per-token states (the last one is), as HybridCache keeps them after a step it committed whole
+  const int64_t km1 = conv_t.size(0) - 1;
+  TORCH_CHECK(conv_state.dim() == 2 && conv_state.size(0) >= km1, "gdn_layer: conv state rows");
+  conv_state = conv_state.narrow(0, conv_state.size(0) - km1, km1);
+  if (ssm_state.dim() == 4) ssm_state = ssm_state.select(0, ssm_state.size(0) - 1);
   auto proj = norm_linear(x, in_w, eps, zc, w_proj, b_proj);
   auto window = torch::cat({conv_state.to(x.scalar_type()), proj.narrow(1, 0, c)}, 0);
   auto r = gdn::gdn_step(window, conv_t, proj.narrow(1, c, vd), proj.narrow(1, c + vd, nv),

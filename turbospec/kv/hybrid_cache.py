@@ -72,9 +72,12 @@ class HybridCache:
         self.step_rows = rollback_limit  # a verification step keeps every recurrent state up to this many rows
         self._conv_shape, self._ssm_shape = tuple(conv_shape), tuple(ssm_shape)
         self.num_gdn_layers = num_gdn_layers
-        # committed states per GDN layer; after a step, views into that step's outputs (no copies)
+        # committed states per GDN layer; after a step, views into that step's outputs (no copies) -- or, after a
+        # whole chain step (`_loose`), the step's conv window and states themselves, trimmed to the last K-1 rows
+        # and the last state when read (`_exact`): the one-call kernel reads them as they are (`gdn_state_raw`)
         self._conv: list[torch.Tensor] = []
         self._ssm: list[torch.Tensor] = []
+        self._loose = False
         self._zero_states()
         self.pending = 0
         self._windows: list[torch.Tensor | None] = [None] * num_gdn_layers
@@ -85,17 +88,28 @@ class HybridCache:
         self._checkpoints: OrderedDict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
 
     def _zero_states(self) -> None:
+        self._loose = False
         self._conv = [torch.zeros(self._conv_shape, dtype=self.dtype) for _ in range(self.num_gdn_layers)]
         self._ssm = [torch.zeros(self._ssm_shape, dtype=torch.float32) for _ in range(self.num_gdn_layers)]
+
+    def _exact(self) -> None:
+        """The committed states as [K-1, C] and [Hv, Dk, Dv] views where a whole step left them loose."""
+        if self._loose:
+            k = self._conv_shape[0]
+            self._conv = [c[c.shape[0] - k:] for c in self._conv]
+            self._ssm = [st[-1] if st.dim() > len(self._ssm_shape) else st for st in self._ssm]
+            self._loose = False
 
     @property
     def conv(self) -> torch.Tensor:
         """Committed conv states of all GDN layers, [layers, K-1, C] (a copy)."""
+        self._exact()
         return torch.stack(self._conv) if self._conv else torch.zeros((0,) + self._conv_shape, dtype=self.dtype)
 
     @property
     def ssm(self) -> torch.Tensor:
         """Committed recurrent states of all GDN layers, [layers, Hv, Dk, Dv] float32 (a copy)."""
+        self._exact()
         return torch.stack(self._ssm) if self._ssm else torch.zeros((0,) + self._ssm_shape)
 
     # ---- the step protocol -----------------------------------------------------------------------------
@@ -134,6 +148,12 @@ class HybridCache:
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed (conv state [K-1, C], recurrent state [Hv, Dk, Dv]) of GDN layer `layer` (index among GDN
         layers). Read-only during a step."""
+        self._exact()
+        return self._conv[layer], self._ssm[layer]
+
+    def gdn_state_raw(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gdn_state` as the one-call kernel takes it: a conv window whose last K-1 rows are the conv state, and the
+        recurrent state or states whose last one it is (a whole step's outputs, not trimmed to views)."""
         return self._conv[layer], self._ssm[layer]
 
     def gdn_stash(self, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
@@ -144,6 +164,15 @@ class HybridCache:
 
     def commit(self, keep: list[int] | None = None) -> None:
         n = self.pending
+        if keep is None and self._parents is None and n:  # a whole chain step (decode, prefill): its last states,
+            if any(w is None for w in self._windows) or any(st is None for st in self._states):  # kept loose
+                raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+            self._conv, self._ssm, self._loose = self._windows, self._states, True
+            self.kv.commit(None)
+            self.pending = 0
+            self._windows = [None] * len(self._windows)
+            self._states = [None] * len(self._states)
+            return
         parents = self._parents if self._parents is not None else list(range(-1, n - 1))
         if keep is None:
             if self._parents is not None:
@@ -170,6 +199,7 @@ class HybridCache:
             kept = [kept_state(w, s, keep, n) for w, s in zip(self._windows, self._states)]  # type: ignore[arg-type]
             self._conv = [c for c, _ in kept]
             self._ssm = [s for _, s in kept]
+            self._loose = False
         self.kv.commit(None if prefix and len(keep) == n else keep)
         self.pending = 0
         self._parents = None
@@ -188,7 +218,7 @@ class HybridCache:
                                  f"only at checkpoints: {list(self._checkpoints)})")
         self.kv.truncate(n)
         conv, ssm = self._checkpoints[n]
-        self._conv, self._ssm = list(conv), list(ssm)
+        self._conv, self._ssm, self._loose = list(conv), list(ssm), False
         for p in [p for p in self._checkpoints if p > n]:  # they continued another context
             del self._checkpoints[p]
 
@@ -206,6 +236,7 @@ class HybridCache:
         def own(t: torch.Tensor) -> torch.Tensor:
             return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
+        self._exact()
         self._checkpoints[self.length] = ([own(c) for c in self._conv], [own(s) for s in self._ssm])
         self._checkpoints.move_to_end(self.length)
         while len(self._checkpoints) > self.max_checkpoints:
@@ -218,6 +249,7 @@ class HybridCache:
             raise TurboSpecError("the recurrent states do not match this model's layers")
         self._conv = [c.to(self.dtype).clone() for c in conv]
         self._ssm = [s.float().clone() for s in ssm]
+        self._loose = False
 
     @property
     def checkpoints(self) -> list[int]:

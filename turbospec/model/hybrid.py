@@ -124,7 +124,7 @@ class HybridLayer:
             return block.decode_layer(k, args, x, rope, plan, cache.kv, self.slot)
         if not cache.track_all_states or env.on("TURBOSPEC_NO_GDN_KERNEL"):  # (load_gdn_kernel's switch)
             return None
-        conv, ssm = cache.gdn_state(self.slot)
+        conv, ssm = cache.gdn_state_raw(self.slot)
         par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
         pre, mid, post = args
         x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
