@@ -260,6 +260,7 @@ class Engine:
         at_first: tuple[int, int, int, int] | None = None  # expert counters when the first token came
         t_first = None
         done = False
+        depth = self.config.spec.depth  # the deepest draft a step may verify
         try:  # (a caller that stops early closes the generator: the timings still hold)
             while not done:
                 for i, tok in enumerate(pending):
@@ -295,7 +296,7 @@ class Engine:
                 root = pending[-1]
                 context.append(root)
                 # room: the most drafts one step may accept (tree depth); slots: cache rows left for draft nodes
-                room = min(params.max_tokens - stats.gen_tokens - 1, self.config.spec.depth)
+                room = min(params.max_tokens - stats.gen_tokens - 1, depth)
                 slots = min(self.ctx - self.cache.length, self.cache.step_rows, self.step_rows) - 1
                 shadow = False  # a probe of adaptive speculation: a draft checked against a plain step, not verified
                 if ctl is not None and min(room, slots) > 0:
