@@ -111,6 +111,8 @@ def main() -> int:
                 tps[name].append(speed)
                 acc[name].append(rate)
                 pre[name].append(pp)
+                print(f"depth {depth} round {r} {name}: {speed:.1f} t/s, prefill {pp:.0f} t/s, acceptance {rate}",
+                      flush=True)  # (a long run stopped part-way keeps what it printed)
             for name, t in zip(llama, a.llama_types):
                 speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, n_prompt, a.gen, a.reps, a.threads)
                 tps[name].append(speed)
