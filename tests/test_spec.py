@@ -380,6 +380,23 @@ def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_back
     assert ctl.choose(3) == 3 and ctl.probe == PROBE_MIN
 
 
+def test_controller_rarely_probes_where_no_draft_could_pay():
+    """Where a verification row and a draft cost more than the plain step they would save (a model whose weights sit
+    in the cache), even drafts that always hit would not pay: probes come every PROBE_MAX steps, hits or not."""
+    from turbospec.speculative.adaptive import PROBE_MAX, Controller, StepCosts
+
+    ctl = Controller(StepCosts([1.0, 2.2, 3.4, 4.6], draft=0.3), 3)
+    assert not ctl.could_pay(3)
+    probes = []
+    for i in range(3 * PROBE_MAX + 10):
+        k = ctl.choose(3)
+        if k:
+            probes.append(i)
+            ctl.observe(k, k)  # every probe hits
+    assert len(probes) == 3 and all(b - a >= PROBE_MAX for a, b in zip(probes, probes[1:]))
+    assert ctl.off_steps >= 3 * PROBE_MAX - 8
+
+
 def test_step_costs_follow_the_measured_times():
     from turbospec.speculative.adaptive import StepCosts
 

@@ -12,9 +12,11 @@ E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice chan
 
 While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
 one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
-draft, not a verification row), the interval doubling (up to 256) each time the probe misses (or hits while drafting
-would still not pay at the acceptance seen) and back to the minimum when one hits and drafting would pay -- and 256 whatever the hits while the costs say that no draft could pay even if every token were
-accepted (a model small enough to sit in the cache: its verification rows and drafts cost what they save); a request's first draft is one token long (verified), so the prior's optimism costs one row; and
+draft, not a verification row), the interval doubling (up to 256) each time the probe misses (or hits while
+drafting would still not pay at the acceptance seen) and back to the minimum when one hits and drafting would pay
+-- and 256 whatever the hits while the costs say that no draft could pay even if every token were accepted (a model
+small enough to sit in the cache: its verification rows and drafts cost what they save); a request's first draft is
+one token long (verified), so the prior's optimism costs one row; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
 pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
 the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
@@ -122,6 +124,7 @@ class Controller:
     counts: list[list[float]] = field(default_factory=list)
     probe: int = PROBE_MIN
     _since: int = 0  # steps since the last draft
+    _interval: int = PROBE_MIN  # the probe interval the last worked-out choice used
     _drafted: int = 0  # drafted steps (the first is one token; every EXPLORE-th tries one token deeper than the
     # best, every second of those is a plain step instead)
     _started: int = 0  # steps of the request so far, counted up to 2
@@ -194,7 +197,7 @@ class Controller:
             self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
             if self._started == 1 or self.costs.wants_plain(depth):
                 return 0
-        if room > 0 and self._last == 0 and 0 < self._since < self.probe - 1 and self._since % PROBE_MIN:
+        if room > 0 and self._last == 0 and 0 < self._since < self._interval - 1 and self._since % PROBE_MIN:
             # drafting is off and no probe is due: the acceptance has not moved (nothing was drafted), only the plain
             # cost, which is read again every PROBE_MIN steps -- a small model's step is short enough that working out
             # the rates on every step costs a few percent
@@ -214,7 +217,8 @@ class Controller:
             # look again: is drafting paying now? (a draft the plain step checks) -- unless no draft could pay even
             # if every token were accepted (drafting and verifying cost more than the plain steps they replace: a
             # small model whose weights sit in the cache), where a probe only costs; then once every PROBE_MAX steps
-            if self._since >= (self.probe if self.could_pay(room) else PROBE_MAX):
+            self._interval = self.probe if self.could_pay(room) else PROBE_MAX
+            if self._since >= self._interval:
                 self.shadow = True
                 return 1
             self.off_steps += 1
