@@ -162,11 +162,14 @@ class HybridCache:
         self._windows[layer] = window
         self._states[layer] = states
 
+    def _check_stashed(self) -> None:
+        if any(w is None for w in self._windows) or any(s is None for s in self._states):
+            raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+
     def commit(self, keep: list[int] | None = None) -> None:
         n = self.pending
         if keep is None and self._parents is None and n:  # a whole chain step (decode, prefill): its last states,
-            if any(w is None for w in self._windows) or any(st is None for st in self._states):  # kept loose
-                raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+            self._check_stashed()  # kept loose
             self._conv, self._ssm, self._loose = self._windows, self._states, True
             self.kv.commit(None)
             self.pending = 0
@@ -193,8 +196,7 @@ class HybridCache:
                 )
         prefix = keep == list(range(len(keep)))
         if keep:
-            if any(w is None for w in self._windows) or any(s is None for s in self._states):
-                raise TurboSpecError("commit before every Gated DeltaNet layer ran its step")
+            self._check_stashed()
             # views, not copies: the step's windows and states are fresh tensors no one writes to again
             kept = [kept_state(w, s, keep, n) for w, s in zip(self._windows, self._states)]  # type: ignore[arg-type]
             self._conv = [c for c, _ in kept]

@@ -101,10 +101,10 @@ def layer_key(mixer, mlp) -> tuple:
 
 def decode_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
                  cache, layer: int) -> torch.Tensor | None:
-    """`attention_layer`'s one-call case with the arguments of `layer_decode_args`: causal tokens or a draft tree
-    at the end of a plain cache (each row equal to its single-token step); None for any other step."""
-    if (not isinstance(cache, KVCache) or plan.start != cache.length
-            or (plan.mask is not None and plan.parents is None)):
+    """A decoder layer in one `layer_decode` call with the arguments of `layer_decode_args` (whose head size the
+    one-call attention takes): causal tokens or a draft tree at the end of a plain cache (each row equal to its
+    single-token step); None for any other step (`attention_layer` then)."""
+    if not isinstance(cache, KVCache) or not _at_end(plan, cache):
         return None
     pre, mid, post = args
     return k.layer_decode(x, *pre, rope[0], rope[1], *mid, cache.k[layer], cache.v[layer], cache.length, *post,
@@ -168,7 +168,9 @@ def ffn_tail(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, 
 def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torch.Tensor, post_norm: torch.Tensor,
                     eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache,
                     layer: int) -> torch.Tensor:
-    """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`)."""
+    """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`), for the
+    steps `decode_layer` does not take (the layers try it first): tensor-parallel parts, packed caches, paged
+    batches, rows that do not end the cache."""
     if _one_call(attn, plan, cache) and split(attn.o, mlp.down):  # the attention in one call, then out_mlp's parts
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
@@ -197,20 +199,19 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                 return out
         elif (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None:
             return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
-    if _one_call(attn, plan, cache):
-        return k.layer_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
-                              rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
-                              cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
-                              post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
-                              _parents(plan))
     a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
     return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
 
 
+def _at_end(plan: AttentionPlan, cache) -> bool:
+    """Causal tokens (decode, chain verification) or a draft tree at the cache's end."""
+    return (plan.mask is None or plan.parents is not None) and plan.start == cache.length
+
+
 def _step_rows(attn: Attention, plan: AttentionPlan, cache) -> bool:
-    """Causal tokens (decode, chain verification) or a draft tree at the cache's end, head size a multiple of 8:
-    the rows the one-call kernels compute, each equal to the single-token step that decodes it."""
-    return (plan.mask is None or plan.parents is not None) and attn.hd % 8 == 0 and plan.start == cache.length
+    """`_at_end` rows with a head size that is a multiple of 8: the rows the one-call kernels compute, each equal to
+    the single-token step that decodes it."""
+    return attn.hd % 8 == 0 and _at_end(plan, cache)
 
 
 def _one_call(attn: Attention, plan: AttentionPlan, cache) -> bool:

@@ -26,7 +26,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers import block
-from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
+from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet
 from turbospec.layers.linear import Linear, skinny_rows
 from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
@@ -122,7 +122,7 @@ class HybridLayer:
             return None
         if self.kind == "full_attention":
             return block.decode_layer(k, args, x, rope, plan, cache.kv, self.slot)
-        if not cache.track_all_states or env.on("TURBOSPEC_NO_GDN_KERNEL"):  # (load_gdn_kernel's switch)
+        if not cache.track_all_states or env.on("TURBOSPEC_NO_GDN_KERNEL"):  # (the GDN kernel's off switch)
             return None
         conv, ssm = cache.gdn_state_raw(self.slot)
         par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
@@ -157,16 +157,6 @@ class HybridLayer:
             return self._gdn_batch(x, cache, k, km)
         conv, ssm = cache.gdn_state(self.slot)
         gdn = self.mixer
-        if (k is not None and cache.track_all_states and load_gdn_kernel() is not None
-                and gdn.out_tiling == 1 and not block.split(gdn.out, self.mlp.down)):  # the layer in one call
-            par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
-            x, window, states = k.gdn_layer(
-                x, self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias, conv, gdn.conv_t, gdn.neg_a,
-                gdn.dt_bias, gdn.norm_weight, ssm, par, gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps, gdn.out.weight,
-                gdn.out.bias, self.post_norm, self.mlp.gate_up.weight, self.mlp.gate_up.bias, self.mlp.down.weight,
-                self.mlp.down.bias)
-            cache.gdn_stash(self.slot, window, states)
-            return x
         if k is not None or km is not None:
             proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias)
             o, window, states = gdn.mix(proj, conv, ssm, cache.track_all_states, cache.tree_parents)

@@ -232,11 +232,15 @@ class Controller:
                 return best + 1
         return best
 
+    def _beats_plain(self, tokens: list[float]) -> bool:
+        """Whether a k-token draft that gives tokens[k] tokens beats a plain step by HYSTERESIS, for some k >= 1."""
+        plain = 1.0 / self.costs.step(0)
+        return any(tokens[k] / self.costs.step(k) >= plain * (1 + HYSTERESIS) for k in range(1, len(tokens)))
+
     def could_pay(self, room: int) -> bool:
         """Whether a draft of at most `room` tokens would beat a plain step by HYSTERESIS if every token were
         accepted (the cost model's upper bound on drafting's gain)."""
-        plain = 1.0 / self.costs.step(0)
-        return any((1 + k) / self.costs.step(k) >= plain * (1 + HYSTERESIS) for k in range(1, room + 1))
+        return self._beats_plain([1.0 + k for k in range(room + 1)])
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens (depth) of which the first `accepted` were accepted."""
@@ -254,9 +258,7 @@ class Controller:
 
     def pays(self) -> bool:
         """Whether some draft of up to n_max tokens beats a plain step by HYSTERESIS at the current estimates."""
-        e = self.expected(self.n_max)
-        plain = 1.0 / self.costs.step(0)
-        return any(e[k] / self.costs.step(k) >= plain * (1 + HYSTERESIS) for k in range(1, self.n_max + 1))
+        return self._beats_plain(self.expected(self.n_max))
 
 
 def first_miss(tree: DraftTree, path: list[int], nxt: int, ranked: list[list[int]]) -> tuple[int, int, int]:
