@@ -185,12 +185,13 @@ def test_interleaved_products_equal_the_one_row_kernels(fmt):
     w8 = Linear(p).weight
     x = torch.randn(20, 1024, generator=torch.Generator().manual_seed(4))
     b = torch.randn(72)
-    for m in (1, 2, 3, 16):
+    for m in (1, 2, 3, 7, 16):  # (Q4_0 / Q8_0 on AVX-512: rows in fours, then a pair, then one)
         y, want = k.packed_linear(x[:m], w8, b, 16), k.packed_linear(x[:m], p, b, 16)
         assert float((y - want).norm() / want.norm()) < 1e-6, m
     assert torch.equal(k.packed_linear(x, w8, b, 16), k.packed_linear(x, p, b, 16))
     solo = torch.cat([k.packed_linear(x[i:i + 1], w8, b, 16) for i in range(16)])
     assert torch.equal(k.packed_linear(x[:16], w8, b, 16), solo)
+    assert torch.equal(k.packed_linear(x[:7], w8, b, 16), solo[:7])
     part = Linear(blocks(fmt, 72, 1024)[16:48].contiguous()).weight  # groups 2-5 alone
     assert torch.equal(k.packed_linear(x[:3], part, None, 16), k.packed_linear(x[:3], w8, None, 16)[:, 16:48])
 

@@ -1249,16 +1249,26 @@ __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int
 }
 
 // y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
-// F, blocks of `bytes` per group), the inputs in pairs.
-#define TS_RANGE_X8(TARGET, NAME, SUFFIX)                                                                      \
+// F, blocks of `bytes` per group), the inputs in pairs (on AVX-512, Q4_0 / Q8_0 in fours where four are left).
+#define TS_RANGE_X8(TARGET, NAME, SUFFIX, QUAD)                                                                      \
   template <Fmt F>                                                                                               \
   TARGET void NAME(const uint8_t* w, int64_t nb, int64_t bytes, const QRow* const* x, int64_t m, int64_t g0,      \
                    int64_t g1, float* y, int64_t out) {                                                          \
-    alignas(32) float t[16];                                                                                     \
+    alignas(32) float t[32];                                                                                     \
     for (int64_t g = g0; g < g1; ++g) {                                                                          \
       const uint8_t* wg = w + g * nb * bytes;                                                                    \
       for (int64_t j = 0; j < m; j += 2) {                                                                       \
-        const int nx = j + 1 < m ? 2 : 1;                                                                        \
+        int nx = j + 1 < m ? 2 : 1;                                                                              \
+        if constexpr (QUAD && (F == Fmt::Q4_0X8 || F == Fmt::Q8_0X8)) {                                          \
+          if (j + 3 < m) {  /* four rows per pass over the weights: each block unpacked once for them */          \
+            if constexpr (F == Fmt::Q8_0X8) rows_q80x8_##SUFFIX<4>(wg, nb, x + j, t);                            \
+            else rows_q40x8_##SUFFIX<4>(wg, nb, x + j, t);                                                       \
+            for (int k = 0; k < 4; ++k)                                                                          \
+              for (int r = 0; r < 8; ++r) y[(j + k) * out + 8 * g + r] = t[8 * k + r];                           \
+            j += 2;                                                                                              \
+            continue;                                                                                            \
+          }                                                                                                      \
+        }                                                                                                        \
         if constexpr (F == Fmt::Q4_KX8 || F == Fmt::Q5_KX8) {                                                    \
           constexpr bool Q5 = F == Fmt::Q5_KX8;                                                                  \
           if (nx == 2) rows_q4kx8_##SUFFIX<2, Q5>(wg, nb, x + j, t);                                             \
@@ -1278,8 +1288,8 @@ __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int
       }                                                                                                          \
     }                                                                                                            \
   }
-TS_RANGE_X8(TS_VBMI, range_x8, avx512)
-TS_RANGE_X8(, range_x8_avx2, avx2)
+TS_RANGE_X8(TS_VBMI, range_x8, avx512, true)
+TS_RANGE_X8(, range_x8_avx2, avx2, false)
 #undef TS_RANGE_X8
 
 // Q6_K with AVX-512 (BW + VNNI): per 128-value half, one 64-byte load of the low nibbles (values 0..63 in its low
