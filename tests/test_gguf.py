@@ -231,20 +231,24 @@ def test_export_round_trip(hf_models, tmp_path, name, kind):
 
 
 @pytest.mark.parametrize("bundled", ["turbospec-tiny", "turbospec-tiny-hybrid"])
-def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled):
+def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled, monkeypatch):
     """The bundled models through `turbospec export-gguf`: the file's tokenizer is the checkpoint's (ids, chat
     template, the draft vocabulary's ranking), and greedy decoding from the file equals decoding from the directory
-    (MTP drafting too, over the same reduced vocabulary)."""
+    (MTP drafting too, over the same reduced vocabulary); the engine reads the file's header once."""
     from turbospec import EngineConfig, SamplingParams, SpecConfig, build_engine
     from turbospec.cli.main import main
-    from turbospec.model import draft_vocab
+    from turbospec.model import draft_vocab, gguf_reader
 
     src = Path(__file__).resolve().parents[1] / "models" / bundled
     out = tmp_path / "b.gguf"
     assert main(["export-gguf", str(src), str(out), "--type", "f32"]) == 0
     assert draft_vocab.load(out) == draft_vocab.load(src) is not None
     spec = SpecConfig(types=("draft-mtp",)) if bundled.endswith("hybrid") else SpecConfig()
+    reads: list[Path] = []
+    real = gguf_reader.GGUFContents
+    monkeypatch.setattr(gguf_reader, "GGUFContents", lambda path: reads.append(path) or real(path))
     a, b = (build_engine(EngineConfig(model=str(p), spec=spec)) for p in (src, out))
+    assert reads == [out]  # model, tokenizer and the MTP's draft ranking from one read
     text = "def f(x):\n    return x  # 12345 café 🙂 <|im_end|>"
     assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
     msgs = [{"role": "user", "content": "hi"}]

@@ -58,6 +58,9 @@ class MTPModule:
         self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
         self._draft_head: Linear | None = None
         self._compacted = False
+        # the draft-vocabulary ranking (turbospec.model.draft_vocab) a GGUF file carried, set as it loads ([]: it
+        # carried none); None: not known here (a checkpoint directory: draft_vocab.json beside it)
+        self.ranked_vocab: list[int] | None = None
 
     def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
                   checkpoints: int = 0) -> Cache:

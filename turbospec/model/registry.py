@@ -11,6 +11,7 @@ import torch
 from turbospec import device
 from turbospec.dtypes import parse_dtype
 from turbospec.errors import TurboSpecError
+from turbospec.model import draft_vocab
 from turbospec.model.base import Model
 from turbospec.model.config import DENSE_ARCHS, HYBRID_ARCHS, ModelConfig
 from turbospec.model.gguf import GGUFFile, GGUFWeights, is_gguf
@@ -52,7 +53,10 @@ def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = 
               moe_cache_mem: int | None = None, progress: Progress | None = None, shard: Shard | None = None) -> Model:
     """Build the model of an opened GGUF file (`weights`, `moe_cache_mem`, `progress`, `shard`: as `load_model`)."""
     cfg = f.config()
-    return _build(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), dtype, progress, shard)
+    model = _build(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), dtype, progress, shard)
+    if model.mtp is not None:  # the MTP drafter's ranking, read here with the rest of the header ([]: none)
+        model.mtp.ranked_vocab = [int(t) for t in f.meta.get(draft_vocab.GGUF_KEY) or []]
+    return model
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", weights: str = "auto",

@@ -72,7 +72,10 @@ def _mtp(c: DraftContext) -> Drafter:
     if c.target.mtp is None:
         raise TurboSpecError("--spec-type draft-mtp: this model has no mtp.* weights")
     cfg = c.cfg
-    ranked = load_ranked_vocab(c.model_path) if cfg.draft_vocab and c.model_path else None
+    ranked = c.target.mtp.ranked_vocab  # (a GGUF file's, read with the model)
+    if ranked is None and cfg.draft_vocab and c.model_path:
+        ranked = load_ranked_vocab(c.model_path)
+    ranked = (ranked or None) if cfg.draft_vocab else None
     vocab = cfg.draft_vocab if cfg.draft_vocab >= 0 else (AUTO_DRAFT_VOCAB if ranked else 0)
     return MTPDrafter(c.target.mtp, c.max_len, cfg.p_min, cfg.mtp_prompt_window, cfg.draft_k_type, cfg.draft_v_type,
                       draft_vocab=vocab, topk=cfg.mtp_topk, ranked_vocab=ranked,
