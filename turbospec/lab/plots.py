@@ -126,6 +126,10 @@ def line_figure(series: dict[str, tuple[Sequence[float], Sequence[float]]], xlab
                 title: str) -> Figure:
     """One line with markers per named (xs, ys) series."""
     fig, ax = _figure()
+    if len(series) > 10:  # more lines than the default cycle has colours
+        from matplotlib import colormaps
+
+        ax.set_prop_cycle(color=colormaps["tab20"].colors)
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=name)
     return _finish(fig, ax, xlabel, ylabel, title)
