@@ -1250,7 +1250,7 @@ __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int
 
 // y[j * out + 8g + r] = weight row 8g + r . input row x[j] for groups g in [g0, g1) and j < m (an interleaved format
 // F, blocks of `bytes` per group), the inputs in pairs (on AVX-512, Q4_0 / Q8_0 in fours where four are left).
-#define TS_RANGE_X8(TARGET, NAME, SUFFIX, QUAD)                                                                      \
+#define TS_RANGE_X8(TARGET, NAME, SUFFIX, QUAD)                                                                \
   template <Fmt F>                                                                                               \
   TARGET void NAME(const uint8_t* w, int64_t nb, int64_t bytes, const QRow* const* x, int64_t m, int64_t g0,      \
                    int64_t g1, float* y, int64_t out) {                                                          \
@@ -1258,7 +1258,7 @@ __attribute__((always_inline)) inline void rows_q6kx8_avx2(const uint8_t* w, int
     for (int64_t g = g0; g < g1; ++g) {                                                                          \
       const uint8_t* wg = w + g * nb * bytes;                                                                    \
       for (int64_t j = 0; j < m; j += 2) {                                                                       \
-        int nx = j + 1 < m ? 2 : 1;                                                                              \
+        const int nx = j + 1 < m ? 2 : 1;                                                                        \
         if constexpr (QUAD && (F == Fmt::Q4_0X8 || F == Fmt::Q8_0X8)) {                                          \
           if (j + 3 < m) {  /* four rows per pass over the weights: each block unpacked once for them */          \
             if constexpr (F == Fmt::Q8_0X8) rows_q80x8_##SUFFIX<4>(wg, nb, x + j, t);                            \
