@@ -23,9 +23,14 @@ def load(model: str | Path | None) -> list[int] | None:
     from turbospec.model.gguf import GGUFFile, is_gguf
 
     if is_gguf(model):
-        ranked = GGUFFile(model).meta.get(GGUF_KEY)
-        return [int(t) for t in ranked] if ranked is not None else None
+        return from_meta(GGUFFile(model).meta)
     path = Path(model) / FILE
     if not path.exists():
         return None
     return [int(t) for t in json.loads(path.read_text())["ranked_ids"]]
+
+
+def from_meta(meta: dict) -> list[int] | None:
+    """The ranked ids in a GGUF file's metadata (already read), or None."""
+    ranked = meta.get(GGUF_KEY)
+    return [int(t) for t in ranked] if ranked is not None else None

@@ -55,7 +55,7 @@ def load_gguf(f: GGUFFile, dtype: str | torch.dtype = "float32", weights: str = 
     cfg = f.config()
     model = _build(cfg, _packing(f.weights(cfg), weights, moe_cache_mem), dtype, progress, shard)
     if model.mtp is not None:  # the MTP drafter's ranking, read here with the rest of the header ([]: none)
-        model.mtp.ranked_vocab = [int(t) for t in f.meta.get(draft_vocab.GGUF_KEY) or []]
+        model.mtp.ranked_vocab = draft_vocab.from_meta(f.meta) or []
     return model
 
 

@@ -72,10 +72,12 @@ def _mtp(c: DraftContext) -> Drafter:
     if c.target.mtp is None:
         raise TurboSpecError("--spec-type draft-mtp: this model has no mtp.* weights")
     cfg = c.cfg
-    ranked = c.target.mtp.ranked_vocab  # (a GGUF file's, read with the model)
-    if ranked is None and cfg.draft_vocab and c.model_path:
-        ranked = load_ranked_vocab(c.model_path)
-    ranked = (ranked or None) if cfg.draft_vocab else None
+    ranked = None
+    if cfg.draft_vocab:  # a GGUF file's ranking came with the model; a directory's is draft_vocab.json beside it
+        ranked = c.target.mtp.ranked_vocab
+        if ranked is None and c.model_path:
+            ranked = load_ranked_vocab(c.model_path)
+        ranked = ranked or None
     vocab = cfg.draft_vocab if cfg.draft_vocab >= 0 else (AUTO_DRAFT_VOCAB if ranked else 0)
     return MTPDrafter(c.target.mtp, c.max_len, cfg.p_min, cfg.mtp_prompt_window, cfg.draft_k_type, cfg.draft_v_type,
                       draft_vocab=vocab, topk=cfg.mtp_topk, ranked_vocab=ranked,
