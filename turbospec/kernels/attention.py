@@ -21,6 +21,8 @@ NO_TABLE = torch.empty(0)
 PLAIN_SPECS = {dt: (kind, 0, ("data",), NO_TABLE) for dt, kind in _PLAIN.items()}
 MAX_ROWS = 64  # above this many query rows per KV head (prefill), batched matmuls win
 TILE = 256  # positions per parallel task
+PREFILL_BLOCK = 8192  # committed positions per flash call in `prefill_rows`
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def load():
@@ -62,3 +64,55 @@ def paged(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_field
     mod = mod or load()
     return mod.attend_paged(q, k_spec[0], k_spec[1], k_fields, k_spec[3], v_spec[0], v_spec[1], v_width, v_fields,
                             v_spec[3], tables, lens, block)
+
+
+def prefill_rows_available() -> bool:
+    """Whether this torch has the CPU flash kernel `flash` and `prefill_rows` call."""
+    return _FLASH is not None
+
+
+def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+          scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of float32 q [B, H, R, D] over k, v [B, H, T, D] on the CPU, with its log-sum-exp:
+    (out [B, H, R, D], lse [B, H, R]) from torch's CPU flash kernel (the one SDPA calls, which keeps lse to
+    itself). `scale` defaults to 1/sqrt(D)."""
+    if _FLASH is None:
+        raise RuntimeError("this torch has no CPU flash attention kernel")
+    out, lse = _FLASH(q, k, v, is_causal=causal, scale=scale)[:2]
+    return out, lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions of the same rows over disjoint positions (outputs [..., R, D], log-sum-exps
+    [..., R]) -> the attention over their union."""
+    m = torch.maximum(lse, lse2)
+    w, w2 = torch.exp(lse - m), torch.exp(lse2 - m)
+    total = w + w2
+    out = out.mul(w.div(total).unsqueeze(-1)).add_(out2.mul(w2.div_(total).unsqueeze(-1)))
+    return out, m.add_(total.log_())
+
+
+def prefill_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor | None:
+    """Causal attention of q [H, R, D] (rows at positions start .. start+R-1) over a plain CPU cache's keys and
+    values [KVH, start+R, D], in float32: the rows' own positions causally per head, then the committed positions
+    in blocks of PREFILL_BLOCK with the query heads of a group as rows of their KV head (no mask over the
+    context, no per-head copy of the cache), merged by log-sum-exp. About 2.5x SDPA with a mask over a 16-bit
+    cache (docs/speed.md). None where torch has no CPU flash kernel (callers use SDPA)."""
+    if not prefill_rows_available():
+        return None
+    h, r, d = q.shape
+    kvh = keys.shape[0]
+    g = h // kvh
+    qf = q.to(torch.float32)
+    own_k, own_v = keys[:, start:].to(torch.float32), values[:, start:].to(torch.float32)
+    if g > 1:
+        own_k, own_v = own_k.repeat_interleave(g, 0), own_v.repeat_interleave(g, 0)
+    out, lse = flash(qf[None], own_k[None], own_v[None], causal=True)
+    out, lse = out[0].reshape(kvh, g * r, d), lse[0].reshape(kvh, g * r)  # rows: (query head in group, token)
+    qg = qf.reshape(1, kvh, g * r, d)
+    for s in range(0, start, PREFILL_BLOCK):
+        e = min(start, s + PREFILL_BLOCK)
+        o2, l2 = flash(qg, keys[None, :, s:e].to(torch.float32), values[None, :, s:e].to(torch.float32))
+        out, lse = merge(out, lse, o2[0], l2[0])
+    return out.reshape(h, r, d).to(q.dtype)

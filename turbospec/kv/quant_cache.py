@@ -198,10 +198,23 @@ class QuantKVCache(CachePositions):
         total = start + n
         g = qf.shape[1] // n
         tok_pos = torch.arange(start, total, device=qf.device).repeat(g)  # position of each row's token, [G*N]
+        flash = mask is None and qf.device.type == "cpu" and fused.prefill_rows_available()
         for s in range(s0, total, self.block):
             e = min(s + self.block, total)
             kp = self._slice(self.k, layer, s, e)
             kb = self.k_fmt.decode_rotated(kp) if self.k_fmt.rotated else self.k_fmt.decode(kp, d)
+            if flash and e <= start:  # committed positions, no mask: torch's CPU flash kernel, merged by its lse
+                vp = self._slice(self.v, layer, s, e)
+                vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
+                if vb.shape[-1] == kb.shape[-1]:
+                    out, lse = fused.flash(qf[None], kb[None], vb[None], scale=1.0)
+                    bm = lse[0].unsqueeze(-1)
+                    m_new = torch.maximum(m, bm)
+                    corr, w = torch.exp(m - m_new), torch.exp(bm - m_new)
+                    lsum.mul_(corr).add_(w)
+                    acc.mul_(corr).add_(out[0] * w)
+                    m = m_new
+                    continue
             sc = torch.matmul(qf, kb.transpose(-1, -2))  # [KVH, rows, B]
             if mask is not None:
                 allowed = mask[:, s:e].repeat(g, 1)  # [rows, B]
