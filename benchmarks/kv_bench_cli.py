@@ -7,7 +7,8 @@ tokens read at that depth (so MTP on against off at the same depth). `--llama-be
 llama.cpp's `llama-bench` on a GGUF of the same weights in the same rounds, decode at the same depth
 (`-d DEPTH+PROMPT -n GEN`, flash attention on, KV types `--llama-types`; rows `llama.cpp:type`, their ratios to
 turbospec's f16), with its prefill of a prompt as long at that depth (`-d DEPTH -p PROMPT`; with `--categories`
-the category prompt's length).
+the category prompt's length). At long depths, where every run fills its context itself, `--adaptive-only` drops the
+always-on `--spec` runs and `--llama-decode-only` llama-bench's prompt-at-depth run.
 
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
     python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
@@ -48,12 +49,13 @@ def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec
 
 
 def llama_bench(binary: str, gguf: str, kv: str, depth: int, prompt: int, gen: int, reps: int,
-                threads: int) -> tuple[float, float]:
+                threads: int, decode_only: bool = False) -> tuple[float, float]:
     """(decode t/s, prefill t/s) as `turbospec bench -d DEPTH -p PROMPT` measures them: the prompt read at `depth`,
     decode after it (at depth + prompt), from two `llama-bench` runs (`reps` repetitions each; llama-bench's `-d`
-    fills the cache before each test, and its generation test does not read the prompt first)."""
-    res = []
-    for p, n, d in ((prompt, 0, depth), (0, gen, depth + prompt)):
+    fills the cache before each test, and its generation test does not read the prompt first). `decode_only`: the
+    second run only (prefill 0.0)."""
+    res = [0.0] if decode_only else []
+    for p, n, d in ((prompt, 0, depth), (0, gen, depth + prompt))[int(decode_only):]:
         cmd = [binary, "-m", gguf, "-p", str(p), "-n", str(n), "-d", str(d), "-ctk", kv, "-ctv", kv, "-fa", "on",
                "-t", str(threads), "-r", str(reps), "-o", "json"]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -74,16 +76,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spec", default=None, help="also run each type with this --spec-type")
     ap.add_argument("--spec-adaptive", action="store_true", help="also run each type with --spec and --spec-adaptive")
+    ap.add_argument("--adaptive-only", action="store_true",
+                    help="with --spec-adaptive: skip the always-on --spec runs (each run fills its context again)")
     ap.add_argument("--categories", default=None, help="bench prompt category (default: bench's)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens read at the depth (their prefill t/s)")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench (with --gguf)")
     ap.add_argument("--gguf", default=None, help="GGUF file of the same weights for llama-bench")
     ap.add_argument("--llama-types", nargs="*", default=["f16", "q8_0", "q4_0"])
     ap.add_argument("--threads", type=int, default=2, help="llama-bench threads")
+    ap.add_argument("--llama-decode-only", action="store_true",
+                    help="skip llama-bench's prompt-at-depth run (it fills the cache again; prefill rows then 0)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if bool(a.llama_bench) != bool(a.gguf):
         ap.error("--llama-bench and --gguf go together")
+    if a.adaptive_only and not a.spec_adaptive:
+        ap.error("--adaptive-only goes with --spec-adaptive")
     if not (ROOT / a.model / "config.json").exists():
         from turbospec.demo import make_demo_model
 
@@ -93,10 +101,13 @@ def main() -> int:
     meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
             "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
             "spec_adaptive": a.spec_adaptive, "categories": a.categories, "prompt": a.prompt,
-            "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench else None}
+            "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench else None,
+            "adaptive_only": a.adaptive_only, "llama_decode_only": a.llama_decode_only}
     rows = []
     for depth in a.depths:
         runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if a.spec else [])
+        if a.adaptive_only:
+            runs = [r for r in runs if r[1] is None]
         runs += [(t, a.spec, True) for t in a.types] if a.spec and a.spec_adaptive else []
         names = [t if sp is None else f"{t}+{sp}" + ("+adaptive" if ad else "") for t, sp, ad in runs]
         llama = [f"llama.cpp:{t}" for t in a.llama_types] if a.llama_bench else []
@@ -114,7 +125,8 @@ def main() -> int:
                 print(f"depth {depth} round {r} {name}: {speed:.1f} t/s, prefill {pp:.0f} t/s, acceptance {rate}",
                       flush=True)  # (a long run stopped part-way keeps what it printed)
             for name, t in zip(llama, a.llama_types):
-                speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, n_prompt, a.gen, a.reps, a.threads)
+                speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, n_prompt, a.gen, a.reps, a.threads,
+                                        a.llama_decode_only)
                 tps[name].append(speed)
                 acc[name].append(None)
                 pre[name].append(pp)
