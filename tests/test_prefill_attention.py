@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from turbospec.kernels import attention as fused
 from turbospec.kv.cache import KVCache
+from turbospec.kv.paged import BlockPool, PagedBatch, PagedSequence, Segment
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.attention import Attention
@@ -94,3 +94,30 @@ def test_packed_cache_prompt_chunks_equal_the_matmul_blocks(kv, monkeypatch):
     blocks = run()
     for a, b in zip(flash, blocks):
         assert torch.allclose(a, b, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8_0", "tbq4_0"])  # q8_0: queries rounded for integer keys (scale 1)
+def test_paged_prompt_chunks_equal_sdpa(kv, monkeypatch):
+    """PagedBatch.attend for prompt chunks of two sequences (one after committed positions): the flash blocks
+    equal SDPA over the gathered positions."""
+    d, kvh, h = 64, 2, 6
+    monkeypatch.setattr(fused, "PREFILL_BLOCK", 32)
+
+    def run():
+        g = torch.Generator().manual_seed(11)
+        pool = BlockPool(1, kvh, d, 8, k_type=kv, v_type=kv, block=16)
+        a, b = PagedSequence(pool, 128), PagedSequence(pool, 128)
+        first = PagedBatch(pool, [Segment(a, 0, 40, AttentionPlan.causal(0, 40))])
+        first.attend(0, torch.randn(h, 40, d, generator=g), torch.randn(kvh, 40, d, generator=g),
+                     torch.randn(kvh, 40, d, generator=g), 1.0 / math.sqrt(d))
+        first.commit()
+        step = PagedBatch(pool, [Segment(a, 0, 30, AttentionPlan.causal(40, 30)),
+                                 Segment(b, 30, 20, AttentionPlan.causal(0, 20))])
+        out = step.attend(0, torch.randn(h, 50, d, generator=g), torch.randn(kvh, 50, d, generator=g),
+                          torch.randn(kvh, 50, d, generator=g), 1.0 / math.sqrt(d))
+        step.commit()
+        return out
+
+    flash = run()
+    monkeypatch.setattr(fused, "_FLASH", None)
+    assert torch.allclose(flash, run(), atol=2e-5)

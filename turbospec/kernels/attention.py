@@ -93,12 +93,14 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.
     return out, m.add_(total.log_())
 
 
-def prefill_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor | None:
+def prefill_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                 scale: float | None = None) -> torch.Tensor | None:
     """Causal attention of q [H, R, D] (rows at positions start .. start+R-1) over a plain CPU cache's keys and
     values [KVH, start+R, D], in float32: the rows' own positions causally per head, then the committed positions
     in blocks of PREFILL_BLOCK with the query heads of a group as rows of their KV head (no mask over the
     context, no per-head copy of the cache), merged by log-sum-exp. About 2.5x SDPA with a mask over a 16-bit
-    cache (docs/speed.md). None where torch has no CPU flash kernel (callers use SDPA)."""
+    cache (docs/speed.md). `scale` defaults to 1/sqrt(D). None where torch has no CPU flash kernel (callers use
+    SDPA)."""
     if not prefill_rows_available():
         return None
     h, r, d = q.shape
@@ -108,11 +110,11 @@ def prefill_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     own_k, own_v = keys[:, start:].to(torch.float32), values[:, start:].to(torch.float32)
     if g > 1:
         own_k, own_v = own_k.repeat_interleave(g, 0), own_v.repeat_interleave(g, 0)
-    out, lse = flash(qf[None], own_k[None], own_v[None], causal=True)
+    out, lse = flash(qf[None], own_k[None], own_v[None], causal=True, scale=scale)
     out, lse = out[0].reshape(kvh, g * r, d), lse[0].reshape(kvh, g * r)  # rows: (query head in group, token)
     qg = qf.reshape(1, kvh, g * r, d)
     for s in range(0, start, PREFILL_BLOCK):
         e = min(start, s + PREFILL_BLOCK)
-        o2, l2 = flash(qg, keys[None, :, s:e].to(torch.float32), values[None, :, s:e].to(torch.float32))
+        o2, l2 = flash(qg, keys[None, :, s:e].to(torch.float32), values[None, :, s:e].to(torch.float32), scale=scale)
         out, lse = merge(out, lse, o2[0], l2[0])
     return out.reshape(h, r, d).to(q.dtype)

@@ -374,6 +374,11 @@ class PagedBatch:
                 qs, keys, values = qs.float(), keys.float(), values.float()
             if pool.q_block is not None:  # integer keys: q rounded as the kernels round it
                 qs, sdpa_scale = round_queries(qs * scale, pool.q_block), 1.0
+            if s.plan.mask is None and qs.device.type == "cpu":  # a prompt chunk: torch's flash kernel by blocks
+                o = fused.prefill_rows(qs, keys, values, keys.shape[1] - s.n, sdpa_scale)
+                if o is not None:
+                    out[:, rows] = o.to(q.dtype)
+                    continue
             mask, causal = s.plan.sdpa_mask(qs.device)
             o = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, enable_gqa=g > 1,
