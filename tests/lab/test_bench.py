@@ -99,3 +99,27 @@ def test_env_records_kernel_switches(monkeypatch):
     monkeypatch.setenv("UNRELATED_VAR", "x")
     env = env_info()["turbospec_env"]
     assert env.get("TURBOSPEC_NO_FUSED") == "1" and "UNRELATED_VAR" not in env
+
+
+def test_bench_fills_a_depth_once_on_a_hybrid(tmp_path, monkeypatch):
+    """At a depth every repetition, the warm-up included, resumes where the filler ends: the filler is computed
+    once, on a hybrid model too (its recurrent states kept at a checkpoint there)."""
+    from pathlib import Path
+
+    from turbospec.engine.engine import Engine
+
+    calls = []
+    prefill = Engine.prefill
+
+    def counting(self, tokens, *args, **kwargs):
+        out = prefill(self, tokens, *args, **kwargs)
+        calls.append((len(tokens), self.reused_tokens))
+        return out
+
+    monkeypatch.setattr(Engine, "prefill", counting)
+    model = Path(__file__).resolve().parents[2] / "models" / "turbospec-tiny-hybrid"
+    rc = main(["bench", "-m", str(model), "-p", "8", "-n", "2", "-r", "2", "--warmup", "1", "--depth", "600",
+               "--out", str(tmp_path / "h"), "-q", "-t", "1"])
+    assert rc == 0
+    assert calls[0] == (601, 0)  # the fill (up to the first prompt token), untimed
+    assert calls[1:] == [(608, 600)] * 3  # warm-up and two repetitions: only the prompt is computed

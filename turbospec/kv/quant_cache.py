@@ -198,23 +198,25 @@ class QuantKVCache(CachePositions):
         total = start + n
         g = qf.shape[1] // n
         tok_pos = torch.arange(start, total, device=qf.device).repeat(g)  # position of each row's token, [G*N]
-        flash = mask is None and qf.device.type == "cpu" and fused.prefill_rows_available()
+        # committed positions without a mask: torch's CPU flash kernel per block (K and V decoded as wide)
+        widths = [f.padded_dim(d) if f.rotated else d for f in (self.k_fmt, self.v_fmt)]
+        flash = (mask is None and qf.device.type == "cpu" and widths[0] == widths[1]
+                 and fused.prefill_rows_available())
         for s in range(s0, total, self.block):
             e = min(s + self.block, total)
             kp = self._slice(self.k, layer, s, e)
             kb = self.k_fmt.decode_rotated(kp) if self.k_fmt.rotated else self.k_fmt.decode(kp, d)
-            if flash and e <= start:  # committed positions, no mask: torch's CPU flash kernel, merged by its lse
-                vp = self._slice(self.v, layer, s, e)
-                vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
-                if vb.shape[-1] == kb.shape[-1]:
-                    out, lse = fused.flash(qf[None], kb[None], vb[None], scale=1.0)
-                    bm = lse[0].unsqueeze(-1)
-                    m_new = torch.maximum(m, bm)
-                    corr, w = torch.exp(m - m_new), torch.exp(bm - m_new)
-                    lsum.mul_(corr).add_(w)
-                    acc.mul_(corr).add_(out[0] * w)
-                    m = m_new
-                    continue
+            vp = self._slice(self.v, layer, s, e)
+            vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
+            if flash and e <= start:  # the block's softmax state from the kernel's output and log-sum-exp
+                out, lse = fused.flash(qf[None], kb[None], vb[None], scale=1.0)
+                bm = lse[0].unsqueeze(-1)
+                m_new = torch.maximum(m, bm)
+                corr, w = torch.exp(m - m_new), torch.exp(bm - m_new)
+                lsum.mul_(corr).add_(w)
+                acc.mul_(corr).add_(out[0] * w)
+                m = m_new
+                continue
             sc = torch.matmul(qf, kb.transpose(-1, -2))  # [KVH, rows, B]
             if mask is not None:
                 allowed = mask[:, s:e].repeat(g, 1)  # [rows, B]
@@ -222,8 +224,6 @@ class QuantKVCache(CachePositions):
             elif e > start + 1:  # block reaches into the scratch area: causal within the step
                 keys = torch.arange(s, e, device=qf.device)
                 sc.masked_fill_(keys[None, :] > tok_pos[:, None], -math.inf)
-            vp = self._slice(self.v, layer, s, e)
-            vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
             bmax = sc.amax(-1, keepdim=True)
             m_new = torch.maximum(m, bmax)
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

@@ -72,9 +72,7 @@ class Attention:
         qs = q[-r:].transpose(0, 1)
         if r == 1:  # the last position sees every cached key: no mask
             out = _decode_attention(qs, keys, values)
-        elif plan.mask is None and (out := _cpu_rows(qs, keys, values, plan.start + n - r)) is not None:
-            pass
-        else:
+        elif (out := _cpu_rows(qs, keys, values, plan.start + n - r)) is None:
             mask, causal = AttentionPlan.causal(plan.start + n - r, r).sdpa_mask(q.device)
             out = F.scaled_dot_product_attention(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                  attn_mask=mask, is_causal=causal, enable_gqa=self.nh != self.nkv)[0]
@@ -103,9 +101,7 @@ class Attention:
                 out = _decode_attention(q, keys, values)
             elif gpu_rows(q, keys):
                 out = _rows_attention(q, keys, values, plan)
-            elif plan.mask is None and (out := _cpu_rows(q, keys, values, plan.start)) is not None:
-                pass
-            else:
+            elif plan.mask is not None or (out := _cpu_rows(q, keys, values, plan.start)) is None:
                 mask, causal = plan.sdpa_mask(q.device)
                 out = F.scaled_dot_product_attention(
                     q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
@@ -134,8 +130,8 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
 
 def _cpu_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor | None:
-    """Causal rows (a prompt chunk) over a plain cache on the CPU through `fused.prefill_rows`, or None (another
-    device, or no CPU flash kernel in this torch: SDPA)."""
+    """Causal rows from position `start` (a prompt chunk) over a plain cache on the CPU through
+    `fused.prefill_rows`, or None (another device, or no CPU flash kernel in this torch: SDPA)."""
     return fused.prefill_rows(q, keys, values, start) if q.device.type == "cpu" else None
 
 
