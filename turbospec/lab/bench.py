@@ -97,8 +97,9 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
             cases = prompts.items() if prompts else [("random", None)]
             for cat, text in cases:
                 base = engine.encode_prompt(text) if text is not None else None
-                if depth:  # fill the context once, untimed: every repetition resumes at the depth (a hybrid model
-                    engine.prefill(filler + (base or [3])[:1], rows=1)  # keeps its states there: a checkpoint)
+                if depth:  # the context filled once, untimed; every repetition resumes at the depth (a hybrid
+                    # model from its checkpoint there: the prefill of filler + one token keeps one before that token)
+                    engine.prefill(filler + (base or [3])[:1], rows=1)
                     engine.cached_tokens = engine.cached_tokens[:depth]
                 runs = []
                 for rep in range(opts.warmup + opts.repetitions):
