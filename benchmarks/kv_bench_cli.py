@@ -105,9 +105,8 @@ def main() -> int:
             "adaptive_only": a.adaptive_only, "llama_decode_only": a.llama_decode_only}
     rows = []
     for depth in a.depths:
-        runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if a.spec else [])
-        if a.adaptive_only:
-            runs = [r for r in runs if r[1] is None]
+        always = a.spec and not a.adaptive_only
+        runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if always else [])
         runs += [(t, a.spec, True) for t in a.types] if a.spec and a.spec_adaptive else []
         names = [t if sp is None else f"{t}+{sp}" + ("+adaptive" if ad else "") for t, sp, ad in runs]
         llama = [f"llama.cpp:{t}" for t in a.llama_types] if a.llama_bench else []
