@@ -4,7 +4,8 @@ Per case one `turbospec bench` process per checkout and repetition, the two chec
 order; the median of each side's prefill t/s and of the paired after/before ratios. Cases (float16 weights, random
 tokens): a long prompt read from an empty cache (`-p L`: the time to the first token of an L-token prompt) and a
 512-token prompt read after L positions of context (`-d L -p 512`), on the bundled hybrid (L = 32768) and on the
-engine-core shape (`models/demo-qwen3`, made if missing; L = 16384).
+engine-core shape (`models/demo-qwen3`, made if missing; L = 16384). `--kv T` reads into a T cache (`-ctk T -ctv
+T`; default the model's f16 cache), `--cases` picks cases by name.
 
     python benchmarks/prefill_depth.py --before ../old-checkout --after . --reps 3 \
         --out docs/results/prefill_depth_before_after.json
@@ -37,11 +38,11 @@ CASES = {
 }
 
 
-def prefill_tps(checkout: Path, ext_dir: Path, model: Path, flags: list[str]) -> float:
+def prefill_tps(checkout: Path, ext_dir: Path, model: Path, flags: list[str], kv: str | None = None) -> float:
     """The prefill t/s of one `turbospec bench` run (one measured repetition, 8 generated tokens)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", str(model), "--dtype", "float16", "-n", "8",
-               "-r", "1", "-q", "--out", out, *flags]
+               "-r", "1", "-q", "--out", out, *flags, *(["-ctk", kv, "-ctv", kv] if kv else [])]
         env = dict(os.environ, PYTHONPATH=str(checkout), TORCH_EXTENSIONS_DIR=str(ext_dir))
         r = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
         if r.returncode:
@@ -54,8 +55,12 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="the earlier checkout (repository root)")
     ap.add_argument("--after", required=True, help="the later checkout (repository root)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv", default=None, help="K and V cache type (default: the model's f16 cache)")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE",
+                    help="cases to run, by name (default all)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     a = ap.parse_args()
+    cases = {c: CASES[c] for c in a.cases}
     if not (DENSE / "config.json").exists():
         from turbospec.demo import make_demo_model
 
@@ -63,17 +68,17 @@ def main() -> None:
     sides = {"before": Path(a.before).resolve(), "after": Path(a.after).resolve()}
     ext = {k: Path(tempfile.gettempdir()) / f"turbospec_ext_{k}" for k in sides}
     for side, path in sides.items():  # warm-up: kernel builds, page cache
-        for model in (HYBRID, DENSE):
-            prefill_tps(path, ext[side], model, ["-p", "64"])
-    runs: dict[str, dict[str, list[float]]] = {c: {s: [] for s in sides} for c in CASES}
+        for model in dict.fromkeys(m for m, _ in cases.values()):
+            prefill_tps(path, ext[side], model, ["-p", "64"], a.kv)
+    runs: dict[str, dict[str, list[float]]] = {c: {s: [] for s in sides} for c in cases}
     for rep in range(a.reps):
         order = list(sides) if rep % 2 == 0 else list(reversed(sides))
-        for name, (model, flags) in CASES.items():
+        for name, (model, flags) in cases.items():
             for side in order:
-                runs[name][side].append(prefill_tps(sides[side], ext[side], model, flags))
+                runs[name][side].append(prefill_tps(sides[side], ext[side], model, flags, a.kv))
             print(f"rep {rep + 1} {name}: " + ", ".join(f"{s} {runs[name][s][-1]:.0f} t/s" for s in sides),
                   file=sys.stderr, flush=True)
-    report = {**{s: revision(p) for s, p in sides.items()}, "reps": a.reps,
+    report = {**{s: revision(p) for s, p in sides.items()}, "reps": a.reps, "kv": a.kv,
               "command": " ".join(["python", "benchmarks/prefill_depth.py", *sys.argv[1:]]), "cases": {}}
     print("| case | prefill t/s before | after | after/before (paired) |\n|---|---|---|---|")
     for name, by in runs.items():

@@ -96,6 +96,32 @@ def test_packed_cache_prompt_chunks_equal_the_matmul_blocks(kv, monkeypatch):
         assert torch.allclose(a, b, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "q8_0"), ("tbq4_0", "tbq4_0"), ("q4_0", "turbo3")])
+@pytest.mark.parametrize("last", [1, 5])
+def test_packed_cache_attends_only_a_chunks_last_rows(kv, last):
+    """A prompt chunk whose last `last` rows alone are wanted (prefill's last layer): those rows equal the same
+    rows of the whole chunk's attention, and the cache stores every row's K/V (the next chunks agree too)."""
+    d, kvh, h = 64, 2, 6
+    g = torch.Generator().manual_seed(11)
+    full, part = (QuantKVCache(1, kvh, d, 256, kv[0], kv[1], block=16) for _ in range(2))
+    for n in (70, 50, 40):
+        q = torch.randn(h, n, d, generator=g)
+        k, v = torch.randn(kvh, n, d, generator=g), torch.randn(kvh, n, d, generator=g)
+        plan = AttentionPlan.causal(full.length, n)
+        full.begin(n)
+        part.begin(n)
+        want = full.attend(0, q, k, v, plan, 1.0 / math.sqrt(d))[:, -last:]
+        got = part.attend(0, q[:, -last:], k, v, plan, 1.0 / math.sqrt(d))
+        assert got.shape == (h, last, d)
+        assert torch.allclose(got, want, atol=2e-5)
+        full.commit()
+        part.commit()
+    assert all(torch.equal(a, b) for a, b in zip(full.buffers(), part.buffers()))
+    with pytest.raises(ValueError, match="causal plan"):
+        part.begin(3)
+        part.attend(0, q[:, :2], k[:, :3], v[:, :3], AttentionPlan.tree(part.length, [-1, 0, 0]), 0.125)
+
+
 @pytest.mark.parametrize("kv", ["f32", "q8_0", "tbq4_0"])  # q8_0: queries rounded for integer keys (scale 1)
 def test_paged_prompt_chunks_equal_sdpa(kv, monkeypatch):
     """PagedBatch.attend for prompt chunks of two sequences (one after committed positions): the flash blocks

@@ -118,12 +118,13 @@ class QuantKVCache(CachePositions):
     # ---- attention --------------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                plan: AttentionPlan, scale: float | None = None) -> torch.Tensor:
-        """Store the step's k/v, then attention of q [H, N, D] over positions [base, length + N) following
-        `plan` (causal, or plan.mask [N, start + N]); returns [H, N, D] in q's dtype."""
-        h, n, d = q.shape
+        """Store the step's k/v [KVH, N, D], then attention of q [H, R, D] over positions [base, length + N)
+        following `plan` (causal, or plan.mask [N, start + N]); returns [H, R, D] in q's dtype. R = N, or, under a
+        causal plan, R < N: q holds the step's last R rows only (a prompt chunk whose other rows nobody reads)."""
+        h, r, d = q.shape
+        n = k_new.shape[1]
         if n == 1 and plan.mask is None and plan.start == self.length and self._one_row:
             return self._attend_one(layer, q, k_new, v_new, scale)
-        self.store(layer, k_new, v_new)
         kvh = self.num_kv_heads
         if h % kvh:
             raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
@@ -132,17 +133,20 @@ class QuantKVCache(CachePositions):
         if plan.start != start or plan.n != n:
             raise ValueError(f"plan (start {plan.start}, n {plan.n}) does not match the cache "
                              f"({start} committed, {n} new)")
+        if not 0 < r <= n or (r < n and plan.mask is not None):
+            raise ValueError(f"{r} query rows for {n} new positions (fewer only under a causal plan)")
+        self.store(layer, k_new, v_new)
         total = start + n
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        # rows are (query head within group, token): [KVH, G*N, D]
-        qf = q.to(torch.float32).reshape(kvh, g * n, d)
+        # rows are (query head within group, token): [KVH, G*R, D]
+        qf = q.to(torch.float32).reshape(kvh, g * r, d)
         if self.k_fmt.rotated:
             qf = kernel_args.rotate_fast(qf, mod=self._encoder)
         qf = qf * scale
-        rows = g * n
+        rows = g * r
         mask = plan.mask
-        # the fused kernel covers the committed positions (and the decode token itself: nothing to mask)
-        fused_end = total if (n == 1 and mask is None) else start
+        # the fused kernel covers the committed positions (and a last row's own positions: nothing to mask)
+        fused_end = total if (r == 1 and mask is None) else start
         if rows <= fused.MAX_ROWS and fused_end > self.base and self._kernel_ok:
             m, lsum, acc = self._attend_fused(layer, qf, d, self.base, fused_end)
         else:
@@ -152,11 +156,11 @@ class QuantKVCache(CachePositions):
             acc = torch.zeros(kvh, rows, self.v_fmt.padded_dim(d) if self.v_fmt.rotated else d)
         if fused_end < total:  # the kernel rounds q for integer keys itself, the torch blocks here
             qr = round_queries(qf, self._q_block)
-            m, lsum, acc = self._attend_blocks(layer, qr, d, plan, fused_end, m, lsum, acc)
+            m, lsum, acc = self._attend_blocks(layer, qr, d, plan, fused_end, m, lsum, acc, r)
         out = acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
         if self.v_fmt.rotated:
             out = kernel_args.rotate_fast(out, inverse=True, dim=d, mod=self._encoder)
-        return out.reshape(h, n, d).to(q.dtype)
+        return out.reshape(h, r, d).to(q.dtype)
 
     @cached_property
     def _q_block(self) -> int | None:
@@ -191,13 +195,14 @@ class QuantKVCache(CachePositions):
         return out.reshape(h, 1, d).to(q.dtype)
 
     def _attend_blocks(self, layer: int, qf: torch.Tensor, d: int, plan: AttentionPlan, s0: int, m: torch.Tensor,
-                       lsum: torch.Tensor, acc: torch.Tensor):
+                       lsum: torch.Tensor, acc: torch.Tensor, r: int):
         """Online-softmax accumulation (torch) over positions [s0, length + n) in blocks, with the plan's
-        causal / tree mask over the step's own positions."""
+        causal / tree mask over the step's own positions; qf's rows are those of the step's last r tokens."""
         start, n, mask = plan.start, plan.n, plan.mask
         total = start + n
-        g = qf.shape[1] // n
-        tok_pos = torch.arange(start, total, device=qf.device).repeat(g)  # position of each row's token, [G*N]
+        g = qf.shape[1] // r
+        first = total - r  # position of the first query row
+        tok_pos = torch.arange(first, total, device=qf.device).repeat(g)  # position of each row's token, [G*R]
         # committed positions without a mask: torch's CPU flash kernel per block (K and V decoded as wide)
         widths = [f.padded_dim(d) if f.rotated else d for f in (self.k_fmt, self.v_fmt)]
         flash = (mask is None and qf.device.type == "cpu" and widths[0] == widths[1]
@@ -221,7 +226,7 @@ class QuantKVCache(CachePositions):
             if mask is not None:
                 allowed = mask[:, s:e].repeat(g, 1)  # [rows, B]
                 sc.masked_fill_(~allowed, -math.inf)
-            elif e > start + 1:  # block reaches into the scratch area: causal within the step
+            elif e > first + 1:  # block reaches past the first row's position: causal within the step
                 keys = torch.arange(s, e, device=qf.device)
                 sc.masked_fill_(keys[None, :] > tok_pos[:, None], -math.inf)
             bmax = sc.amax(-1, keepdim=True)

@@ -44,7 +44,7 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
                  cache, layer: int, out_rows: int | None = None) -> torch.Tensor:
-        """[N, hidden] -> [N, hidden]; with `out_rows` = r < N (causal plan over a plain cache) every row's K/V is
+        """[N, hidden] -> [N, hidden]; with `out_rows` = r < N (causal plan over one sequence's cache) every row's K/V is
         stored but only the last r rows are attended and projected: [r, hidden]."""
         from turbospec.layers.rope import apply_rope
 
@@ -66,10 +66,14 @@ class Attention:
 
     def attend_last(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cache, layer: int,
                     r: int) -> torch.Tensor:
-        """Store every row's k/v in a plain cache; attend the last r query rows only (causally) -> [r, H*D]."""
+        """Store every row's k/v (a plain or packed cache); attend the last r query rows only (causally) ->
+        [r, H*D]."""
         n = q.shape[0]
-        keys, values = cache.write(layer, k.transpose(0, 1), v.transpose(0, 1))
         qs = q[-r:].transpose(0, 1)
+        if isinstance(cache, QuantKVCache):
+            out = cache.attend(layer, qs, k.transpose(0, 1), v.transpose(0, 1), plan, 1.0 / math.sqrt(self.hd))
+            return out.transpose(0, 1).reshape(r, self.nh * self.hd)
+        keys, values = cache.write(layer, k.transpose(0, 1), v.transpose(0, 1))
         if r == 1:  # the last position sees every cached key: no mask
             out = _decode_attention(qs, keys, values)
         elif (out := _cpu_rows(qs, keys, values, plan.start + n - r)) is None:

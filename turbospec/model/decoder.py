@@ -7,6 +7,7 @@ import torch
 
 from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
+from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear, skinny_rows
@@ -33,7 +34,7 @@ class DecoderLayer:
             if args is not None and (out := block.decode_layer(k, args, x, rope, plan, cache, layer)) is not None:
                 return out
         if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None
-                and isinstance(cache, KVCache)):
+                and isinstance(cache, (KVCache, QuantKVCache))):
             # prefill's last layer: only the last rows go on (K/V of every row are still stored)
             h = self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer, out_rows)
             x = x[-out_rows:] + h

@@ -23,7 +23,7 @@ from turbospec.kv.base import Cache
 from turbospec.kv.cache import KVCache
 from turbospec.kv.hybrid_cache import HybridCache
 from turbospec.kv.plan import AttentionPlan
-from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers import block
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet
@@ -137,7 +137,7 @@ class HybridLayer:
         if k is not None and (out := self._one_call(k, x, rope, plan, cache)) is not None:
             return out
         if (out_rows is not None and out_rows < x.shape[0] and self.kind == "full_attention"
-                and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None and isinstance(cache.kv, KVCache)):
+                and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None and isinstance(cache.kv, (KVCache, QuantKVCache))):
             # prefill's last layer: only the last rows are wanted
             h = self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, out_rows)
             x = x[-out_rows:] + h
