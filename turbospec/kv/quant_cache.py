@@ -203,24 +203,19 @@ class QuantKVCache(CachePositions):
         g = qf.shape[1] // r
         first = total - r  # position of the first query row
         tok_pos = torch.arange(first, total, device=qf.device).repeat(g)  # position of each row's token, [G*R]
-        # committed positions without a mask: torch's CPU flash kernel per block (K and V decoded as wide)
+        # without a mask: torch's CPU flash kernel (K and V decoded as wide) for committed blocks, and for the step's
+        # own positions when every one of them has its row (causal, one head per row group)
         widths = [f.padded_dim(d) if f.rotated else d for f in (self.k_fmt, self.v_fmt)]
         flash = (mask is None and qf.device.type == "cpu" and widths[0] == widths[1]
                  and fused.prefill_rows_available())
-        for s in range(s0, total, self.block):
-            e = min(s + self.block, total)
-            kp = self._slice(self.k, layer, s, e)
-            kb = self.k_fmt.decode_rotated(kp) if self.k_fmt.rotated else self.k_fmt.decode(kp, d)
-            vp = self._slice(self.v, layer, s, e)
-            vb = self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d)
+        own_flash = flash and r == n and s0 <= start
+        end = start if own_flash else total
+        for s in range(s0, end, self.block):
+            e = min(s + self.block, end)
+            kb, vb = self._decoded(layer, s, e, d)
             if flash and e <= start:  # the block's softmax state from the kernel's output and log-sum-exp
                 out, lse = fused.flash(qf[None], kb[None], vb[None], scale=1.0)
-                bm = lse[0].unsqueeze(-1)
-                m_new = torch.maximum(m, bm)
-                corr, w = torch.exp(m - m_new), torch.exp(bm - m_new)
-                lsum.mul_(corr).add_(w)
-                acc.mul_(corr).add_(out[0] * w)
-                m = m_new
+                m = _merge_state(m, lsum, acc, out[0], lse[0])
                 continue
             sc = torch.matmul(qf, kb.transpose(-1, -2))  # [KVH, rows, B]
             if mask is not None:
@@ -237,7 +232,20 @@ class QuantKVCache(CachePositions):
             lsum.mul_(corr).add_(p.sum(-1, keepdim=True))
             acc.mul_(corr).add_(torch.matmul(p, vb))
             m = m_new
+        if own_flash:
+            kb, vb = self._decoded(layer, start, total, d)
+            kvh, dk = qf.shape[0], qf.shape[2]
+            heads = qf.reshape(1, kvh * g, n, dk)  # rows (query head in group, token) -> one head per group row
+            out, lse = fused.flash(heads, kb.repeat_interleave(g, 0)[None], vb.repeat_interleave(g, 0)[None],
+                                   causal=True, scale=1.0)
+            m = _merge_state(m, lsum, acc, out[0].reshape(kvh, g * n, -1), lse[0].reshape(kvh, g * n))
         return m, lsum, acc
+
+    def _decoded(self, layer: int, s: int, e: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [s, e) decoded to float32 [KVH, e - s, width] (rotated formats left rotated)."""
+        kp, vp = self._slice(self.k, layer, s, e), self._slice(self.v, layer, s, e)
+        return (self.k_fmt.decode_rotated(kp) if self.k_fmt.rotated else self.k_fmt.decode(kp, d),
+                self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d))
 
     @cached_property
     def _gpu_encode(self) -> tuple:
@@ -307,6 +315,18 @@ class QuantKVCache(CachePositions):
     def __repr__(self) -> str:
         return (f"<QuantKVCache K {self.k_type} V {self.v_type}: {self.num_layers} layers x {self.num_kv_heads} "
                 f"heads x {self.max_len} x {self.head_dim}, {self.nbytes / 2**20:.1f} MiB>")
+
+
+def _merge_state(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+                 ) -> torch.Tensor:
+    """Fold a normalized attention output [KVH, R, W] with its log-sum-exp [KVH, R] over other positions into the
+    online-softmax state (max m, sum lsum, accumulator acc; the last two in place); returns the new max."""
+    bm = lse.unsqueeze(-1)
+    m_new = torch.maximum(m, bm)
+    corr, w = torch.exp(m - m_new), torch.exp(bm - m_new)
+    lsum.mul_(corr).add_(w)
+    acc.mul_(corr).add_(out * w)
+    return m_new
 
 
 def make_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, model_dtype: torch.dtype,
