@@ -123,3 +123,40 @@ def test_bench_fills_a_depth_once_on_a_hybrid(tmp_path, monkeypatch):
     assert rc == 0
     assert calls[0] == (601, 0)  # the fill (up to the first prompt token), untimed
     assert calls[1:] == [(608, 600)] * 3  # warm-up and two repetitions: only the prompt is computed
+
+
+def test_interleave_runs_points_back_to_back_on_one_copy_of_the_weights(tiny, tmp_path, monkeypatch, capsys):
+    """--interleave: every point's engine first, on one model; each repetition runs every point, in alternating
+    order; the rows carry the paired ratios to the first point (1.0 for the first point itself)."""
+    from turbospec.engine.engine import Engine
+
+    order, models = [], set()
+    stream = Engine.stream
+
+    def recording(self, tokens, params, *args, **kwargs):
+        order.append(self.config.cache_type_k)
+        models.add(id(self.model))
+        return stream(self, tokens, params, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "stream", recording)
+    out = tmp_path / "i"
+    rc = main(["bench", "-m", str(tiny), "-p", "8", "-n", "4", "-r", "3", "--warmup", "1", "--depth", "0,16",
+               "--interleave", "--sweep", "kv=f32,q8_0,tbq4_0", "--out", str(out), "-q", "-t", "1"])
+    assert rc == 0
+    abc = ["f32", "q8_0", "tbq4_0"]
+    assert order == (abc + abc[::-1] + abc + abc[::-1]) * 2  # warm-up + 3 repetitions, at each depth
+    assert len(models) == 1
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [(r["config"], r["depth"]) for r in rows] == [(f"kv={t}", d) for d in (0, 16) for t in abc]
+    for r in rows:
+        assert r["decode_ratio_min"] <= r["decode_ratio"] <= r["decode_ratio_max"]
+        if r["kv"] == "f32":
+            assert r["decode_ratio"] == r["prefill_ratio"] == 1.0
+    from turbospec.config import EngineConfig
+    from turbospec.lab.bench import apply_sweep
+
+    assert apply_sweep(EngineConfig(), {"kv": "q4_0"}).cache_type_v == "q4_0"
+    capsys.readouterr()  # a thread sweep cannot share one process's thread count: a one-line error
+    assert main(["bench", "-m", str(tiny), "-p", "8", "-n", "2", "-r", "1", "--interleave", "--sweep", "threads=1,2",
+                 "--out", str(tmp_path / "t"), "-q"]) == 1
+    assert "--interleave" in capsys.readouterr().err

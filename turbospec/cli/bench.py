@@ -36,6 +36,10 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="append", default=[],
                    help=f"key=v1,v2 (keys: {', '.join(bench.SWEEP_KEYS)}); several form a cartesian product; "
                         "write spec-type chains with + (ngram-mod+draft-mtp)")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every sweep point's engine first (one copy of the weights per dtype) and run each "
+                        "repetition on every point back to back, in alternating order: rows gain the paired ratios "
+                        "to the first point (decode_ratio, prefill_ratio), which drift of the machine cancels out of")
     p.add_argument("--categories", default=None, help="use the shipped prompt set: all or a comma list")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
@@ -76,11 +80,13 @@ def register(sub) -> argparse.ArgumentParser:
 def options(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(n_prompt=a.n_prompt, n_gen=a.n_gen, repetitions=a.repetitions, warmup=a.warmup,
                         depths=tuple(int(d) for d in str(a.depth).split(",")), sweep=tuple(a.sweep),
-                        categories=a.categories, temp=a.temp, seed=a.seed, quiet=a.quiet)
+                        categories=a.categories, temp=a.temp, seed=a.seed, quiet=a.quiet, interleave=a.interleave)
 
 
 def run(a: argparse.Namespace) -> int:
     opts = options(a)
+    if a.url and a.interleave:
+        raise TurboSpecError("--interleave measures the local engine's sweep points; it does not apply with --url")
     if a.url:  # servers: depth = that many filler words before the prompt
         settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
         report = client.run_remote(a.url, opts, a.api_key, settings)

@@ -78,7 +78,12 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
 def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engine:
     """Load the checkpoint, tokenizer and drafter that `config` names, and return a ready engine. `progress`: as
     `load_parts`'."""
-    path, model, tokenizer = load_parts(config, progress)
+    return assemble_engine(config, *load_parts(config, progress))
+
+
+def assemble_engine(config: EngineConfig, path: str, model: Model, tokenizer: Tokenizer | None) -> Engine:
+    """An engine for `config` on a model already loaded (`load_parts`): its drafter, cache and cost model. Several
+    engines may share one model (`turbospec bench --interleave`)."""
     drafter = make_drafter(config.spec, model, config.ctx + config.spec.depth + 1, model_path=path)
     engine = Engine(model, tokenizer, config, drafter, model_path=path)
     from turbospec.parallel import tp

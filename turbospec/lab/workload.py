@@ -32,6 +32,7 @@ class BenchOptions:
     temp: float = 0.0
     seed: int = 0
     quiet: bool = False  # no progress bar
+    interleave: bool = False  # sweep points' repetitions round-robin in one process, paired ratios to the first
 
     def __post_init__(self) -> None:
         for n in ("n_prompt", "n_gen", "repetitions"):
