@@ -68,7 +68,7 @@ def test_prefill_out_rows(hf_models, tmp_path, kind, rows, kv):
         seen: list[int] = []
         if kv is not None:
             attend = kv_cache.attend
-            kv_cache.attend = lambda layer, q, *a, _f=attend: seen.append(q.shape[1]) or _f(layer, q, *a)
+            kv_cache.attend = lambda layer, q, *a, _f=attend, _s=seen: _s.append(q.shape[1]) or _f(layer, q, *a)
         h = model.forward(ids[:40], AttentionPlan.causal(0, 40), cache, out_rows=out_rows)
         attended.append(list(seen))
         cache.commit()

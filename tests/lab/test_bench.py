@@ -148,6 +148,7 @@ def test_interleave_runs_points_back_to_back_on_one_copy_of_the_weights(tiny, tm
     assert len(models) == 1
     rows = json.loads((out / "report.json").read_text())["rows"]
     assert [(r["config"], r["depth"]) for r in rows] == [(f"kv={t}", d) for d in (0, 16) for t in abc]
+    assert "decode_ratio" in (out / "report.md").read_text()
     for r in rows:
         assert r["decode_ratio_min"] <= r["decode_ratio"] <= r["decode_ratio_max"]
         if r["kv"] == "f32":

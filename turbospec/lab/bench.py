@@ -239,8 +239,8 @@ def write_reports(report: dict[str, Any], out: Path, plot_formats: Iterable[str]
     write_json(out / "report.json", report)
     flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
     write_csv(out / "report.csv", flat)
-    cols = [c for c in ("engine", "config", "depth", "category", "n_prompt", "n_gen", "prefill_tps",
-                        "decode_tps", "decode_tps_sd", "ttft_ms", "tpot_ms", "itl_p99_ms", "e2e_ms",
+    cols = [c for c in ("engine", "config", "depth", "category", "n_prompt", "n_gen", "prefill_tps", "prefill_ratio",
+                        "decode_tps", "decode_tps_sd", "decode_ratio", "ttft_ms", "tpot_ms", "itl_p99_ms", "e2e_ms",
                         "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct", "peak_rss_mib", "expert_hit_rate",
                         "expert_loaded_mib_per_tok", "disk_mib_per_tok")
             if any(c in r for r in rows)]
@@ -262,9 +262,9 @@ def print_table(report: dict[str, Any]) -> None:
         return
     rows = report["rows"]
     t = Table(title="turbospec bench (median of repetitions)")
-    cols = [c for c in ("engine", "config", "depth", "category", "prefill_tps", "decode_tps", "ttft_ms",
-                        "tpot_ms", "itl_p99_ms", "acc_rate", "mean_acc_len", "decode_loss_vs_d0_pct",
-                        "expert_hit_rate", "disk_mib_per_tok")
+    cols = [c for c in ("engine", "config", "depth", "category", "prefill_tps", "prefill_ratio", "decode_tps",
+                        "decode_ratio", "ttft_ms", "tpot_ms", "itl_p99_ms", "acc_rate", "mean_acc_len",
+                        "decode_loss_vs_d0_pct", "expert_hit_rate", "disk_mib_per_tok")
             if any(c in r for r in rows)]
     for c in cols:
         t.add_column(c)
