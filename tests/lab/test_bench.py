@@ -161,3 +161,19 @@ def test_interleave_runs_points_back_to_back_on_one_copy_of_the_weights(tiny, tm
     assert main(["bench", "-m", str(tiny), "-p", "8", "-n", "2", "-r", "1", "--interleave", "--sweep", "threads=1,2",
                  "--out", str(tmp_path / "t"), "-q"]) == 1
     assert "--interleave" in capsys.readouterr().err
+
+
+def test_interleaved_mtp_engines_on_one_model_draft_as_alone(tmp_path):
+    """Two MTP engines sharing one hybrid model, run back to back, accept exactly what each accepts alone."""
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parents[2] / "models" / "turbospec-tiny-hybrid"
+    acc = []
+    for mode in ([], ["--interleave"]):
+        out = tmp_path / f"m{len(mode)}"
+        assert main(["bench", "-m", str(model), "-p", "8", "-n", "12", "-r", "2", "--warmup", "0", "--categories",
+                     "code", "--sweep", "kv=f32,q8_0", "--sweep", "spec-type=draft-mtp", *mode, "--out", str(out),
+                     "-q", "-t", "1"]) == 0
+        rows = json.loads((out / "report.json").read_text())["rows"]
+        acc.append([(r["config"], r["acc_rate"], r["mean_acc_len"]) for r in rows])
+    assert acc[0] == acc[1] and all(a is not None for _, a, _ in acc[0])
