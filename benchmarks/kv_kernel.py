@@ -3,6 +3,8 @@ size 64, random K/V encoded to DEPTH positions; the median over 7 interleaved ro
 `kernels.attention.partial`, 2 threads. Shows the kernels' arithmetic cost without the memory traffic of a whole model.
 
     python benchmarks/kv_kernel.py --depth 32768 --out docs/results/kv_kernel_32k.json
+
+`--types` takes K/V pairs too (`turbo4/f16 f16/turbo4`): the key and value sides' costs apart.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depth", type=int, default=32768)
-    ap.add_argument("--types", nargs="*", default=TYPES)
+    ap.add_argument("--types", nargs="*", default=TYPES, help="KV types, or K/V pairs (turbo4/f16)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -38,7 +40,8 @@ def main() -> int:
     q = torch.randn(2, 4, 64, generator=g) * 0.125
     calls = {}
     for t in a.types:
-        c = QuantKVCache(1, 2, 64, a.depth, t, t)
+        kt, vt = t.split("/") if "/" in t else (t, t)
+        c = QuantKVCache(1, 2, 64, a.depth, kt, vt)
         for s in range(0, a.depth, 4096):
             n = min(4096, a.depth - s)
             c.length = s
