@@ -88,22 +88,23 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
     bar = progress(total, "bench", opts.quiet)
     ctx = max(config.ctx, max(depths) + opts.n_prompt + opts.n_gen + 16, 4096 if prompts else 0)
     configs = [apply_sweep(config, point).replace(ctx=ctx) for point in points]
+    cases = list(prompts.items()) if prompts else [("random", None)]
     model_path = None
     if opts.interleave:
         engines = _engines(configs, opts.quiet)
         model_path = engines[0].model_path
         for depth in depths:
-            for cat, text in (prompts.items() if prompts else [("random", None)]):
-                cases = [_Case(e, opts, depth, text) for e in engines]
+            for cat, text in cases:
+                per_engine = [_Case(e, opts, depth, text) for e in engines]
                 runs: list[list[dict[str, Any]]] = [[] for _ in engines]
                 for rep in range(opts.warmup + opts.repetitions):
                     order = range(len(engines)) if rep % 2 == 0 else reversed(range(len(engines)))
                     for i in order:
-                        run = cases[i].run(rep)
+                        run = per_engine[i].run(rep)
                         if rep >= opts.warmup:
                             runs[i].append(run)
                 first = len(rows)
-                for point, case, point_runs in zip(points, cases, runs):
+                for point, case, point_runs in zip(points, per_engine, runs):
                     rows.append(_row(point, depth, cat, case.ptoks, point_runs, opts))
                     bar.update(1)
                 _add_ratios(rows[first:], runs)
@@ -114,7 +115,7 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
                 engine = build_engine(cfg, load_bar)
             model_path = engine.model_path
             for depth in depths:
-                for cat, text in (prompts.items() if prompts else [("random", None)]):
+                for cat, text in cases:
                     case = _Case(engine, opts, depth, text)
                     runs_ = [case.run(rep) for rep in range(opts.warmup + opts.repetitions)][opts.warmup:]
                     rows.append(_row(point, depth, cat, case.ptoks, runs_, opts))

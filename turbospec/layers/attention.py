@@ -44,8 +44,8 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
                  cache, layer: int, out_rows: int | None = None) -> torch.Tensor:
-        """[N, hidden] -> [N, hidden]; with `out_rows` = r < N (causal plan over one sequence's cache) every row's K/V is
-        stored but only the last r rows are attended and projected: [r, hidden]."""
+        """[N, hidden] -> [N, hidden]; with `out_rows` = r < N (causal plan over one sequence's cache) every row's
+        K/V is stored but only the last r rows are attended and projected: [r, hidden]."""
         from turbospec.layers.rope import apply_rope
 
         n = x.shape[0]
@@ -68,11 +68,10 @@ class Attention:
                     r: int) -> torch.Tensor:
         """Store every row's k/v (a plain or packed cache); attend the last r query rows only (causally) ->
         [r, H*D]."""
+        if isinstance(cache, QuantKVCache):  # the packed cache's attend takes the last rows itself
+            return self.mix(q[-r:], k, v, plan, cache, layer)
         n = q.shape[0]
         qs = q[-r:].transpose(0, 1)
-        if isinstance(cache, QuantKVCache):
-            out = cache.attend(layer, qs, k.transpose(0, 1), v.transpose(0, 1), plan, 1.0 / math.sqrt(self.hd))
-            return out.transpose(0, 1).reshape(r, self.nh * self.hd)
         keys, values = cache.write(layer, k.transpose(0, 1), v.transpose(0, 1))
         if r == 1:  # the last position sees every cached key: no mask
             out = _decode_attention(qs, keys, values)
@@ -93,7 +92,8 @@ class Attention:
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cache,
             layer: int) -> torch.Tensor:
-        """Store the step's k/v and attend: q [N, H, D] (normed, rotated), k/v [N, KVH, D] -> [N, H*D]."""
+        """Store the step's k/v and attend: q [N, H, D] (normed, rotated), k/v [N, KVH, D] -> [N, H*D]; a packed
+        cache also takes the step's last R < N query rows under a causal plan (-> [R, H*D])."""
         n = q.shape[0]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if isinstance(cache, (QuantKVCache, PagedBatch)):  # packed KV formats / many sequences: the cache attends

@@ -137,7 +137,8 @@ class HybridLayer:
         if k is not None and (out := self._one_call(k, x, rope, plan, cache)) is not None:
             return out
         if (out_rows is not None and out_rows < x.shape[0] and self.kind == "full_attention"
-                and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None and isinstance(cache.kv, (KVCache, QuantKVCache))):
+                and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None
+                and isinstance(cache.kv, (KVCache, QuantKVCache))):
             # prefill's last layer: only the last rows are wanted
             h = self.mixer(rms_norm(x, self.in_norm, self.eps, True), rope, plan, cache.kv, self.slot, out_rows)
             x = x[-out_rows:] + h
