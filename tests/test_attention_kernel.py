@@ -46,7 +46,7 @@ def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
     kd, vd = kd.reshape(kvh, t, width), vd.reshape(kvh, t, width)
     qq = rotate(q) if fmt.rotated else F.pad(q, (0, width - d))
     s, e = 7, 590
-    scores = round_queries(qq, key_block(fmt)) @ kd[:, s:e].transpose(1, 2)  # integer keys: q read at 8 bits
+    scores = round_queries(qq, key_block(fmt, d)) @ kd[:, s:e].transpose(1, 2)  # integer keys: q read at 8 bits
     m_ref = scores.amax(-1)
     p = torch.exp(scores - m_ref[..., None])
     out_ref = (p @ vd[:, s:e]) / p.sum(-1, keepdim=True)

@@ -33,6 +33,7 @@ from turbospec.kv.formats import (
     round_half_away,
     unrotate,
 )
+from turbospec.kv.formats.turbo import _codebook
 from turbospec.kv.hadamard import hadamard_matrix, rot_block_for, rotation_matrix, rotation_signs
 from turbospec.kv.lloyd_max import GAUSSIAN_LLOYD_MAX, beta_coordinate_pdf, codebook_mse, lloyd_max_codebook
 
@@ -554,6 +555,24 @@ def test_codebooks_match_llama_cpp_ports():
     np.testing.assert_allclose(c2[2:], [0.039994, 0.133462], rtol=0.005)
     c4, _ = lloyd_max_codebook(4)
     assert abs(c4[-1] - 0.2402) < 0.004  # the corrected outer 4-bit level (PR #197), not 0.1739
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_four_bit_codebook_lies_on_an_int8_grid(d):
+    """turbo4's centroids are integer codes times one unit (its keys are scored with int8 products), the boundaries
+    their midpoints, and the move costs almost no distortion; the other widths keep the Lloyd-Max codebook."""
+    cent, bounds = (t.double().numpy() for t in _codebook(4, torch.device("cpu"), d))
+    unit = np.float32(np.abs(cent).max()) / np.float32(127)
+    codes = np.rint(cent / unit)
+    assert codes.max() == 127 and codes.min() == -127
+    np.testing.assert_allclose(cent, codes * unit, rtol=1e-6)
+    np.testing.assert_allclose(bounds, 0.5 * (cent[1:] + cent[:-1]), rtol=1e-6)
+    lm = lloyd_max_codebook(4, d)[0]
+    assert 0 < np.abs(cent - lm).max() <= 0.51 * unit
+    assert codebook_mse(cent, d) / codebook_mse(lm, d) - 1 < 5e-3  # measured: +0.10% (d = 128), +0.20% (d = 64)
+    for bits in (1, 2, 3):
+        np.testing.assert_allclose(_codebook(bits, torch.device("cpu"), d)[0].double().numpy(),
+                                   lloyd_max_codebook(bits, d)[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])

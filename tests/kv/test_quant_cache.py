@@ -1,5 +1,7 @@
 """QuantKVCache: packed K/V formats with block-wise attention (vs dense attention over decoded K/V)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 from turbospec.config import EngineConfig, SpecConfig
 from turbospec.demo import make_demo_model, qwen3_config, random_qwen3_weights, write_checkpoint
 from turbospec.engine import Engine
+from turbospec.kv import kernel_args
 from turbospec.kv.cache import KVCache
 from turbospec.kv.formats import FORMATS
 from turbospec.kv.plan import AttentionPlan
@@ -31,14 +34,26 @@ LOOSE = {"f32": 1e-5, "f16": 2e-3, "bf16": 1e-2, "q8_0": 0.03, "q4_0": 0.25, "tb
          "turbo4": 0.3, "turbo4p": 0.3, "turbo3": 0.45, "turbo3p": 0.5, "turbo2": 0.7, "turbo2p": 0.75}
 
 
-def dense_ref(q, k, v, plan, q_block=None):
-    """SDPA; with `q_block` (integer keys) over q rounded as the cache reads it (turbospec.kv.query_rounding)."""
+def dense_ref(q, k, v, plan, scale=None):
+    """SDPA (`scale` None: 1 / sqrt(D))."""
     mask, causal = plan.sdpa_mask()
-    scale = None
-    if q_block is not None:
-        q, scale = round_queries(q / q.shape[-1] ** 0.5, q_block), 1.0
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
                                           enable_gqa=q.shape[0] != k.shape[0], scale=scale)[0]
+
+
+def as_read(cache, layer, q, s, e):
+    """(q, K, V of positions [s, e), SDPA scale) as the cache's attention multiplies them: K/V decoded; against keys
+    whose queries are read at 8 bits (turbospec.kv.query_rounding) q scaled and rounded per key block -- for turbo4
+    in the rotated domain (q rotated as the cache rotates it: a float32 ulp decides a rounding tie now and then)."""
+    d = cache.head_dim
+    kd, vd = cache.read(layer, s, e)
+    qb = key_block(cache.k_fmt, d)
+    if qb is None:
+        return q, kd, vd, None
+    if not cache.k_fmt.rotated:
+        return round_queries(q / d ** 0.5, qb), kd, vd, 1.0
+    kr = cache.k_fmt.decode_rotated(cache._slice(cache.k, layer, s, e))
+    return round_queries(kernel_args.rotate_fast(q) * (1.0 / math.sqrt(d)), qb), kr, vd, 1.0
 
 
 def rel(a, b):
@@ -55,8 +70,8 @@ def run_steps(cache, q_all, k_all, v_all, sizes):
         plan = AttentionPlan.causal(cache.length, n)
         cache.begin(n)
         out = cache.attend(0, q_all[:, sl], k_all[:, sl], v_all[:, sl], plan)
-        kd, vd = cache.read(0, 0, pos + n)
-        tight = max(tight, (out - dense_ref(q_all[:, sl], kd, vd, plan, key_block(cache.k_fmt))).abs().max().item())
+        qr, kd, vd, scale = as_read(cache, 0, q_all[:, sl], 0, pos + n)
+        tight = max(tight, (out - dense_ref(qr, kd, vd, plan, scale)).abs().max().item())
         loose = max(loose, rel(out, dense_ref(q_all[:, sl], k_all[:, :pos + n], v_all[:, :pos + n], plan)))
         cache.commit()
         pos += n
@@ -118,8 +133,8 @@ def test_tree_mask_and_commit_compaction(fmt):
     cache.begin(n)
     out = cache.attend(1, qn, kn, vn, plan)
     cache.attend(0, qn, kn, vn, plan)
-    kd, vd = cache.read(1, 0, start + n)
-    assert (out - dense_ref(qn, kd, vd, plan, key_block(cache.k_fmt))).abs().max().item() < 2e-5
+    qr, kd, vd, scale = as_read(cache, 1, qn, 0, start + n)
+    assert (out - dense_ref(qr, kd, vd, plan, scale)).abs().max().item() < 2e-5
     keep = [0, 2, 4]
     before = {(kv, name): t[:, :, start:start + n].clone() for kv, buf in (("k", cache.k), ("v", cache.v))
               for name, t in buf.items()}
@@ -151,8 +166,8 @@ def test_masked_prefix_base_and_truncate():
     plan.mask = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= 10)
     c.begin(5)
     out = c.attend(0, q, k, v, plan)
-    kd, vd = c.read(0, 10, 15)
-    assert (out - dense_ref(q, kd, vd, AttentionPlan.causal(0, 5), key_block(c.k_fmt))).abs().max().item() < 2e-5
+    qr, kd, vd, scale = as_read(c, 0, q, 10, 15)
+    assert (out - dense_ref(qr, kd, vd, AttentionPlan.causal(0, 5), scale)).abs().max().item() < 2e-5
     c.commit()
     c.truncate(12)
     assert c.length == 12

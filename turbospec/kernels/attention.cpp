@@ -34,6 +34,11 @@ struct Source {
   Field f[3];         // plain: data | ggml-like: d, qs | turbo: norm, qs[, qh]
   __m256 cent_lo, cent_hi;  // turbo lookup tables (see make_source)
   float cent[16] = {0};     // turbo: the 2^bits centroids (the AVX-512 kernels' one-register table)
+  // 4-bit turbo whose centroids lie on an int8 grid (turbospec/kv/formats/turbo.py `int8_grid`): centroid i =
+  // (ucode[i] - 128) * unit, for score_turbo_vnni
+  bool int_grid = false;
+  float unit = 0.0f;
+  uint8_t ucode[16] = {0};
 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -194,6 +199,17 @@ Source make_source(int64_t kind, int64_t bits, int64_t width, const std::vector<
       if (bits == 3) hi[i] = t[4 + i % 4];
       if (bits == 4) hi[i] = t[8 + i];
     }
+    if (bits == 4) {  // on an int8 grid? (within float rounding of the Python side's code * unit)
+      float cmax = 0.0f;
+      for (int i = 0; i < 16; ++i) cmax = std::max(cmax, std::fabs(t[i]));
+      s.unit = cmax / 127.0f;
+      s.int_grid = cmax > 0.0f && std::isfinite(cmax);
+      for (int i = 0; i < 16 && s.int_grid; ++i) {
+        const float code = std::nearbyint(t[i] / s.unit);
+        s.int_grid = std::fabs(code * s.unit - t[i]) <= 1e-6f * cmax;
+        s.ucode[i] = static_cast<uint8_t>(code + 128.0f);
+      }
+    }
   }
   s.cent_lo = _mm256_loadu_ps(lo);
   s.cent_hi = _mm256_loadu_ps(hi);
@@ -221,7 +237,7 @@ inline void for_pairs(int64_t c0, int64_t c1, Fn&& fn) {
   acc##3 = _mm256_fmadd_ps(w3, x, acc##3)
 
 // The query rows of one group of 4 (one KV head) as the score kernels read them: q [4, dk] float32 (for integer
-// keys -- q8_0, q4_0, tbq4_0 -- rounded to 8 bits per key block, see round_queries); per key block and row
+// keys -- q8_0, q4_0, tbq4_0, and turbo4 -- rounded to 8 bits per key block, see round_queries); per key block and row
 // ([blocks][4]): qsum, the rows' sums of q (the raw-value offset of q4_0 / tbq4_0 keys), and for integer keys the
 // int8 rows qi [4, dk] with their scales (q = qi * scale) and integer sums isum.
 struct QGroup {
@@ -283,9 +299,14 @@ void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& q
   }
 }
 
-// Integer formats (q8_0, q4_0, tbq4_0): values per block (the block over which a query row is rounded to 8 bits
-// against such keys); 0 for the other kinds.
+// Integer formats (q8_0, q4_0, tbq4_0): values per block; 0 for the other kinds.
 constexpr int64_t int_block(int64_t kind) { return kind == Q8_0 || kind == Q4_0 ? 32 : kind == TBQ4_0 ? 64 : 0; }
+
+// The block over which a query row is rounded to 8 bits against keys of (kind, bits): the integer formats' block,
+// 4-bit turbo's rotation block (its codebook lies on an int8 grid; turbospec/kv/query_rounding.py); 0: not rounded.
+constexpr int64_t query_block(int64_t kind, int64_t bits) {
+  return is_turbo(kind) ? (bits == 4 ? turbo_block(kind) : 0) : int_block(kind);
+}
 
 // ---- Integer keys (q8_0, q4_0, tbq4_0) with AVX-512 VNNI ----
 // 16 positions at a time, one per 32-bit lane: 16 key bytes of each position are transposed (lane i of T[j] =
@@ -406,6 +427,49 @@ TS_ATT512 void score_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, c
       const __m512 d = scale16(ks.f[0], h, t0, n, nb, b);
       for (int r = 0; r < 4; ++r) {
         const __m512i raw = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(OFF * qg.isum[4 * b + r]));
+        fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(raw), _mm512_mul_ps(d, _mm512_set1_ps(qg.scale[4 * b + r])), fs[r]);
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int r = 0; r < 4; ++r) _mm512_mask_storeu_ps(sc + r * tile + (t0 - s0), keep, fs[r]);
+  }
+}
+
+// score_vnni for 4-bit turbo keys on an int8 grid (Source::int_grid): a block's nibbles are laid out as q4_0's
+// (byte m: value m low, m + B / 2 high); each is looked up (vpshufb, a 16-byte table) as its code + 128, unsigned
+// for vpdpbusd, and per block sum(qi * (code + 128)) - 128 * sum(qi) is scaled by the row's scale, the grid's unit
+// and the block's fp16 norm: score4 over the rounded q and the centroids up to float rounding.
+template <int64_t KIND>
+TS_ATT512 void score_turbo_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& qg, float* sc,
+                                int64_t tile) {
+  constexpr int64_t BV = turbo_block(KIND), BB = BV / 2;  // values, bytes per block
+  const int64_t w = ks.width, nb = w / BV;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ks.ucode)));
+  const uint8_t* kq[16];
+  for (int64_t t0 = s0; t0 < s1; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, s1 - t0);
+    for (int i = 0; i < 16; ++i) kq[i] = ks.f[1].at(h, t0 + std::min<int64_t>(i, n - 1));
+    __m512 fs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      const int8_t* qb = qg.qi + b * BV;
+      for (int64_t u = 0; u < BB / 16; ++u) {
+        __m512i T[4];
+        transpose16x4(kq, b * BB + 16 * u, T);
+        for (int j = 0; j < 4; ++j) {
+          const int64_t v = 16 * u + 4 * j;  // the block's values of T[j]'s low nibbles
+          const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(T[j], low4));
+          const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(T[j], 4), low4));
+          for (int r = 0; r < 4; ++r) {
+            acc[r] = _mm512_dpbusd_epi32(acc[r], lo, bcast4(qb + r * w + v));
+            acc[r] = _mm512_dpbusd_epi32(acc[r], hi, bcast4(qb + r * w + v + BB));
+          }
+        }
+      }
+      const __m512 d = _mm512_mul_ps(scale16(ks.f[0], h, t0, n, nb, b), _mm512_set1_ps(ks.unit));
+      for (int r = 0; r < 4; ++r) {
+        const __m512i raw = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * qg.isum[4 * b + r]));
         fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(raw), _mm512_mul_ps(d, _mm512_set1_ps(qg.scale[4 * b + r])), fs[r]);
       }
     }
@@ -660,10 +724,13 @@ struct TurboScorePick { static constexpr ScoreFn fn = score_turbo512<K, B>; };
 template <int64_t K, int B>
 struct TurboAccPick { static constexpr AccFn fn = accumulate_turbo512<K, B>; };
 
-// The score kernel of a K kind where the CPU has AVX-512 VNNI: score_vnni (integer keys), score_turbo512 (turbo);
-// score4 otherwise (and for plain keys).
-inline ScoreFn pick_score(int64_t kind, int64_t bits) {
+// The score kernel of a K source where the CPU has AVX-512 VNNI: score_vnni (integer keys), score_turbo_vnni
+// (4-bit turbo on an int8 grid), score_turbo512 (other turbo); score4 otherwise (and for plain keys).
+inline ScoreFn pick_score(const Source& ks) {
+  const int64_t kind = ks.kind, bits = ks.bits;
   if (att_vnni()) {
+    if (ks.int_grid && kind == TURBO) return score_turbo_vnni<TURBO>;
+    if (ks.int_grid && kind == TURBO64) return score_turbo_vnni<TURBO64>;
     if (kind == Q8_0) return score_vnni<Q8_0>;
     if (kind == Q4_0) return score_vnni<Q4_0>;
     if (kind == TBQ4_0) return score_vnni<TBQ4_0>;
@@ -733,11 +800,11 @@ struct QTable {
 };
 
 // q [heads, rows4, dk] float32 (rows padded to groups of 4), rounded in place for integer keys.
-QTable prepare_queries(float* q, int64_t heads, int64_t rows4, int64_t dk, int64_t k_kind) {
+QTable prepare_queries(float* q, int64_t heads, int64_t rows4, int64_t dk, int64_t k_kind, int64_t k_bits) {
   QTable t;
   t.q = q;
   t.dk = dk;
-  const int64_t kb = int_block(k_kind);
+  const int64_t kb = query_block(k_kind, k_bits);
   if (kb == 0) return t;
   TORCH_CHECK(dk % kb == 0, "K width is not a multiple of its block");
   t.kblocks = dk / kb;
@@ -828,7 +895,7 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
   std::vector<float> qp4(kvh * rows4 * dk, 0.0f);
   for (int64_t h = 0; h < kvh; ++h)
     std::copy(q + h * rows * dk, q + (h + 1) * rows * dk, qp4.begin() + h * rows4 * dk);
-  const ScoreFn score = pick_score(k_kind, k_bits);
+  const ScoreFn score = pick_score(ks);
   const AccFn accumulate = pick_acc(v_kind, v_bits);
   const int64_t dv = vs.width;
   const int64_t n = std::max<int64_t>(0, end - start);
@@ -836,7 +903,7 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
   const int64_t tiles = (n + tile - 1) / tile;
   const int64_t tasks = kvh * tiles;
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
-  const QTable qt = prepare_queries(qp4.data(), kvh, rows4, dk, k_kind);
+  const QTable qt = prepare_queries(qp4.data(), kvh, rows4, dk, k_kind, k_bits);
   const int64_t groups = rows4 / 4;
 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
@@ -898,9 +965,9 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
   const float* qsrc = q.data_ptr<float>();
   for (int64_t sh = 0; sh < ns * kvh; ++sh)
     std::copy(qsrc + sh * rows * dk, qsrc + (sh + 1) * rows * dk, qp4.begin() + sh * rows4 * dk);
-  const ScoreFn score = pick_score(k_kind, k_bits);
+  const ScoreFn score = pick_score(ks);
   const AccFn accumulate = pick_acc(v_kind, v_bits);
-  const QTable qt = prepare_queries(qp4.data(), ns * kvh, rows4, dk, k_kind);
+  const QTable qt = prepare_queries(qp4.data(), ns * kvh, rows4, dk, k_kind, k_bits);
   std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     const unsigned int csr = _mm_getcsr();
@@ -1052,7 +1119,7 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
     tail_k = make_source(k_kind, k_bits, kw, tail_kf, k_cent);
     tail_v = make_source(v_kind, v_bits, dv, tail_vf, v_cent);
   }
-  const ScoreFn score = pick_score(k_kind, k_bits);
+  const ScoreFn score = pick_score(ks);
   const AccFn accumulate = pick_acc(v_kind, v_bits);
   // qa: the shared tiles' rows [nkv, rows4, kw] (row i * g + j: token i, query head j of the group); qt: each
   // token's own rows [nkv, n, g4, kw]
@@ -1063,8 +1130,8 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
       std::copy(src, src + g * kw, qa.begin() + (h * rows4 + i * g) * kw);
       std::copy(src, src + g * kw, qt.begin() + ((h * n + i) * g4) * kw);
     }
-  const QTable tab_a = prepare_queries(qa.data(), nkv, rows4, kw, k_kind);
-  const QTable tab_t = prepare_queries(qt.data(), nkv * n, g4, kw, k_kind);
+  const QTable tab_a = prepare_queries(qa.data(), nkv, rows4, kw, k_kind, k_bits);
+  const QTable tab_t = prepare_queries(qt.data(), nkv * n, g4, kw, k_kind, k_bits);
   // tail tiles of token i: [shared, end_of(i)) in tiles of TILE (1 or 2)
   std::vector<int64_t> tail_first(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (end_of(i) - shared + TILE - 1) / TILE;

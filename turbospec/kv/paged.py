@@ -178,7 +178,7 @@ class BlockPool:
     @cached_property
     def q_block(self) -> int | None:
         """The key block over which queries are rounded to 8 bits (integer keys; turbospec.kv.query_rounding)."""
-        return key_block(self.k_fmt)
+        return key_block(self.k_fmt, self.head_dim)
 
     # ---- the decode kernel ------------------------------------------------------------------------------
     def step_args(self, layer: int) -> tuple | None:

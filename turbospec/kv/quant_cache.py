@@ -165,7 +165,7 @@ class QuantKVCache(CachePositions):
     @cached_property
     def _q_block(self) -> int | None:
         """The key block over which queries are rounded to 8 bits (integer keys; turbospec.kv.query_rounding)."""
-        return key_block(self.k_fmt)
+        return key_block(self.k_fmt, self.head_dim)
 
     @cached_property
     def _kernel_ok(self) -> bool:
