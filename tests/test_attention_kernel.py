@@ -57,6 +57,21 @@ def test_partial_softmax_matches_torch_on_decoded_cache(name, d):
     assert torch.allclose(acc / lsum[..., None], out_ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("d", [40, 64, 80, 128, 192])
+def test_decode_rows_equals_the_formats_decoder(name, d):
+    """The C++ decoder (prefill's committed blocks) gives the torch decoders' float32 values bit for bit."""
+    g = torch.Generator().manual_seed(d + 1)
+    fmt = get_format(name)
+    spec = attention_spec(fmt, d)
+    kp = fmt.encode(torch.randn(3, 50, d, generator=g) * 2)
+    width = fmt.padded_dim(d)
+    ref = fmt.decode_rotated(kp) if fmt.rotated else fmt._decode_padded(kp)
+    out = fused.decode(spec, [kp[f] for f in spec[2]], width, 7, 43)
+    assert out.shape == (3, 36, width) and out.dtype == torch.float32
+    assert torch.equal(out, ref.reshape(3, 50, width)[:, 7:43])
+
+
 def test_turbo_prod_has_no_kernel_path():
     assert attention_spec(get_format("turbo4p"), 64) is None
 

@@ -753,6 +753,40 @@ inline AccFn pick_acc(int64_t kind, int64_t bits) {
   return pick<AccPick>(kind, bits);
 }
 
+// One row of a source decoded to float32 [width]: plain values, or per block scale * (raw - OFFSET) (turbo: norm *
+// centroid, in the rotated domain) -- the float32 operations of the formats' torch decoders, so the same values.
+template <int64_t KIND, int BITS>
+void decode_row(const Source& s, const Row& row, float* out) {
+  constexpr int64_t H = pair_dist<KIND>(), SPAN = span_chunks<KIND>();
+  constexpr float OFF = raw_offset<KIND>();
+  const int64_t chunks = s.width / 8, span = SPAN ? SPAN : chunks;
+  for (int64_t b0 = 0; b0 < chunks; b0 += span) {
+    const __m256 d = _mm256_set1_ps(SPAN ? block_scale(row, b0 / span) : 1.0f);
+    for_pairs<H>(b0, b0 + span, [&](int64_t c, bool paired) {
+      if (!paired) {  // plain rows only
+        _mm256_storeu_ps(out + 8 * c, plain8<SPAN ? F32 : KIND>(row, c));
+        return;
+      }
+      __m256 x0, x1;
+      dec_pair<KIND, BITS>(s, row, c, x0, x1);
+      if constexpr (SPAN != 0) {
+        if constexpr (OFF != 0.0f) {
+          x0 = _mm256_sub_ps(x0, _mm256_set1_ps(OFF));
+          x1 = _mm256_sub_ps(x1, _mm256_set1_ps(OFF));
+        }
+        x0 = _mm256_mul_ps(d, x0);
+        x1 = _mm256_mul_ps(d, x1);
+      }
+      _mm256_storeu_ps(out + 8 * c, x0);
+      _mm256_storeu_ps(out + 8 * (c + H), x1);
+    });
+  }
+}
+
+using DecodeFn = void (*)(const Source&, const Row&, float*);
+template <int64_t K, int B>
+struct DecodePick { static constexpr DecodeFn fn = decode_row<K, B>; };
+
 }  // namespace
 
 namespace {
@@ -1025,6 +1059,23 @@ std::vector<torch::Tensor> attend_partial(torch::Tensor q, int64_t k_kind, int64
   return {m_out, l_out, acc_out};
 }
 
+// Positions [start, end) of a (packed) K or V source (fields [heads, T, ...]) decoded to float32 [heads, end - start,
+// width], the values of the format's torch decoder (rotated formats left rotated): the blocks of committed positions
+// that a prompt chunk's rows read through torch's flash kernel.
+torch::Tensor decode_rows(int64_t kind, int64_t bits, int64_t width, std::vector<torch::Tensor> fields,
+                          torch::Tensor cent, int64_t start, int64_t end) {
+  const Source s = make_source(kind, bits, width, fields, cent);
+  TORCH_CHECK(0 <= start && start <= end && end <= fields[0].size(1), "positions out of range");
+  const int64_t heads = fields[0].size(0), n = end - start;
+  auto out = torch::empty({heads, n, width}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  const DecodeFn fn = pick<DecodePick>(kind, bits);
+  at::parallel_for(0, heads * n, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) fn(s, row_of(s, i / n, start + i % n), o + i * width);
+  });
+  return out;
+}
+
 namespace {
 
 int64_t plain_kind(torch::ScalarType t) {
@@ -1246,5 +1297,6 @@ torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_partial", &attend_partial, "partial softmax attention over a (packed) KV cache");
   m.def("attend_paged", &attend_paged, "attention of many sequences over a paged (packed) KV cache");
+  m.def("decode_rows", &decode_rows, "positions of a (packed) KV source decoded to float32");
 }
 #endif

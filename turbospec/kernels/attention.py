@@ -41,6 +41,13 @@ def partial(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fie
                               v_fields, v_spec[3], start, end, TILE)
 
 
+def decode(spec, fields: list[torch.Tensor], width: int, start: int, end: int, mod=None) -> torch.Tensor:
+    """Positions [start, end) of a K or V source in `spec`'s format (fields [heads, T, ...]) as float32 [heads,
+    end - start, width]: the values of the format's torch decoder (rotated formats in the rotated domain)."""
+    mod = mod or load()
+    return mod.decode_rows(spec[0], spec[1], width, fields, spec[3], start, end)
+
+
 def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  scale: float) -> torch.Tensor | None:
     """Attention of q [H, 1, D] over plain K/V views [KVH, L, D] (any of f32/f16/bf16), or None when the

@@ -242,7 +242,15 @@ class QuantKVCache(CachePositions):
         return m, lsum, acc
 
     def _decoded(self, layer: int, s: int, e: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [s, e) decoded to float32 [KVH, e - s, width] (rotated formats left rotated)."""
+        """K and V of positions [s, e) decoded to float32 [KVH, e - s, width] (rotated formats left rotated): by the
+        C++ decoder where the attention kernel reads both formats (the same values), else by the formats' own."""
+        if self._kernel_specs is not None:
+            out = []
+            for fmt, spec, fields in zip((self.k_fmt, self.v_fmt), self._kernel_specs, self._kernel_fields[layer]):
+                width = fmt.padded_dim(d)
+                x = fused.decode(spec, fields, width, s, e)
+                out.append(x if fmt.rotated or width == d else x[..., :d])
+            return out[0], out[1]
         kp, vp = self._slice(self.k, layer, s, e), self._slice(self.v, layer, s, e)
         return (self.k_fmt.decode_rotated(kp) if self.k_fmt.rotated else self.k_fmt.decode(kp, d),
                 self.v_fmt.decode_rotated(vp) if self.v_fmt.rotated else self.v_fmt.decode(vp, d))
