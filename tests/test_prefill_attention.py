@@ -122,7 +122,31 @@ def test_packed_cache_attends_only_a_chunks_last_rows(kv, last):
         part.attend(0, q[:, :2], k[:, :3], v[:, :3], AttentionPlan.tree(part.length, [-1, 0, 0]), 0.125)
 
 
-@pytest.mark.parametrize("kv", ["f32", "q8_0", "tbq4_0"])  # q8_0: queries rounded for integer keys (scale 1)
+@pytest.mark.parametrize("kv", ["q8_0", "tbq4_0", "turbo4", "turbo3"])
+@pytest.mark.parametrize("d", [64, 80])  # 80: turbo's rotation pads K to 128
+def test_paged_prompt_chunk_equals_the_contiguous_cache(kv, d):
+    """A prompt chunk after committed positions attends over the paged pool as over a QuantKVCache holding the same
+    bytes: queries against integer keys rounded in the same domain (turbo4: after the rotation)."""
+    kvh, h, scale = 2, 6, 1.0 / math.sqrt(d)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, 70, d, generator=g) for n in (h, kvh, kvh))
+    cache = QuantKVCache(1, kvh, d, 128, kv, kv, block=32)
+    pool = BlockPool(1, kvh, d, 8, k_type=kv, v_type=kv, block=16)
+    seq = PagedSequence(pool, 128)
+    outs = []
+    for s, n in ((0, 40), (40, 30)):
+        plan = AttentionPlan.causal(s, n)
+        cache.begin(n)
+        want = cache.attend(0, q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], plan, scale)
+        cache.commit()
+        step = PagedBatch(pool, [Segment(seq, 0, n, plan)])
+        outs.append((step.attend(0, q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], scale), want))
+        step.commit()
+    for got, want in outs:
+        assert torch.allclose(got, want, atol=3e-5), (got - want).abs().max().item()
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8_0", "tbq4_0", "turbo4"])  # queries rounded for integer keys (scale 1)
 def test_paged_prompt_chunks_equal_sdpa(kv, monkeypatch):
     """PagedBatch.attend for prompt chunks of two sequences (one after committed positions): the flash blocks
     equal SDPA over the gathered positions."""

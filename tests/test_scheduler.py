@@ -156,7 +156,7 @@ def test_commit_keep_moves_the_accepted_positions():
 
 
 # ---- the scheduler against solo decoding ------------------------------------------------------------------------
-@pytest.mark.parametrize("kv", [None, "q8_0", "q4_0", "tbq4_0", "turbo3"])
+@pytest.mark.parametrize("kv", [None, "q8_0", "q4_0", "tbq4_0", "turbo3", "turbo4"])
 def test_batched_greedy_equals_solo(model, kv):
     prompts, params, steps = _requests(0 if kv is None else 1, 8)
     want = _solo(model, prompts, params, kv)

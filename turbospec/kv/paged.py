@@ -155,12 +155,35 @@ class BlockPool:
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at physical positions `slots` [T] of `layer`, [KVH, T, D]: the stored tensors for plain formats
-        (their dtype), decoded float32 otherwise."""
+        (their dtype), decoded float32 otherwise; K in the rotated domain ([KVH, T, padded D]) where queries are
+        rounded there (`rotated_queries`)."""
         out = []
-        for fmt, buf in ((self.k_fmt, self.k), (self.v_fmt, self.v)):
+        for side, (fmt, buf) in enumerate(((self.k_fmt, self.k), (self.v_fmt, self.v))):
             fields = Packed({name: t[layer].index_select(1, slots) for name, t in buf.items()}, dim=self.head_dim)
-            out.append(fields["data"] if len(fields) == 1 and "data" in fields else fmt.decode(fields, self.head_dim))
+            if len(fields) == 1 and "data" in fields:
+                out.append(fields["data"])
+            elif side == 0 and self.rotated_queries:
+                out.append(fmt.decode_rotated(fields))
+            else:
+                out.append(fmt.decode(fields, self.head_dim))
         return out[0], out[1]
+
+    @cached_property
+    def rotated_queries(self) -> bool:
+        """Whether queries are rounded to 8 bits in the keys' rotated domain (turbo4 keys): `gather` then gives K
+        rotated and the torch paths rotate q (`queries`) before rounding it, as the kernels read them."""
+        return self.q_block is not None and self.k_fmt.rotated
+
+    def queries(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+        """q [..., D] as the torch paths multiply it with `gather`'s K, and the SDPA scale that goes with it:
+        against integer keys scaled and rounded to 8 bits per key block (after the rotation for turbo4 keys, at the
+        padded width), else unchanged with `scale`."""
+        if self.q_block is None:
+            return q, scale
+        qf = q.float()
+        if self.rotated_queries:
+            qf = kernel_args.rotate_fast(qf.contiguous())
+        return round_queries(qf * scale, self.q_block), 1.0
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy physical positions src -> dst (int64 [n]) in every layer (commit of a draft tree's path)."""
@@ -369,12 +392,11 @@ class PagedBatch:
                 out[:, rows] = o
                 continue
             keys, values = pool.gather(layer, s.seq.slots(0, s.seq.length + s.n))
-            qs, sdpa_scale = q[:, rows], scale
+            qs, sdpa_scale = pool.queries(q[:, rows], scale)  # integer keys: q rounded as the kernels round it
             if not keys.dtype == values.dtype == qs.dtype:
                 qs, keys, values = qs.float(), keys.float(), values.float()
-            if pool.q_block is not None:  # integer keys: q rounded as the kernels round it
-                qs, sdpa_scale = round_queries(qs * scale, pool.q_block), 1.0
-            if s.plan.mask is None and qs.device.type == "cpu":  # a prompt chunk: torch's flash kernel by blocks
+            if s.plan.mask is None and qs.device.type == "cpu" and qs.shape[-1] == values.shape[-1]:
+                # a prompt chunk: torch's flash kernel by blocks
                 o = fused.prefill_rows(qs, keys, values, keys.shape[1] - s.n, sdpa_scale)
                 if o is not None:
                     out[:, rows] = o.to(q.dtype)
@@ -432,7 +454,7 @@ class PagedBatch:
         qf = q.to(torch.float32).reshape(kvh, g, s, d).permute(2, 0, 1, 3)  # [S, KVH, G, D]
         specs = pool.kernel_specs or pool.triton_specs
         if specs is None:
-            return self._decode_torch(layer, round_queries(qf * scale, pool.q_block), d)
+            return self._decode_torch(layer, pool.queries(qf, scale)[0] if pool.q_block is not None else qf * scale, d)
         kf, vf = pool.k_fmt, pool.v_fmt
         if kf.rotated:
             qf = kernel_args.rotate_fast(qf.contiguous())
