@@ -34,7 +34,7 @@ struct Source {
   Field f[3];         // plain: data | ggml-like: d, qs | turbo: norm, qs[, qh]
   __m256 cent_lo, cent_hi;  // turbo lookup tables (see make_source)
   float cent[16] = {0};     // turbo: the 2^bits centroids (the AVX-512 kernels' one-register table)
-  // 4-bit turbo whose centroids lie on an int8 grid (turbospec/kv/formats/turbo.py `int8_grid`): centroid i =
+  // 3/4-bit turbo whose centroids lie on an int8 grid (turbospec/kv/formats/turbo.py `int8_grid`): centroid i =
   // (ucode[i] - 128) * unit, for score_turbo_vnni
   bool int_grid = false;
   float unit = 0.0f;
@@ -199,12 +199,13 @@ Source make_source(int64_t kind, int64_t bits, int64_t width, const std::vector<
       if (bits == 3) hi[i] = t[4 + i % 4];
       if (bits == 4) hi[i] = t[8 + i];
     }
-    if (bits == 4) {  // on an int8 grid? (within float rounding of the Python side's code * unit)
+    if (bits == 3 || bits == 4) {  // on an int8 grid? (within float rounding of the Python side's code * unit)
+      const int n = 1 << bits;
       float cmax = 0.0f;
-      for (int i = 0; i < 16; ++i) cmax = std::max(cmax, std::fabs(t[i]));
+      for (int i = 0; i < n; ++i) cmax = std::max(cmax, std::fabs(t[i]));
       s.unit = cmax / 127.0f;
       s.int_grid = cmax > 0.0f && std::isfinite(cmax);
-      for (int i = 0; i < 16 && s.int_grid; ++i) {
+      for (int i = 0; i < n && s.int_grid; ++i) {
         const float code = std::nearbyint(t[i] / s.unit);
         s.int_grid = std::fabs(code * s.unit - t[i]) <= 1e-6f * cmax;
         s.ucode[i] = static_cast<uint8_t>(code + 128.0f);
@@ -237,7 +238,7 @@ inline void for_pairs(int64_t c0, int64_t c1, Fn&& fn) {
   acc##3 = _mm256_fmadd_ps(w3, x, acc##3)
 
 // The query rows of one group of 4 (one KV head) as the score kernels read them: q [4, dk] float32 (for integer
-// keys -- q8_0, q4_0, tbq4_0, and turbo4 -- rounded to 8 bits per key block, see round_queries); per key block and row
+// keys -- q8_0, q4_0, tbq4_0, turbo4 and turbo3 -- rounded to 8 bits per key block, see round_queries); per key block and row
 // ([blocks][4]): qsum, the rows' sums of q (the raw-value offset of q4_0 / tbq4_0 keys), and for integer keys the
 // int8 rows qi [4, dk] with their scales (q = qi * scale) and integer sums isum.
 struct QGroup {
@@ -303,9 +304,9 @@ void score4(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& q
 constexpr int64_t int_block(int64_t kind) { return kind == Q8_0 || kind == Q4_0 ? 32 : kind == TBQ4_0 ? 64 : 0; }
 
 // The block over which a query row is rounded to 8 bits against keys of (kind, bits): the integer formats' block,
-// 4-bit turbo's rotation block (its codebook lies on an int8 grid; turbospec/kv/query_rounding.py); 0: not rounded.
+// 3/4-bit turbo's rotation block (its codebook lies on an int8 grid; turbospec/kv/query_rounding.py); 0: not rounded.
 constexpr int64_t query_block(int64_t kind, int64_t bits) {
-  return is_turbo(kind) ? (bits == 4 ? turbo_block(kind) : 0) : int_block(kind);
+  return is_turbo(kind) ? (bits == 3 || bits == 4 ? turbo_block(kind) : 0) : int_block(kind);
 }
 
 // ---- Integer keys (q8_0, q4_0, tbq4_0) with AVX-512 VNNI ----
@@ -435,35 +436,71 @@ TS_ATT512 void score_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, c
   }
 }
 
-// score_vnni for 4-bit turbo keys on an int8 grid (Source::int_grid): a block's nibbles are laid out as q4_0's
-// (byte m: value m low, m + B / 2 high); each is looked up (vpshufb, a 16-byte table) as its code + 128, unsigned
-// for vpdpbusd, and per block sum(qi * (code + 128)) - 128 * sum(qi) is scaled by the row's scale, the grid's unit
-// and the block's fp16 norm: score4 over the rounded q and the centroids up to float rounding.
-template <int64_t KIND>
+// Bytes [off, off + 8) of the rows p[0..15] -> T[0], T[1]: lane i = dword j of row i.
+TS_ATT512 inline void transpose16x2(const uint8_t* const* p, int64_t off, __m512i* T) {
+  alignas(64) uint32_t w[2][16];
+  for (int i = 0; i < 16; ++i) {
+    std::memcpy(&w[0][i], p[i] + off, 4);
+    std::memcpy(&w[1][i], p[i] + off + 4, 4);
+  }
+  T[0] = _mm512_load_si512(w[0]);
+  T[1] = _mm512_load_si512(w[1]);
+}
+
+// score_vnni for 3/4-bit turbo keys on an int8 grid (Source::int_grid). Each index is looked up (vpshufb, a 16-byte
+// table) as its code + 128, unsigned for vpdpbusd, and per block sum(qi * (code + 128)) - 128 * sum(qi) is scaled by
+// the row's scale, the grid's unit and the block's fp16 norm: score4 over the rounded q and the centroids up to float
+// rounding. 4-bit: a block's nibbles are laid out as q4_0's (byte m: value m low, m + B / 2 high). 3-bit: the low two
+// bits of value j at byte j % P, bits 2 (j / P) of the qs plane (P = B / 4), its high bit at byte j % P1, bit j / P1
+// of the qh plane (P1 = B / 8): qs byte m holds values m + P s (s = 0..3), whose high bits sit in qh byte m % P1 at
+// bit m / P1 + 2 s (P = 2 P1).
+template <int64_t KIND, int BITS>
 TS_ATT512 void score_turbo_vnni(const Source& ks, int64_t h, int64_t s0, int64_t s1, const QGroup& qg, float* sc,
                                 int64_t tile) {
-  constexpr int64_t BV = turbo_block(KIND), BB = BV / 2;  // values, bytes per block
+  constexpr int64_t BV = turbo_block(KIND);             // values per block
+  constexpr int64_t P = BITS == 4 ? BV / 2 : BV / 4;    // qs bytes per block
+  constexpr int64_t P1 = BV / 8;                        // 3-bit: qh bytes per block (16 or 8)
   const int64_t w = ks.width, nb = w / BV;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03), one = _mm512_set1_epi8(0x01);
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ks.ucode)));
   const uint8_t* kq[16];
+  const uint8_t* kh[16];
   for (int64_t t0 = s0; t0 < s1; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, s1 - t0);
-    for (int i = 0; i < 16; ++i) kq[i] = ks.f[1].at(h, t0 + std::min<int64_t>(i, n - 1));
+    for (int i = 0; i < 16; ++i) {
+      kq[i] = ks.f[1].at(h, t0 + std::min<int64_t>(i, n - 1));
+      if constexpr (BITS == 3) kh[i] = ks.f[2].at(h, t0 + std::min<int64_t>(i, n - 1));
+    }
     __m512 fs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
       __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
       const int8_t* qb = qg.qi + b * BV;
-      for (int64_t u = 0; u < BB / 16; ++u) {
+      __m512i H[4];
+      if constexpr (BITS == 3) {
+        if constexpr (P1 == 16) transpose16x4(kh, b * P1, H);
+        else transpose16x2(kh, b * P1, H);
+      }
+      for (int64_t u = 0; u < P / 16; ++u) {
         __m512i T[4];
-        transpose16x4(kq, b * BB + 16 * u, T);
+        transpose16x4(kq, b * P + 16 * u, T);
         for (int j = 0; j < 4; ++j) {
-          const int64_t v = 16 * u + 4 * j;  // the block's values of T[j]'s low nibbles
-          const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(T[j], low4));
-          const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(T[j], 4), low4));
-          for (int r = 0; r < 4; ++r) {
-            acc[r] = _mm512_dpbusd_epi32(acc[r], lo, bcast4(qb + r * w + v));
-            acc[r] = _mm512_dpbusd_epi32(acc[r], hi, bcast4(qb + r * w + v + BB));
+          const int64_t m = 16 * u + 4 * j;  // the qs bytes of T[j]: m .. m + 3
+          if constexpr (BITS == 4) {
+            const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(T[j], low4));
+            const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(T[j], 4), low4));
+            for (int r = 0; r < 4; ++r) {
+              acc[r] = _mm512_dpbusd_epi32(acc[r], lo, bcast4(qb + r * w + m));
+              acc[r] = _mm512_dpbusd_epi32(acc[r], hi, bcast4(qb + r * w + m + P));
+            }
+          } else {
+            const __m512i hw = H[(m % P1) / 4];
+            const int hs = static_cast<int>(m / P1);
+            for (int k = 0; k < 4; ++k) {  // values m + P k .. + 3
+              const __m512i lo2 = _mm512_and_si512(_mm512_srl_epi16(T[j], _mm_cvtsi32_si128(2 * k)), low2);
+              const __m512i hi1 = _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(hs + 2 * k)), one);
+              const __m512i x = _mm512_shuffle_epi8(lut, _mm512_or_si512(lo2, _mm512_slli_epi16(hi1, 2)));
+              for (int r = 0; r < 4; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], x, bcast4(qb + r * w + m + P * k));
+            }
           }
         }
       }
@@ -725,12 +762,12 @@ template <int64_t K, int B>
 struct TurboAccPick { static constexpr AccFn fn = accumulate_turbo512<K, B>; };
 
 // The score kernel of a K source where the CPU has AVX-512 VNNI: score_vnni (integer keys), score_turbo_vnni
-// (4-bit turbo on an int8 grid), score_turbo512 (other turbo); score4 otherwise (and for plain keys).
+// (3/4-bit turbo on an int8 grid), score_turbo512 (other turbo); score4 otherwise (and for plain keys).
 inline ScoreFn pick_score(const Source& ks) {
   const int64_t kind = ks.kind, bits = ks.bits;
   if (att_vnni()) {
-    if (ks.int_grid && kind == TURBO) return score_turbo_vnni<TURBO>;
-    if (ks.int_grid && kind == TURBO64) return score_turbo_vnni<TURBO64>;
+    if (ks.int_grid && kind == TURBO) return bits == 4 ? score_turbo_vnni<TURBO, 4> : score_turbo_vnni<TURBO, 3>;
+    if (ks.int_grid && kind == TURBO64) return bits == 4 ? score_turbo_vnni<TURBO64, 4> : score_turbo_vnni<TURBO64, 3>;
     if (kind == Q8_0) return score_vnni<Q8_0>;
     if (kind == Q4_0) return score_vnni<Q4_0>;
     if (kind == TBQ4_0) return score_vnni<TBQ4_0>;

@@ -1,6 +1,6 @@
 """Queries against integer keys are read at 8 bits.
 
-Against q8_0, q4_0, tbq4_0 and turbo4 keys (turbo4: its centroids lie on an int8 grid) the attention rounds each
+Against q8_0, q4_0, tbq4_0, turbo4 and turbo3 keys (turbo's centroids lie on an int8 grid) the attention rounds each
 query row to 8 bits per key block (a scale per block, as llama.cpp's CPU attention quantizes Q to q8_0 for quantized
 K): the C++ kernels then multiply int8 queries with the stored integer keys (AVX-512 VNNI; turbospec/kernels/
 attention.cpp `round_block`), and every other path -- the torch blocks of a step's own positions, the paths without
@@ -18,10 +18,10 @@ from turbospec.kv.formats.turbo import INT8_GRID_BITS
 
 def key_block(fmt: KVFormat, dim: int) -> int | None:
     """The key block over which queries are rounded for keys in `fmt` at head size `dim` (None: they are not
-    rounded): the integer formats' block, 4-bit turbo's rotation block (its centroids lie on an int8 grid)."""
+    rounded): the integer formats' block, 3/4-bit turbo's rotation block (its centroids lie on an int8 grid)."""
     if isinstance(fmt, (Q8_0Format, Q4_0Format, TBQ4Format)):
         return fmt.block_size
-    if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat) and fmt.mse_bits == INT8_GRID_BITS:
+    if isinstance(fmt, TurboFormat) and not isinstance(fmt, TurboProdFormat) and fmt.mse_bits in INT8_GRID_BITS:
         return fmt.for_dim(dim).block_size
     return None
 

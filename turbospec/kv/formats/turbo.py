@@ -22,8 +22,8 @@ _CODEBOOKS: dict = {}
 _QJL: dict = {}
 
 
-# Index bits whose codebook lies on an int8 grid: 4-bit turbo keys are scored with int8 products (see _codebook).
-INT8_GRID_BITS = 4
+# Index bits whose codebooks lie on an int8 grid: 3- and 4-bit turbo keys are scored with int8 products (_codebook).
+INT8_GRID_BITS = (3, 4)
 
 
 def int8_grid(c: np.ndarray) -> np.ndarray:
@@ -37,15 +37,14 @@ def int8_grid(c: np.ndarray) -> np.ndarray:
 def _codebook(bits: int, device: torch.device, d: int = ROT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(centroids, boundaries) float32 on ``device`` for the rotated-coordinate law of a d-value block.
 
-    The 4-bit codebook's centroids sit on an int8 grid (`int8_grid`; each moves by at most 1/254 of the largest,
-    4% of the narrowest gap, the boundaries are the new midpoints, and the expected distortion grows by 0.1% at
-    d = 128, 0.2% at d = 64), so that the attention kernels score
-    4-bit keys with int8 dot products (turbospec/kernels/attention.cpp `score_turbo_vnni`) and every path
-    decodes the same values."""
+    The 3- and 4-bit codebooks' centroids sit on an int8 grid (`int8_grid`; each moves by at most 1/254 of the
+    largest, the boundaries are the new midpoints; the expected distortion grows by 0.10% / 0.20% for 4 bits at
+    d = 128 / 64, by less for 3), so that the attention kernels score those keys with int8 dot products
+    (turbospec/kernels/attention.cpp `score_turbo_vnni`) and every path decodes the same values."""
 
     def make():
         c, b = lloyd_max_codebook(bits, d)
-        if bits == INT8_GRID_BITS:
+        if bits in INT8_GRID_BITS:
             c = int8_grid(c)
             b = (c[1:] + c[:-1]) * np.float32(0.5)
         return (torch.tensor(c, dtype=torch.float32, device=device),
