@@ -21,8 +21,8 @@ import torch
 
 from turbospec.errors import TurboSpecError
 
-# version 2: turbo4 caches decode with centroids on an int8 grid (turbospec/kv/formats/turbo.py), so files of
-# version 1 would resume a turbo4 context with slightly different values than a cold run
+# version 2: turbo3/turbo4 caches decode with centroids on an int8 grid (turbospec/kv/formats/turbo.py), so files of
+# version 1 would resume a turbo context with slightly different values than a cold run
 FORMAT, VERSION = "turbospec-slot", "2"
 
 
