@@ -207,8 +207,8 @@ Source make_source(int64_t kind, int64_t bits, int64_t width, const std::vector<
       s.int_grid = cmax > 0.0f && std::isfinite(cmax);
       for (int i = 0; i < n && s.int_grid; ++i) {
         const float code = std::nearbyint(t[i] / s.unit);
-        s.int_grid = std::fabs(code * s.unit - t[i]) <= 1e-6f * cmax;
-        s.ucode[i] = static_cast<uint8_t>(code + 128.0f);
+        s.int_grid = std::fabs(code * s.unit - t[i]) <= 1e-6f * cmax && std::fabs(code) <= 127.0f;
+        if (s.int_grid) s.ucode[i] = static_cast<uint8_t>(code + 128.0f);
       }
     }
   }

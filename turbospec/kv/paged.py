@@ -170,13 +170,13 @@ class BlockPool:
 
     @cached_property
     def rotated_queries(self) -> bool:
-        """Whether queries are rounded to 8 bits in the keys' rotated domain (turbo4 keys): `gather` then gives K
+        """Whether queries are rounded to 8 bits in the keys' rotated domain (turbo3/turbo4 keys): `gather` gives K
         rotated and the torch paths rotate q (`queries`) before rounding it, as the kernels read them."""
         return self.q_block is not None and self.k_fmt.rotated
 
     def queries(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
         """q [..., D] as the torch paths multiply it with `gather`'s K, and the SDPA scale that goes with it:
-        against integer keys scaled and rounded to 8 bits per key block (after the rotation for turbo4 keys, at the
+        against integer keys scaled and rounded to 8 bits per key block (after the rotation for turbo keys, at the
         padded width), else unchanged with `scale`."""
         if self.q_block is None:
             return q, scale
@@ -454,7 +454,8 @@ class PagedBatch:
         qf = q.to(torch.float32).reshape(kvh, g, s, d).permute(2, 0, 1, 3)  # [S, KVH, G, D]
         specs = pool.kernel_specs or pool.triton_specs
         if specs is None:
-            return self._decode_torch(layer, pool.queries(qf, scale)[0] if pool.q_block is not None else qf * scale, d)
+            qs, sdpa_scale = pool.queries(qf, scale)
+            return self._decode_torch(layer, qs * sdpa_scale, d)
         kf, vf = pool.k_fmt, pool.v_fmt
         if kf.rotated:
             qf = kernel_args.rotate_fast(qf.contiguous())
