@@ -1,7 +1,8 @@
 """Decode t/s against context depth, a line per configuration (turbospec's KV types, with and without MTP, and
 llama.cpp's), from `kv_bench_cli.py` results files (medians per depth; a later file's rows replace an earlier one's
 at the same configuration and depth). Also reads the per-round log `kv_bench_cli.py` printed before it wrote results
-per depth (lines `depth D round R: name t/s, name t/s, ...`; the median over rounds).
+per depth (lines `depth D round R: name t/s, name t/s, ...`; the median over rounds), and `served_speed.py --depth`
+results files (a line per configuration; llama-server's named `llama.cpp CONFIG`).
 
     python benchmarks/plot_depth.py docs/results/kv_depth_hybrid_llama.json docs/results/kv_depth_hybrid_llama_32k.json \
         --title "bundled hybrid, float16" --out docs/results/depth/hybrid.png
@@ -27,8 +28,12 @@ LOG_LINE = re.compile(r"^depth (\d+) round \d+: (.*)$")
 def read(path: Path) -> dict[tuple[str, int], float]:
     """(configuration, depth) -> decode t/s of one results file or log."""
     if path.suffix == ".json":
-        return {(r["type"], int(r["depth"])): float(r["decode_tps"]) for r in json.loads(path.read_text())["rows"]
-                if r.get("decode_tps")}
+        data = json.loads(path.read_text())
+        if "summary" in data:  # served_speed.py --depth: a line per configuration and side
+            depth = int(data["meta"].get("depth") or 0)
+            return {(served_name(r["config"], r["side"]), depth): float(r["decode_tps"]) for r in data["summary"]
+                    if r.get("decode_tps")}
+        return {(r["type"], int(r["depth"])): float(r["decode_tps"]) for r in data["rows"] if r.get("decode_tps")}
     runs: dict[tuple[str, int], list[float]] = {}
     for line in path.read_text().splitlines():
         m = LOG_LINE.match(line.strip())
@@ -38,6 +43,12 @@ def read(path: Path) -> dict[tuple[str, int], float]:
             name, _, tps = item.strip().rpartition(" ")
             runs.setdefault((name, int(m.group(1))), []).append(float(tps))
     return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def served_name(config: str, side: str) -> str:
+    """A served_speed.py configuration's line: llama-server's prefixed `llama.cpp` (drawn dashed)."""
+    return f"llama.cpp {config}" if side == "llama-server" else config if side == "turbospec serve" else \
+        f"{config} ({side})"
 
 
 def depth_label(d: int) -> str:

@@ -118,3 +118,18 @@ def test_cache_prompt_false_prefills_everything(tmp_path):
         assert seen[0] == 0 and seen[1] > 0 and seen[2] == 0 and seen[3] > 0
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_prompt": "yes"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_prompt"
+
+
+def test_the_default_body_limit_fits_a_prompt_that_fills_the_context():
+    """`serve`'s default --max-body-bytes grows with -c: a 262144-token prompt fits as token ids (the largest ids of
+    a 152K vocabulary) and as escaped CJK text (about 1.4 characters a token); a small context keeps 1 MiB."""
+    from turbospec.cli.main import build_parser
+    from turbospec.server import DEFAULT_MAX_BODY, body_limit
+
+    ctx = 262144
+    ids = json.dumps({"prompt": [151935] * ctx, "max_tokens": 1}).encode()
+    chat = json.dumps({"messages": [{"role": "user", "content": "中" * (ctx * 7 // 5)}]}).encode()
+    assert len(ids) > DEFAULT_MAX_BODY and len(chat) > DEFAULT_MAX_BODY
+    assert max(len(ids), len(chat)) <= body_limit(ctx)
+    assert body_limit(4096) == DEFAULT_MAX_BODY
+    assert build_parser().parse_args(["serve"]).max_body_bytes is None  # resolved from the engine's context

@@ -19,7 +19,7 @@ from turbospec.cli.args import (
 from turbospec.engine import build_engine
 from turbospec.errors import TurboSpecError
 from turbospec.lab.progress import loading
-from turbospec.server import DEFAULT_MAX_BODY
+from turbospec.server import BODY_BYTES_PER_TOKEN, DEFAULT_MAX_BODY, body_limit
 from turbospec.server.security import binds_beyond_loopback
 
 
@@ -46,8 +46,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "both are accepted")
     p.add_argument("--alias", default=None,
                    help="model name served in the API (default: the model directory name)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
-                   help=f"largest accepted request body (default {DEFAULT_MAX_BODY})")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"largest accepted request body (default {BODY_BYTES_PER_TOKEN} bytes per context position, "
+                        f"at least {DEFAULT_MAX_BODY}: room for a prompt that fills -c)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sequences decoded together (continuous batching over a paged KV pool of -c positions "
                         "shared by all of them; n-gram and draft-mtp speculation per sequence) (default 1: one at a time)")
@@ -91,8 +92,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from turbospec.server import ServerConfig, create_app
 
-    if a.max_body_bytes <= 0 or a.max_queue <= 0 or not (a.timeout > 0) or not (a.body_timeout > 0) \
-            or a.max_connections <= 0:
+    if (a.max_body_bytes is not None and a.max_body_bytes <= 0) or a.max_queue <= 0 or not (a.timeout > 0) \
+            or not (a.body_timeout > 0) or a.max_connections <= 0:
         raise TurboSpecError("--max-body-bytes, --max-queue, --max-connections, --timeout and --body-timeout "
                              "must be positive")
     if a.parallel <= 0:
@@ -112,6 +113,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     with loading() as load_bar:
         engine = build_engine(engine_config(a).replace(cache_mem=a.cache_mem, ctx_checkpoints=a.ctx_checkpoints),
                               load_bar)
+    max_body = a.max_body_bytes if a.max_body_bytes is not None else body_limit(engine.ctx)
     from turbospec.parallel import tp
 
     rank, ranks = tp.world()
@@ -126,7 +128,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 0
         engine = tp.Lockstep(engine)
     name = a.alias or Path(engine.model_path).name
-    cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=a.max_body_bytes,
+    cfg = ServerConfig(model_name=name, api_keys=keys, host=a.host, max_body_bytes=max_body,
                        max_queue=a.max_queue, timeout=a.timeout, defaults=defaults, body_timeout=a.body_timeout,
                        max_per_key=a.max_concurrent_per_key, max_connections=a.max_connections,
                        stream_interval=a.stream_interval_ms / 1e3, parallel=a.parallel,
