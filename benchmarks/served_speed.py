@@ -227,7 +227,8 @@ def main() -> int:
         tok = Tokenizer(a.model)
     configs = [c.split("=", 1) for c in (a.config or ["plain="])]
     sides_wanted = set(a.sides.split(","))
-    requests = [tok.encode(p, add_special=True) for p in prompts] if a.depth else prompts
+    ids = [tok.encode(p, add_special=True) for p in prompts]  # llama-server always gets token ids: the GGUF's
+    # tokenizer need not split text as ours does
     filler: list[int] = []
     ctx: list[str] = []
     if a.depth:  # a context of random ids, then per round 16 more and the prompt (see the module's doc)
@@ -243,11 +244,12 @@ def main() -> int:
         arch = GGUFFile(a.gguf).meta["general.architecture"]
         llama_ctx = ["--override-kv", f"{arch}.context_length=int:{a.depth + 1024}"]
 
-    def request(rnd: int, i: int) -> str | list[int]:
+    def request(rnd: int, i: int, side: str) -> str | list[int]:
+        """What `side` is sent: at depth the same token ids for every side, else text (token ids to llama-server)."""
         if not a.depth:
-            return requests[i]
+            return ids[i] if side == "llama-server" else prompts[i]
         r = random.Random(rnd)
-        return filler + [r.randrange(3, tok.vocab_size) for _ in range(16)] + requests[i]
+        return filler + [r.randrange(3, tok.vocab_size) for _ in range(16)] + ids[i]
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:  # every configuration's processes at once: rounds interleave them all
         sides_of: dict[str, list[tuple[str, EngineProcess | str]]] = {}
@@ -283,7 +285,7 @@ def main() -> int:
                         target.run(filler)
                     continue
                 if a.depth:  # start-up costs (first calls, adaptive calibration) first, then the context alone
-                    stream(client, str(target), requests[0], 16)
+                    stream(client, str(target), ids[0], 16)
                     t0 = time.perf_counter()
                 r = stream(client, str(target), filler if a.depth else prompts[0], 1 if a.depth else 16)
                 if a.depth:
@@ -291,15 +293,13 @@ def main() -> int:
                     print(f"{name:8s} {side:16s} read the {a.depth}-token context in {warm[-1]['s']:.1f} s",
                           flush=True)
         for rnd in range(a.rounds):
-            for i, p in enumerate(prompts):
+            for i in range(len(prompts)):
                 for name, sides in sides_of.items():
                     for side, target in sides:
                         if isinstance(target, EngineProcess):
-                            r = target.run(request(rnd, i))
-                        else:  # llama-server gets token ids: the GGUF's tokenizer need not split text as ours does
-                            prompt = (tok.encode(p, add_special=True) if side == "llama-server" and not a.depth
-                                      else request(rnd, i))
-                            r = stream(client, target, prompt, a.n)
+                            r = target.run(request(rnd, i, side))
+                        else:
+                            r = stream(client, target, request(rnd, i, side), a.n)
                         r.update(config=name, side=side, round=rnd, prompt=i)
                         rows.append(r)
                         acc = (f", acc {r['draft_n_accepted'] / r['draft_n']:.2f}" if r.get("draft_n") else "")

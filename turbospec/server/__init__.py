@@ -16,7 +16,8 @@ the command line does for its flags) stays cheap.
 from turbospec.server.protocol import BODY_BYTES_PER_TOKEN, DEFAULT_MAX_BODY, APIError, body_limit
 from turbospec.server.worker import Job, Worker
 
-__all__ = ["BODY_BYTES_PER_TOKEN", "DEFAULT_MAX_BODY", "APIError", "body_limit", "Job", "ServerConfig", "Worker", "create_app"]
+__all__ = ["BODY_BYTES_PER_TOKEN", "DEFAULT_MAX_BODY", "APIError", "body_limit", "Job", "ServerConfig", "Worker",
+           "create_app"]
 
 
 def __getattr__(name: str):

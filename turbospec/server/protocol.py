@@ -19,14 +19,14 @@ from turbospec.sampling import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams, TokenL
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
 BODY_BYTES_PER_TOKEN = 16  # a context position's share of the default body limit: a prompt as long as the context
 # fits as token ids ("151643, ": 8 bytes) or as text, escaped non-ASCII text included (about 9 bytes a token)
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters per stop string: stop matching stays cheap
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def body_limit(ctx: int) -> int:
     """The default largest request body for a server of `ctx` positions: room for a prompt that fills it."""
     return max(DEFAULT_MAX_BODY, BODY_BYTES_PER_TOKEN * ctx)
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256  # characters per stop string: stop matching stays cheap
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 # ---- errors ------------------------------------------------------------------------------------------------
