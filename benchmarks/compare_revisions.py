@@ -73,6 +73,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--extra-model", nargs="*", default=[], metavar="PATH",
+                    help="more models (a checkpoint or GGUF file): each adds '<file name> code plain' and "
+                         "'<file name> code draft-mtp' (and '... draft-mtp adaptive' where --adaptive)")
+    ap.add_argument("--adaptive", action="store_true", help="with --extra-model: also --spec-adaptive")
     ap.add_argument("--configs", nargs="*", default=None, help="only these configurations (names as printed)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     a = ap.parse_args()
@@ -82,6 +86,12 @@ def main() -> None:
     if a.demo_model:
         long_prompt = " ".join(f"w{i}" for i in range(400))  # several hundred tokens for the demo tokenizer
         configs[ENGINE_SHAPE] = (str(Path(a.demo_model).resolve()), ["--dtype", "bfloat16"], long_prompt)
+    for path in a.extra_model:
+        name, model = Path(path).name, str(Path(path).resolve())
+        configs[f"{name} code plain"] = (model, [], CODE)
+        configs[f"{name} code draft-mtp"] = (model, ["--spec-type", "draft-mtp"], CODE)
+        if a.adaptive:
+            configs[f"{name} code draft-mtp adaptive"] = (model, ["--spec-type", "draft-mtp", "--spec-adaptive"], CODE)
     if a.configs:
         unknown = set(a.configs) - set(configs)
         if unknown:
@@ -97,7 +107,7 @@ def main() -> None:
                 runs[name][side].append(run_once(sides[side], ext[side], model, flags, prompt, a.gen, a.threads))
         print(f"rep {rep + 1}/{a.reps} done", file=sys.stderr)
     report = {**{s: revision(p) for s, p in sides.items()}, "reps": a.reps, "gen": a.gen, "threads": a.threads,
-              "configs": {}}
+              "command": " ".join(["python", *sys.argv]), "configs": {}}
     print("| config | greedy text identical | decode t/s before | decode t/s after | after/before (paired) "
           "| prefill before | prefill after | spec speed-up before | spec speed-up after |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -109,7 +119,8 @@ def main() -> None:
         row = {"greedy_identical": same, "decode_tps": med, "prefill_tps": pre, "paired_ratio": ratio,
                "decode_tps_all": {s: [r["decode_tps"] for r in by[s]] for s in sides},
                "mean_acceptance_length": {s: by[s][0]["mean_acceptance_length"] for s in sides}}
-        plain = name.replace("draft-mtp", "plain") if "draft-mtp" in name and " KV" not in name else None
+        plain = (name.replace("draft-mtp adaptive", "plain").replace("draft-mtp", "plain")
+                 if "draft-mtp" in name and " KV" not in name else None)
         if plain is not None and plain in runs:
             row["spec_speedup"] = {s: statistics.median(x["decode_tps"] / y["decode_tps"]
                                                         for x, y in zip(by[s], runs[plain][s])) for s in sides}

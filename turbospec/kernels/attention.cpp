@@ -1280,15 +1280,17 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
   }
 }
 
+// decode_step's work on raw qkv rows [n, width] (T): each token's K/V written at pos + i, its attention rows
+// returned as float32 [n, nh * hd] (acc / l), not yet rounded to T.
 template <typename T>
-torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
-                            int64_t nkv, int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents) {
-  const int64_t n = qkv.size(0), width = qkv.size(1);
+std::vector<float> qkv_attention(const T* qkv, int64_t n, int64_t width, torch::Tensor& kc, torch::Tensor& vc,
+                               int64_t pos, int64_t nh, int64_t nkv, int64_t hd, bool gated, double scale,
+                               const std::vector<int64_t>& parents) {
   const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
   std::vector<float> q(n * nh * hd);
   const float sc = static_cast<float>(scale);
   for (int64_t i = 0; i < n; ++i) {
-    const T* row = qkv.data_ptr<T>() + i * width;
+    const T* row = qkv + i * width;
     for (int64_t h = 0; h < nkv; ++h) {
       put_row_any(row + q_width + h * hd, kc, h, pos + i, hd);
       put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos + i, hd);
@@ -1296,10 +1298,20 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
     for (int64_t h = 0; h < nh; ++h)  // token i's query heads, scaled
       for (int64_t c = 0; c < hd; ++c) q[(i * nh + h) * hd + c] = static_cast<float>(row[h * q_stride + c]) * sc;
   }
-  auto none = torch::empty({0});
+  static const torch::Tensor& none = *new torch::Tensor(torch::empty({0}));  // no centroids: plain fields (kept
+  // for the process's life: no tensor destroyed at exit)
   std::vector<float> o(n * nh * hd);
   step_rows(q.data(), n, nh, nkv, hd, plain_kind(kc.scalar_type()), 0, {kc}, none, plain_kind(vc.scalar_type()), 0, hd,
             {vc}, none, pos, 0, parents, o.data());
+  return o;
+}
+
+template <typename T>
+torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc, int64_t pos, int64_t nh,
+                            int64_t nkv, int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents) {
+  const int64_t n = qkv.size(0);
+  const std::vector<float> o = qkv_attention<T>(qkv.data_ptr<T>(), n, qkv.size(1), kc, vc, pos, nh, nkv, hd, gated,
+                                              scale, parents);
   auto out = torch::empty({n, nh * hd}, qkv.options());
   T* op = out.data_ptr<T>();
   for (int64_t j = 0; j < n * nh * hd; ++j) op[j] = static_cast<T>(o[j]);
@@ -1307,6 +1319,16 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
 }
 
 }  // namespace
+
+// decode_step's shape checks for n qkv rows of `width` values.
+void check_decode(int64_t n, int64_t width, const torch::Tensor& kc, const torch::Tensor& vc, int64_t pos, int64_t nh,
+                  int64_t nkv, int64_t hd, bool gated, const std::vector<int64_t>& parents) {
+  TORCH_CHECK(width == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd && nh % nkv == 0, "qkv width mismatch");
+  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 && pos + n <= kc.size(1),
+              "bad K cache");
+  TORCH_CHECK(vc.sizes() == kc.sizes() && vc.stride(2) == 1, "bad V cache");
+  TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == n, "one parent per row");
+}
 
 // Causal attention of N new tokens over a plain cache (used by gemv.cpp's layer_decode): k/v are read from the
 // fused qkv rows [N, W] (per head [q | gate] when gated), written at [pos, pos + N) of the layer's caches
@@ -1317,11 +1339,7 @@ torch::Tensor decode_step_t(const torch::Tensor& qkv, torch::Tensor& kc, torch::
 torch::Tensor decode_step(torch::Tensor qkv, torch::Tensor kc, torch::Tensor vc, int64_t pos, int64_t nh, int64_t nkv,
                           int64_t hd, bool gated, double scale, const std::vector<int64_t>& parents = {}) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous [N, W]");
-  TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd && nh % nkv == 0, "qkv width mismatch");
-  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 && pos + qkv.size(0) <= kc.size(1),
-              "bad K cache");
-  TORCH_CHECK(vc.sizes() == kc.sizes() && vc.stride(2) == 1, "bad V cache");
-  TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == qkv.size(0), "one parent per row");
+  check_decode(qkv.size(0), qkv.size(1), kc, vc, pos, nh, nkv, hd, gated, parents);
   switch (qkv.scalar_type()) {
     case torch::kFloat: return decode_step_t<float>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);
     case torch::kBFloat16: return decode_step_t<at::BFloat16>(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);

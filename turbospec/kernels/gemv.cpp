@@ -449,11 +449,13 @@ void rope_head(float* x, const T* cos, const T* sin, int64_t rot, float* tmp) {
   }
 }
 
+// attn_in's rows [m, out] as floats holding T values (every value rounded to T).
 template <typename T>
-torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc, const Parts& w,
-                        const c10::optional<torch::Tensor>& b, const c10::optional<torch::Tensor>& q_norm,
-                        const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
-                        int64_t nh, int64_t nkv, int64_t hd, bool gated) {
+std::vector<float> attn_in_floats(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc,
+                                  const Parts& w, const c10::optional<torch::Tensor>& b,
+                                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                                  const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh, int64_t nkv,
+                                  int64_t hd, bool gated) {
   const int64_t m = x.numel() / x.size(-1), out = out_rows(w), rot = cos.size(-1);
   std::vector<float> y = norm_product<T>(x, norm_w, eps, zc, w, b), tmp(rot);
   round_all<T>(y.data(), static_cast<int64_t>(y.size()));
@@ -475,7 +477,16 @@ torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, dou
       rope_head<T>(v, cr, sr, rot, tmp.data());
     }
   }
-  return from_floats<T>(y, m, out, x);
+  return y;
+}
+
+template <typename T>
+torch::Tensor attn_in_t(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc, const Parts& w,
+                        const c10::optional<torch::Tensor>& b, const c10::optional<torch::Tensor>& q_norm,
+                        const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
+                        int64_t nh, int64_t nkv, int64_t hd, bool gated) {
+  return from_floats<T>(attn_in_floats<T>(x, norm_w, eps, zc, w, b, q_norm, k_norm, cos, sin, nh, nkv, hd, gated),
+                        x.numel() / x.size(-1), out_rows(w), x);
 }
 
 torch::Tensor attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, bool zc, Parts w,
@@ -526,16 +537,16 @@ torch::Tensor mtp_in(torch::Tensor e, torch::Tensor ne, torch::Tensor h, torch::
 // The rest of a decoder layer after the mixer: x1 = x + o(a * sigmoid(gate)); x2 = x1 + down(silu(g) * u) with
 // [g | u] = gate_up(norm(x1)). `a` [N, A] is the attention (or Gated DeltaNet) output, `gate` an optional
 // [N, A] view (any row stride, unit column stride).
+// out_mlp on raw rows: af the mixer output as floats holding T values [m, aw], g (null: no gate) the gate rows,
+// `gs` values apart.
 template <typename T>
-torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c10::optional<torch::Tensor>& gate,
-                        const torch::Tensor& w_o, const c10::optional<torch::Tensor>& b_o, const torch::Tensor& post_w,
-                        double eps, bool zc, const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
-                        const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn) {
+torch::Tensor out_mlp_core(const torch::Tensor& x, std::vector<float> af, const T* g, int64_t gs,
+                           const torch::Tensor& w_o, const c10::optional<torch::Tensor>& b_o,
+                           const torch::Tensor& post_w, double eps, bool zc, const torch::Tensor& w_gu,
+                           const c10::optional<torch::Tensor>& b_gu, const torch::Tensor& w_dn,
+                           const c10::optional<torch::Tensor>& b_dn) {
   const int64_t d = x.size(-1), m = x.numel() / d, aw = in_features(w_o), inter = in_features(w_dn);
-  std::vector<float> af = to_floats<T>(a);
-  if (gate.has_value()) {
-    const T* g = gate->data_ptr<T>();
-    const int64_t gs = gate->stride(0);
+  if (g) {
     std::vector<float> s(aw);
     for (int64_t r = 0; r < m; ++r) {  // a = rnd(a * rnd(sigmoid(gate)))
       const T* gr = g + r * gs;
@@ -561,14 +572,30 @@ torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c1
   return from_floats<T>(x1, m, d, x);
 }
 
+template <typename T>
+torch::Tensor out_mlp_t(const torch::Tensor& x, const torch::Tensor& a, const c10::optional<torch::Tensor>& gate,
+                        const torch::Tensor& w_o, const c10::optional<torch::Tensor>& b_o, const torch::Tensor& post_w,
+                        double eps, bool zc, const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
+                        const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn) {
+  return out_mlp_core<T>(x, to_floats<T>(a), gate.has_value() ? gate->data_ptr<T>() : nullptr,
+                         gate.has_value() ? gate->stride(0) : 0, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+}
+
+// out_mlp's checks for x [N, d] and a mixer output of a_numel values.
+void check_out_mlp(const torch::Tensor& x, int64_t a_numel, const torch::Tensor& w_o, const torch::Tensor& post_w,
+                   const torch::Tensor& w_gu, const torch::Tensor& w_dn) {
+  TORCH_CHECK(post_w.scalar_type() == x.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(w_o.is_contiguous() && w_gu.is_contiguous() && w_dn.is_contiguous(), "weights must be contiguous");
+  TORCH_CHECK(in_features(w_o) * x.size(0) == a_numel && out_features(w_o) == x.size(-1), "o shape mismatch");
+  TORCH_CHECK(out_features(w_gu) == 2 * in_features(w_dn) && in_features(w_gu) == x.size(-1) && out_features(w_dn) == x.size(-1),
+              "mlp shape mismatch");
+}
+
 torch::Tensor out_mlp(torch::Tensor x, torch::Tensor a, c10::optional<torch::Tensor> gate, torch::Tensor w_o,
                       c10::optional<torch::Tensor> b_o, torch::Tensor post_w, double eps, bool zc, torch::Tensor w_gu,
                       c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn, c10::optional<torch::Tensor> b_dn) {
-  TORCH_CHECK(a.scalar_type() == x.scalar_type() && post_w.scalar_type() == x.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(w_o.is_contiguous() && w_gu.is_contiguous() && w_dn.is_contiguous(), "weights must be contiguous");
-  TORCH_CHECK(in_features(w_o) * x.size(0) == a.numel() && out_features(w_o) == x.size(-1), "o shape mismatch");
-  TORCH_CHECK(out_features(w_gu) == 2 * in_features(w_dn) && in_features(w_gu) == x.size(-1) && out_features(w_dn) == x.size(-1),
-              "mlp shape mismatch");
+  TORCH_CHECK(a.scalar_type() == x.scalar_type(), "dtype mismatch");
+  check_out_mlp(x, a.numel(), w_o, post_w, w_gu, w_dn);
   if (gate.has_value())
     TORCH_CHECK(gate->scalar_type() == x.scalar_type() && gate->stride(1) == 1 && gate->size(1) == in_features(w_o),
                 "bad gate");
@@ -584,6 +611,34 @@ namespace attn {
 #include "attention.cpp"
 }  // namespace attn
 
+template <typename T>
+torch::Tensor layer_decode_t(const torch::Tensor& x, const torch::Tensor& in_w, double eps, bool zc, const Parts& w_qkv,
+                             const c10::optional<torch::Tensor>& b_qkv, const c10::optional<torch::Tensor>& q_norm,
+                             const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
+                             const torch::Tensor& sin, int64_t nh, int64_t nkv, int64_t hd, bool gated,
+                             torch::Tensor& kc, torch::Tensor& vc, int64_t pos, double scale, const torch::Tensor& w_o,
+                             const c10::optional<torch::Tensor>& b_o, const torch::Tensor& post_w,
+                             const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
+                             const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn,
+                             const std::vector<int64_t>& parents) {
+  const int64_t n = x.numel() / x.size(-1), width = out_rows(w_qkv), aw = nh * hd;
+  std::vector<float> y = attn_in_floats<T>(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
+  std::vector<T> qkv(n * width);
+  row_from_floats(y.data(), qkv.data(), n * width);
+  const std::vector<float> o = attn::qkv_attention<T>(qkv.data(), n, width, kc, vc, pos, nh, nkv, hd, gated, scale,
+                                                    parents);
+  std::vector<float> af(n * aw);
+  for (int64_t j = 0; j < n * aw; ++j) af[j] = rnd<T>(o[j]);  // the attention output in T, as decode_step returns it
+  std::vector<T> gate(gated ? n * aw : 0);  // each head's gate (the second half of its [q | gate]), heads side by side
+  for (int64_t r = 0; r < n && gated; ++r)
+    for (int64_t h = 0; h < nh; ++h)
+      std::copy_n(qkv.data() + r * width + h * 2 * hd + hd, hd, gate.data() + r * aw + h * hd);
+  return out_mlp_core<T>(x, std::move(af), gated ? gate.data() : nullptr, aw, w_o, b_o, post_w, eps, zc, w_gu, b_gu,
+                         w_dn, b_dn);
+}
+
+// attn_in, the attention over a plain cache and out_mlp of a few causal (or tree) tokens in one call, with no torch
+// ops between them (a small model's decode step is bound by such overheads).
 torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_qkv,
                            c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                            c10::optional<torch::Tensor> k_norm, torch::Tensor cos, torch::Tensor sin, int64_t nh,
@@ -591,12 +646,16 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
                            double scale, torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w,
                            torch::Tensor w_gu, c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
                            c10::optional<torch::Tensor> b_dn, std::vector<int64_t> parents) {
-  auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
-  auto a = attn::decode_step(qkv, kc, vc, pos, nh, nkv, hd, gated, scale, parents);
-  c10::optional<torch::Tensor> gate;
-  const int64_t n = qkv.size(0);
-  if (gated) gate = qkv.narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
-  return out_mlp(x, a, gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+  const int64_t m = x.numel() / x.size(-1);
+  TORCH_CHECK(in_w.scalar_type() == x.scalar_type() && cos.scalar_type() == x.scalar_type(), "dtype mismatch");
+  check_parts(w_qkv, x.size(-1));
+  TORCH_CHECK(out_rows(w_qkv) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
+  attn::check_decode(m, out_rows(w_qkv), kc, vc, pos, nh, nkv, hd, gated, parents);
+  check_out_mlp(x, m * nh * hd, w_o, post_w, w_gu, w_dn);
+  return by_dtype(x.scalar_type(), [&](auto tag) {
+    return layer_decode_t<decltype(tag)>(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated,
+                                         kc, vc, pos, scale, w_o, b_o, post_w, w_gu, b_gu, w_dn, b_dn, parents);
+  });
 }
 
 // layer_decode's attention half, for layers whose feed-forward is not one SwiGLU MLP (mixture of experts):
@@ -860,6 +919,45 @@ namespace gdn {
 // x [N, H] -> (x + mixer + MLP [N, H], conv window [K-1+N, C], recurrent states [N, Hv, Dk, Dv]) for the cache's
 // stash; conv_state: [>= K-1, C] (its last K-1 rows), ssm_state: [Hv, Dk, Dv] or [T, Hv, Dk, Dv] (its last). The
 // same three calls as the Python path (norm_linear, gdn_step, out_mlp) without the torch glue.
+template <typename T>
+std::vector<torch::Tensor> gdn_layer_t(const torch::Tensor& x, const torch::Tensor& in_w, double eps, bool zc,
+                                       const Parts& w_proj, const c10::optional<torch::Tensor>& b_proj,
+                                       const torch::Tensor& conv_state, const torch::Tensor& conv_t,
+                                       const torch::Tensor& neg_a, const torch::Tensor& dt_bias,
+                                       const torch::Tensor& norm_w, const float* state, const int64_t* par, int64_t nk,
+                                       int64_t nv, int64_t dk, int64_t dv, double gdn_eps, const torch::Tensor& w_out,
+                                       const c10::optional<torch::Tensor>& b_out, const torch::Tensor& post_w,
+                                       const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
+                                       const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn) {
+  const int64_t n = x.numel() / x.size(-1), c = 2 * nk * dk + nv * dv, vd = nv * dv, width = c + vd + 2 * nv;
+  const int64_t kernel = conv_t.size(0), km1 = kernel - 1;
+  std::vector<float> proj = norm_product<T>(x, in_w, eps, zc, w_proj, b_proj);  // rounded to T below, as norm_linear
+  // the conv window: the committed state's last K-1 rows, then the new rows' conv channels
+  auto window = torch::empty({km1 + n, c}, x.options());
+  T* wp = window.data_ptr<T>();
+  std::copy_n(conv_state.data_ptr<T>() + (conv_state.size(0) - km1) * c, km1 * c, wp);
+  std::vector<T> z(n * vd), ba(n * 2 * nv);  // the output gate's rows, then b's and a's (each [n, nv])
+  for (int64_t r = 0; r < n; ++r) {
+    const float* pr = proj.data() + r * width;
+    row_from_floats(pr, wp + (km1 + r) * c, c);
+    row_from_floats(pr + c, z.data() + r * vd, vd);
+    row_from_floats(pr + c + vd, ba.data() + r * nv, nv);
+    row_from_floats(pr + c + vd + nv, ba.data() + (n + r) * nv, nv);
+  }
+  auto states = torch::empty({n, nv, dk, dv}, torch::TensorOptions().dtype(torch::kFloat));
+  std::vector<T> y(n * vd);
+  gdn::run<T>(wp, conv_t.data_ptr<T>(), z.data(), ba.data(), ba.data() + n * nv, neg_a.data_ptr<float>(),
+              dt_bias.data_ptr<float>(), norm_w.data_ptr<T>(), state, par, states.data_ptr<float>(), y.data(), n,
+              kernel, nk, nv, dk, dv, gdn_eps, true);
+  std::vector<float> af(n * vd);
+  row_to_floats(y.data(), af.data(), n * vd);
+  auto out = out_mlp_core<T>(x, std::move(af), nullptr, 0, w_out, b_out, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+  return {out, window, states};
+}
+
+// x [N, H] -> (x + mixer + MLP [N, H], conv window [K-1+N, C], recurrent states [N, Hv, Dk, Dv]) for the cache's
+// stash; conv_state: [>= K-1, C] (its last K-1 rows), ssm_state: [Hv, Dk, Dv] or [T, Hv, Dk, Dv] (its last). The
+// same steps as the Python path (norm_linear, gdn_step, out_mlp) in one call with no torch ops between them.
 std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double eps, bool zc, Parts w_proj,
                                      c10::optional<torch::Tensor> b_proj, torch::Tensor conv_state,
                                      torch::Tensor conv_t, torch::Tensor neg_a, torch::Tensor dt_bias,
@@ -868,21 +966,40 @@ std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double
                                      c10::optional<torch::Tensor> b_out, torch::Tensor post_w, torch::Tensor w_gu,
                                      c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
                                      c10::optional<torch::Tensor> b_dn) {
-  const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv;
+  const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv, n = x.numel() / x.size(-1);
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(in_w.scalar_type() == dt && conv_t.scalar_type() == dt && norm_w.scalar_type() == dt, "gdn_layer: mixed dtypes");
+  TORCH_CHECK(neg_a.scalar_type() == torch::kFloat && dt_bias.scalar_type() == torch::kFloat &&
+              ssm_state.scalar_type() == torch::kFloat, "gdn_layer: state and gates must be float32");
+  TORCH_CHECK(nv % nk == 0, "value heads must be a multiple of key heads");
+  check_parts(w_proj, x.size(-1));
   TORCH_CHECK(out_rows(w_proj) == c + vd + 2 * nv, "gdn_layer: input projection width mismatch");
+  TORCH_CHECK(conv_t.dim() == 2 && conv_t.size(1) == c && norm_w.numel() == dv && neg_a.numel() == nv &&
+              dt_bias.numel() == nv, "gdn_layer: parameter shapes");
   // the committed states may be a whole step's outputs: its conv window (the last K-1 rows are the state) and its
   // per-token states (the last one is), as HybridCache keeps them after a step it committed whole
   const int64_t km1 = conv_t.size(0) - 1;
-  TORCH_CHECK(conv_state.dim() == 2 && conv_state.size(0) >= km1, "gdn_layer: conv state rows");
-  conv_state = conv_state.narrow(0, conv_state.size(0) - km1, km1);
-  if (ssm_state.dim() == 4) ssm_state = ssm_state.select(0, ssm_state.size(0) - 1);
-  auto proj = norm_linear(x, in_w, eps, zc, w_proj, b_proj);
-  auto window = torch::cat({conv_state.to(x.scalar_type()), proj.narrow(1, 0, c)}, 0);
-  auto r = gdn::gdn_step(window, conv_t, proj.narrow(1, c, vd), proj.narrow(1, c + vd, nv),
-                         proj.narrow(1, c + vd + nv, nv), neg_a, dt_bias, norm_w, ssm_state, parents, nk, nv, dk, dv,
-                         gdn_eps, true);
-  auto out = out_mlp(x, r[0], c10::nullopt, w_out, b_out, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
-  return {out, window, r[1]};
+  TORCH_CHECK(conv_state.dim() == 2 && conv_state.size(0) >= km1 && conv_state.size(1) == c, "gdn_layer: conv state rows");
+  if (conv_state.scalar_type() != dt) conv_state = conv_state.to(dt);
+  conv_state = conv_state.contiguous();
+  ssm_state = ssm_state.contiguous();
+  const int64_t state_sz = nv * dk * dv;
+  TORCH_CHECK(ssm_state.numel() % state_sz == 0 && ssm_state.numel() > 0, "gdn_layer: recurrent state shape");
+  const float* state = ssm_state.data_ptr<float>() + ssm_state.numel() - state_sz;  // the last one
+  conv_t = conv_t.contiguous();
+  norm_w = norm_w.contiguous();
+  neg_a = neg_a.contiguous();
+  dt_bias = dt_bias.contiguous();
+  const bool tree = parents.numel() > 0;
+  TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kLong), "gdn_layer: parents must be int64 [N]");
+  parents = parents.contiguous();
+  const int64_t* par = tree ? parents.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < n && tree; ++t) TORCH_CHECK(par[t] < t && par[t] >= -1, "gdn_layer: parents out of order");
+  check_out_mlp(x, n * vd, w_out, post_w, w_gu, w_dn);
+  return by_dtype(dt, [&](auto tag) {
+    return gdn_layer_t<decltype(tag)>(x, in_w, eps, zc, w_proj, b_proj, conv_state, conv_t, neg_a, dt_bias, norm_w,
+                                      state, par, nk, nv, dk, dv, gdn_eps, w_out, b_out, post_w, w_gu, b_gu, w_dn, b_dn);
+  });
 }
 
 // ---- Greedy token choice ----

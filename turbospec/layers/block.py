@@ -108,7 +108,7 @@ def decode_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torc
         return None
     pre, mid, post = args
     return k.layer_decode(x, *pre, rope[0], rope[1], *mid, cache.k[layer], cache.v[layer], cache.length, *post,
-                          _parents(plan))
+                          tree_parents(plan))
 
 
 def split(*projections) -> bool:
@@ -140,7 +140,7 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
-                               _parents(plan))
+                               tree_parents(plan))
         gate = attn.split(qkv, x.shape[0])[3]
     else:
         a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
@@ -175,7 +175,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
-                               _parents(plan))
+                               tree_parents(plan))
         return out_mlp(k, x, a, attn.split(qkv, x.shape[0])[3], attn.o, mlp, post_norm, eps, zc)
     if _packed_step(attn, plan, cache):
         if not split(attn.o, mlp.down):
@@ -183,7 +183,7 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                                  rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
                                  cache.length, cache.base, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
                                  post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
-                                 _parents(plan))
+                                 tree_parents(plan))
             if out is not None:
                 return out
         elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
@@ -246,7 +246,8 @@ def _paged_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor,
     return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
 
 
-def _parents(plan: AttentionPlan) -> list[int]:
+def tree_parents(plan: AttentionPlan) -> list[int]:
+    """The step's token tree as the attention kernels take it (empty for causal rows)."""
     return plan.parents if plan.mask is not None else []
 
 
@@ -257,7 +258,7 @@ def _packed_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor
     is not finite (the general path then raises the error)."""
     r = k.attn_packed(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0], rope[1],
                       attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer), cache.length, cache.base,
-                      1.0 / math.sqrt(attn.hd), _parents(plan))
+                      1.0 / math.sqrt(attn.hd), tree_parents(plan))
     return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
 
 

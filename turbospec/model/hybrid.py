@@ -114,20 +114,27 @@ class HybridLayer:
                      mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias))
         return None
 
+    def one_call_args(self) -> tuple | None:
+        """This layer's `_one_call_args`, worked out again only when one of its projections was replaced."""
+        return self._calls.get(block.layer_key(self.mixer, self.mlp), self._one_call_args)
+
     def _one_call(self, k, x: torch.Tensor, rope, plan: AttentionPlan, cache) -> torch.Tensor | None:
         """A decode / verification step of this layer in one C++ call with its cached arguments, or None where the
         step or the layer needs the general path."""
-        args = self._calls.get(block.layer_key(self.mixer, self.mlp), self._one_call_args)
+        args = self.one_call_args()
         if args is None or not isinstance(cache, HybridCache):
             return None
         if self.kind == "full_attention":
             return block.decode_layer(k, args, x, rope, plan, cache.kv, self.slot)
         if not cache.track_all_states or env.on("TURBOSPEC_NO_GDN_KERNEL"):  # (the GDN kernel's off switch)
             return None
+        return self.gdn_call(k, args, x, cache, _tree_parents(cache))
+
+    def gdn_call(self, k, args: tuple, x: torch.Tensor, cache: HybridCache, parents: torch.Tensor) -> torch.Tensor:
+        """`gdn_layer` with this layer's one-call `args`; its conv window and states go to the cache's stash."""
         conv, ssm = cache.gdn_state_raw(self.slot)
-        par = _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
         pre, mid, post = args
-        x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
+        x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, parents, *post)
         cache.gdn_stash(self.slot, window, states)
         return x
 
@@ -189,6 +196,11 @@ class HybridLayer:
             return block.ffn_tail(k or km, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         x = x + gdn.out(o)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
+
+
+def _tree_parents(cache: HybridCache) -> torch.Tensor:
+    """The step's token tree as `gdn_layer` takes it (empty for a chain)."""
+    return _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
 
 
 class HybridModel:
@@ -277,12 +289,42 @@ class HybridModel:
             cache.set_tree(plan.parents)
         x = embedding_rows(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, plan, cache, out_rows if i == last else None)
+        if (calls := self._one_calls(x, plan, cache)) is not None:  # decode, verification: one C++ call per layer
+            x = self._decode_layers(calls, x, rope, plan, cache)  # type: ignore[arg-type]
+        else:
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, plan, cache, out_rows if i == last else None)
         if out_rows:
             x = x[-out_rows:]  # a last Gated DeltaNet layer computes every row
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, True)
+
+    def _one_calls(self, x: torch.Tensor, plan: AttentionPlan, cache: Cache) -> list[tuple] | None:
+        """Every layer's one-call arguments where the whole step takes the one-call kernels (a few causal or tree
+        rows at the end of a plain cache, every layer's structure fusable), else None: the layers then choose one by
+        one, as `HybridLayer.__call__`."""
+        if (not isinstance(cache, HybridCache) or not isinstance(cache.kv, KVCache) or not cache.track_all_states
+                or plan.start != cache.length or (plan.mask is not None and plan.parents is None)
+                or block.kernel_for(x, self.layers[0].in_norm) is None or env.on("TURBOSPEC_NO_GDN_KERNEL")):
+            return None
+        calls = [layer.one_call_args() for layer in self.layers]
+        return None if any(c is None for c in calls) else calls  # type: ignore[misc]
+
+    def _decode_layers(self, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
+        """The layers of a `_one_calls` step without the per-layer choices (a tenth of a small model's step): each
+        layer's result equals its `HybridLayer.__call__`."""
+        k = block.kernel_for(x, self.layers[0].in_norm)
+        kv, pos = cache.kv, cache.length
+        attn_parents = block.tree_parents(plan)
+        gdn_parents = _tree_parents(cache)
+        for layer, (pre, mid, post) in zip(self.layers, calls):
+            if layer.kind == "full_attention":
+                x = k.layer_decode(x, *pre, rope[0], rope[1], *mid, kv.k[layer.slot], kv.v[layer.slot], pos, *post,
+                                   attn_parents)
+            else:
+                x = layer.gdn_call(k, (pre, mid, post), x, cache, gdn_parents)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
