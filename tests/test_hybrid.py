@@ -434,3 +434,37 @@ def test_states_committed_whole_read_exact_from_either_path(models, monkeypatch)
     assert torch.allclose(torch.cat(rows), want[6:], atol=TOL)
     assert cache.conv.shape == (model.num_gdn_layers, *model._conv_shape)
     assert cache.ssm.shape == (model.num_gdn_layers, *model._ssm_shape)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_loop_step_equals_the_per_layer_choice(models, name, monkeypatch):
+    """A step whose layers all take the one-call kernels runs them in one loop (`HybridModel._decode_layers`); it
+    gives the hidden rows and leaves the cache exactly as the layers choosing one by one do: a decode step, a chain
+    verification and a token tree, each committed. (A mixture-of-experts layer takes its own calls: that model's
+    steps go layer by layer either way.)"""
+    model = models(name)
+    one_loop = "moe" not in name
+    prefix = torch.arange(3, 19)
+    steps = [(torch.tensor([21]), None, None), (torch.tensor([22, 23, 24, 25]), None, [0, 1]),
+             (torch.tensor([26, 27, 28, 29]), [-1, 0, 0, 1], [0, 1, 3])]
+
+    def go(loop: bool):
+        if not loop:
+            monkeypatch.setattr(HybridModel, "_one_calls", lambda self, x, plan, cache: None)
+        cache = model.new_cache(64)
+        run(model, prefix, cache)
+        outs = []
+        for toks, parents, keep in steps:
+            plan = (AttentionPlan.causal(cache.length, toks.numel()) if parents is None
+                    else AttentionPlan.tree(cache.length, parents))
+            if loop:
+                calls = model._one_calls(torch.zeros(toks.numel(), model.cfg.hidden_size), plan, cache)
+                assert (calls is not None) == one_loop
+            outs.append(model.forward(toks, plan, cache))
+            cache.commit(keep)
+        monkeypatch.undo()
+        return outs, _states(cache)
+
+    (a, sa), (b, sb) = go(True), go(False)
+    for x, y in zip(a + list(sa), b + list(sb)):
+        assert torch.equal(x, y)
