@@ -77,6 +77,8 @@ def main() -> None:
                     help="more models (a checkpoint or GGUF file): each adds '<file name> code plain' and "
                          "'<file name> code draft-mtp' (and '... draft-mtp adaptive' where --adaptive)")
     ap.add_argument("--adaptive", action="store_true", help="with --extra-model: also --spec-adaptive")
+    ap.add_argument("--extra-kv", nargs="*", default=[], metavar="TYPE",
+                    help="with --extra-model: also '<file name> code TYPE KV' (-ctk TYPE -ctv TYPE) per type")
     ap.add_argument("--configs", nargs="*", default=None, help="only these configurations (names as printed)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     a = ap.parse_args()
@@ -92,6 +94,8 @@ def main() -> None:
         configs[f"{name} code draft-mtp"] = (model, ["--spec-type", "draft-mtp"], CODE)
         if a.adaptive:
             configs[f"{name} code draft-mtp adaptive"] = (model, ["--spec-type", "draft-mtp", "--spec-adaptive"], CODE)
+        for kv in a.extra_kv:
+            configs[f"{name} code {kv} KV"] = (model, ["-ctk", kv, "-ctv", kv], CODE)
     if a.configs:
         unknown = set(a.configs) - set(configs)
         if unknown:

@@ -101,7 +101,9 @@ def test_chunked_form_equals_recurrent_across_chunks():
 
 def _states(cache: HybridCache):
     n = cache.length
-    return cache.conv.clone(), cache.ssm.clone(), cache.kv.k[:, :, :n].clone(), cache.kv.v[:, :, :n].clone()
+    kv = cache.kv
+    fields = (kv.k, kv.v) if isinstance(kv.k, torch.Tensor) else (*kv.k.values(), *kv.v.values())  # plain / packed
+    return (cache.conv.clone(), cache.ssm.clone(), *(f[:, :, :n].clone() for f in fields))
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
@@ -436,11 +438,11 @@ def test_states_committed_whole_read_exact_from_either_path(models, monkeypatch)
     assert cache.ssm.shape == (model.num_gdn_layers, *model._ssm_shape)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_one_loop_step_equals_the_per_layer_choice(models, name, monkeypatch):
+@pytest.mark.parametrize("name,kv", [(name, None) for name in VARIANTS] + [("qwen3_5", "q8_0"), ("qwen3_5", "tbq4_0")])
+def test_one_loop_step_equals_the_per_layer_choice(models, name, kv, monkeypatch):
     """A step whose layers all take the one-call kernels runs them in one loop (`HybridModel._decode_layers`); it
     gives the hidden rows and leaves the cache exactly as the layers choosing one by one do: a decode step, a chain
-    verification and a token tree, each committed. (A mixture-of-experts layer takes its own calls: that model's
+    verification and a token tree, each committed, over a plain cache and over packed ones. (A mixture-of-experts layer takes its own calls: that model's
     steps go layer by layer either way.)"""
     model = models(name)
     one_loop = "moe" not in name
@@ -451,7 +453,7 @@ def test_one_loop_step_equals_the_per_layer_choice(models, name, monkeypatch):
     def go(loop: bool):
         if not loop:
             monkeypatch.setattr(HybridModel, "_one_calls", lambda self, x, plan, cache: None)
-        cache = model.new_cache(64)
+        cache = model.new_cache(64, k_type=kv, v_type=kv)
         run(model, prefix, cache)
         outs = []
         for toks, parents, keep in steps:

@@ -831,10 +831,17 @@ c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, d
   auto r = attn_packed(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated, k_ints, k_tabs,
                        k_fields, v_ints, v_tabs, v_fields, pos, base, scale, parents);
   if (r.empty()) return c10::nullopt;
-  c10::optional<torch::Tensor> gate;
-  const int64_t n = r[1].size(0);
-  if (gated) gate = r[1].narrow(1, 0, nh * 2 * hd).reshape({n, nh, 2 * hd}).narrow(2, hd, hd).reshape({n, nh * hd});
-  return out_mlp(x, r[0], gate, w_o, b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
+  check_out_mlp(x, r[0].numel(), w_o, post_w, w_gu, w_dn);
+  return by_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t n = r[1].size(0), width = r[1].size(1), aw = nh * hd;
+    std::vector<T> gate(gated ? n * aw : 0);  // each head's gate, heads side by side (as layer_decode_t)
+    const T* qkv = r[1].data_ptr<T>();
+    for (int64_t i = 0; i < n && gated; ++i)
+      for (int64_t h = 0; h < nh; ++h) std::copy_n(qkv + i * width + h * 2 * hd + hd, hd, gate.data() + i * aw + h * hd);
+    return c10::optional<torch::Tensor>(out_mlp_core<T>(x, to_floats<T>(r[0]), gated ? gate.data() : nullptr, aw, w_o,
+                                                        b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn));
+  });
 }
 
 // ---- Decode rows of many sequences over a paged KV pool (continuous batching) ----

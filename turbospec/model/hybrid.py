@@ -301,11 +301,15 @@ class HybridModel:
 
     def _one_calls(self, x: torch.Tensor, plan: AttentionPlan, cache: Cache) -> list[tuple] | None:
         """Every layer's one-call arguments where the whole step takes the one-call kernels (a few causal or tree
-        rows at the end of a plain cache, every layer's structure fusable), else None: the layers then choose one by
-        one, as `HybridLayer.__call__`."""
-        if (not isinstance(cache, HybridCache) or not isinstance(cache.kv, KVCache) or not cache.track_all_states
+        rows at the end of a plain cache, or of a packed one whose formats the kernels write, every layer's structure
+        fusable), else None: the layers then choose one by one, as `HybridLayer.__call__`."""
+        if (not isinstance(cache, HybridCache) or not cache.track_all_states
                 or plan.start != cache.length or (plan.mask is not None and plan.parents is None)
                 or block.kernel_for(x, self.layers[0].in_norm) is None or env.on("TURBOSPEC_NO_GDN_KERNEL")):
+            return None
+        kv = cache.kv
+        if not isinstance(kv, KVCache) and not (isinstance(kv, QuantKVCache) and kv.base <= plan.start
+                                                and kv.step_args(0) is not None):
             return None
         calls = [layer.one_call_args() for layer in self.layers]
         return None if any(c is None for c in calls) else calls  # type: ignore[misc]
@@ -319,11 +323,15 @@ class HybridModel:
         attn_parents = block.tree_parents(plan)
         gdn_parents = _tree_parents(cache)
         for layer, (pre, mid, post) in zip(self.layers, calls):
-            if layer.kind == "full_attention":
+            if layer.kind != "full_attention":
+                x = layer.gdn_call(k, (pre, mid, post), x, cache, gdn_parents)
+            elif isinstance(kv, KVCache):
                 x = k.layer_decode(x, *pre, rope[0], rope[1], *mid, kv.k[layer.slot], kv.v[layer.slot], pos, *post,
                                    attn_parents)
-            else:
-                x = layer.gdn_call(k, (pre, mid, post), x, cache, gdn_parents)
+            else:  # a packed cache: None where a K/V value is not finite (the layer's general path says so)
+                out = k.layer_packed(x, *pre, rope[0], rope[1], *mid, *kv.step_args(layer.slot), pos, kv.base, *post,
+                                     attn_parents)
+                x = out if out is not None else layer(x, rope, plan, cache)
         return x
 
     @torch.inference_mode()
