@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -111,7 +112,7 @@ def main() -> None:
                 runs[name][side].append(run_once(sides[side], ext[side], model, flags, prompt, a.gen, a.threads))
         print(f"rep {rep + 1}/{a.reps} done", file=sys.stderr)
     report = {**{s: revision(p) for s, p in sides.items()}, "reps": a.reps, "gen": a.gen, "threads": a.threads,
-              "command": " ".join(["python", *sys.argv]), "configs": {}}
+              "command": shlex.join(["python", *sys.argv]), "configs": {}}
     print("| config | greedy text identical | decode t/s before | decode t/s after | after/before (paired) "
           "| prefill before | prefill after | spec speed-up before | spec speed-up after |")
     print("|---|---|---|---|---|---|---|---|---|")
