@@ -535,10 +535,9 @@ torch::Tensor mtp_in(torch::Tensor e, torch::Tensor ne, torch::Tensor h, torch::
 }
 
 // The rest of a decoder layer after the mixer: x1 = x + o(a * sigmoid(gate)); x2 = x1 + down(silu(g) * u) with
-// [g | u] = gate_up(norm(x1)). `a` [N, A] is the attention (or Gated DeltaNet) output, `gate` an optional
-// [N, A] view (any row stride, unit column stride).
-// out_mlp on raw rows: af the mixer output as floats holding T values [m, aw], g (null: no gate) the gate rows,
-// `gs` values apart.
+// [g | u] = gate_up(norm(x1)), on raw rows: `af` the attention (or Gated DeltaNet) output [N, A] as floats holding T
+// values, `g` (null: no gate) the gate rows [N, A], `gs` values apart. (out_mlp_t takes them as tensors: `gate` an
+// optional [N, A] view, any row stride, unit column stride.)
 template <typename T>
 torch::Tensor out_mlp_core(const torch::Tensor& x, std::vector<float> af, const T* g, int64_t gs,
                            const torch::Tensor& w_o, const c10::optional<torch::Tensor>& b_o,

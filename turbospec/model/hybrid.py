@@ -316,8 +316,8 @@ class HybridModel:
 
     def _decode_layers(self, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
-        """The layers of a `_one_calls` step without the per-layer choices (a tenth of a small model's step): each
-        layer's result equals its `HybridLayer.__call__`."""
+        """The layers of a `_one_calls` step without the per-layer choices (several percent of a small model's
+        step): each layer's result equals its `HybridLayer.__call__`."""
         k = block.kernel_for(x, self.layers[0].in_norm)
         kv, pos = cache.kv, cache.length
         attn_parents = block.tree_parents(plan)
