@@ -460,8 +460,8 @@ def test_one_loop_step_equals_the_per_layer_choice(models, name, kv, monkeypatch
             plan = (AttentionPlan.causal(cache.length, toks.numel()) if parents is None
                     else AttentionPlan.tree(cache.length, parents))
             if loop:
-                calls = model._one_calls(torch.zeros(toks.numel(), model.cfg.hidden_size), plan, cache)
-                assert (calls is not None) == one_loop
+                one = model._one_calls(torch.zeros(toks.numel(), model.cfg.hidden_size), plan, cache)
+                assert (one is not None) == one_loop
             outs.append(model.forward(toks, plan, cache))
             cache.commit(keep)
         monkeypatch.undo()

@@ -174,6 +174,17 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
 // (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified); parents
 // int64 [N] for a token tree (node i continues from node parents[i], -1 = state), empty for a chain.
 // Returns (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
+// The nodes' parents of a token tree of n tokens (int64 [n], each after its parent, -1 = the committed state),
+// checked and made contiguous in place; null for a chain (an empty tensor).
+const int64_t* tree_parents(torch::Tensor& parents, int64_t n) {
+  if (parents.numel() == 0) return nullptr;
+  TORCH_CHECK(parents.numel() == n && parents.scalar_type() == torch::kLong, "parents must be int64 [N]");
+  parents = parents.contiguous();
+  const int64_t* par = parents.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(par[t] < t && par[t] >= -1, "parents out of order");
+  return par;
+}
+
 std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b,
                                     torch::Tensor a, torch::Tensor neg_a, torch::Tensor dt_bias,
                                     torch::Tensor norm_w, torch::Tensor state, torch::Tensor parents, int64_t nk,
@@ -188,12 +199,8 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
   a = a.contiguous(); norm_w = norm_w.contiguous(); state = state.contiguous();
   const int64_t kernel = conv_t.size(0), n = window.size(0) - (kernel - 1);
   TORCH_CHECK(n >= 1 && window.size(1) == 2 * nk * dk + nv * dv && state.numel() == nv * dk * dv, "gdn_step: shapes");
-  const bool tree = parents.numel() > 0;
-  TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kLong && all_states),
-              "gdn_step: parents must be int64 [N] and need all_states");
-  parents = parents.contiguous();
-  const int64_t* par = tree ? parents.data_ptr<int64_t>() : nullptr;
-  for (int64_t t = 0; t < n && tree; ++t) TORCH_CHECK(par[t] < t && par[t] >= -1, "gdn_step: parents out of order");
+  TORCH_CHECK(parents.numel() == 0 || all_states, "gdn_step: a token tree needs all_states");
+  const int64_t* par = tree_parents(parents, n);
   auto y = torch::empty({n, nv * dv}, window.options());
   auto states = torch::empty({all_states ? n : 1, nv, dk, dv}, state.options());
 #define GDN_RUN(T)                                                                                              \

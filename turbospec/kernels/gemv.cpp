@@ -610,6 +610,16 @@ namespace attn {
 #include "attention.cpp"
 }  // namespace attn
 
+// Each head's output gate (the second half of its [q | gate] in qkv rows [n, width]), heads side by side: [n, nh*hd].
+template <typename T>
+std::vector<T> head_gates(const T* qkv, int64_t n, int64_t width, int64_t nh, int64_t hd) {
+  std::vector<T> gate(n * nh * hd);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < nh; ++h)
+      std::copy_n(qkv + r * width + h * 2 * hd + hd, hd, gate.data() + (r * nh + h) * hd);
+  return gate;
+}
+
 template <typename T>
 torch::Tensor layer_decode_t(const torch::Tensor& x, const torch::Tensor& in_w, double eps, bool zc, const Parts& w_qkv,
                              const c10::optional<torch::Tensor>& b_qkv, const c10::optional<torch::Tensor>& q_norm,
@@ -628,10 +638,7 @@ torch::Tensor layer_decode_t(const torch::Tensor& x, const torch::Tensor& in_w, 
                                                     parents);
   std::vector<float> af(n * aw);
   for (int64_t j = 0; j < n * aw; ++j) af[j] = rnd<T>(o[j]);  // the attention output in T, as decode_step returns it
-  std::vector<T> gate(gated ? n * aw : 0);  // each head's gate (the second half of its [q | gate]), heads side by side
-  for (int64_t r = 0; r < n && gated; ++r)
-    for (int64_t h = 0; h < nh; ++h)
-      std::copy_n(qkv.data() + r * width + h * 2 * hd + hd, hd, gate.data() + r * aw + h * hd);
+  const std::vector<T> gate = gated ? head_gates(qkv.data(), n, width, nh, hd) : std::vector<T>();
   return out_mlp_core<T>(x, std::move(af), gated ? gate.data() : nullptr, aw, w_o, b_o, post_w, eps, zc, w_gu, b_gu,
                          w_dn, b_dn);
 }
@@ -833,11 +840,9 @@ c10::optional<torch::Tensor> layer_packed(torch::Tensor x, torch::Tensor in_w, d
   check_out_mlp(x, r[0].numel(), w_o, post_w, w_gu, w_dn);
   return by_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const int64_t n = r[1].size(0), width = r[1].size(1), aw = nh * hd;
-    std::vector<T> gate(gated ? n * aw : 0);  // each head's gate, heads side by side (as layer_decode_t)
-    const T* qkv = r[1].data_ptr<T>();
-    for (int64_t i = 0; i < n && gated; ++i)
-      for (int64_t h = 0; h < nh; ++h) std::copy_n(qkv + i * width + h * 2 * hd + hd, hd, gate.data() + i * aw + h * hd);
+    const int64_t aw = nh * hd;
+    const std::vector<T> gate = gated ? head_gates(r[1].data_ptr<T>(), r[1].size(0), r[1].size(1), nh, hd)
+                                      : std::vector<T>();
     return c10::optional<torch::Tensor>(out_mlp_core<T>(x, to_floats<T>(r[0]), gated ? gate.data() : nullptr, aw, w_o,
                                                         b_o, post_w, eps, zc, w_gu, b_gu, w_dn, b_dn));
   });
@@ -922,9 +927,7 @@ namespace gdn {
 #include "deltanet.cpp"
 }  // namespace gdn
 
-// x [N, H] -> (x + mixer + MLP [N, H], conv window [K-1+N, C], recurrent states [N, Hv, Dk, Dv]) for the cache's
-// stash; conv_state: [>= K-1, C] (its last K-1 rows), ssm_state: [Hv, Dk, Dv] or [T, Hv, Dk, Dv] (its last). The
-// same three calls as the Python path (norm_linear, gdn_step, out_mlp) without the torch glue.
+// gdn_layer's work for checked arguments: `state` the last committed recurrent state, `par` the tree (null: a chain).
 template <typename T>
 std::vector<torch::Tensor> gdn_layer_t(const torch::Tensor& x, const torch::Tensor& in_w, double eps, bool zc,
                                        const Parts& w_proj, const c10::optional<torch::Tensor>& b_proj,
@@ -996,11 +999,7 @@ std::vector<torch::Tensor> gdn_layer(torch::Tensor x, torch::Tensor in_w, double
   norm_w = norm_w.contiguous();
   neg_a = neg_a.contiguous();
   dt_bias = dt_bias.contiguous();
-  const bool tree = parents.numel() > 0;
-  TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kLong), "gdn_layer: parents must be int64 [N]");
-  parents = parents.contiguous();
-  const int64_t* par = tree ? parents.data_ptr<int64_t>() : nullptr;
-  for (int64_t t = 0; t < n && tree; ++t) TORCH_CHECK(par[t] < t && par[t] >= -1, "gdn_layer: parents out of order");
+  const int64_t* par = gdn::tree_parents(parents, n);
   check_out_mlp(x, n * vd, w_out, post_w, w_gu, w_dn);
   return by_dtype(dt, [&](auto tag) {
     return gdn_layer_t<decltype(tag)>(x, in_w, eps, zc, w_proj, b_proj, conv_state, conv_t, neg_a, dt_bias, norm_w,

@@ -104,7 +104,7 @@ def decode_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torc
     """A decoder layer in one `layer_decode` call with the arguments of `layer_decode_args` (whose head size the
     one-call attention takes): causal tokens or a draft tree at the end of a plain cache (each row equal to its
     single-token step); None for any other step (`attention_layer` then)."""
-    if not isinstance(cache, KVCache) or not _at_end(plan, cache):
+    if not isinstance(cache, KVCache) or not at_end(plan, cache):
         return None
     pre, mid, post = args
     return k.layer_decode(x, *pre, rope[0], rope[1], *mid, cache.k[layer], cache.v[layer], cache.length, *post,
@@ -203,15 +203,15 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
     return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
 
 
-def _at_end(plan: AttentionPlan, cache) -> bool:
+def at_end(plan: AttentionPlan, cache) -> bool:
     """Causal tokens (decode, chain verification) or a draft tree at the cache's end."""
     return (plan.mask is None or plan.parents is not None) and plan.start == cache.length
 
 
 def _step_rows(attn: Attention, plan: AttentionPlan, cache) -> bool:
-    """`_at_end` rows with a head size that is a multiple of 8: the rows the one-call kernels compute, each equal to
+    """`at_end` rows with a head size that is a multiple of 8: the rows the one-call kernels compute, each equal to
     the single-token step that decodes it."""
-    return attn.hd % 8 == 0 and _at_end(plan, cache)
+    return attn.hd % 8 == 0 and at_end(plan, cache)
 
 
 def _one_call(attn: Attention, plan: AttentionPlan, cache) -> bool:
@@ -223,8 +223,13 @@ def _packed_step(attn: Attention, plan: AttentionPlan, cache) -> bool:
     """`_step_rows` over a packed cache whose formats the kernels encode and read: the step's K/V stored and the
     attention run inside one kernel call (`layer_packed`, `attn_packed`; a decode token: the same cache bytes and
     output as `QuantKVCache.attend`)."""
-    return (isinstance(cache, QuantKVCache) and _step_rows(attn, plan, cache) and cache.base <= plan.start
-            and cache.step_args(0) is not None)
+    return isinstance(cache, QuantKVCache) and _step_rows(attn, plan, cache) and packed_kernels_take(plan, cache)
+
+
+def packed_kernels_take(plan: AttentionPlan, cache: QuantKVCache) -> bool:
+    """Whether the one-call kernels write and read this packed cache for the step: its formats have C++ paths and
+    the step does not start before the cache's first attended position."""
+    return cache.base <= plan.start and cache.step_args(0) is not None
 
 
 def _paged_rows(attn: Attention, cache) -> bool:

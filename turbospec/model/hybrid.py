@@ -289,8 +289,8 @@ class HybridModel:
             cache.set_tree(plan.parents)
         x = embedding_rows(self.embed, tokens, self.dtype)
         rope = self.rope.tables_for(plan)
-        if (calls := self._one_calls(x, plan, cache)) is not None:  # decode, verification: one C++ call per layer
-            x = self._decode_layers(calls, x, rope, plan, cache)  # type: ignore[arg-type]
+        if (one := self._one_calls(x, plan, cache)) is not None:  # decode, verification: one C++ call per layer
+            x = self._decode_layers(*one, x, rope, plan, cache)  # type: ignore[arg-type]
         else:
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
@@ -299,26 +299,24 @@ class HybridModel:
             x = x[-out_rows:]  # a last Gated DeltaNet layer computes every row
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, True)
 
-    def _one_calls(self, x: torch.Tensor, plan: AttentionPlan, cache: Cache) -> list[tuple] | None:
-        """Every layer's one-call arguments where the whole step takes the one-call kernels (a few causal or tree
-        rows at the end of a plain cache, or of a packed one whose formats the kernels write, every layer's structure
-        fusable), else None: the layers then choose one by one, as `HybridLayer.__call__`."""
-        if (not isinstance(cache, HybridCache) or not cache.track_all_states
-                or plan.start != cache.length or (plan.mask is not None and plan.parents is None)
-                or block.kernel_for(x, self.layers[0].in_norm) is None or env.on("TURBOSPEC_NO_GDN_KERNEL")):
+    def _one_calls(self, x: torch.Tensor, plan: AttentionPlan, cache: Cache) -> tuple[object, list[tuple]] | None:
+        """(the kernel module, every layer's one-call arguments) where the whole step takes the one-call kernels (a
+        few causal or tree rows at the end of a plain cache, or of a packed one whose formats the kernels write,
+        every layer's structure fusable), else None: the layers then choose one by one, as `HybridLayer.__call__`."""
+        if (not isinstance(cache, HybridCache) or not cache.track_all_states or not block.at_end(plan, cache)
+                or env.on("TURBOSPEC_NO_GDN_KERNEL")):
             return None
         kv = cache.kv
-        if not isinstance(kv, KVCache) and not (isinstance(kv, QuantKVCache) and kv.base <= plan.start
-                                                and kv.step_args(0) is not None):
+        if not isinstance(kv, KVCache) and not (isinstance(kv, QuantKVCache) and block.packed_kernels_take(plan, kv)):
             return None
-        calls = [layer.one_call_args() for layer in self.layers]
-        return None if any(c is None for c in calls) else calls  # type: ignore[misc]
+        k = block.kernel_for(x, self.layers[0].in_norm)
+        calls = [layer.one_call_args() for layer in self.layers] if k is not None else [None]
+        return None if any(c is None for c in calls) else (k, calls)  # type: ignore[return-value]
 
-    def _decode_layers(self, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def _decode_layers(self, k, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
         """The layers of a `_one_calls` step without the per-layer choices (several percent of a small model's
         step): each layer's result equals its `HybridLayer.__call__`."""
-        k = block.kernel_for(x, self.layers[0].in_norm)
         kv, pos = cache.kv, cache.length
         attn_parents = block.tree_parents(plan)
         gdn_parents = _tree_parents(cache)
