@@ -397,6 +397,90 @@ def test_controller_rarely_probes_where_no_draft_could_pay():
     assert ctl.off_steps >= 3 * PROBE_MAX - 8
 
 
+def test_probes_cost_at_most_a_share_of_the_steps_between_them():
+    """A probe (the drafter catching up and drafting a token) that costs 3 plain steps comes at most once every
+    3 / PROBE_SHARE steps, where the backoff alone would probe every 8-256; between probes the steps are idle (the
+    controller asked once per READ steps)."""
+    from turbospec.speculative.adaptive import PROBE_SHARE, READ, Controller, StepCosts
+
+    costs = StepCosts([1.0, 1.2, 1.3, 1.4], draft=0.05)  # drafts that hit would pay: probes are worth making
+    ctl = Controller(costs, 3)
+    costs.observe(0, 1.0, 0.0, 0)
+    costs.observe_probe(3.0)
+    assert costs.probe_interval() == int(3.0 / PROBE_SHARE)
+    probes, asked, i = [], 0, 0
+    while i < 1000:
+        if ctl.idle:  # as the engine: idle steps are taken without asking
+            ctl.idle -= 1
+        else:
+            asked += 1
+            k = ctl.choose(3)
+            if ctl.shadow:
+                probes.append(i)
+            if k:
+                ctl.observe(k, 0)  # nothing hits
+        i += 1
+    assert len(probes) >= 2 and all(b - a >= int(3.0 / PROBE_SHARE) for a, b in zip(probes, probes[1:]))
+    assert asked <= 1000 // READ + 2 * len(probes) + 8
+
+
+def test_drafters_told_several_steps_at_once_draft_as_if_told_one_by_one(paths):
+    """The engine tells the drafter the steps that drafting skipped in one call (before it next drafts): the MTP's
+    state and next draft equal those after the same steps told one by one."""
+    target = load_model(paths["target"], "float32")
+    prompt = list(range(1, 21))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(20, 48, generator=g)
+    toks = [(5 * i + 3) % 64 for i in range(24)]  # 24 plain steps: each commits one token, its hidden row
+    rows = [torch.randn(1, 48, generator=g) for _ in toks]
+    nxt = 9
+    seen = []
+    for together in (False, True):
+        d = make_drafter(SpecConfig.parse("ngram-mod,draft-mtp", mtp_prompt_window=0), target, 256)
+        d.begin(prompt, hidden)
+        if together:
+            d.accept(toks, torch.cat(rows), nxt)
+        else:
+            for i, (t, h) in enumerate(zip(toks, rows)):
+                d.accept([t], h, toks[i + 1] if i + 1 < len(toks) else nxt)
+        tree = d.propose(prompt + toks + [nxt], 3)
+        seen.append((tree.tokens, tree.parents, tree.source))
+    assert seen[0] == seen[1] and len(seen[0][0]) > 0
+
+
+def test_adaptive_engine_takes_idle_steps_without_bookkeeping(paths, monkeypatch):
+    """While drafting is off the engine neither asks the controller nor tells the drafter step by step (on a small
+    model that work cost ~2% of decoding): the controller is asked about once per READ steps and the drafter told
+    once per HOLD steps; the output equals plain greedy decoding."""
+    from turbospec.engine.engine import HOLD
+    from turbospec.speculative.adaptive import READ, Controller, StepCosts
+
+    target = load_model(paths["target"], "float32")
+    plain = Engine(target, config=EngineConfig(ctx=512))
+    eng = Engine(target, config=EngineConfig(ctx=512, spec=SpecConfig.parse("draft-mtp", adaptive=True)),
+                 drafter=make_drafter(SpecConfig.parse("draft-mtp"), target, 520))
+    eng.step_costs = StepCosts([1.0, 3.0, 5.0, 7.0], draft=1.0)  # verification rows 2x a step each: no draft pays
+    eng.step_costs.observe = lambda *args: None
+    calls = {"choose": 0, "accept": 0}
+    choose, accept = Controller.choose, eng.drafter.accept
+
+    def counted_choose(self, *args):
+        calls["choose"] += 1
+        return choose(self, *args)
+
+    def counted_accept(*args):
+        calls["accept"] += 1
+        return accept(*args)
+
+    monkeypatch.setattr(Controller, "choose", counted_choose)
+    eng.drafter.accept = counted_accept
+    sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    assert run(eng, PROMPTS[0], sp) == run(plain, PROMPTS[0], sp)
+    st = eng.last_stats.spec
+    assert st.drafts == 0 and st.skipped >= 190
+    assert calls["choose"] <= 200 // READ + 4 and calls["accept"] <= 200 // HOLD + 2
+
+
 def test_step_costs_follow_the_measured_times():
     from turbospec.speculative.adaptive import StepCosts
 

@@ -39,6 +39,7 @@ PRIOR = 0.8  # acceptance assumed at a position before any evidence (MTP on the 
 RATE = 0.15  # the running acceptance counts forget this share per observation (a memory of ~7 drafts)
 WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in each position's estimate
 PROBE_MIN, PROBE_MAX = 8, 256
+READ = 32  # while drafting is off, the choice is worked out again (with the plain cost read) every READ steps
 EXPLORE = 16
 HYSTERESIS = 0.03
 # a shorter draft is taken only when it beats every longer one by this much: the later positions' acceptance, learnt
@@ -49,6 +50,10 @@ PLAIN_RATE = 0.3  # share of a new plain step's time in the running plain cost (
 # and the machine's speed drifts between requests: a memory of ~3 steps)
 ROW_RATE = 0.1  # share of a new verification's per-row cost in the running one (a memory of ~10 steps)
 STALE_SHARE, STALE_MIN = 0.25, 512  # the plain cost is re-measured once the context moved by this much
+# probes cost at most this share of the plain steps between them (up to PROBE_FLOOR_MAX steps apart): a probe (the
+# drafter catching up on the last positions and drafting a token) took 0.6-1.3 ms on a 6 MB model whose plain step
+# takes ~0.3 ms -- at 8 steps apart, a third of decoding
+PROBE_SHARE, PROBE_FLOOR_MAX = 0.01, 1024
 
 
 @dataclass
@@ -68,6 +73,7 @@ class StepCosts:
     plain: float = -1.0  # seconds of a plain step at about `plain_depth` positions (-1: verify[0])
     row: float = -1.0  # seconds per verification row beyond the first (-1: from `verify`)
     plain_depth: int = -1  # context length at the last measured plain step (-1: none yet)
+    probe: float = 0.0  # seconds of the drafting in a probe (running; 0: none timed yet)
     _plain_obs: int = 0  # plain steps timed since the plain cost was set at a new depth
     _row_obs: int = 0  # verifications read since then
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
@@ -91,6 +97,14 @@ class StepCosts:
     def wants_plain(self, depth: int) -> bool:
         """Whether the next step should be plain to time it: the plain cost is stale, or rests on one step."""
         return self.plain_is_stale(depth) or self._plain_obs < 2
+
+    def observe_probe(self, draft_s: float) -> None:
+        """A probe's drafter took `draft_s` seconds."""
+        self.probe = draft_s if self.probe <= 0 else self.probe + PLAIN_RATE * (draft_s - self.probe)
+
+    def probe_interval(self) -> int:
+        """The fewest steps between probes for them to cost at most PROBE_SHARE of the plain steps between."""
+        return min(PROBE_FLOOR_MAX, int(self.probe / (PROBE_SHARE * self.plain))) if self.plain > 0 else PROBE_MIN
 
     def observe(self, k: int, verify_s: float, draft_s: float, depth: int = 0) -> None:
         """A step with k draft tokens after `depth` positions took `verify_s` seconds in the target and `draft_s`
@@ -130,6 +144,10 @@ class Controller:
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
+    # steps after this one that stay plain with no choice asked (drafting is off, no probe or plain-cost reading is
+    # due): the engine takes them without calling `choose` or timing them -- on a model whose step is ~0.3 ms that
+    # bookkeeping, Python run between the kernels, cost ~2% of decoding
+    idle: int = 0
     shadow: bool = False  # the last choice is a probe: draft 1 token, take a plain step and compare (no verify rows)
     width_max: int = 1  # the drafter's most candidates per depth (its tree width; 1: chains only)
     # per position and rank 2..width_max: running (hits, tests) of "the target took this candidate where it did not
@@ -197,12 +215,8 @@ class Controller:
             self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
             if self._started == 1 or self.costs.wants_plain(depth):
                 return 0
-        if room > 0 and self._last == 0 and 0 < self._since < self._interval - 1 and self._since % PROBE_MIN:
-            # drafting is off and no probe is due: the acceptance has not moved (nothing was drafted), only the plain
-            # cost, which is read again every PROBE_MIN steps -- a small model's step is short enough that working out
-            # the rates on every step costs a few percent
-            self._since += 1
-            self.off_steps += 1
+        if self.idle:  # (a caller that asks anyway during the idle steps)
+            self.idle -= 1
             return 0
         rates = [e / self.costs.step(k) for k, e in enumerate(self.expected(room))]
         best = max(range(room + 1), key=lambda k: rates[k])
@@ -217,11 +231,16 @@ class Controller:
             # look again: is drafting paying now? (a draft the plain step checks) -- unless no draft could pay even
             # if every token were accepted (drafting and verifying cost more than the plain steps they replace: a
             # small model whose weights sit in the cache), where a probe only costs; then once every PROBE_MAX steps
-            self._interval = self.probe if self.could_pay(room) else PROBE_MAX
+            self._interval = max(self.probe if self.could_pay(room) else PROBE_MAX, self.costs.probe_interval())
             if self._since >= self._interval:
                 self.shadow = True
                 return 1
             self.off_steps += 1
+            # the steps until the next probe or the next READ-th step stay plain without asking: the acceptance
+            # cannot move (nothing is drafted), only the plain cost, read again at the next step that asks
+            self.idle = max(0, min(self._interval - 1, -(-self._since // READ) * READ) - self._since)
+            self._since += self.idle
+            self.off_steps += self.idle
         elif best:
             self._drafted += 1
             if self._drafted == 1:  # a request's first draft is one token: where nothing hits, the prior's
@@ -251,7 +270,7 @@ class Controller:
             c = self.counts[i]  # once the first tokens are accepted the later ones often are, more than the first)
             c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
             c[1] = (1 - RATE) * c[1] + 1.0
-        self._since = 0
+        self._since = self.idle = 0
         if probing:  # a probe: keep probing rarely while its draft misses (or hits, but drafting would still not pay
             # at the acceptance seen), often once it hits and drafting would pay
             self.probe = PROBE_MIN if accepted and self.pays() else min(PROBE_MAX, self.probe * 2)

@@ -43,7 +43,9 @@ class Drafter(Protocol):
 
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         """After verification, with the tokens committed this step (the root token plus accepted drafts) and the
-        target's hidden rows for them; `next_token` (the bonus) is not yet committed."""
+        target's hidden rows for them; `next_token` (the bonus) is not yet committed. Several steps may arrive in
+        one call (adaptive speculation's undrafted steps are told together before the next draft): their tokens in
+        order, their rows, and the last step's next token -- the same as those steps told one by one."""
         return None
 
     def widths(self) -> int:
