@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from turbospec.config import EngineConfig, SpecConfig
-from turbospec.engine import Engine, model_path
+from turbospec.engine import Engine
+from turbospec.engine.build import load_parts
 from turbospec.lab.workload import load_prompts
-from turbospec.model import load_model
 from turbospec.sampling import SamplingParams
 from turbospec.speculative import make_drafter
 from turbospec.speculative.adaptive import calibrate
@@ -164,10 +164,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.plain_on_engine and not a.keep:
         ap.error("--plain-on-engine needs --keep")
-    torch.set_num_threads(a.threads)
-    path = model_path(a.model)
-    model = load_model(path, a.dtype)
-    tok = Tokenizer(path)
+    # a checkpoint directory or a GGUF file, with its tokenizer (the loader `turbospec run` uses)
+    path, model, tokenizer = load_parts(EngineConfig(model=a.model, dtype=a.dtype, threads=a.threads))
+    if tokenizer is None:
+        raise SystemExit(f"{a.model}: no tokenizer (the prompts are text)")
+    tok = tokenizer
     base = {c: tok.encode(p) for c, p in load_prompts(",".join(a.categories)).items()} if a.categories else {}
     base.update(edit_prompts(tok, a.edit, a.edit_tokens))
     if a.random:

@@ -640,6 +640,28 @@ def test_mtp_catches_up_on_a_long_run_from_the_last_pairs_only(paths):
     assert len(tree) == 3 and d.cache.length == 19 + CATCH_UP + 1
 
 
+def test_mtp_drafts_at_depth_build_no_rotary_tables(paths, monkeypatch):
+    """The MTP reads the target's rotary tables: when a long prompt comes from the cache (nothing fed the MTP during
+    prefill) its first drafts at depth build no tables (a table of its own, built for 4096 positions, was rebuilt for
+    the whole context inside those drafts: 48 + 121 ms at 64K, which the adaptive cost model took for the drafts' cost
+    and stopped drafting)."""
+    from turbospec.layers.rope import Rope
+
+    target = load_model(paths["target"], "float32")
+    spec = SpecConfig.parse("draft-mtp")
+    eng = Engine(target, config=EngineConfig(ctx=5200, spec=spec), drafter=make_drafter(spec, target, 5210))
+    prompt = [(7 * i + i // 64) % 61 + 3 for i in range(5000)]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    drafter, eng.drafter = eng.drafter, None
+    run(eng, prompt, sp)  # plain: the prompt's KV is cached, the MTP has seen none of it
+    eng.drafter = drafter
+    builds = []
+    build = Rope._build
+    monkeypatch.setattr(Rope, "_build", lambda self, n: (builds.append(n), build(self, n)))
+    run(eng, prompt, sp)
+    assert eng.reused_tokens > 4096 and eng.last_stats.spec.drafts > 0 and builds == []
+
+
 def test_mtp_sampled_drafts_carry_the_distribution_they_were_drawn_from(paths):
     """At T > 0 the MTP draws its drafts and hands their distribution over the whole vocabulary (reduced head rows
     mapped back to token ids) to the verifier; greedy requests keep argmax drafts without q."""

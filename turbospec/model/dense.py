@@ -37,7 +37,7 @@ class DenseModel:
         self.rope = Rope(cfg.rope, cfg.head_dim, min(cfg.max_position_embeddings, 8192), dtype)
         self.mtp: MTPModule | None = None
         if ws.has("mtp.fc.weight"):
-            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, experts=self.experts)
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, self.rope, experts=self.experts)
 
     def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
                   checkpoints: int = 0) -> Cache:

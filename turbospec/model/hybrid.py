@@ -252,7 +252,7 @@ class HybridModel:
         self.mtp_names = [n for n in ws.names() if n.startswith("mtp.")]
         self.mtp: MTPModule | None = None
         if self.mtp_names:
-            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, experts=self.experts)
+            self.mtp = MTPModule(cfg, ws, dtype, self.embed, self.lm_head, self.rope, experts=self.experts)
         gdn = next((layer.mixer for layer in self.layers if layer.kind == "linear_attention"), None)
         d = cfg.linear_dims()
         self._conv_shape = gdn.conv_state_shape if gdn else (d["conv_kernel"] - 1, 1)

@@ -31,7 +31,7 @@ class MTPModule:
     """The weights and forward of the MTP block; logits come from the target's lm_head."""
 
     def __init__(self, cfg: ModelConfig, ws: TensorSource, dtype: torch.dtype, embed: torch.Tensor,
-                 lm_head: Linear, prefix: str = "mtp", experts: ExpertCache | None = None):
+                 lm_head: Linear, rope: Rope, prefix: str = "mtp", experts: ExpertCache | None = None):
         h = cfg.hidden_size
         hybrid = cfg.arch in HYBRID_ARCHS
         self.cfg, self.dtype, self.zc = cfg, dtype, hybrid
@@ -55,7 +55,10 @@ class MTPModule:
                 ws.get(f"{p}.post_attention_layernorm.weight", dtype, (h,)), cfg.rms_norm_eps, hybrid,
             )
             self.layers.append(layer)
-        self.rope = Rope(cfg.rope, cfg.head_dim, 4096, dtype)
+        # the target's tables (the same rotary settings): a table of its own, built for 4096 positions, was rebuilt
+        # for the whole context the first time the MTP drafted at depth -- 48 + 121 ms inside the first drafts at 64K
+        # when the prompt's prefix came from the cache (nothing fed the MTP during prefill)
+        self.rope = rope
         self._draft_head: Linear | None = None
         self._compacted = False
         # the draft-vocabulary ranking (turbospec.model.draft_vocab) a GGUF file carried, set as it loads ([]: it

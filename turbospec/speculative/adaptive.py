@@ -15,8 +15,10 @@ one token and the engine takes a plain step anyway, comparing its token with the
 draft, not a verification row), the interval doubling (up to 256) each time the probe misses (or hits while
 drafting would still not pay at the acceptance seen) and back to the minimum when one hits and drafting would pay
 -- and 256 whatever the hits while the costs say that no draft could pay even if every token were accepted (a model
-small enough to sit in the cache: its verification rows and drafts cost what they save); a request's first draft is
-one token long (verified), so the prior's optimism costs one row; and
+small enough to sit in the cache: its verification rows and drafts cost what they save); probes are also spaced so
+that their timed cost is at most PROBE_SHARE of the plain steps between them. Between probes the steps are `idle`:
+the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
+steps. A request's first draft is one token long (verified), so the prior's optimism costs one row; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
 pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
 the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
@@ -125,8 +127,11 @@ class StepCosts:
         self.row += max(ROW_RATE, 1.0 / self._row_obs) * (max(0.0, t - self.plain) / k - self.row)
         self._draft_obs += 1
         if self._draft_obs > 0:
+            per = draft_s / k
+            if self._draft_obs > 1:  # one odd draft moves the cost little, as one odd verification does
+                per = min(max(per, self.draft / 2), 2 * self.draft)
             w = max(0.1, 1.0 / self._draft_obs)
-            self.draft += w * (draft_s / k - self.draft)
+            self.draft += w * (per - self.draft)
 
 
 @dataclass
