@@ -397,17 +397,22 @@ def test_controller_rarely_probes_where_no_draft_could_pay():
     assert ctl.off_steps >= 3 * PROBE_MAX - 8
 
 
-def test_probes_cost_at_most_a_share_of_the_steps_between_them():
-    """A probe (the drafter catching up and drafting a token) that costs 3 plain steps comes at most once every
-    3 / PROBE_SHARE steps, where the backoff alone would probe every 8-256; between probes the steps are idle (the
-    controller asked once per READ steps)."""
+def test_probes_cost_at_most_a_share_of_what_drafting_could_gain():
+    """Probes are spaced so that their timed cost is at most PROBE_SHARE of what drafting could at best gain over the
+    plain steps between them: a probe that costs 30 plain steps, where drafts could at best make decoding 2.6x as
+    fast, comes ~190 steps apart from the first, where the backoff alone probes after 8, 16, 32 ...; between probes
+    the steps are idle (the controller asked once per READ steps)."""
     from turbospec.speculative.adaptive import PROBE_SHARE, READ, Controller, StepCosts
 
     costs = StepCosts([1.0, 1.2, 1.3, 1.4], draft=0.05)  # drafts that hit would pay: probes are worth making
     ctl = Controller(costs, 3)
     costs.observe(0, 1.0, 0.0, 0)
-    costs.observe_probe(3.0)
-    assert costs.probe_interval() == int(3.0 / PROBE_SHARE)
+    assert costs.probe_interval(costs.gain_bound(3)) == 8  # no probe timed yet: the backoff's
+    costs.observe_probe(30.0)
+    gain = costs.gain_bound(3)
+    floor = costs.probe_interval(gain)
+    assert abs(gain - 4 / 1.55) < 1e-6 and floor == int(30.0 / (PROBE_SHARE * (gain - 1)))
+    assert costs.probe_interval(1.0) > floor  # drafts that cannot gain: probes as rare as they come
     probes, asked, i = [], 0, 0
     while i < 1000:
         if ctl.idle:  # as the engine: idle steps are taken without asking
@@ -420,7 +425,7 @@ def test_probes_cost_at_most_a_share_of_the_steps_between_them():
             if k:
                 ctl.observe(k, 0)  # nothing hits
         i += 1
-    assert len(probes) >= 2 and all(b - a >= int(3.0 / PROBE_SHARE) for a, b in zip(probes, probes[1:]))
+    assert len(probes) >= 2 and probes[0] >= floor and all(b - a >= floor for a, b in zip(probes, probes[1:]))
     assert asked <= 1000 // READ + 2 * len(probes) + 8
 
 

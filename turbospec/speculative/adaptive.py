@@ -16,7 +16,8 @@ draft, not a verification row), the interval doubling (up to 256) each time the 
 drafting would still not pay at the acceptance seen) and back to the minimum when one hits and drafting would pay
 -- and 256 whatever the hits while the costs say that no draft could pay even if every token were accepted (a model
 small enough to sit in the cache: its verification rows and drafts cost what they save); probes are also spaced so
-that their timed cost is at most PROBE_SHARE of the plain steps between them. Between probes the steps are `idle`:
+that their timed cost is at most PROBE_SHARE of what drafting could at best gain over the plain steps between them
+(`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
 steps. A request's first draft is one token long (verified), so the prior's optimism costs one row; and
 while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
@@ -52,10 +53,11 @@ PLAIN_RATE = 0.3  # share of a new plain step's time in the running plain cost (
 # and the machine's speed drifts between requests: a memory of ~3 steps)
 ROW_RATE = 0.1  # share of a new verification's per-row cost in the running one (a memory of ~10 steps)
 STALE_SHARE, STALE_MIN = 0.25, 512  # the plain cost is re-measured once the context moved by this much
-# probes cost at most this share of the plain steps between them (up to PROBE_FLOOR_MAX steps apart): a probe (the
-# drafter catching up on the last positions and drafting a token) took 0.6-1.3 ms on a 6 MB model whose plain step
-# takes ~0.3 ms -- at 8 steps apart, a third of decoding
-PROBE_SHARE, PROBE_FLOOR_MAX = 0.01, 1024
+# probes cost at most this share of what drafting could at best gain over the plain steps between them (up to
+# PROBE_FLOOR_MAX steps apart): a probe (the drafter catching up on the last positions and drafting a token) took
+# 0.6-1.3 ms on a 6 MB model whose plain step takes ~0.3 ms and whose drafts could at best gain 6% -- at 8 steps apart,
+# a third of decoding; where drafts could double the speed (the default model at 8K) probes stay 8 steps apart
+PROBE_SHARE, PROBE_FLOOR_MAX = 0.1, 1024
 
 
 @dataclass
@@ -104,9 +106,19 @@ class StepCosts:
         """A probe's drafter took `draft_s` seconds."""
         self.probe = draft_s if self.probe <= 0 else self.probe + PLAIN_RATE * (draft_s - self.probe)
 
-    def probe_interval(self) -> int:
-        """The fewest steps between probes for them to cost at most PROBE_SHARE of the plain steps between."""
-        return min(PROBE_FLOOR_MAX, int(self.probe / (PROBE_SHARE * self.plain))) if self.plain > 0 else PROBE_MIN
+    def gain_bound(self, room: int) -> float:
+        """The speed-up over plain decoding of the best draft of at most `room` tokens if every token were accepted
+        (the cost model's upper bound on what drafting can gain)."""
+        return max((1.0 + k) * self.step(0) / self.step(k) for k in range(room + 1))
+
+    def probe_interval(self, gain: float) -> int:
+        """The fewest steps between probes for them to cost at most PROBE_SHARE of the `gain` (a speed-up, see
+        `gain_bound`) that drafting could at best make over the plain steps between them."""
+        if self.probe <= 0:
+            return PROBE_MIN
+        if gain <= 1.0:
+            return PROBE_FLOOR_MAX
+        return min(PROBE_FLOOR_MAX, int(self.probe / (PROBE_SHARE * (gain - 1.0) * self.plain)))
 
     def observe(self, k: int, verify_s: float, draft_s: float, depth: int = 0) -> None:
         """A step with k draft tokens after `depth` positions took `verify_s` seconds in the target and `draft_s`
@@ -236,7 +248,8 @@ class Controller:
             # look again: is drafting paying now? (a draft the plain step checks) -- unless no draft could pay even
             # if every token were accepted (drafting and verifying cost more than the plain steps they replace: a
             # small model whose weights sit in the cache), where a probe only costs; then once every PROBE_MAX steps
-            self._interval = max(self.probe if self.could_pay(room) else PROBE_MAX, self.costs.probe_interval())
+            gain = self.costs.gain_bound(room)
+            self._interval = max(self.probe if gain >= 1 + HYSTERESIS else PROBE_MAX, self.costs.probe_interval(gain))
             if self._since >= self._interval:
                 self.shadow = True
                 return 1
@@ -264,7 +277,7 @@ class Controller:
     def could_pay(self, room: int) -> bool:
         """Whether a draft of at most `room` tokens would beat a plain step by HYSTERESIS if every token were
         accepted (the cost model's upper bound on drafting's gain)."""
-        return self._beats_plain([1.0 + k for k in range(room + 1)])
+        return self.costs.gain_bound(room) >= 1 + HYSTERESIS
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens (depth) of which the first `accepted` were accepted."""
