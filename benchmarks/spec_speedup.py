@@ -71,7 +71,7 @@ def parse_config(text: str) -> SpecConfig:
     return SpecConfig.parse(kind, **kw)
 
 
-COSTS: dict = {}  # adaptive speculation's start-up cost model, measured once per n_max (as `build_engine` does)
+COSTS: dict = {}  # adaptive speculation's start-up cost model, measured once per configuration (as `build_engine` does)
 
 
 def edit_prompts(tok: Tokenizer, n: int, tokens: int) -> dict[str, list[int]]:
@@ -116,10 +116,10 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
     if eng is None:
         eng = new_engine(model, tok, path, cfg, len(prompt) + gen + 64)
     if cfg is not None and cfg.adaptive and (eng.step_costs is None or not keep):
-        if cfg.n_max not in COSTS:
-            COSTS[cfg.n_max] = calibrate(model, cfg.n_max)
+        if cfg not in COSTS:
+            COSTS[cfg] = calibrate(model, cfg.n_max, cfg)
         # each run starts from the start-up costs; on a kept engine (--keep) the costs it measured stay, as in a server
-        eng.step_costs = copy.deepcopy(COSTS[cfg.n_max])
+        eng.step_costs = copy.deepcopy(COSTS[cfg])
     sp = SamplingParams(max_tokens=gen, temperature=temp, ignore_eos=True, seed=seed)
     if repeat:  # the first request, untimed
         list(eng.stream(prompt, sp))

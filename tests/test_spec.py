@@ -429,6 +429,22 @@ def test_probes_cost_at_most_a_share_of_what_drafting_could_gain():
     assert asked <= 1000 // READ + 2 * len(probes) + 8
 
 
+def test_calibration_times_mtp_drafts_and_probes(paths):
+    """Where the MTP drafts, the start-up calibration also times a drafted token and a probe (on a scratch drafter),
+    so that a process's first request does not take drafts for free; they count as one observation."""
+    from turbospec.speculative.adaptive import calibrate
+
+    target = load_model(paths["target"], "float32")
+    costs = calibrate(target, 3, SpecConfig.parse("ngram-mod,draft-mtp", adaptive=True), reps=2)
+    assert costs.draft > 0 and costs.probe > 0 and costs.draft_prior == 1 and costs.probe_interval(2.0) >= 8
+    plain = calibrate(target, 3, SpecConfig.parse("ngram-mod", adaptive=True), reps=2)
+    assert plain.draft == 0 and plain.probe == 0 and plain.draft_prior == 0
+    costs.observe(2, costs.step(2), 100 * costs.draft, 0)  # the first draft of a request (catching up): not counted
+    before = costs.draft
+    costs.observe(2, costs.step(2), 100 * costs.draft, 0)  # one odd draft: clipped to twice, weighed as a second
+    assert abs(costs.draft - 1.5 * before) < 1e-12
+
+
 def test_drafters_told_several_steps_at_once_draft_as_if_told_one_by_one(paths):
     """The engine tells the drafter the steps that drafting skipped in one call (before it next drafts): the MTP's
     state and next draft equal those after the same steps told one by one."""

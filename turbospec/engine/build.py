@@ -91,5 +91,5 @@ def assemble_engine(config: EngineConfig, path: str, model: Model, tokenizer: To
     if tp.world()[1] > 1:  # rank 0 decides every step's tokens
         engine.agree = tp.rank0_choice()
     if drafter is not None and config.spec.adaptive:
-        engine.step_costs = calibrate(model, config.spec.n_max)  # adaptive speculation's cost model
+        engine.step_costs = calibrate(model, config.spec.n_max, config.spec)  # adaptive speculation's cost model
     return engine

@@ -416,7 +416,7 @@ class Engine:
         on a scratch cache the first time)."""
         n_max = self.config.spec.n_max
         if self.step_costs is None:
-            self.step_costs = calibrate(self.model, n_max)
+            self.step_costs = calibrate(self.model, n_max, self.config.spec)
         return Controller(self.step_costs, n_max, width_max=self.drafter.widths() if self.drafter is not None else 1)
 
     def eos_ids(self) -> set[int]:

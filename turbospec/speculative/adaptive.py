@@ -78,6 +78,7 @@ class StepCosts:
     row: float = -1.0  # seconds per verification row beyond the first (-1: from `verify`)
     plain_depth: int = -1  # context length at the last measured plain step (-1: none yet)
     probe: float = 0.0  # seconds of the drafting in a probe (running; 0: none timed yet)
+    draft_prior: int = 0  # observations the starting `draft` stands for (1: timed at start-up, see `calibrate`)
     _plain_obs: int = 0  # plain steps timed since the plain cost was set at a new depth
     _row_obs: int = 0  # verifications read since then
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
@@ -138,12 +139,12 @@ class StepCosts:
         self._row_obs += 1
         self.row += max(ROW_RATE, 1.0 / self._row_obs) * (max(0.0, t - self.plain) / k - self.row)
         self._draft_obs += 1
+        n = self._draft_obs + self.draft_prior
         if self._draft_obs > 0:
             per = draft_s / k
-            if self._draft_obs > 1:  # one odd draft moves the cost little, as one odd verification does
+            if n > 1:  # one odd draft moves the cost little, as one odd verification does
                 per = min(max(per, self.draft / 2), 2 * self.draft)
-            w = max(0.1, 1.0 / self._draft_obs)
-            self.draft += w * (per - self.draft)
+            self.draft += max(0.1, 1.0 / n) * (per - self.draft)
 
 
 @dataclass
@@ -311,9 +312,11 @@ def first_miss(tree: DraftTree, path: list[int], nxt: int, ranked: list[list[int
     return n, -1, nxt
 
 
-def calibrate(model, n_max: int, reps: int = 5, context: int = 32) -> StepCosts:
+def calibrate(model, n_max: int, spec=None, reps: int = 5, context: int = 32) -> StepCosts:
     """Seconds of a target step over 1 + k rows, k = 0..n_max, after `context` cached positions (a scratch cache;
-    1, 2 and n_max + 1 rows are timed, the others interpolated)."""
+    1, 2 and n_max + 1 rows are timed, the others interpolated); where `spec` (a SpecConfig) drafts with the MTP,
+    also a drafted token's and a probe's seconds (`time_mtp`), so that a process's first request does not take
+    drafts for free."""
     from turbospec.kv.plan import AttentionPlan
 
     cache = model.new_cache(context + n_max + 2)
@@ -341,4 +344,47 @@ def calibrate(model, n_max: int, reps: int = 5, context: int = 32) -> StepCosts:
         lo = max(x for x in ks if x <= k)
         hi = min(x for x in ks if x >= k)
         verify.append(timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (k - lo) / (hi - lo))
-    return StepCosts(verify)
+    costs = StepCosts(verify)
+    if spec is not None and "draft-mtp" in spec.types:
+        costs.draft, costs.probe = time_mtp(model, spec, n_max, reps, context)
+        costs.draft_prior = 1
+    return costs
+
+
+def time_mtp(model, spec, n_max: int, reps: int = 5, context: int = 32) -> tuple[float, float]:
+    """(seconds per drafted token of an n_max-token MTP draft, seconds of a probe: the MTP catching up on 16 steps
+    and drafting one token), medians over `reps`, on a scratch MTP drafter and cache (the engine's drafter and any
+    state shared between requests are left alone)."""
+    from dataclasses import replace
+
+    from turbospec.kv.plan import AttentionPlan
+    from turbospec.sampling import SamplingParams
+    from turbospec.speculative.registry import make_drafter
+
+    catch_up = 16
+    n = context + (reps + 1) * (2 + catch_up)
+    drafter = make_drafter(replace(spec, types=("draft-mtp",)), model, n + n_max + 2)
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(3, model.cfg.vocab_size, (n + 1,), generator=g).tolist()
+    ids = torch.tensor(toks[:context], dtype=torch.int64, device=torch.get_default_device())
+    hidden = model.forward(ids, AttentionPlan.causal(0, context), model.new_cache(context + 1))
+    row = hidden[-1:]
+    drafter.sampling(SamplingParams())
+    drafter.begin(toks[:context], hidden)
+    drafts: list[float] = []
+    probes: list[float] = []
+    pos = context  # toks[pos] is the next root
+    for rep in range(reps + 1):  # (the first round warms up)
+        for k, out in ((n_max, drafts), (1, probes)):
+            device.synchronize()
+            t = time.perf_counter()
+            tree = drafter.propose(toks[:pos + 1], k)
+            device.synchronize()
+            if rep:
+                out.append((time.perf_counter() - t) / (max(1, len(tree)) if k > 1 else 1))
+            drafter.accept([toks[pos]], row, toks[pos + 1])  # a plain step after the draft
+            pos += 1
+            if k > 1:  # plain steps the drafter is told together, as the engine does between probes
+                drafter.accept(toks[pos:pos + catch_up], row.expand(catch_up, -1), toks[pos + catch_up])
+                pos += catch_up
+    return statistics.median(drafts), statistics.median(probes)
