@@ -26,7 +26,7 @@ from turbospec.speculative.tree import DraftTree
 from turbospec.speculative.verify import verify
 from turbospec.tokenizer import Tokenizer
 
-HOLD = 64  # most undrafted steps whose commits wait to be told to the drafter in one call (adaptive speculation)
+HOLD = 64  # most steps without a draft whose commits wait to be told to the drafter in one call
 
 
 class Aborted(Exception):
@@ -263,8 +263,8 @@ class Engine:
         t_first = None
         done = False
         depth = self.config.spec.depth  # the deepest draft a step may verify
-        # commits of steps that drafting skipped (adaptive speculation), told to the drafter in one call before it next
-        # drafts: on a model small enough that a step is ~0.3 ms, telling it each step cost ~1% of the step
+        # commits of steps without a draft (adaptive speculation's idle steps, empty drafts), told to the drafter in one
+        # call before it next drafts: on a model small enough that a step is ~0.3 ms, telling it each step cost ~1%
         held: list[int] = []
         held_rows: list[torch.Tensor] = []
         held_next = 0
