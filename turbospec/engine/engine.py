@@ -265,15 +265,15 @@ class Engine:
         depth = self.config.spec.depth  # the deepest draft a step may verify
         # commits of steps without a draft (adaptive speculation's idle steps, empty drafts), told to the drafter in one
         # call before it next drafts: on a model small enough that a step is ~0.3 ms, telling it each step cost ~1%
-        held: list[int] = []
-        held_rows: list[torch.Tensor] = []
-        held_next = 0
+        untold: list[int] = []
+        untold_rows: list[torch.Tensor] = []
+        untold_next = 0
 
         def tell() -> None:
-            if held and drafter is not None:
-                drafter.accept(held, held_rows[0] if len(held_rows) == 1 else torch.cat(held_rows), held_next)
-                held.clear()
-                held_rows.clear()
+            if untold and drafter is not None:
+                drafter.accept(untold, untold_rows[0] if len(untold_rows) == 1 else torch.cat(untold_rows), untold_next)
+                untold.clear()
+                untold_rows.clear()
 
         try:  # (a caller that stops early closes the generator: the timings still hold)
             while not done:
@@ -363,10 +363,10 @@ class Engine:
                         if len(tree):
                             drafter.accept([root] + accepted, hidden_rows, nxt)
                         else:
-                            held.append(root)
-                            held_rows.append(hidden_rows)
-                            held_next = nxt
-                            if len(held) >= HOLD:
+                            untold.append(root)
+                            untold_rows.append(hidden_rows)
+                            untold_next = nxt
+                            if len(untold) >= HOLD:
                                 tell()
                 context += accepted
                 pending = accepted + [nxt]
