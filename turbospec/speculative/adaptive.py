@@ -352,16 +352,16 @@ def calibrate(model, n_max: int, spec=None, reps: int = 5, context: int = 32) ->
 
 
 def time_mtp(model, spec, n_max: int, reps: int = 5, context: int = 32) -> tuple[float, float]:
-    """(seconds per drafted token of an n_max-token MTP draft, seconds of a probe: the MTP catching up on 16 steps
-    and drafting one token), medians over `reps`, on a scratch MTP drafter and cache (the engine's drafter and any
+    """(seconds per drafted token of an n_max-token MTP draft, seconds of a probe: the MTP catching up on CATCH_UP
+    steps and drafting one token), medians over `reps`, on a scratch MTP drafter and cache (the engine's drafter and any
     state shared between requests are left alone)."""
     from dataclasses import replace
 
     from turbospec.kv.plan import AttentionPlan
     from turbospec.sampling import SamplingParams
+    from turbospec.speculative.mtp import CATCH_UP as catch_up
     from turbospec.speculative.registry import make_drafter
 
-    catch_up = 16
     n = context + (reps + 1) * (2 + catch_up)
     drafter = make_drafter(replace(spec, types=("draft-mtp",)), model, n + n_max + 2)
     g = torch.Generator().manual_seed(1)
