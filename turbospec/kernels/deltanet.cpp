@@ -170,10 +170,6 @@ void run(const T* window, const T* conv_t, const T* z, const T* b, const T* a, c
 
 }  // namespace
 
-// window [K-1+N, C] (conv state rows then the new projected rows), conv_t [K, C], z [N, Hv*Dv], b/a [N, Hv]
-// (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified); parents
-// int64 [N] for a token tree (node i continues from node parents[i], -1 = state), empty for a chain.
-// Returns (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
 // The nodes' parents of a token tree of n tokens (int64 [n], each after its parent, -1 = the committed state),
 // checked and made contiguous in place; null for a chain (an empty tensor).
 const int64_t* tree_parents(torch::Tensor& parents, int64_t n) {
@@ -185,6 +181,10 @@ const int64_t* tree_parents(torch::Tensor& parents, int64_t n) {
   return par;
 }
 
+// window [K-1+N, C] (conv state rows then the new projected rows), conv_t [K, C], z [N, Hv*Dv], b/a [N, Hv]
+// (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified); parents
+// int64 [N] for a token tree (node i continues from node parents[i], -1 = state), empty for a chain.
+// Returns (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
 std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b,
                                     torch::Tensor a, torch::Tensor neg_a, torch::Tensor dt_bias,
                                     torch::Tensor norm_w, torch::Tensor state, torch::Tensor parents, int64_t nk,

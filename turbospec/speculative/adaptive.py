@@ -323,7 +323,7 @@ def calibrate(model, n_max: int, spec=None, reps: int = 5, context: int = 32) ->
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (context + n_max + 1,), generator=g, device="cpu").to(torch.get_default_device())
-    model.forward(ids[:context], AttentionPlan.causal(0, context), cache)
+    prompt_rows = model.forward(ids[:context], AttentionPlan.causal(0, context), cache)
     cache.commit()
     rows_timed = sorted({1, 2, n_max + 1})
     runs: dict[int, list[float]] = {r: [] for r in rows_timed}
@@ -346,31 +346,30 @@ def calibrate(model, n_max: int, spec=None, reps: int = 5, context: int = 32) ->
         verify.append(timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (k - lo) / (hi - lo))
     costs = StepCosts(verify)
     if spec is not None and "draft-mtp" in spec.types:
-        costs.draft, costs.probe = time_mtp(model, spec, n_max, reps, context)
+        costs.draft, costs.probe = time_mtp(model, spec, ids[:context].tolist(), prompt_rows, n_max, reps)
         costs.draft_prior = 1
     return costs
 
 
-def time_mtp(model, spec, n_max: int, reps: int = 5, context: int = 32) -> tuple[float, float]:
+def time_mtp(model, spec, prompt: list[int], prompt_rows: torch.Tensor, n_max: int, reps: int = 5
+             ) -> tuple[float, float]:
     """(seconds per drafted token of an n_max-token MTP draft, seconds of a probe: the MTP catching up on CATCH_UP
     steps and drafting one token), medians over `reps`, on a scratch MTP drafter and cache (the engine's drafter and any
-    state shared between requests are left alone)."""
+    state shared between requests are left alone), after `prompt` whose target hidden rows are `prompt_rows`."""
     from dataclasses import replace
 
-    from turbospec.kv.plan import AttentionPlan
     from turbospec.sampling import SamplingParams
     from turbospec.speculative.mtp import CATCH_UP as catch_up
     from turbospec.speculative.registry import make_drafter
 
+    context = len(prompt)
     n = context + (reps + 1) * (2 + catch_up)
     drafter = make_drafter(replace(spec, types=("draft-mtp",)), model, n + n_max + 2)
     g = torch.Generator().manual_seed(1)
-    toks = torch.randint(3, model.cfg.vocab_size, (n + 1,), generator=g).tolist()
-    ids = torch.tensor(toks[:context], dtype=torch.int64, device=torch.get_default_device())
-    hidden = model.forward(ids, AttentionPlan.causal(0, context), model.new_cache(context + 1))
-    row = hidden[-1:]
+    toks = prompt + torch.randint(3, model.cfg.vocab_size, (n + 1 - context,), generator=g).tolist()
+    row = prompt_rows[-1:]
     drafter.sampling(SamplingParams())
-    drafter.begin(toks[:context], hidden)
+    drafter.begin(prompt, prompt_rows)
     drafts: list[float] = []
     probes: list[float] = []
     pos = context  # toks[pos] is the next root
