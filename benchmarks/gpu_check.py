@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from turbospec import device, env  # noqa: E402
 from turbospec.config import EngineConfig, SpecConfig  # noqa: E402
 from turbospec.engine import Engine  # noqa: E402
-from turbospec.kv.cache import KVCache  # noqa: E402
+from turbospec.kv.fill import fill_random  # noqa: E402
 from turbospec.lab.fit.arch import PRESETS  # noqa: E402
 from turbospec.model.config import ModelConfig  # noqa: E402
 from turbospec.model.loader import WeightSource  # noqa: E402
@@ -133,28 +133,6 @@ def copy_bandwidth() -> float:
     return 2 * 4 * (1 << 30) / best / 1e9
 
 
-def fill(cache, depth: int, seed: int = 0) -> None:
-    """Random K/V in the attention layers' first `depth` positions, committed (the hybrid's recurrent states stay as
-    they are: their size does not grow with the context)."""
-    kv = cache.kv if hasattr(cache, "kv") else cache
-    g = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
-    if isinstance(kv, KVCache):
-        for buf in (kv.k, kv.v):
-            for layer in range(buf.shape[0]):
-                buf[layer, :, :depth].normal_(generator=g)
-    else:
-        step = 16384
-        for fmt, bufs in ((kv.k_fmt, kv.k), (kv.v_fmt, kv.v)):
-            for layer in range(kv.num_layers):
-                for s in range(0, depth, step):
-                    e = min(depth, s + step)
-                    x = torch.randn(kv.num_kv_heads, e - s, kv.head_dim, generator=g)
-                    for name, t in fmt.encode(x).items():
-                        bufs[name][layer, :, s:e] = t
-    kv.length = depth
-    sync()
-
-
 def gib(n: float) -> float:
     return round(n / 2**30, 2)
 
@@ -168,7 +146,8 @@ def decode_run(model, depth: int, kv: str, drafter_type: str, gen: int, reps: in
     eng = Engine(model, None, EngineConfig(ctx=ctx, ubatch=2048, cache_type_k=kv, cache_type_v=kv, spec=sc),
                  drafter=drafter)
     cache = eng.cache
-    fill(cache, depth)
+    fill_random(cache, depth)
+    sync()
     g = torch.Generator().manual_seed(depth)
     context = torch.randint(3, model.cfg.vocab_size, (depth + new,), generator=g, device="cpu").tolist()
     eng.cached_tokens = context[:depth]
@@ -244,7 +223,8 @@ def profile_run(model, depth: int, kv: str, mtp: bool = False, steps: int = 4) -
     drafter = make_drafter(sc, model, depth + 64 + sc.depth + 1) if mtp else None
     eng = Engine(model, None, EngineConfig(ctx=depth + 64, ubatch=2048, cache_type_k=kv, cache_type_v=kv, spec=sc),
                  drafter=drafter)
-    fill(eng.cache, depth)
+    fill_random(eng.cache, depth)
+    sync()
     context = torch.randint(3, model.cfg.vocab_size, (depth + 4,), device="cpu").tolist()
     eng.cached_tokens = context[:depth]
     eng.generate([context], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

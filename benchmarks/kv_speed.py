@@ -24,30 +24,10 @@ import torch
 
 from turbospec.demo import make_demo_model
 from turbospec.kv.cache import KVCache
+from turbospec.kv.fill import fill_random
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.model import load_model
-
-
-def fill(cache, depth: int, seed: int = 0) -> None:
-    """Random K (unit-RMS, like k_norm output) and V for positions [0, depth) of every layer."""
-    g = torch.Generator().manual_seed(seed)
-    if isinstance(cache, KVCache):
-        kvh, d = cache.k.shape[1], cache.k.shape[3]
-        k = torch.randn(kvh, depth, d, generator=g)
-        v = torch.randn(kvh, depth, d, generator=g) * 0.05
-        cache.k[:, :, :depth] = k.to(cache.dtype)
-        cache.v[:, :, :depth] = v.to(cache.dtype)
-    else:
-        kvh, d = cache.num_kv_heads, cache.head_dim
-        for s in range(0, depth, 8192):  # encode in pieces to bound the float temporaries
-            e = min(s + 8192, depth)
-            k = torch.randn(kvh, e - s, d, generator=g)
-            v = torch.randn(kvh, e - s, d, generator=g) * 0.05
-            for fmt, buf, x in ((cache.k_fmt, cache.k, k), (cache.v_fmt, cache.v, v)):
-                for name, t in fmt.encode(x).items():
-                    buf[name][:, :, s:e] = t  # same entries in every layer
-    cache.length = depth
 
 
 def make_cache(model, kind: str, depth: int, steps: int, block: int):
@@ -57,7 +37,7 @@ def make_cache(model, kind: str, depth: int, steps: int, block: int):
         cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, n, model.dtype)
     else:
         cache = QuantKVCache(c.num_layers, c.num_kv_heads, c.head_dim, n, kind, kind, block=block)
-    fill(cache, depth)
+    fill_random(cache, depth)
     return cache
 
 

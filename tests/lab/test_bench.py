@@ -125,6 +125,39 @@ def test_bench_fills_a_depth_once_on_a_hybrid(tmp_path, monkeypatch):
     assert calls[1:] == [(608, 600)] * 3  # warm-up and two repetitions: only the prompt is computed
 
 
+@pytest.mark.parametrize("kv", ["f16", "tbq4_0"])
+def test_bench_random_depth_fill_reads_no_filler(tmp_path, monkeypatch, kv):
+    """--depth-fill random: the depth's KV is written (no filler token goes through the model) and every
+    repetition resumes there and computes the prompt alone, on a hybrid too (its states kept at a checkpoint)."""
+    from pathlib import Path
+
+    from turbospec.engine.engine import Engine
+
+    calls = []
+    prefill = Engine.prefill
+
+    def counting(self, tokens, *args, **kwargs):
+        out = prefill(self, tokens, *args, **kwargs)
+        calls.append((len(tokens), self.reused_tokens, self.cache.length))
+        return out
+
+    monkeypatch.setattr(Engine, "prefill", counting)
+    model = Path(__file__).resolve().parents[2] / "models" / "turbospec-tiny-hybrid"
+    rc = main(["bench", "-m", str(model), "-p", "8", "-n", "2", "-r", "2", "--warmup", "1", "--depth", "0,600",
+               "-ctk", kv, "-ctv", kv, "--depth-fill", "random", "--out", str(tmp_path / "h"), "-q", "-t", "1"])
+    assert rc == 0
+    assert [c[:2] for c in calls[:3]] == [(8, 0)] * 3  # depth 0: warm-up and two repetitions from empty
+    assert calls[3:] == [(608, 600, 608)] * 3  # at 600: only the prompt, after 600 random positions
+    rows = json.loads((tmp_path / "h" / "report.json").read_text())["rows"]
+    assert [r["depth"] for r in rows] == [0, 600] and all(r["decode_tps"] > 0 for r in rows)
+
+
+def test_bench_random_depth_fill_refuses_drafters(tiny, tmp_path, capsys):
+    rc = main(["bench", "-m", str(tiny), "-p", "8", "-n", "2", "-r", "1", "--depth", "16", "--depth-fill", "random",
+               "--spec-type", "ngram", "--out", str(tmp_path / "x"), "-q"])
+    assert rc != 0 and "plain decoding" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
 def test_interleave_runs_points_back_to_back_on_one_copy_of_the_weights(tiny, tmp_path, monkeypatch, capsys):
     """--interleave: every point's engine first, on one model; each repetition runs every point, in alternating
     order; the rows carry the paired ratios to the first point (1.0 for the first point itself)."""

@@ -20,7 +20,7 @@ from turbospec.cli.args import (
 from turbospec.errors import TurboSpecError
 from turbospec.lab import bench, client, history
 from turbospec.lab.report import console_table
-from turbospec.lab.workload import BenchOptions
+from turbospec.lab.workload import DEPTH_FILLS, BenchOptions
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -33,6 +33,10 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=5, help="measured repetitions (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="discarded warm-up runs (default 1)")
     p.add_argument("-d", "--depth", default="0", help="context depths, comma list (default 0)")
+    p.add_argument("--depth-fill", choices=DEPTH_FILLS, default="prefill",
+                   help="how -d's context is filled: prefill (random tokens read by the model, default) or random "
+                        "(the attention KV written with random values: decode and the prompt at depth 128K-262K "
+                        "without first reading that many tokens; plain decoding only)")
     p.add_argument("--sweep", action="append", default=[],
                    help=f"key=v1,v2 (keys: {', '.join(bench.SWEEP_KEYS)}); several form a cartesian product; "
                         "write spec-type chains with + (ngram-mod+draft-mtp)")
@@ -80,13 +84,17 @@ def register(sub) -> argparse.ArgumentParser:
 def options(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(n_prompt=a.n_prompt, n_gen=a.n_gen, repetitions=a.repetitions, warmup=a.warmup,
                         depths=tuple(int(d) for d in str(a.depth).split(",")), sweep=tuple(a.sweep),
-                        categories=a.categories, temp=a.temp, seed=a.seed, quiet=a.quiet, interleave=a.interleave)
+                        categories=a.categories, temp=a.temp, seed=a.seed, quiet=a.quiet, interleave=a.interleave,
+                        depth_fill=a.depth_fill)
 
 
 def run(a: argparse.Namespace) -> int:
     opts = options(a)
     if a.url and a.interleave:
         raise TurboSpecError("--interleave measures the local engine's sweep points; it does not apply with --url")
+    if a.url and a.depth_fill != "prefill":
+        raise TurboSpecError("--depth-fill random writes the local engine's cache; a server's context is filled "
+                             "with words (--url)")
     if a.url:  # servers: depth = that many filler words before the prompt
         settings = {k: v for k, v in vars(a).items() if k not in ("func", "api_key")}
         report = client.run_remote(a.url, opts, a.api_key, settings)

@@ -20,6 +20,7 @@ from turbospec.config import EngineConfig
 from turbospec.engine import build_engine
 from turbospec.engine.build import assemble_engine, load_parts
 from turbospec.errors import TurboSpecError
+from turbospec.kv.fill import fill_random
 from turbospec.lab import plots
 from turbospec.lab.progress import loading, progress
 from turbospec.lab.report import env_info, markdown_header, markdown_table, summarize, write_csv, write_json
@@ -88,6 +89,9 @@ def run_local(config: EngineConfig, opts: BenchOptions, settings: dict[str, Any]
     bar = progress(total, "bench", opts.quiet)
     ctx = max(config.ctx, max(depths) + opts.n_prompt + opts.n_gen + 16, 4096 if prompts else 0)
     configs = [apply_sweep(config, point).replace(ctx=ctx) for point in points]
+    if opts.depth_fill == "random" and any(c.spec.types for c in configs):
+        raise TurboSpecError("--depth-fill random measures plain decoding: a drafter's own state (the MTP layer's "
+                             "KV, n-gram tables) cannot be filled with random values; drop --spec-type")
     cases = list(prompts.items()) if prompts else [("random", None)]
     model_path = None
     if opts.interleave:
@@ -157,7 +161,11 @@ class _Case:
         self.ptoks: list[int] = self.base or []
         self.params = SamplingParams(temperature=opts.temp, top_k=0, top_p=1.0, min_p=0.0, seed=opts.seed,
                                      max_tokens=opts.n_gen, ignore_eos=True)
-        if depth:  # every repetition resumes at the depth (a hybrid model from its checkpoint there: the prefill
+        if depth and opts.depth_fill == "random":  # random KV values, kept as a checkpoint: resumed every time
+            engine.cache.reset()
+            fill_random(engine.cache, depth, seed=depth)
+            engine.cached_tokens = list(self.filler)
+        elif depth:  # every repetition resumes at the depth (a hybrid model from its checkpoint there: the prefill
             # of filler + one token keeps one before that token)
             engine.prefill(self.filler + (self.base or [3])[:1], rows=1)
             engine.cached_tokens = engine.cached_tokens[:depth]

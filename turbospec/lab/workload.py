@@ -15,6 +15,9 @@ from turbospec.errors import TurboSpecError
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "prompts.json"
 
 
+DEPTH_FILLS = ("prefill", "random")
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """One measurement: prompt / output lengths, repetitions, context depths, sweeps, prompt categories.
@@ -33,6 +36,7 @@ class BenchOptions:
     seed: int = 0
     quiet: bool = False  # no progress bar
     interleave: bool = False  # sweep points' repetitions round-robin in one process, paired ratios to the first
+    depth_fill: str = "prefill"  # how the depth is filled: "prefill" (filler tokens read) or "random" (KV values)
 
     def __post_init__(self) -> None:
         for n in ("n_prompt", "n_gen", "repetitions"):
@@ -40,6 +44,8 @@ class BenchOptions:
                 raise TurboSpecError(f"--{n.replace('_', '-')} must be positive")
         if self.warmup < 0:
             raise TurboSpecError("--warmup must be >= 0")
+        if self.depth_fill not in DEPTH_FILLS:
+            raise TurboSpecError(f"--depth-fill must be one of {', '.join(DEPTH_FILLS)}")
 
 
 def load_prompts(categories: str | None) -> dict[str, str]:
