@@ -32,14 +32,14 @@ TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
 
 
 def bench(model: str, dtype: str, kv: str, depth: int, gen: int, reps: int, spec: str | None = None,
-          categories: str | None = None, adaptive: bool = False,
-          prompt: int = 16) -> tuple[float, float | None, float, int]:
+          categories: str | None = None, adaptive: bool = False, prompt: int = 16,
+          fill: str = "prefill") -> tuple[float, float | None, float, int]:
     """(decode t/s, draft acceptance rate or None, prefill t/s of the prompt at the depth, prompt tokens) of one
     `turbospec bench` run (medians over `reps` repetitions; with `categories` the prompt is that category's)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "turbospec.cli", "bench", "-m", model, "--dtype", dtype, "-d", str(depth), "-p",
                str(prompt), "-n", str(gen), "-r", str(reps), "-c", str(depth + prompt + gen + 64), "-ctk", kv, "-ctv",
-               kv, "-q", "--out", out, *(["--spec-type", spec] if spec else []),
+               kv, "-q", "--out", out, "--depth-fill", fill, *(["--spec-type", spec] if spec else []),
                *(["--spec-adaptive"] if spec and adaptive else []), *(["--categories", categories] if categories else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if r.returncode:
@@ -65,6 +65,109 @@ def llama_bench(binary: str, gguf: str, kv: str, depth: int, prompt: int, gen: i
     return res[1], res[0]
 
 
+GGML_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids of the KV types written below
+STATE_MAGIC, STATE_VERSION = 0x67677371, 3  # llama.h: LLAMA_STATE_SEQ_MAGIC ('ggsq'), LLAMA_STATE_SEQ_VERSION
+
+
+def random_rows(rng, kv: str, n: int, width: int) -> bytes:
+    """`n` KV rows of `width` values in ggml type `kv`: unit-normal f16, or q8_0 blocks (an f16 scale and 32 int8)."""
+    import numpy as np
+
+    if kv == "f16":
+        return rng.standard_normal((n, width), dtype=np.float32).astype(np.float16).tobytes()
+    blocks = np.empty((n * width // 32,), dtype=[("d", "<f2"), ("qs", "i1", 32)])
+    blocks["d"] = 2.5 / 127
+    blocks["qs"] = rng.integers(-127, 128, size=(len(blocks), 32), dtype=np.int8)
+    return blocks.tobytes()
+
+
+def gguf_shape(gguf: str) -> tuple[int, int, int, int, int]:
+    """(layers, KV heads, key length, value length, vocabulary size) of a dense GGUF model."""
+    from gguf import GGUFReader
+
+    meta = GGUFReader(gguf).fields
+    arch = bytes(meta["general.architecture"].parts[-1]).decode()
+
+    def num(key: str, default: int | None = None) -> int:
+        f = meta.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else int(default)  # type: ignore[arg-type]
+
+    key_len = num("attention.key_length", num("embedding_length") // num("attention.head_count"))
+    return (num("block_count"), num("attention.head_count_kv"), key_len, num("attention.value_length", key_len),
+            len(meta["tokenizer.ggml.tokens"].data))
+
+
+def write_llama_state(path: Path, gguf: str, kv: str, tokens: list[int], seed: int = 0) -> None:
+    """A llama.cpp sequence-state file for `tokens` with random K/V (what `llama_state_seq_save_file` writes for one
+    sequence of a one-stream cache with flash attention, i.e. V not transposed; llama-server restores it with
+    `POST /slots/0?action=restore`), so that llama-server resumes at that depth without reading the tokens: the
+    twin of `turbospec bench --depth-fill random`. Dense attention-only models (every layer has KV)."""
+    import numpy as np
+
+    n_layer, heads_kv, key_len, val_len, _ = gguf_shape(gguf)
+    depth, rng = len(tokens), np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        f.write(np.array([STATE_MAGIC, STATE_VERSION, depth], dtype="<u4").tobytes())
+        f.write(np.array(tokens, dtype="<i4").tobytes())
+        f.write(np.array([1, depth], dtype="<u4").tobytes())  # one stream; its cells
+        cells = np.zeros(depth, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+        cells["pos"], cells["n_seq"] = np.arange(depth), 1  # each cell: its position, in sequence 0
+        f.write(cells.tobytes())
+        f.write(np.array([0, n_layer], dtype="<u4").tobytes())  # V not transposed; layers
+        for width in [heads_kv * key_len] * n_layer + [heads_kv * val_len] * n_layer:  # every K, then every V
+            row = width * 2 if kv == "f16" else width // 32 * 34
+            f.write(np.array([GGML_TYPES[kv]], dtype="<i4").tobytes() + np.array([row], dtype="<u8").tobytes())
+            for s in range(0, depth, 16384):
+                f.write(random_rows(rng, kv, min(depth, s + 16384) - s, width))
+
+
+def llama_server_at_depth(binary: str, gguf: str, kv: str, depth: int, prompt: int, gen: int, reps: int,
+                          threads: int, fill: str = "random") -> tuple[float, float]:
+    """(decode t/s, prefill t/s) of llama-server resuming at `depth` positions of `fill`: "random" KV
+    (`write_llama_state`, restored before every repetition) or "prefill" (random tokens read once by a first,
+    untimed request; every repetition resumes there from the prompt cache): the `prompt` random tokens after them
+    read, then `gen` greedy tokens; the rates are the response's own `timings` (prompt_per_second,
+    predicted_per_second), medians of `reps` after a warm-up."""
+    import random
+
+    import httpx
+    from served_speed import free_port, server
+
+    vocab = gguf_shape(gguf)[4]
+    rng = random.Random(depth)
+    tokens = [rng.randrange(3, vocab) for _ in range(depth)]
+    dec, pre = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        if depth and fill == "random":
+            write_llama_state(Path(tmp) / "depth.bin", gguf, kv, tokens, seed=depth)
+        port = free_port()
+        cmd = [binary, "-m", str(Path(gguf).resolve()), "-c", str(depth + prompt + gen + 64), "-np", "1", "-fa", "on", "-ctk", kv,
+               "-ctv", kv, "-t", str(threads), "--cache-ram", "0", "--slot-save-path", tmp + "/", "--port", str(port)]
+        with server(cmd, port) as url, httpx.Client(timeout=3600) as c:
+            if depth and fill == "prefill":
+                c.post(url + "/completion", json={"prompt": tokens, "n_predict": 1, "cache_prompt": True,
+                                                  "id_slot": 0}).raise_for_status()
+            for rep in range(reps + 1):  # the first is a warm-up
+                if depth and fill == "random":
+                    r = c.post(url + "/slots/0?action=restore", json={"filename": "depth.bin"})
+                    r.raise_for_status()
+                    assert r.json()["n_restored"] == depth, r.json()
+                elif not depth:
+                    c.post(url + "/slots/0?action=erase").raise_for_status()
+                p = [random.Random(rep).randrange(3, vocab) for _ in range(prompt)]
+                body = {"prompt": tokens + p, "n_predict": gen, "temperature": 0, "ignore_eos": True,
+                        "cache_prompt": True, "id_slot": 0}
+                r = c.post(url + "/completion", json=body)
+                r.raise_for_status()
+                t = r.json()["timings"]
+                if t["prompt_n"] != prompt or t.get("cache_n", depth) != depth:
+                    raise SystemExit(f"llama-server did not resume at the restored depth: {t}")
+                if rep:
+                    dec.append(t["predicted_per_second"])
+                    pre.append(t["prompt_per_second"])
+    return statistics.median(dec), statistics.median(pre)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/demo-qwen3")
@@ -84,12 +187,22 @@ def main() -> int:
     ap.add_argument("--gguf", default=None, help="GGUF file of the same weights for llama-bench")
     ap.add_argument("--llama-types", nargs="*", default=["f16", "q8_0", "q4_0"])
     ap.add_argument("--threads", type=int, default=2, help="llama-bench threads")
+    ap.add_argument("--llama-server", default=None,
+                    help="path of llama.cpp's llama-server (with --gguf): llama.cpp's rows from the server instead "
+                         "of llama-bench (the prompt after the context, then decode, in one request; timings from "
+                         "the response); needed for --depth-fill random")
+    ap.add_argument("--depth-fill", nargs="*", choices=["prefill", "random"], default=["prefill"],
+                    help="how each depth is filled (both: every round runs both, rows of random fill marked ~random): "
+                         "prefill reads random tokens; random writes random KV values (turbospec bench "
+                         "--depth-fill random; llama-server restores a state file of random KV)")
     ap.add_argument("--llama-decode-only", action="store_true",
                     help="skip llama-bench's prompt-at-depth run (it fills the cache again; prefill rows then 0)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if bool(a.llama_bench) != bool(a.gguf):
-        ap.error("--llama-bench and --gguf go together")
+    if bool(a.llama_bench or a.llama_server) != bool(a.gguf) or (a.llama_bench and a.llama_server):
+        ap.error("--gguf goes with one of --llama-bench and --llama-server")
+    if "random" in a.depth_fill and (a.llama_bench or a.spec):
+        ap.error("--depth-fill random measures plain decoding, llama.cpp through --llama-server")
     if a.adaptive_only and not a.spec_adaptive:
         ap.error("--adaptive-only goes with --spec-adaptive")
     if not (ROOT / a.model / "config.json").exists():
@@ -101,41 +214,50 @@ def main() -> int:
     meta = {"command": " ".join(["python", "benchmarks/kv_bench_cli.py", *sys.argv[1:]]), "model": a.model,
             "dtype": a.dtype, "gen": a.gen, "reps": a.reps, "rounds": a.rounds, "spec": a.spec,
             "spec_adaptive": a.spec_adaptive, "categories": a.categories, "prompt": a.prompt,
-            "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench else None,
-            "adaptive_only": a.adaptive_only, "llama_decode_only": a.llama_decode_only}
+            "gguf": a.gguf, "llama_types": a.llama_types if a.llama_bench or a.llama_server else None,
+            "llama": "llama-server" if a.llama_server else "llama-bench" if a.llama_bench else None,
+            "depth_fill": a.depth_fill, "adaptive_only": a.adaptive_only, "llama_decode_only": a.llama_decode_only}
     rows = []
     for depth in a.depths:
         always = a.spec and not a.adaptive_only
         runs = [(t, None, False) for t in a.types] + ([(t, a.spec, False) for t in a.types] if always else [])
         runs += [(t, a.spec, True) for t in a.types] if a.spec and a.spec_adaptive else []
-        names = [t if sp is None else f"{t}+{sp}" + ("+adaptive" if ad else "") for t, sp, ad in runs]
-        llama = [f"llama.cpp:{t}" for t in a.llama_types] if a.llama_bench else []
-        tps: dict[str, list[float]] = {n: [] for n in names + llama}
-        acc: dict[str, list[float | None]] = {n: [] for n in names + llama}
-        pre: dict[str, list[float]] = {n: [] for n in names + llama}
+        llama_on = bool(a.llama_bench or a.llama_server)
+        cells = []  # (name, fill, turbospec run or llama.cpp KV type)
+        for fill in a.depth_fill:
+            mark = "~random" if fill == "random" and len(a.depth_fill) > 1 else ""
+            cells += [((t if sp is None else f"{t}+{sp}" + ("+adaptive" if ad else "")) + mark, fill, (t, sp, ad))
+                      for t, sp, ad in runs]
+            cells += [(f"llama.cpp:{t}{mark}", fill, t) for t in (a.llama_types if llama_on else [])]
+        names = [c[0] for c in cells]
+        tps: dict[str, list[float]] = {n: [] for n in names}
+        acc: dict[str, list[float | None]] = {n: [] for n in names}
+        pre: dict[str, list[float]] = {n: [] for n in names}
         for r in range(a.rounds):
             n_prompt = a.prompt
-            for name, (t, sp, ad) in zip(names, runs):
-                speed, rate, pp, n_prompt = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories, ad,
-                                                  a.prompt)
+            for name, fill, what in cells:
+                if isinstance(what, tuple):
+                    t, sp, ad = what
+                    speed, rate, pp, n_prompt = bench(a.model, a.dtype, t, depth, a.gen, a.reps, sp, a.categories,
+                                                      ad, a.prompt, fill)
+                elif a.llama_server:
+                    (speed, pp), rate = llama_server_at_depth(a.llama_server, a.gguf, what, depth, n_prompt, a.gen,
+                                                              a.reps, a.threads, fill), None
+                else:
+                    (speed, pp), rate = llama_bench(a.llama_bench, a.gguf, what, depth, n_prompt, a.gen, a.reps,
+                                                    a.threads, a.llama_decode_only), None
                 tps[name].append(speed)
                 acc[name].append(rate)
                 pre[name].append(pp)
                 print(f"depth {depth} round {r} {name}: {speed:.1f} t/s, prefill {pp:.0f} t/s, acceptance {rate}",
                       flush=True)  # (a long run stopped part-way keeps what it printed)
-            for name, t in zip(llama, a.llama_types):
-                speed, pp = llama_bench(a.llama_bench, a.gguf, t, depth, n_prompt, a.gen, a.reps, a.threads,
-                                        a.llama_decode_only)
-                tps[name].append(speed)
-                acc[name].append(None)
-                pre[name].append(pp)
-            print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f} (prefill {pre[t][-1]:.0f})"
-                                                         for t, v in tps.items()), flush=True)
-        for t in names + llama:
-            ratios = [x / f for x, f in zip(tps[t], tps["f16"])]
-            rows.append({"type": t, "depth": depth, "decode_tps": statistics.median(tps[t]), "runs": tps[t],
-                         "ratio_vs_f16": statistics.median(ratios), "ratios": ratios, "acc_rate": acc[t],
-                         "prefill_tps": statistics.median(pre[t]), "prefill_runs": pre[t]})
+        for name, fill, _ in cells:
+            base = "f16~random" if name.endswith("~random") else "f16"
+            ratios = [x / f for x, f in zip(tps[name], tps[base])]
+            rows.append({"type": name, "depth": depth, "fill": fill, "decode_tps": statistics.median(tps[name]),
+                         "runs": tps[name], "ratio_vs_f16": statistics.median(ratios), "ratios": ratios,
+                         "acc_rate": acc[name], "prefill_tps": statistics.median(pre[name]),
+                         "prefill_runs": pre[name]})
         if a.out:  # after every depth: a long run stopped part-way keeps the depths it finished
             Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"\n{'type':>20} {'depth':>6} {'t/s':>8} {'x f16':>6} {'prefill':>8}")
