@@ -81,6 +81,12 @@ def random_rows(rng, kv: str, n: int, width: int) -> bytes:
     return blocks.tobytes()
 
 
+def gguf_arch(gguf: str) -> str:
+    from gguf import GGUFReader
+
+    return bytes(GGUFReader(gguf).fields["general.architecture"].parts[-1]).decode()
+
+
 def gguf_shape(gguf: str) -> tuple[int, int, int, int, int]:
     """(layers, KV heads, key length, value length, vocabulary size) of a dense GGUF model."""
     from gguf import GGUFReader
@@ -140,9 +146,12 @@ def llama_server_at_depth(binary: str, gguf: str, kv: str, depth: int, prompt: i
     with tempfile.TemporaryDirectory() as tmp:
         if depth and fill == "random":
             write_llama_state(Path(tmp) / "depth.bin", gguf, kv, tokens, seed=depth)
-        port = free_port()
-        cmd = [binary, "-m", str(Path(gguf).resolve()), "-c", str(depth + prompt + gen + 64), "-np", "1", "-fa", "on", "-ctk", kv,
-               "-ctv", kv, "-t", str(threads), "--cache-ram", "0", "--slot-save-path", tmp + "/", "--port", str(port)]
+        port, ctx = free_port(), depth + prompt + gen + 64
+        # llama-server caps a slot at the model's training context (llama-bench does not): the GGUF's value is
+        # raised to the context asked for (no RoPE scaling is involved: only the cap moves)
+        cmd = [binary, "-m", str(Path(gguf).resolve()), "-c", str(ctx), "-np", "1", "-fa", "on", "-ctk", kv, "-ctv",
+               kv, "-t", str(threads), "--cache-ram", "0", "--slot-save-path", tmp + "/", "--port", str(port),
+               "--override-kv", f"{gguf_arch(gguf)}.context_length=int:{ctx}"]
         with server(cmd, port) as url, httpx.Client(timeout=3600) as c:
             if depth and fill == "prefill":
                 c.post(url + "/completion", json={"prompt": tokens, "n_predict": 1, "cache_prompt": True,
@@ -150,8 +159,8 @@ def llama_server_at_depth(binary: str, gguf: str, kv: str, depth: int, prompt: i
             for rep in range(reps + 1):  # the first is a warm-up
                 if depth and fill == "random":
                     r = c.post(url + "/slots/0?action=restore", json={"filename": "depth.bin"})
-                    r.raise_for_status()
-                    assert r.json()["n_restored"] == depth, r.json()
+                    if r.status_code != 200 or r.json().get("n_restored") != depth:
+                        raise SystemExit(f"llama-server did not restore the {depth}-position state: {r.text}")
                 elif not depth:
                     c.post(url + "/slots/0?action=erase").raise_for_status()
                 p = [random.Random(rep).randrange(3, vocab) for _ in range(prompt)]
