@@ -10,11 +10,20 @@ turbospec's f16), with its prefill of a prompt as long at that depth (`-d DEPTH 
 the category prompt's length). At long depths, where every run fills its context itself, `--adaptive-only` drops the
 always-on `--spec` runs and `--llama-decode-only` llama-bench's prompt-at-depth run.
 
+`--llama-server PATH` runs llama.cpp's side through llama-server instead: one request reads the prompt after the
+context and decodes, and the response's `timings` give both rates. `--depth-fill random` fills each depth with
+random KV values in both engines (`turbospec bench --depth-fill random`; a llama.cpp sequence-state file written
+here, which llama-server restores before every repetition) instead of reading that many tokens: 128K-262K contexts
+in minutes. `--depth-fill prefill random` runs both fills in every round (rows `type~random`), to check that the
+two give the same speeds.
+
     python benchmarks/kv_bench_cli.py --depths 512 8192 32768 --rounds 3 --out docs/results/kv_bench_cli.json
     python benchmarks/kv_bench_cli.py --model models/turbospec-tiny --spec draft-mtp --categories code \
         --types f16 q8_0 tbq4_0 turbo3 --depths 0 2048 8192 --gen 128 --out docs/results/kv_bench_cli_mtp.json
     python benchmarks/kv_bench_cli.py --types f16 q8_0 tbq4_0 turbo3 --depths 0 8192 32768 --prompt 512 \
         --llama-bench <llama.cpp>/build/bin/llama-bench --gguf models/demo-qwen3/bench-f16.gguf
+    python benchmarks/kv_bench_cli.py --types f16 q8_0 tbq4_0 turbo3 --depths 131072 262144 --prompt 512 \
+        --depth-fill random --llama-server <llama.cpp>/build/bin/llama-server --gguf models/demo-qwen3/bench-f16.gguf
 """
 
 from __future__ import annotations
@@ -260,6 +269,8 @@ def main() -> int:
                 pre[name].append(pp)
                 print(f"depth {depth} round {r} {name}: {speed:.1f} t/s, prefill {pp:.0f} t/s, acceptance {rate}",
                       flush=True)  # (a long run stopped part-way keeps what it printed)
+            print(f"depth {depth} round {r}: " + ", ".join(f"{t} {v[-1]:.1f} (prefill {pre[t][-1]:.0f})"
+                                                         for t, v in tps.items()), flush=True)
         for name, fill, _ in cells:
             base = "f16~random" if name.endswith("~random") else "f16"
             ratios = [x / f for x, f in zip(tps[name], tps[base])]
