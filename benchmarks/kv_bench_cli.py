@@ -90,18 +90,17 @@ def random_rows(rng, kv: str, n: int, width: int) -> bytes:
     return blocks.tobytes()
 
 
-def gguf_arch(gguf: str) -> str:
+def gguf_meta(gguf: str) -> tuple[str, dict]:
+    """A GGUF file's architecture name and metadata fields."""
     from gguf import GGUFReader
 
-    return bytes(GGUFReader(gguf).fields["general.architecture"].parts[-1]).decode()
+    meta = GGUFReader(gguf).fields
+    return bytes(meta["general.architecture"].parts[-1]).decode(), meta
 
 
 def gguf_shape(gguf: str) -> tuple[int, int, int, int, int]:
     """(layers, KV heads, key length, value length, vocabulary size) of a dense GGUF model."""
-    from gguf import GGUFReader
-
-    meta = GGUFReader(gguf).fields
-    arch = bytes(meta["general.architecture"].parts[-1]).decode()
+    arch, meta = gguf_meta(gguf)
 
     def num(key: str, default: int | None = None) -> int:
         f = meta.get(f"{arch}.{key}")
@@ -160,7 +159,7 @@ def llama_server_at_depth(binary: str, gguf: str, kv: str, depth: int, prompt: i
         # raised to the context asked for (no RoPE scaling is involved: only the cap moves)
         cmd = [binary, "-m", str(Path(gguf).resolve()), "-c", str(ctx), "-np", "1", "-fa", "on", "-ctk", kv, "-ctv",
                kv, "-t", str(threads), "--cache-ram", "0", "--slot-save-path", tmp + "/", "--port", str(port),
-               "--override-kv", f"{gguf_arch(gguf)}.context_length=int:{ctx}"]
+               "--override-kv", f"{gguf_meta(gguf)[0]}.context_length=int:{ctx}"]
         with server(cmd, port) as url, httpx.Client(timeout=3600) as c:
             if depth and fill == "prefill":
                 c.post(url + "/completion", json={"prompt": tokens, "n_predict": 1, "cache_prompt": True,
@@ -172,7 +171,8 @@ def llama_server_at_depth(binary: str, gguf: str, kv: str, depth: int, prompt: i
                         raise SystemExit(f"llama-server did not restore the {depth}-position state: {r.text}")
                 elif not depth:
                     c.post(url + "/slots/0?action=erase").raise_for_status()
-                p = [random.Random(rep).randrange(3, vocab) for _ in range(prompt)]
+                rep_rng = random.Random(rep)
+                p = [rep_rng.randrange(3, vocab) for _ in range(prompt)]
                 body = {"prompt": tokens + p, "n_predict": gen, "temperature": 0, "ignore_eos": True,
                         "cache_prompt": True, "id_slot": 0}
                 r = c.post(url + "/completion", json=body)
