@@ -13,9 +13,7 @@ from pathlib import Path
 from turbospec.errors import TurboSpecError
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "prompts.json"
-
-
-DEPTH_FILLS = ("prefill", "random")
+DEPTH_FILLS = ("prefill", "random")  # how a depth is filled: filler tokens read, or random KV values written
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,7 @@ class BenchOptions:
     seed: int = 0
     quiet: bool = False  # no progress bar
     interleave: bool = False  # sweep points' repetitions round-robin in one process, paired ratios to the first
-    depth_fill: str = "prefill"  # how the depth is filled: "prefill" (filler tokens read) or "random" (KV values)
+    depth_fill: str = "prefill"  # one of DEPTH_FILLS
 
     def __post_init__(self) -> None:
         for n in ("n_prompt", "n_gen", "repetitions"):
