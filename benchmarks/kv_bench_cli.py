@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPES = ["f16", "q8_0", "q4_0", "tbq4_0", "turbo4", "turbo3"]
@@ -90,35 +91,40 @@ def random_rows(rng, kv: str, n: int, width: int) -> bytes:
     return blocks.tobytes()
 
 
-def gguf_meta(gguf: str) -> tuple[str, dict]:
-    """A GGUF file's architecture name and metadata fields."""
+class GGUFShape(NamedTuple):
+    arch: str
+    layers: int
+    heads_kv: int
+    key_len: int
+    val_len: int
+    vocab: int
+
+
+def gguf_shape(gguf: str) -> GGUFShape:
+    """Architecture name, layers, KV heads, key / value lengths and vocabulary size of a dense GGUF model."""
     from gguf import GGUFReader
 
     meta = GGUFReader(gguf).fields
-    return bytes(meta["general.architecture"].parts[-1]).decode(), meta
-
-
-def gguf_shape(gguf: str) -> tuple[int, int, int, int, int]:
-    """(layers, KV heads, key length, value length, vocabulary size) of a dense GGUF model."""
-    arch, meta = gguf_meta(gguf)
+    arch = bytes(meta["general.architecture"].parts[-1]).decode()
 
     def num(key: str, default: int | None = None) -> int:
         f = meta.get(f"{arch}.{key}")
         return int(f.parts[-1][0]) if f is not None else int(default)  # type: ignore[arg-type]
 
     key_len = num("attention.key_length", num("embedding_length") // num("attention.head_count"))
-    return (num("block_count"), num("attention.head_count_kv"), key_len, num("attention.value_length", key_len),
-            len(meta["tokenizer.ggml.tokens"].data))
+    return GGUFShape(arch, num("block_count"), num("attention.head_count_kv"), key_len,
+                     num("attention.value_length", key_len), len(meta["tokenizer.ggml.tokens"].data))
 
 
-def write_llama_state(path: Path, gguf: str, kv: str, tokens: list[int], seed: int = 0) -> None:
+def write_llama_state(path: Path, shape: GGUFShape, kv: str, tokens: list[int], seed: int = 0) -> None:
     """A llama.cpp sequence-state file for `tokens` with random K/V (what `llama_state_seq_save_file` writes for one
     sequence of a one-stream cache with flash attention, i.e. V not transposed; llama-server restores it with
     `POST /slots/0?action=restore`), so that llama-server resumes at that depth without reading the tokens: the
-    twin of `turbospec bench --depth-fill random`. Dense attention-only models (every layer has KV)."""
+    twin of `turbospec bench --depth-fill random`. Dense attention-only models (every layer has KV), `shape` read by
+    `gguf_shape`."""
     import numpy as np
 
-    n_layer, heads_kv, key_len, val_len, _ = gguf_shape(gguf)
+    n_layer, heads_kv, key_len, val_len = shape.layers, shape.heads_kv, shape.key_len, shape.val_len
     depth, rng = len(tokens), np.random.default_rng(seed)
     with open(path, "wb") as f:
         f.write(np.array([STATE_MAGIC, STATE_VERSION, depth], dtype="<u4").tobytes())
@@ -147,19 +153,20 @@ def llama_server_at_depth(binary: str, gguf: str, kv: str, depth: int, prompt: i
     import httpx
     from served_speed import free_port, server
 
-    vocab = gguf_shape(gguf)[4]
+    shape = gguf_shape(gguf)
+    vocab = shape.vocab
     rng = random.Random(depth)
     tokens = [rng.randrange(3, vocab) for _ in range(depth)]
     dec, pre = [], []
     with tempfile.TemporaryDirectory() as tmp:
         if depth and fill == "random":
-            write_llama_state(Path(tmp) / "depth.bin", gguf, kv, tokens, seed=depth)
+            write_llama_state(Path(tmp) / "depth.bin", shape, kv, tokens, seed=depth)
         port, ctx = free_port(), depth + prompt + gen + 64
         # llama-server caps a slot at the model's training context (llama-bench does not): the GGUF's value is
         # raised to the context asked for (no RoPE scaling is involved: only the cap moves)
         cmd = [binary, "-m", str(Path(gguf).resolve()), "-c", str(ctx), "-np", "1", "-fa", "on", "-ctk", kv, "-ctv",
                kv, "-t", str(threads), "--cache-ram", "0", "--slot-save-path", tmp + "/", "--port", str(port),
-               "--override-kv", f"{gguf_meta(gguf)[0]}.context_length=int:{ctx}"]
+               "--override-kv", f"{shape.arch}.context_length=int:{ctx}"]
         with server(cmd, port) as url, httpx.Client(timeout=3600) as c:
             if depth and fill == "prefill":
                 c.post(url + "/completion", json={"prompt": tokens, "n_predict": 1, "cache_prompt": True,
