@@ -661,6 +661,30 @@ def test_mtp_catches_up_on_a_long_run_from_the_last_pairs_only(paths):
     assert len(tree) == 3 and d.cache.length == 19 + CATCH_UP + 1
 
 
+def test_mtp_begin_reads_the_window_rows_in_place(paths):
+    """`begin` with the hidden rows of the prompt's window only (what the engine hands it after a long cached prompt)
+    drafts as with the whole prompt's rows, and allocates nothing the size of the prompt: it once padded the rows
+    with zeros to the whole prompt (at 262K positions of a 5120-wide model, gigabytes per request)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target = load_model(paths["target"], "float32")
+    spec = SpecConfig.parse("draft-mtp", mtp_prompt_window=64)
+    n, width = 6000, target.cfg.hidden_size
+    prompt = [(7 * i + i // 64) % 61 + 3 for i in range(n)]
+    hidden = torch.randn(n, width, generator=torch.Generator().manual_seed(0))
+    trees = []
+    for rows in (hidden, hidden[-65:].clone()):
+        d = make_drafter(spec, target, n + 16)
+        d.sampling(SamplingParams(temperature=0))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            d.begin(prompt, rows)
+        assert max(e.cpu_memory_usage for e in prof.events()) < n * width * 4 / 8
+        assert d.next_pos == n - 1 and d.cache.length == 64
+        tree = d.propose(prompt + [5], 3)
+        trees.append(tree.tokens)
+    assert trees[0] == trees[1] and len(trees[0]) == 3
+
+
 def test_mtp_drafts_at_depth_build_no_rotary_tables(paths, monkeypatch):
     """The MTP reads the target's rotary tables: when a long prompt comes from the cache (nothing fed the MTP during
     prefill) its first drafts at depth build no tables (a table of its own, built for 4096 positions, was rebuilt for

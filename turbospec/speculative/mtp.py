@@ -173,12 +173,14 @@ class MTPDrafter(Drafter):
         self._add_vocab(tokens)
         self.cache.reset()
         n = len(tokens)
-        # hidden may cover only the last rows (the engine reused a cached prompt prefix)
-        start = n - hidden.shape[0]
+        # hidden may cover only the last rows (the engine reused a cached prompt prefix, or read only the window's):
+        # its row i is position first + i (indexed in place: never padded to the whole prompt, which at 262K
+        # positions of a 5120-wide model would be gigabytes)
+        first = n - hidden.shape[0]
+        start = first
         w = self.window(n)
         if w > 0:
             start = max(start, n - 1 - w)
-        hidden = torch.cat([hidden.new_zeros(n - hidden.shape[0], hidden.shape[1]), hidden])
         # MTP cache entry i holds target position i + offset: skipped prompt positions take no cache room and
         # need no mask (RoPE gets the true positions from the plan)
         self.offset = start
@@ -186,10 +188,10 @@ class MTPDrafter(Drafter):
         for s in range(start, n - 1, chunk):
             e = min(s + chunk, n - 1)
             toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64, device=hidden.device)
-            self.mtp.forward(toks, hidden[s:e], _plan(self.cache, s, e - s), self.cache)
+            self.mtp.forward(toks, hidden[s - first:e - first], _plan(self.cache, s, e - s), self.cache)
             self.cache.commit()
         self.pending_tokens = []
-        self.pending_hidden = [hidden[n - 1:n]]
+        self.pending_hidden = [hidden[-1:]]
         self._waiting = 1
 
     def _flush_and_first(self, root: int) -> torch.Tensor:
