@@ -103,3 +103,22 @@ def test_prefill_rows_across_chunks(hf_qwen3, rows):
     got = Engine(model, None, EngineConfig(ctx=64, ubatch=20, prefix_cache=False)).prefill(ids, rows)
     assert full.shape[0] == 45 and got.shape[0] == rows
     assert torch.allclose(got, full[-rows:], atol=1e-5)
+
+
+def test_prefix_reuse_finds_where_a_long_prompt_diverges(tmp_path):
+    """The next prompt resumes at the first token that differs from the cached one, wherever that falls (the
+    comparison runs over slices of 4096 tokens first); its output equals a cold engine's."""
+    p = make_demo_model(tmp_path / "m", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300)
+    model = load_model(p)
+    eng = Engine(model, None, EngineConfig(ctx=9000))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = torch.randint(3, 300, (8800,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.generate([prompt], sp)
+    for at in (8500, 4096, 4095, 100):
+        other = prompt[:at] + [(prompt[at] + 1) % 297 + 3] + prompt[at + 1:8600]
+        got = eng.generate([other], sp)[0]
+        assert eng.reused_tokens == at and got["stats"].cached_tokens == at
+        cold = Engine(model, None, EngineConfig(ctx=9000)).generate([other], sp)[0]
+        assert got["tokens"] == cold["tokens"]
+        prompt = other

@@ -97,7 +97,10 @@ class Engine:
         reuse = 0
         if reuse_prefix and self.config.prefix_cache:
             limit = min(len(self.cached_tokens), len(tokens) - 1, self.cache.length)
-            while reuse < limit and self.cached_tokens[reuse] == tokens[reuse]:
+            old, step = self.cached_tokens, 4096  # whole slices compared first (in C: ~20x a loop over tokens)
+            while reuse + step <= limit and old[reuse:reuse + step] == tokens[reuse:reuse + step]:
+                reuse += step
+            while reuse < limit and old[reuse] == tokens[reuse]:
                 reuse += 1
             reuse = self.cache.resume_point(reuse)
         if reuse:
@@ -106,7 +109,7 @@ class Engine:
             self.cache.reset()
         self.reused_tokens = reuse
         self.cached_tokens = list(tokens)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        ids = torch.tensor(tokens[reuse:], dtype=torch.int64, device=self.device)  # (positions from `reuse` on)
         n, out = len(tokens), []
         ubatch = self.config.ubatch
         bounds = [*range(reuse, n, ubatch), n]
@@ -117,7 +120,7 @@ class Engine:
             if abort is not None and s > reuse and abort():
                 self.cached_tokens = self.cached_tokens[:self.cache.length]
                 raise Aborted
-            chunk = ids[s:e]
+            chunk = ids[s - reuse:e - reuse]
             want = None if rows is None else min(e - s, max(1, e - (n - rows)))  # rows of this chunk kept
             hidden = self.model.forward(chunk, AttentionPlan.causal(self.cache.length, chunk.numel()), self.cache,
                                         out_rows=want)
