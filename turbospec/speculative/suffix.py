@@ -141,7 +141,9 @@ class SuffixDrafter(Drafter):
         self.local = SuffixIndex(n_min)
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
-        self.local = SuffixIndex(self.n_min)
+        have = self.local.tokens
+        if len(tokens) < len(have) or tokens[:len(have)] != have:  # a continuation (a conversation's next turn)
+            self.local = SuffixIndex(self.n_min)  # keeps its index: indexing a 64K-token prompt takes ~0.3 s
         self.local.extend(tokens)
 
     def sync(self, tokens: list[int]) -> None:
