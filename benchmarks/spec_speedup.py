@@ -126,7 +126,7 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
     t = time.perf_counter()
     list(eng.stream(prompt, sp))
     st = eng.last_stats
-    out = {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t}
+    out = {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t, "ttft_ms": st.ttft_s * 1e3}
     spec = st.spec
     if spec is not None:
         out["drafts"], out["accepted"] = spec.drafts, spec.accepted
@@ -243,11 +243,16 @@ def main() -> None:
                 "mean_acc_len": statistics.median(r["mean_acc_len"] for r in rows[name]),
                 "undrafted_steps": statistics.median(r["skipped"] for r in rows[name]),
                 "tree_steps": statistics.median(r.get("trees", 0) for r in rows[name]),
-                "ratios": ratios}
+                "ratios": ratios,
+                # time to the first token (prefill of what the cache lacks, and the drafter's start on the prompt)
+                "ttft_ms_median": statistics.median(r["ttft_ms"] for r in rows[name]),
+                "plain_ttft_ms_median": statistics.median(
+                    r["ttft_ms"] for r in rows.get(f"plain|{name}", rows["plain"]))}
             c = res["configs"][name]
             print(f"{cat:16s} {name:28s} {c['tps_median']:7.1f} t/s vs plain {c['plain_tps_median']:7.1f}: "
                   f"{c['speedup_median']:.2f}x (paired, min {c['speedup_min']:.2f} max {c['speedup_max']:.2f}), "
-                  f"mean acceptance length {c['mean_acc_len']:.2f}, {c['tree_steps']:g} tree steps", flush=True)
+                  f"mean acceptance length {c['mean_acc_len']:.2f}, {c['tree_steps']:g} tree steps, "
+                  f"TTFT {c['ttft_ms_median']:.0f} ms (plain {c['plain_ttft_ms_median']:.0f})", flush=True)
         res["raw"] = rows
         results[cat] = res
     if a.out:

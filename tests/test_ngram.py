@@ -25,15 +25,19 @@ def test_prompt_lookup_drafts_what_a_scan_finds_across_steps_and_requests():
     for _ in range(40):
         n_min, n_max, vocab = rnd.choice([1, 2]), rnd.choice([2, 3, 5]), rnd.choice([3, 6, 20])
         d = PromptLookup(n_min, n_max)
-        ctx = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, 30))]
-        for _ in range(3):  # requests: the next one continues this one's tokens, or is another text
-            d.begin(list(ctx), None)
-            ctx.append(rnd.randrange(vocab))
+        prompt = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, 30))]
+        for _ in range(4):
+            d.begin(list(prompt), None)
+            ctx = prompt + [rnd.randrange(vocab)]
             for _ in range(30):
                 k = rnd.choice([1, 3, 8])
                 assert d.propose(ctx, k).tokens == scan(ctx, n_min, n_max, k)
                 ctx += [rnd.randrange(vocab) for _ in range(rnd.choice([1, 1, 2, 4]))]
-            ctx = ctx + [1, 2] if rnd.random() < 0.5 else [rnd.randrange(vocab) for _ in range(20)]
+            # the next request: this one's tokens and more (the next turn), the same prompt again, one that
+            # departs from it somewhere, or another text
+            cut = rnd.randrange(len(prompt) + 1)
+            prompt = rnd.choice([ctx + [1, 2], list(prompt), prompt[:cut] + [vocab] + prompt[cut:],
+                                 [rnd.randrange(vocab) for _ in range(20)]])
 
 
 def test_ngram_mod_adds_a_long_prompt_as_token_by_token():
@@ -48,18 +52,22 @@ def test_ngram_mod_adds_a_long_prompt_as_token_by_token():
         assert torch.equal(fast.pool, slow.pool) and int((fast.pool >= 0).sum()) > 0
 
 
-def test_suffix_drafter_keeps_its_index_for_the_next_turn():
+def test_suffix_drafter_keeps_what_the_next_request_shares():
+    """The next turn of a conversation extends the drafter's index, the same prompt again drops only the last
+    output; the drafts equal those of a fresh drafter; another text gets a new index."""
     rnd = random.Random(2)
     text = [rnd.randrange(40) for _ in range(300)]
     d = SuffixDrafter()
     d.begin(text, None)
     index = d.local
-    d.propose(text + text[:5], 8)
-    turn2 = text + text[:5] + [7, 8] + text[100:130]
-    d.begin(turn2, None)
-    assert d.local is index  # extended, not rebuilt
-    fresh = SuffixDrafter()
-    fresh.begin(turn2, None)
-    assert d.propose(turn2 + [3], 8).tokens == fresh.propose(turn2 + [3], 8).tokens
+    out = text + text[:5]
+    d.propose(out, 8)
+    for prompt in (out + [7, 8] + text[100:130], text, text[:280] + [9] + text[280:]):
+        d.begin(prompt, None)
+        assert d.local is index  # kept: extended, or cut back to what the prompts share
+        fresh = SuffixDrafter()
+        fresh.begin(prompt, None)
+        assert d.local.tokens == fresh.local.tokens and d.local.ends == fresh.local.ends
+        assert d.propose(prompt + [3], 8).tokens == fresh.propose(prompt + [3], 8).tokens
     d.begin(text[50:], None)  # another text: a new index
     assert d.local is not index

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.drafter import Drafter, common_prefix
 from turbospec.speculative.tree import DraftTree
 
 
@@ -12,9 +12,10 @@ class PromptLookup(Drafter):
     """Find the most recent earlier occurrence of the last n tokens (n from n_max down to n_min) and propose
     the tokens that followed it (transformers' prompt lookup / llama.cpp ngram-simple).
 
-    Every n-gram's most recent start is kept in a table that grows with the context (a scan back through the
-    context at every step took 20 ms at 64K tokens and 80 ms at 262K); a request whose tokens extend the last one's
-    (the next turn of a conversation) keeps the table."""
+    The starts of every n-gram's occurrences are kept in a table that follows the context (a scan back through it at
+    every step took 20 ms at 64K tokens and 80 ms at 262K): a step indexes its new tokens, and a new request keeps
+    what its tokens share with the last request's (a conversation's next turn, the same prompt again) and indexes
+    the rest."""
 
     name = "ngram"
     needs_hidden = False
@@ -22,33 +23,43 @@ class PromptLookup(Drafter):
     def __init__(self, n_min: int = 2, n_max: int = 4):
         self.n_min, self.n_max = n_min, n_max
         self._seen: list[int] = []  # the tokens indexed (a copy: the engine's context list grows in place)
-        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> start of its most recent occurrence indexed
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> starts of its occurrences, oldest first
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
-        seen = self._seen
-        if len(tokens) < len(seen) or tokens[:len(seen)] != seen:  # not a continuation: start over
-            self._seen, self._last = [], {}
-        self._index(tokens, len(tokens))  # (the prompt's n-grams: counted in prefill, not in the first step)
+        self._follow(tokens, len(tokens), check=True)  # (counted in prefill, not in the first step)
 
-    def _index(self, tokens: list[int], upto: int) -> None:
-        """Index the n-grams within tokens[:upto] (at a step: all but the last token, as an occurrence must be
-        followed by a token)."""
-        seen, last = self._seen, self._last
-        if upto < len(seen) or (seen and tokens[len(seen) - 1] != seen[-1]):
-            seen.clear()
-            last.clear()
-        start = len(seen)
-        seen.extend(tokens[start:upto])
-        for end in range(start + 1, len(seen) + 1):
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                last[tuple(seen[end - n:end])] = end - n
+    def _grams(self, end: int) -> range:
+        """The lengths of the indexed n-grams that end at `end`."""
+        return range(self.n_min, min(self.n_max, end) + 1)
+
+    def _follow(self, tokens: list[int], upto: int, check: bool = False) -> None:
+        """Make the table that of tokens[:upto]. Within a request the tokens only grow (`check`: compare them all,
+        else only the last token indexed)."""
+        seen, starts = self._seen, self._starts
+        if check or len(seen) > upto or (seen and tokens[len(seen) - 1] != seen[-1]):
+            keep = common_prefix(seen, tokens, upto)
+            for end in range(len(seen), keep, -1):  # each list's last start is the one ending here
+                for n in self._grams(end):
+                    key = tuple(seen[end - n:end])
+                    occ = starts[key]
+                    occ.pop()
+                    if not occ:
+                        del starts[key]
+            del seen[keep:]
+        first = len(seen)
+        seen.extend(tokens[first:upto])
+        for n in range(self.n_min, self.n_max + 1):  # the n-grams ending after `first`, their tuples made by zip
+            lo = max(first + 1, n) - n
+            for s, key in enumerate(zip(*(seen[lo + j:] for j in range(n))), lo):
+                starts.setdefault(key, []).append(s)
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
-        self._index(tokens, len(tokens) - 1)
+        self._follow(tokens, len(tokens) - 1)  # (an occurrence must be followed by a token: the last one is not)
         L = len(tokens)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            s = self._last.get(tuple(tokens[L - n:]))
-            if s is not None:  # the most recent earlier occurrence: followed by at least one token
+            occ = self._starts.get(tuple(tokens[L - n:]))
+            if occ:  # the most recent earlier occurrence
+                s = occ[-1]
                 return DraftTree.chain(tokens[s + n:s + n + n_max], source=self.name)
         return DraftTree()
 

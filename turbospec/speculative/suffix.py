@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.drafter import Drafter, common_prefix
 from turbospec.speculative.tree import DraftTree
 
 LONG = 8  # the long n-gram table's key length: found first, so long matches are not lost among common bigrams
@@ -51,6 +51,21 @@ class SuffixIndex:
         have = len(self.tokens) - self.starts[-1]
         self.tokens.extend(tokens[have:])
         self._index()
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of a one-document index (a drafter's own context), and their n-grams."""
+        t = self.tokens
+        assert self.starts == [0] and n <= len(t)
+        for end in range(len(t), n, -1):  # each list's last end is this one
+            for g in (self.short, LONG):
+                if end - g >= 0:
+                    key = tuple(t[end - g:end])
+                    occ = self.ends[key]
+                    occ.pop()
+                    if not occ:
+                        del self.ends[key]
+        del t[n:]
+        self.seen = n + 1
 
     def _index(self) -> None:
         t, first = self.tokens, self.starts[-1]
@@ -141,9 +156,13 @@ class SuffixDrafter(Drafter):
         self.local = SuffixIndex(n_min)
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
-        have = self.local.tokens
-        if len(tokens) < len(have) or tokens[:len(have)] != have:  # a continuation (a conversation's next turn)
-            self.local = SuffixIndex(self.n_min)  # keeps its index: indexing a 64K-token prompt takes ~0.3 s
+        # what the request shares with the last one (a conversation's next turn, the same prompt again) stays
+        # indexed: indexing a 64K-token prompt took ~0.3 s
+        keep = common_prefix(self.local.tokens, tokens)
+        if 2 * keep < len(self.local.tokens):  # (fewer tokens to index afresh than to drop)
+            self.local = SuffixIndex(self.n_min)
+        elif keep < len(self.local.tokens):
+            self.local.truncate(keep)
         self.local.extend(tokens)
 
     def sync(self, tokens: list[int]) -> None:
