@@ -87,6 +87,34 @@ def test_greedy_identical_to_plain(paths, spec):
         assert total.accepted > 0
 
 
+def test_draft_model_keeps_what_the_next_request_shares(paths):
+    """A request that continues the last (a conversation's next turn) feeds the draft model only its new tokens;
+    the same prompt again only the last one; another prompt starts over. Drafts equal a fresh drafter's, and greedy
+    output stays plain decoding's."""
+    target = load_model(paths["target"], "float32")
+    sc = SpecConfig.parse("draft-model", n_max=4, draft_model=str(paths["other"]))
+    eng = Engine(target, None, EngineConfig(ctx=256, spec=SpecConfig(n_max=4)), drafter=make_drafter(sc, target, 260))
+    plain = Engine(target, None, EngineConfig(ctx=256))
+    d = eng.drafter
+    fed = []
+    feed = d._feed
+    d._feed = lambda toks: (fed.append(len(toks)), feed(toks))[1]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = PROMPTS[0] + PROMPTS[6]
+    out = run(eng, first, p)
+    turn2 = first + out + [5, 9, 11]
+    # at most: the answer's tokens not fed while drafting and the new message; nothing; all of it (begin feeds all
+    # but the prompt's last token: it comes with the first draft's root)
+    for prompt, most in ((turn2, len(out) + 2), (turn2, 0), (PROMPTS[3], len(PROMPTS[3]) - 1)):
+        fed.clear()
+        assert run(eng, prompt, p) == run(plain, prompt, p)
+        assert (2 if most else 0) <= fed[0] <= most and (prompt != PROMPTS[3] or fed[0] == most)
+        fresh = make_drafter(sc, target, 260)
+        fresh.begin(prompt, None)
+        d.begin(prompt, None)
+        assert d.propose(prompt + [7], 4).tokens == fresh.propose(prompt + [7], 4).tokens
+
+
 class TopKTreeDrafter(Drafter):
     """Test drafter: a tree from the target itself -- the top-2 at depth 1, then greedy chains under both."""
 

@@ -7,7 +7,7 @@ import torch
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model.base import Model
 from turbospec.sampling import argmax
-from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.drafter import Drafter, common_prefix
 from turbospec.speculative.tree import DraftTree
 
 
@@ -25,9 +25,26 @@ class DraftModelDrafter(Drafter):
         self.tokens: list[int] = []  # tokens whose KV is in the draft cache
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
-        self.cache.reset()
-        self.tokens = []
-        self._feed(tokens[:-1])
+        # what the draft cache shares with the prompt stays, as in the target's cache: a conversation's next turn
+        # feeds only its new tokens (the whole prompt was fed again every request: minutes at long context)
+        self._follow(tokens, len(tokens) - 1, check=True)
+
+    def _follow(self, tokens: list[int], upto: int, check: bool = False) -> torch.Tensor | None:
+        """Bring the draft cache to tokens[:upto]: keep the prefix it shares with them (within a request the tokens
+        only grow: `check` compares them all, else only the last one fed), feed the rest; the last fed row's hidden
+        state (None: nothing new)."""
+        have = self.tokens
+        n = len(have)
+        if check or n > upto or (have and tokens[n - 1] != have[-1]):
+            n = common_prefix(have, tokens, upto)
+        if n < self.cache.length:
+            if self.cache.prefix_reusable:
+                self.cache.truncate(n)
+            else:  # (a recurrent state cannot go back)
+                self.cache.reset()
+                n = 0
+        del have[n:]
+        return self._feed(tokens[n:upto])
 
     def _feed(self, toks: list[int]) -> torch.Tensor | None:
         h = None
@@ -39,18 +56,8 @@ class DraftModelDrafter(Drafter):
         return h
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
-        # bring the cache up to date: common prefix with what it holds, then the new tokens (incl. the root)
-        n = 0
-        while n < len(self.tokens) and n < len(tokens) and self.tokens[n] == tokens[n]:
-            n += 1
-        if n < self.cache.length:
-            if self.cache.prefix_reusable:
-                self.cache.truncate(n)
-            else:
-                self.cache.reset()
-                n = 0
-        self.tokens = self.tokens[:n]
-        h = self._feed(tokens[n:])
+        h = self._follow(tokens, len(tokens))  # (the root at least is new)
+        assert h is not None
         committed = self.cache.length
         out: list[int] = []
         for i in range(n_max):
