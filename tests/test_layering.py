@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "turbospec"
 # (module prefix, rank): a module may import only modules of a lower or equal rank; the longest prefix wins
 RANKS = {
     "turbospec.errors": 0, "turbospec.env": 0, "turbospec.device": 0, "turbospec.dtypes": 0, "turbospec.version": 0,
+    "turbospec.tokens": 0,
     "turbospec.kernels": 1,
     "turbospec.kv": 2, "turbospec.weights": 2,
     "turbospec.config": 3,

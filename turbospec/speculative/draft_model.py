@@ -7,8 +7,9 @@ import torch
 from turbospec.kv.plan import AttentionPlan
 from turbospec.model.base import Model
 from turbospec.sampling import argmax
-from turbospec.speculative.drafter import Drafter, common_prefix
+from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
+from turbospec.tokens import common_prefix
 
 
 class DraftModelDrafter(Drafter):

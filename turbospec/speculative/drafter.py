@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -71,15 +70,3 @@ class Drafter(Protocol):
         """The request ended with these tokens (prompt and output); drafters that learn across requests keep them."""
         return None
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int], upto: int | None = None) -> int:
-    """How many leading tokens a and b[:upto] share (slices of 4096 compared first: in C, not token by token), for
-    drafters whose tables follow the context: a new request keeps what it shares with the last (a conversation's next
-    turn, the same prompt again) and drops the rest."""
-    n = min(len(a), len(b) if upto is None else min(upto, len(b)))
-    i = 0
-    while i + 4096 <= n and a[i:i + 4096] == b[i:i + 4096]:
-        i += 4096
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from turbospec.speculative.drafter import Drafter, common_prefix
+from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
+from turbospec.tokens import common_prefix
 
 
 class PromptLookup(Drafter):

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from turbospec.speculative.drafter import Drafter, common_prefix
+from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
+from turbospec.tokens import common_prefix
 
 LONG = 8  # the long n-gram table's key length: found first, so long matches are not lost among common bigrams
 SCAN = 32  # most recent occurrences read per table and step
