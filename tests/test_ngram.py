@@ -71,3 +71,23 @@ def test_suffix_drafter_keeps_what_the_next_request_shares():
         assert d.propose(prompt + [3], 8).tokens == fresh.propose(prompt + [3], 8).tokens
     d.begin(text[50:], None)  # another text: a new index
     assert d.local is not index
+
+
+def test_ngram_mod_keeps_its_pool_for_the_next_turn_only():
+    """A request that continues the last adds only its new windows and ends with the pool a fresh drafter builds
+    from its tokens; another prompt (the same one again included: the last answer is not in it) starts empty."""
+    rnd = random.Random(3)
+    text = [rnd.randrange(30) for _ in range(600)]
+    d = NgramMod(n_match=3)
+    d.begin(text, None)
+    d.propose(text + [4, 5, 6], 4)
+    bulk = []  # prompts added afresh (600 tokens and more: with tensor ops)
+    add_many = d._add_many
+    d._add_many = lambda tokens, first: (bulk.append(first), add_many(tokens, first))[1]
+    for prompt, kept in ((text + [4, 5, 6, 7] + text[:40], True), (text, False), (text[10:], False)):
+        bulk.clear()
+        d.begin(prompt, None)
+        fresh = NgramMod(n_match=3)
+        fresh.begin(prompt, None)
+        assert torch.equal(d.pool, fresh.pool) and d.added == prompt
+        assert bulk == ([] if kept else [d.n])  # kept: only the 44 new windows, one by one

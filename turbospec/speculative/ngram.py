@@ -72,8 +72,10 @@ class NgramMod(Drafter):
     """Rolling hash of the last n_match tokens -> the token that followed, in a fixed-size pool (llama.cpp
     ngram-mod). Drafts chain lookups up to n_max tokens; proposes nothing when fewer than n_min would come.
 
-    The pool starts empty for each request, so one client's text never drafts (or times) another's; `shared`
-    keeps it across requests as llama.cpp does (repeated or similar requests then draft from earlier ones)."""
+    The pool starts empty for each request, so one client's text never drafts (or times) another's -- unless the
+    request continues the last one (a conversation's next turn: the pool holds only its own tokens then, and it adds
+    just the new ones); `shared` keeps it across requests as llama.cpp does (repeated or similar requests then draft
+    from earlier ones)."""
 
     name = "ngram-mod"
     needs_hidden = False
@@ -84,7 +86,7 @@ class NgramMod(Drafter):
         self.shared = shared
         self.mask = (1 << pool_bits) - 1
         self.pool = torch.full((1 << pool_bits,), -1, dtype=torch.int32, device="cpu")  # host-side: read per token
-        self.seen = 0
+        self.added: list[int] = []  # the tokens whose windows are in the pool (this request's, or the last one's)
 
     def _hash(self, toks: list[int]) -> int:
         h = 1469598103934665603
@@ -93,13 +95,13 @@ class NgramMod(Drafter):
         return h & self.mask
 
     def _add(self, tokens: list[int]) -> None:
-        first = max(self.seen, self.n)
+        first = max(len(self.added), self.n)
         if len(tokens) - first >= VECTOR_MIN:
             self._add_many(tokens, first)
         else:
             for end in range(first, len(tokens)):
                 self.pool[self._hash(tokens[end - self.n:end])] = tokens[end]
-        self.seen = max(self.seen, len(tokens))
+        self.added.extend(tokens[len(self.added):])
 
     def _add_many(self, tokens: list[int], first: int) -> None:
         """`_add`'s writes for the positions from `first` on, as tensor ops (a 64K-token prompt took ~210 ms token by
@@ -117,9 +119,11 @@ class NgramMod(Drafter):
         self.pool[hit] = t[last[hit] + self.n].to(torch.int32)
 
     def begin(self, tokens: list[int], hidden: torch.Tensor | None) -> None:
-        self.seen = 0
-        if not self.shared:
-            self.pool.fill_(-1)
+        # (shared: the prompt's windows are written again, over what other requests wrote since)
+        if self.shared or common_prefix(self.added, tokens) < len(self.added):
+            self.added = []
+            if not self.shared:
+                self.pool.fill_(-1)
         self._add(tokens)
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
