@@ -1,7 +1,8 @@
 """What the model-free drafters cost at long context, outside the model: starting on a prompt of N random tokens
 (cold), a draft where nothing matches (the worst case: prompt lookup once scanned the whole context for it), and
 starting on the next request -- the same prompt again after a 128-token answer, or the next turn of the
-conversation (prompt + answer + 3 tokens). Medians of --reps, in milliseconds.
+conversation (prompt + answer + 3 tokens). Medians of --reps, in milliseconds; and the memory a drafter's tables
+hold after a start on a new prompt (Python objects, traced by tracemalloc in a run of its own).
 
     python benchmarks/drafter_costs.py --tokens 65536 262144 --json docs/results/drafter_costs.json
 
@@ -16,6 +17,7 @@ import random
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 
@@ -40,7 +42,13 @@ def costs(drafter_cls, n: int, reps: int) -> dict[str, float]:
         t = time.perf_counter()
         d.begin(ctx + [5, 6, 7], None)
         runs["next_turn"].append(time.perf_counter() - t)
-    return {k: round(statistics.median(v) * 1e3, 3) for k, v in runs.items()}
+    out = {k: round(statistics.median(v) * 1e3, 3) for k, v in runs.items()}
+    tracemalloc.start()
+    d = drafter_cls()
+    d.begin(prompt, None)
+    out["held_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
+    tracemalloc.stop()
+    return out
 
 
 def main() -> int:
@@ -60,7 +68,8 @@ def main() -> int:
             row = {"drafter": name, "tokens": n, **costs(cls, n, a.reps)}
             rows.append(row)
             print(f"{name:10s} {n:7d} tokens: begin {row['begin']:8.1f} ms, draft {row['propose']:7.2f} ms, "
-                  f"same prompt again {row['same_prompt']:7.1f} ms, next turn {row['next_turn']:7.1f} ms", flush=True)
+                  f"same prompt again {row['same_prompt']:7.1f} ms, next turn {row['next_turn']:7.1f} ms, "
+                  f"tables {row['held_mib']:6.1f} MiB", flush=True)
     if a.json:
         out = {"command": " ".join(["python", "benchmarks/drafter_costs.py", *sys.argv[1:]]), "reps": a.reps,
                "rows": rows}

@@ -69,4 +69,3 @@ class Drafter(Protocol):
     def finish(self, tokens: list[int]) -> None:
         """The request ended with these tokens (prompt and output); drafters that learn across requests keep them."""
         return None
-
