@@ -87,12 +87,20 @@ def test_greedy_identical_to_plain(paths, spec):
         assert total.accepted > 0
 
 
-def test_draft_model_keeps_what_the_next_request_shares(paths):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_draft_model_keeps_what_the_next_request_shares(paths, hybrid):
     """A request that continues the last (a conversation's next turn) feeds the draft model only its new tokens;
-    the same prompt again only the last one; another prompt starts over. Drafts equal a fresh drafter's, and greedy
-    output stays plain decoding's."""
-    target = load_model(paths["target"], "float32")
-    sc = SpecConfig.parse("draft-model", n_max=4, draft_model=str(paths["other"]))
+    the same prompt again nothing (a hybrid draft model resumes at the checkpoint of the prompt's end); another
+    prompt starts over. Drafts equal a fresh drafter's, and greedy output stays plain decoding's."""
+    from pathlib import Path
+
+    draft = paths["other"]
+    if hybrid:
+        draft = Path(__file__).resolve().parents[1] / "models" / "turbospec-tiny-hybrid"
+        if not (draft / "config.json").exists():
+            pytest.skip("no bundled hybrid")
+    target = load_model(str(draft) if hybrid else paths["target"], "float32")
+    sc = SpecConfig.parse("draft-model", n_max=4, draft_model=str(draft))
     eng = Engine(target, None, EngineConfig(ctx=256, spec=SpecConfig(n_max=4)), drafter=make_drafter(sc, target, 260))
     plain = Engine(target, None, EngineConfig(ctx=256))
     d = eng.drafter

@@ -21,7 +21,8 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: Model, max_len: int, p_min: float = 0.0, k_type: str | None = None,
                  v_type: str | None = None):
         self.model = model
-        self.cache = model.new_cache(max_len, k_type=k_type, v_type=v_type)
+        # (a hybrid draft model keeps its recurrent states at its last prompts' ends: the same prompt again resumes)
+        self.cache = model.new_cache(max_len, k_type=k_type, v_type=v_type, checkpoints=2)
         self.p_min = p_min
         self.tokens: list[int] = []  # tokens whose KV is in the draft cache
 
@@ -29,6 +30,7 @@ class DraftModelDrafter(Drafter):
         # what the draft cache shares with the prompt stays, as in the target's cache: a conversation's next turn
         # feeds only its new tokens (the whole prompt was fed again every request: minutes at long context)
         self._follow(tokens, len(tokens) - 1, check=True)
+        self.cache.checkpoint()
 
     def _follow(self, tokens: list[int], upto: int, check: bool = False) -> torch.Tensor | None:
         """Bring the draft cache to tokens[:upto]: keep the prefix it shares with them (within a request the tokens
@@ -39,11 +41,8 @@ class DraftModelDrafter(Drafter):
         if check or n > upto or (have and tokens[n - 1] != have[-1]):
             n = common_prefix(have, tokens, upto)
         if n < self.cache.length:
-            if self.cache.prefix_reusable:
-                self.cache.truncate(n)
-            else:  # (a recurrent state cannot go back)
-                self.cache.reset()
-                n = 0
+            n = self.cache.resume_point(n)  # (recurrent states go back only to a checkpoint, else to 0)
+            self.cache.truncate(n)
         del have[n:]
         return self._feed(tokens[n:upto])
 
