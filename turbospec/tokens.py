@@ -16,3 +16,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int], upto: int | None = None) -
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def kept(have: list[int], tokens: Sequence[int], upto: int, check: bool = False) -> int:
+    """How many leading tokens of `have` (what a cache or a table holds) stay for tokens[:upto]: all of them where
+    the tokens only grew since (within a request: checked at `have`'s last token), else their common prefix
+    (`check`: always compared, as for a new request)."""
+    n = len(have)
+    if check or n > upto or (n and tokens[n - 1] != have[-1]):
+        return common_prefix(have, tokens, upto)
+    return n

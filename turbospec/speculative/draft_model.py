@@ -9,7 +9,7 @@ from turbospec.model.base import Model
 from turbospec.sampling import argmax
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
-from turbospec.tokens import common_prefix
+from turbospec.tokens import kept
 
 
 class DraftModelDrafter(Drafter):
@@ -37,9 +37,7 @@ class DraftModelDrafter(Drafter):
         only grow: `check` compares them all, else only the last one fed), feed the rest; the last fed row's hidden
         state (None: nothing new)."""
         have = self.tokens
-        n = len(have)
-        if check or n > upto or (have and tokens[n - 1] != have[-1]):
-            n = common_prefix(have, tokens, upto)
+        n = kept(have, tokens, upto, check)
         if n < self.cache.length:
             n = self.cache.resume_point(n)  # (recurrent states go back only to a checkpoint, else to 0)
             self.cache.truncate(n)

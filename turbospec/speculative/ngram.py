@@ -6,7 +6,7 @@ import torch
 
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.tree import DraftTree
-from turbospec.tokens import common_prefix
+from turbospec.tokens import common_prefix, kept
 
 
 class PromptLookup(Drafter):
@@ -39,19 +39,18 @@ class PromptLookup(Drafter):
         """Make the table that of tokens[:upto]. Within a request the tokens only grow (`check`: compare them all,
         else only the last token indexed)."""
         seen, starts = self._seen, self._starts
-        if check or len(seen) > upto or (seen and tokens[len(seen) - 1] != seen[-1]):
-            keep = common_prefix(seen, tokens, upto)
-            for end in range(len(seen), keep, -1):  # each list's last start is the one ending here
-                for n in self._grams(end):
-                    key = tuple(seen[end - n:end])
-                    occ = starts[key]
-                    if isinstance(occ, int):
-                        del starts[key]
-                    else:
-                        occ.pop()
-                        if len(occ) == 1:
-                            starts[key] = occ[0]
-            del seen[keep:]
+        keep = kept(seen, tokens, upto, check)
+        for end in range(len(seen), keep, -1):  # what the tokens no longer share; each list's last start ends here
+            for n in self._grams(end):
+                key = tuple(seen[end - n:end])
+                occ = starts[key]
+                if isinstance(occ, int):
+                    del starts[key]
+                else:
+                    occ.pop()
+                    if len(occ) == 1:
+                        starts[key] = occ[0]
+        del seen[keep:]
         first = len(seen)
         seen.extend(tokens[first:upto])
         for n in range(self.n_min, self.n_max + 1):  # the n-grams ending after `first`, their tuples made by zip
