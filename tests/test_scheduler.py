@@ -119,6 +119,58 @@ def test_paged_kernel_equals_contiguous_attention(name):
         assert torch.equal(out[i], ref), f"sequence {i} ({lens[i]} positions)"
 
 
+@pytest.mark.skipif(fused.load() is None, reason="attention kernel not available on this machine")
+@pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0", "turbo3"])
+def test_chain_rows_attend_as_the_steps_that_decode_them(kv):
+    """A chain of drafts to verify (a causal segment of up to STEP_ROWS rows), beside another sequence's decode row,
+    attends in the paged kernel row by row, each row over the positions up to its own: bit for bit what the
+    single-token steps that decode those rows one by one give (and the same pool bytes); a longer segment (a prompt
+    chunk) keeps the gathered path."""
+    from turbospec.kv.paged import STEP_ROWS, PagedBatch, Segment
+    from turbospec.kv.plan import AttentionPlan
+
+    g = torch.Generator().manual_seed(0)
+    kvh, h, d, n = 2, 4, 64, 4
+    cast = torch.bfloat16 if kv == "bf16" else torch.float32
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(cast)
+
+    q, k, v, qb, kb, vb = rand(h, n, d), rand(kvh, n, d), rand(kvh, n, d), rand(h, n, d), rand(kvh, n, d), \
+        rand(kvh, n, d)
+    outs, pools = [], []
+    for together in (True, False):
+        pool = BlockPool(1, kvh, d, 8, k_type=kv, v_type=kv)
+        a, b = PagedSequence(pool, 2048), PagedSequence(pool, 2048)
+        gc = torch.Generator().manual_seed(1)
+        for s, m in ((a, 300), (b, 40)):  # committed positions: a crosses a block boundary
+            s.begin(m)
+            pool.store(0, torch.randn(kvh, m, d, generator=gc).to(cast), torch.randn(kvh, m, d, generator=gc).to(cast),
+                       s.slots(0, m))
+            s.commit()
+        if together:  # one step: a's chain of n rows and b's decode row
+            batch = PagedBatch(pool, [Segment(a, 0, n, AttentionPlan.causal(300, n)),
+                                      Segment(b, n, 1, AttentionPlan.causal(40, 1))])
+            assert not batch.others and batch.decode_only
+            o = batch.attend(0, torch.cat([q, qb[:, :1]], 1), torch.cat([k, kb[:, :1]], 1),
+                             torch.cat([v, vb[:, :1]], 1), 0.125)
+            outs.append(o[:, :n])
+            batch.commit()
+        else:  # a's rows one step each
+            rows = []
+            for i in range(n):
+                batch = PagedBatch(pool, [Segment(a, 0, 1, AttentionPlan.causal(300 + i, 1))])
+                rows.append(batch.attend(0, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], 0.125))
+                batch.commit()
+            outs.append(torch.cat(rows, 1))
+        pools.append([t[0][:, a.slots(0, 300 + n)].clone() for t in (*pool.k.values(), *pool.v.values())])
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(x, y) for x, y in zip(*pools))
+    pool = BlockPool(1, kvh, d, 8, k_type=kv, v_type=kv)
+    long = PagedSequence(pool, 2048)
+    assert PagedBatch(pool, [Segment(long, 0, STEP_ROWS + 1, AttentionPlan.causal(0, STEP_ROWS + 1))]).others
+
+
 # ---- blocks ----------------------------------------------------------------------------------------------------
 def test_pool_blocks_are_allocated_freed_and_refused():
     pool = BlockPool(2, 1, 8, 3, k_type="f32", v_type="f32", block=4)

@@ -33,6 +33,7 @@ from turbospec.kv.query_rounding import key_block, round_queries
 Key = tuple  # (hash of the previous block's key or 0, the block's tokens)
 BLOCK = 256  # positions per block; equal to the attention kernel's tile, so a decode row's arithmetic is the same
 # whether its positions are paged or contiguous
+STEP_ROWS = 16  # causal segments of up to this many rows attend row by row in the C++ paged kernel (chain verification)
 
 
 class OutOfBlocks(TurboSpecError):
@@ -333,8 +334,8 @@ class PagedBatch:
     """One forward's rows from many sequences (the `cache` a model's forward gets; `plan` is `self.plan`).
 
     Every segment's sequence is begun here (blocks allocated for its new rows); `commit()` commits them all.
-    Segments of one row with a causal plan (decode) attend in one paged-kernel call; the others (prefill chunks,
-    verification steps) one by one over their gathered positions."""
+    The rows of causal segments of up to STEP_ROWS rows (decode, chain verification) attend in one paged-kernel call;
+    the others (prefill chunks, draft trees) one by one over their gathered positions."""
 
     def __init__(self, pool: BlockPool, segments: list[Segment]):
         self.pool = pool
@@ -350,18 +351,29 @@ class PagedBatch:
             self.slots = torch.tensor([s.seq.slot(s.seq.length) for s in segments], dtype=torch.int64)
         else:
             self.slots = torch.cat([s.seq.slots(s.seq.length, s.seq.length + s.n) for s in segments])
-        one = [s for s in segments if s.n == 1 and s.plan.mask is None]
-        self.decode_rows = torch.tensor([s.row for s in one], dtype=torch.int64)
-        self.others = [s for s in segments if not (s.n == 1 and s.plan.mask is None)]
-        self.decode_only = bool(one) and not self.others  # one row per sequence: the one-call attention's case
-        if one:
-            width = max(len(s.seq.blocks) for s in one)
-            table = torch.full((len(one), width), -1, dtype=torch.int32)
-            for i, s in enumerate(one):
-                table[i, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks, dtype=torch.int32)
+        # step rows: every row of a causal segment of at most `step_rows` (a decode row; with the C++ kernel also a
+        # chain of drafts to verify or a short prompt chunk) attends as a decode row over its sequence's positions up
+        # to its own, in one paged-kernel call for all of them -- the arithmetic of the single-token steps that decode
+        # those rows. (On a GPU the longer segments read their committed positions once for all their rows instead:
+        # `_segment_triton`.)
+        self.step_rows = STEP_ROWS if pool.kernel_specs is not None else 1
+        steps = [s for s in segments if self._step(s)]
+        rows = [(s, i) for s in steps for i in range(s.n)]
+        self.decode_rows = torch.tensor([s.row + i for s, i in rows], dtype=torch.int64)
+        self.others = [s for s in segments if not self._step(s)]
+        self.decode_only = bool(steps) and not self.others  # the one-call attention's case
+        if steps:
+            width = max(len(s.seq.blocks) for s in steps)
+            table = torch.full((len(rows), width), -1, dtype=torch.int32)
+            for j, (s, _) in enumerate(rows):
+                table[j, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks, dtype=torch.int32)
             self.tables = table
-            self.lens = torch.tensor([s.seq.length + 1 for s in one], dtype=torch.int64)
-            self.longest = max(s.seq.length + 1 for s in one)
+            self.lens = torch.tensor([s.seq.length + i + 1 for s, i in rows], dtype=torch.int64)
+            self.longest = int(self.lens.max())
+
+    def _step(self, s: Segment) -> bool:
+        """Whether segment s's rows attend as decode rows (causal, at most `step_rows` of them)."""
+        return s.plan.mask is None and s.n <= self.step_rows
 
     # the Cache protocol, as far as a model's forward uses it
     def begin(self, n: int) -> None:
@@ -478,13 +490,13 @@ class PagedBatch:
 
     def _decode_torch(self, layer: int, qf: torch.Tensor, d: int) -> torch.Tensor:
         outs = []
-        segs = [s for s in self.segments if s.n == 1 and s.plan.mask is None]
-        for i, s in enumerate(segs):
-            keys, values = self.pool.gather(layer, s.seq.slots(0, s.seq.length + 1))
-            sc = torch.matmul(qf[i], keys.float().transpose(-1, -2))  # [KVH, G, D] x [KVH, D, T]: [KVH, G, T]
+        rows = [(s, i) for s in self.segments if self._step(s) for i in range(s.n)]
+        for j, (s, i) in enumerate(rows):
+            keys, values = self.pool.gather(layer, s.seq.slots(0, s.seq.length + i + 1))
+            sc = torch.matmul(qf[j], keys.float().transpose(-1, -2))  # [KVH, G, D] x [KVH, D, T]: [KVH, G, T]
             outs.append(torch.matmul(torch.softmax(sc, -1), values.float()))
         kvh, g = qf.shape[1], qf.shape[2]
-        return torch.stack(outs).permute(1, 2, 0, 3).reshape(kvh * g, len(segs), d)
+        return torch.stack(outs).permute(1, 2, 0, 3).reshape(kvh * g, len(rows), d)
 
 
 def pool_for(model, positions: int, k_type: str | None, v_type: str | None, block: int = BLOCK, *,
