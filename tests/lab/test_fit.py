@@ -272,5 +272,66 @@ def test_parallel_counts_the_shared_pool_and_every_sequences_states():
     assert one.recurrent_state == state
     assert par.recurrent_state == 4 * (2 + 3) * state
     assert par.attention_kv == pool_for(m, 1000, "q8_0", "q8_0", layers=m.num_attn_layers).nbytes  # 4 blocks
-    with pytest.raises(TurboSpecError, match="not batched"):
-        estimate(arch, Setup(parallel=2), 1000, "q8_0", "q8_0", mode="mtp")
+    with pytest.raises(TurboSpecError, match="draft-model"):
+        estimate(arch, Setup(parallel=2), 1000, "q8_0", "q8_0", mode="draft")
+
+
+def test_parallel_speculation_counts_every_sequences_drafter():
+    """serve -np N with drafts: each sequence's MTP cache (together the pool's positions, plus a chain each), prompt
+    window rows and chain of recurrent states, the logits of every sequence's verified rows; a draft model is not
+    batched (refused)."""
+    arch = load_arch(preset="qwen3.6-27b")
+    one = estimate(arch, Setup(dtype="bfloat16", n_max=3), 65536, "q8_0", "q8_0", "mtp")
+    four = estimate(arch, Setup(dtype="bfloat16", n_max=3, parallel=4, ctx_checkpoints=0), 65536, "q8_0", "q8_0",
+                    "mtp")
+    per_pos = kv_bytes_per_token(arch.mtp_layers, arch.n_kv_heads, arch.head_dim, "q8_0", "q8_0")
+    assert one.mtp_kv == (65536 + 4) * per_pos and four.mtp_kv == (65536 + 4 * 4) * per_pos
+    assert four.spec_hidden_rows == 4 * one.spec_hidden_rows and four.spec_state_copies == 4 * one.spec_state_copies
+    plain = estimate(arch, Setup(dtype="bfloat16", parallel=4, ctx_checkpoints=0), 65536, "q8_0", "q8_0")
+    assert four.activations - plain.activations == (16 - 4) * arch.vocab * 4 * 2  # 4 x (1 + n_max) logits rows
+    assert plain.drafter_tables == four.drafter_tables == 0
+
+
+def test_model_free_drafters_tables_are_counted():
+    """The n-gram tables fit counts per context token bound what the drafters hold (tracemalloc) on tokens that
+    never repeat, their worst case, and are not far above it; --spec-type rows carry them."""
+    import random
+    import tracemalloc
+
+    from turbospec.lab.fit.memory import NGRAM_MOD_POOL, TABLE_BYTES_PER_TOKEN
+    from turbospec.speculative.ngram import NgramMod, PromptLookup
+    from turbospec.speculative.suffix import SuffixDrafter
+
+    n = 30000
+    rnd = random.Random(0)
+    tokens = [rnd.randrange(3, 150000) for _ in range(n)]
+    for name, make in (("ngram", PromptLookup), ("suffix", SuffixDrafter), ("ngram-mod", NgramMod)):
+        tracemalloc.start()
+        d = make()
+        d.begin(list(tokens), None)
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert 0.6 * TABLE_BYTES_PER_TOKEN[name] * n < held <= TABLE_BYTES_PER_TOKEN[name] * n, name
+        del d
+    arch = load_arch(preset="qwen3.6-27b")
+    b = estimate(arch, Setup(drafters=("ngram", "ngram-mod"), parallel=2), 4096, "f16", "f16", "ngram")
+    assert b.drafter_tables == (TABLE_BYTES_PER_TOKEN["ngram"] + TABLE_BYTES_PER_TOKEN["ngram-mod"]) * 4096 + \
+        2 * NGRAM_MOD_POOL
+    assert b.mtp_weights == b.mtp_kv == 0 and b.spec_state_copies > 0
+    with pytest.raises(TurboSpecError, match="unknown mode"):
+        estimate(arch, Setup(), 4096, "f16", "f16", "medusa")
+
+
+def test_cli_spec_type_rows(models, capsys):
+    ap = build_parser()
+    a = ap.parse_args(["fit", "-m", str(models["small"]), "--mem", "1GiB", "-ctk", "q8_0", "-np", "4", "-c", "8192",
+                       "--spec-type", "ngram,suffix", "--json"])
+    assert a.func(a) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["mode"] for r in rows] == ["base", "ngram+suffix"]
+    assert rows[1]["breakdown"]["drafter_tables"] > 0 and rows[1]["max_ctx"] < rows[0]["max_ctx"]
+    for bad, msg in ((["--spec-type", "draft-mtp"], "no MTP module"), (["--spec-type", "medusa"], "fit plans"),
+                     (["--spec-type", "ngram", "--mtp"], "leave out")):
+        a = ap.parse_args(["fit", "-m", str(models["small"]), "--mem", "1GiB", *bad])
+        with pytest.raises(TurboSpecError, match=msg):
+            a.func(a)

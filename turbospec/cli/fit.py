@@ -42,6 +42,14 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="no MTP rows")
     p.add_argument("-md", "--draft-model", default=None, help="draft model (directory, .gguf or config.json)")
     p.add_argument("--n-max", type=int, default=3, help="draft tokens per step (default 3)")
+    p.add_argument("--spec-type", default=None,
+                   help="plan this speculation, as `serve --spec-type` names it (comma list of draft-mtp, "
+                        "draft-model, ngram, ngram-mod, suffix): rows without and with it, the model-free "
+                        "drafters' tables counted (instead of --mtp / -md rows)")
+    p.add_argument("--spec-suffix-shared", action="store_true",
+                   help="with suffix: the server's shared store of earlier requests (as serve's flag)")
+    p.add_argument("--spec-suffix-store", type=int, default=1 << 18, metavar="N",
+                   help="tokens that store keeps (as serve's flag; default 262144)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="also report whether this context fits")
     p.add_argument("--ctx-max", type=int, default=None, help="search cap (default: 4M tokens)")
     p.add_argument("--logits-rows", type=int, default=None,
@@ -49,8 +57,8 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--runtime-overhead", default=None,
                    help="process baseline: a size, or 'measure' (cpu: runs a minimal model in a "
                         f"subprocess); default cpu {fit.CPU_RUNTIME_OVERHEAD // 2**20} MiB "
-                        f"(+ {fit.CPU_IMPORT_OVERHEAD // 2**20} MiB "
-                        f"before loading) measured, cuda {fit.CUDA_RUNTIME_OVERHEAD // 2**20} MiB estimate")
+                        f"(+ {fit.CPU_IMPORT_OVERHEAD // 2**20} MiB before loading; with -np > 1, a server: "
+                        f"{fit.CPU_SERVE_OVERHEAD // 2**20} MiB) measured, cuda {fit.CUDA_RUNTIME_OVERHEAD // 2**20} MiB estimate")
     p.add_argument("--spec-state", choices=("per-position", "checkpoint"), default="per-position",
                    help="GDN rollback for speculation: a state copy per chain position (turbospec, default) "
                         "or one checkpoint copy (llama.cpp speculative checkpointing)")
@@ -83,20 +91,21 @@ def run(a: argparse.Namespace) -> int:
         raise TurboSpecError("--moe-cache-mem must be >= 0 MiB")
     if a.ubatch_size < 1 or a.n_max < 0 or a.parallel < 1 or a.ctx_checkpoints < 0:
         raise TurboSpecError("-ub and -np must be >= 1, --n-max and --ctx-checkpoints >= 0")
-    if a.parallel > 1 and (a.backend != "cpu" or a.mtp or a.draft_model):
-        raise TurboSpecError("-np > 1 plans turbospec's CPU server; speculation with it is not planned yet "
-                             "(no --mtp, -md, cuda)")
+    if a.parallel > 1 and a.backend != "cpu":
+        raise TurboSpecError("-np > 1 plans turbospec's CPU server (--backend cpu)")
     if not dtypes.is_dtype_name(a.dtype):
         raise TurboSpecError(f"unknown --dtype {a.dtype!r} (float32, bfloat16, float16)")
     runtime, imp = fit.runtime_baseline(a.runtime_overhead, a.backend)
     setup = fit.Setup(backend=a.backend, dtype=a.dtype, weights_bpw=bpw, ubatch=a.ubatch_size, n_max=a.n_max,
                       weights=a.weights, logits_rows=a.logits_rows, runtime_overhead=runtime, import_overhead=imp,
                       spec_state=a.spec_state, parallel=a.parallel, ctx_checkpoints=a.ctx_checkpoints,
+                      suffix_store=a.spec_suffix_store if a.spec_suffix_shared else 0,
                       moe_cache_mem=None if a.moe_cache_mem is None else a.moe_cache_mem << 20)
     mem = fit.parse_mem(a.mem)
     draft = fit.load_arch(a.draft_model) if a.draft_model else None
     info = fit.plan(arch, setup, mem, _types(a.cache_type_k), _types(a.cache_type_v), a.mtp, draft,
-                    a.cache_type_k_draft, a.cache_type_v_draft, a.ctx_size, cap=a.ctx_max or (1 << 22))
+                    a.cache_type_k_draft, a.cache_type_v_draft, a.ctx_size, cap=a.ctx_max or (1 << 22),
+                    spec=_types(a.spec_type) or None)
     if a.json:
         print(json.dumps(info, indent=2))
     else:

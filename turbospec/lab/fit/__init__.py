@@ -39,6 +39,7 @@ from turbospec.lab.fit.measure import measure_peak_rss, measure_runtime_overhead
 from turbospec.lab.fit.memory import (
     CPU_IMPORT_OVERHEAD,
     CPU_RUNTIME_OVERHEAD,
+    CPU_SERVE_OVERHEAD,
     CUDA_RUNTIME_OVERHEAD,
     Breakdown,
     Setup,
@@ -62,8 +63,8 @@ from turbospec.lab.fit.render import format_report, render_table
 from turbospec.lab.fit.units import fmt_bytes, parse_mem
 
 __all__ = [
-    "CPU_IMPORT_OVERHEAD", "CPU_RUNTIME_OVERHEAD", "CUDA_RUNTIME_OVERHEAD", "DEFAULT_KV_TYPES", "PRESETS",
-    "WEIGHT_BPW", "Arch", "Breakdown", "Setup", "activation_bytes", "arch_from_config", "arch_from_dir",
+    "CPU_IMPORT_OVERHEAD", "CPU_RUNTIME_OVERHEAD", "CPU_SERVE_OVERHEAD", "CUDA_RUNTIME_OVERHEAD", "DEFAULT_KV_TYPES",
+    "PRESETS", "WEIGHT_BPW", "Arch", "Breakdown", "Setup", "activation_bytes", "arch_from_config", "arch_from_dir",
     "arch_from_gguf", "cpu_mmap_weights", "estimate", "fit_table", "fmt_bytes", "format_report",
     "kv_bytes_per_token", "load_arch", "max_context", "measure_peak_rss", "measure_runtime_overhead",
     "parse_mem", "plan", "recurrent_bytes", "render_table", "runtime_baseline", "st_dtype_bytes",

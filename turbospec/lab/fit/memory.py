@@ -18,12 +18,22 @@ from turbospec.weights import CHUNK_BYTES, PACKED, WeightFormat
 # arenas exist (250.2 MiB). Other machines differ: pass --runtime-overhead measure (or a size).
 CPU_IMPORT_OVERHEAD = 225 * 2**20
 CPU_RUNTIME_OVERHEAD = 250 * 2**20
+# `turbospec serve` (the plan for -np > 1) imports the HTTP stack too: the peak RSS of a server of that minimal model
+# after a request in each of 2 slots (283.2 MiB; `python benchmarks/fit_serve.py` prints it).
+CPU_SERVE_OVERHEAD = 283 * 2**20
 # CUDA context + cuBLAS workspace of a llama.cpp-style process: an estimate (unverified; typically
 # 0.3-0.6 GiB).
 CUDA_RUNTIME_OVERHEAD = 512 * 2**20
 QUANT_BLOCK = 1024  # turbospec.kv.quant_cache.DEFAULT_BLOCK: positions decoded per attention block
 PAGE = 256  # turbospec.kv.paged.BLOCK: positions per block of the paged pool (serve -np > 1)
 ROLLBACK_LIMIT = 16  # HybridCache.rollback_limit: steps up to this many tokens keep every recurrent state
+# The model-free drafters' tables, bytes per context token they index (Python dicts of n-gram tuples and their start /
+# end positions): the most held after begin() over contexts of 8K-420K tokens that never repeat an n-gram (the worst
+# case: a repeated n-gram adds a position to one entry; 230-360 bytes on prose), measured with tracemalloc
+# (`python benchmarks/drafter_costs.py`, held_mib). ngram-mod keeps its window's tokens and a fixed pool per sequence.
+TABLE_BYTES_PER_TOKEN = {"ngram": 460, "ngram-simple": 460, "suffix": 500, "ngram-mod": 10}
+NGRAM_MOD_POOL = 4 << 20  # NgramMod: 2^20 int32 slots
+MODEL_FREE = tuple(TABLE_BYTES_PER_TOKEN)  # --spec-type names of the drafters without weights
 
 
 @dataclass
@@ -43,6 +53,8 @@ class Setup:
     parallel: int = 1  # cpu: sequences batched together (serve -np): ctx is the shared KV pool's positions
     ctx_checkpoints: int = 3  # cpu, hybrids: recurrent states kept for prefix reuse (per sequence when parallel)
     moe_cache_mem: int | None = None  # MoE: bytes of routed experts kept in memory (None: all of them)
+    drafters: tuple[str, ...] = ()  # model-free drafters of the speculation (--spec-type ngram, ngram-mod, suffix)
+    suffix_store: int = 0  # tokens of earlier requests the suffix drafters share (--spec-suffix-shared), 0: none
 
 
 def cpu_mmap_weights(arch: Arch, setup: Setup) -> bool:
@@ -152,8 +164,9 @@ def recurrent_bytes(arch: Arch, setup: Setup, chain: int) -> tuple[int, int]:
     return state, scratch
 
 
-def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int) -> int:
-    """Live intermediates of one forward over `rows` tokens (the largest layer), plus logits."""
+def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int, spec: bool = False) -> int:
+    """Live intermediates of one forward over `rows` tokens (the largest layer), plus logits (`spec`: drafts
+    verified)."""
     f = 4  # turbospec computes attention/GDN math in float32 on CPU; llama.cpp's compute buffers are f32
     h, inter = arch.hidden, arch.intermediate
     q = arch.n_heads * arch.head_dim * (2 if arch.gated_attn else 1)
@@ -169,9 +182,27 @@ def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int) -> int:
     residual = rows * 3 * h * f  # x, normed x, sublayer output
     n_logits = setup.logits_rows if setup.logits_rows is not None else (
         setup.ubatch if setup.backend == "cuda" else max(1 + setup.n_max, setup.parallel))
+    if setup.logits_rows is None and spec and setup.parallel > 1:  # every sequence's draft is verified each step
+        n_logits = setup.parallel * (1 + setup.n_max)
     # logits + sampler probabilities
     logits = n_logits * arch.vocab * 4 * (2 if setup.backend == "cpu" else 1)
     return residual + max(attn, mlp, gdn) + logits
+
+
+def drafter_table_bytes(setup: Setup, ctx: int) -> int:
+    """The model-free drafters' tables for `ctx` context tokens (with several sequences: tokens of all of them, at
+    most the pool's positions), ngram-mod's pool per sequence, and the suffix drafters' shared store."""
+    unknown = [d for d in setup.drafters if d not in TABLE_BYTES_PER_TOKEN]
+    if unknown:
+        raise TurboSpecError(f"unknown model-free drafter {unknown[0]!r} ({', '.join(MODEL_FREE)})")
+    n = sum(TABLE_BYTES_PER_TOKEN[d] * ctx for d in setup.drafters)
+    n += setup.parallel * NGRAM_MOD_POOL * ("ngram-mod" in setup.drafters)
+    if "suffix" in setup.drafters and setup.suffix_store:  # its documents, and their index
+        n += setup.suffix_store * (TABLE_BYTES_PER_TOKEN["suffix"] + 8)
+    return n
+
+
+MODES = ("base", "mtp", "draft", "ngram")
 
 
 @dataclass
@@ -191,6 +222,7 @@ class Breakdown:
     spec_state_copies: int = 0
     mtp_kv: int = 0
     draft_kv: int = 0
+    drafter_tables: int = 0  # the model-free drafters' n-gram tables (and a shared suffix store)
     activations: int = 0
     upcast_scratch: int = 0
     rope_tables: int = 0
@@ -203,7 +235,7 @@ class Breakdown:
     @property
     def steady(self) -> int:
         return (self.weights + self.mtp_weights + self.experts + self.draft_weights + self.attention_kv
-                + self.recurrent_state + self.spec_state_copies + self.mtp_kv + self.draft_kv
+                + self.recurrent_state + self.spec_state_copies + self.mtp_kv + self.draft_kv + self.drafter_tables
                 + self.activations + self.upcast_scratch + self.rope_tables + self.spec_hidden_rows
                 + self.draft_head + self.mtp_compute + self.runtime)
 
@@ -219,12 +251,18 @@ class Breakdown:
 
 def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode: str = "base",
              draft: Arch | None = None, dk_type: str | None = None, dv_type: str | None = None) -> Breakdown:
-    """Predicted peak bytes for one sequence of `ctx` tokens."""
+    """Predicted peak bytes for one sequence of `ctx` tokens (with `setup.parallel` > 1: the server's sequences
+    together, `ctx` the positions of their shared KV pool). Modes: base; mtp / draft (speculation with the MTP
+    layer / a draft model); ngram (speculation by the model-free drafters of `setup.drafters` alone), whose tables
+    every speculative mode counts."""
     if ctx < 1:
         raise TurboSpecError("context must be >= 1")
+    if mode not in MODES:
+        raise TurboSpecError(f"unknown mode {mode!r} ({', '.join(MODES)})")
     dk_type, dv_type = dk_type or k_type, dv_type or v_type
-    spec = mode in ("mtp", "draft")
+    spec = mode != "base"
     cpu_engine = setup.backend == "cpu"
+    par = setup.parallel
     b = Breakdown(kv_type=k_type if k_type == v_type else f"{k_type}/{v_type}", mode=mode, ctx=ctx)
     b.weights, b.mtp_weights = weight_bytes(arch, setup, mode == "mtp")
     te, me = expert_bytes(arch, setup, mode == "mtp")
@@ -235,24 +273,29 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     b.attention_kv = ctx * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim, k_type, v_type)
     chain = setup.n_max + 1 if spec else 1
     b.recurrent_state, b.spec_state_copies = recurrent_bytes(arch, setup, chain)
-    if setup.parallel == 1 and cpu_engine:
+    if par == 1 and cpu_engine:
         b.recurrent_state *= 1 + setup.ctx_checkpoints  # states kept before the last prompts' last tokens
-    if setup.parallel > 1:
-        if spec:
-            raise TurboSpecError("fit does not plan speculation with --parallel > 1 yet (the drafters of the "
-                                 "sequences are not batched into the plan)")
+    if par > 1:
+        if mode == "draft":
+            raise TurboSpecError("fit does not plan a draft model with --parallel > 1: serve does not batch "
+                                 "draft-model (one copy of its weights per sequence)")
         # one pool of whole blocks shared by every sequence; a state slot per sequence, its snapshots, and while
-        # a step runs each sequence's new states next to its committed ones
+        # a step runs each sequence's new states next to its committed ones (with drafts: the state after every
+        # row of its chain)
         b.attention_kv = -(-ctx // PAGE) * PAGE * kv_bytes_per_token(arch.n_attn, arch.n_kv_heads, arch.head_dim,
                                                                       k_type, v_type)
-        b.recurrent_state *= setup.parallel * (2 + setup.ctx_checkpoints)
+        b.recurrent_state *= par * (2 + setup.ctx_checkpoints)
+        b.spec_state_copies *= par
     if mode == "mtp":
         if not arch.mtp_layers:
             raise TurboSpecError(f"{arch.name} has no MTP module")
-        b.mtp_kv = cache_len * kv_bytes_per_token(arch.mtp_layers, arch.n_kv_heads, arch.head_dim, dk_type,
-                                                  dv_type)
+        # each sequence's MTP cache holds its own positions (together at most the pool's) and its chain
+        b.mtp_kv = (cache_len + (par - 1) * chain) * kv_bytes_per_token(arch.mtp_layers, arch.n_kv_heads,
+                                                                        arch.head_dim, dk_type, dv_type)
+    if spec:
+        b.drafter_tables = drafter_table_bytes(setup, ctx)
     rows = setup.ubatch
-    b.activations = activation_bytes(arch, setup, ctx, rows)
+    b.activations = activation_bytes(arch, setup, ctx, rows, spec)
     if mode == "draft" and draft is not None:
         b.draft_weights = weight_bytes(draft, setup, False)[0]
         b.draft_kv = cache_len * kv_bytes_per_token(draft.n_attn, draft.n_kv_heads, draft.head_dim, dk_type,
@@ -278,9 +321,9 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
     if mode == "mtp":
         if cpu:
             # turbospec's MTP drafter reads the trunk's hidden rows of its prompt window (auto: a quarter of
-            # the prompt, 64..256 positions; prompt <= ctx) plus the last one
+            # the prompt, 64..256 positions; prompt <= ctx) plus the last one; every sequence its own
             window = min(256, max(64, ctx // 4))
-            b.spec_hidden_rows = min(ctx, window + 1) * arch.hidden * dtypes.nbytes(setup.dtype)
+            b.spec_hidden_rows = par * min(ctx, window + 1) * arch.hidden * dtypes.nbytes(setup.dtype)
             if dtypes.nbytes(setup.dtype) == 4 and arch.src_dtype_bytes <= 2 and setup.weights_bpw is None:
                 # float32 run of a 16-bit checkpoint: the draft head is a bf16 copy of the lm_head (exact),
                 # from which the reduced vocabulary's rows are gathered (those ~1-2K rows are not counted)
@@ -300,7 +343,7 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
             b.rope_tables += 2 * n * (int(draft.head_dim * (0.25 if draft.n_gdn else 1.0)) // 2 * 2) * \
                 dtypes.nbytes(setup.dtype)
     b.runtime = setup.runtime_overhead if setup.runtime_overhead is not None else (
-        CPU_RUNTIME_OVERHEAD if cpu else CUDA_RUNTIME_OVERHEAD)
+        CUDA_RUNTIME_OVERHEAD if not cpu else CPU_SERVE_OVERHEAD if par > 1 else CPU_RUNTIME_OVERHEAD)
     if cpu and arch.file_bytes and not cpu_mmap_weights(arch, setup):
         # loading with conversion (or packing): safetensors hands out tensors backed by the mmapped file; the
         # converted (quantized) copy is made in chunks and the file's pages are dropped chunk by chunk

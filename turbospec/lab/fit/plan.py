@@ -11,6 +11,7 @@ from turbospec.lab.fit.measure import measure_runtime_overhead
 from turbospec.lab.fit.memory import (
     CPU_IMPORT_OVERHEAD,
     CPU_RUNTIME_OVERHEAD,
+    MODEL_FREE,
     Breakdown,
     Setup,
     estimate,
@@ -82,8 +83,8 @@ def fit_table(arch: Arch, setup: Setup, mem: int, k_types: list[str], v_types: l
         vt = v_types[i] if len(v_types) > 1 else (v_types[0] if v_types else kt)
         for mode in modes:
             n, b = max_context(arch, setup, mem, kt, vt, mode, draft, dk_type, dv_type, cap=cap)
-            row = {"kv_type": kt if kt == vt else f"{kt}/{vt}", "k_type": kt, "v_type": vt, "mode": mode,
-                   "max_ctx": n, "breakdown": b.to_dict() if b else None}
+            row = {"kv_type": kt if kt == vt else f"{kt}/{vt}", "k_type": kt, "v_type": vt,
+                   "mode": mode_label(mode, setup), "max_ctx": n, "breakdown": b.to_dict() if b else None}
             if at_ctx:
                 a = estimate(arch, setup, at_ctx, kt, vt, mode, draft, dk_type, dv_type)
                 row["at_ctx"] = {"ctx": at_ctx, "fits": a.total <= mem, **a.to_dict()}
@@ -92,22 +93,64 @@ def fit_table(arch: Arch, setup: Setup, mem: int, k_types: list[str], v_types: l
 
 
 
+def mode_label(mode: str, setup: Setup) -> str:
+    """A row's mode as the report names it: base, mtp, draft, or the speculation with its model-free drafters
+    (mtp+ngram, suffix, ...)."""
+    if mode == "base" or not setup.drafters:
+        return mode
+    return "+".join(([mode] if mode != "ngram" else []) + list(setup.drafters))
+
+
+def spec_mode(types: list[str], arch: Arch, draft: Arch | None) -> tuple[str, tuple[str, ...]]:
+    """`--spec-type` names (serve's) -> (the estimate's mode, the model-free drafters among them)."""
+    known = (*MODEL_FREE, "draft-mtp", "draft-model")
+    for t in types:
+        if t not in known:
+            raise TurboSpecError(f"--spec-type {t!r}: fit plans {', '.join(known)}")
+    drafters = tuple(t for t in types if t in MODEL_FREE)
+    if "draft-mtp" in types and "draft-model" in types:
+        raise TurboSpecError("--spec-type: plan draft-mtp or draft-model, not both")
+    if "draft-model" in types:
+        if draft is None:
+            raise TurboSpecError("--spec-type draft-model needs -md / --draft-model")
+        return "draft", drafters
+    if "draft-mtp" in types:
+        if not arch.mtp_layers:
+            raise TurboSpecError(f"--spec-type draft-mtp: {arch.name} has no MTP module")
+        return "mtp", drafters
+    if not drafters:
+        raise TurboSpecError("--spec-type: name at least one drafter")
+    return "ngram", drafters
+
+
 def plan(arch: Arch, setup: Setup, mem: int, k_types: list[str] | None = None,
          v_types: list[str] | None = None, mtp: bool | None = None, draft: Arch | None = None,
          dk_type: str | None = None, dv_type: str | None = None, at_ctx: int | None = None,
-         cap: int = 1 << 22) -> dict:
+         cap: int = 1 << 22, spec: list[str] | None = None) -> dict:
     """The fit report (JSON ready): one row per KV type x mode. Modes: base, mtp (default: when the model has
-    an MTP module), draft (when a draft model is given); K types default to DEFAULT_KV_TYPES, V types to
+    an MTP module), draft (when a draft model is given); with `spec` (`--spec-type` names) base and that
+    speculation (its model-free drafters' tables counted) instead. K types default to DEFAULT_KV_TYPES, V types to
     K's."""
     modes = ["base"]
-    want_mtp = mtp if mtp is not None else bool(arch.mtp_layers) and setup.parallel == 1
-    if want_mtp:
-        if not arch.mtp_layers:
-            raise TurboSpecError(
-                f"{arch.name} has no MTP module (no mtp.* tensors / mtp layers in the config)")
-        modes.append("mtp")
-    if draft is not None:
-        modes.append("draft")
+    if spec:
+        if mtp is not None:
+            raise TurboSpecError("--spec-type names the drafters: leave out --mtp / --no-mtp")
+        mode, drafters = spec_mode(spec, arch, draft)
+        setup = replace(setup, drafters=drafters)
+        modes.append(mode)
+        want_mtp = mode == "mtp"
+    else:
+        want_mtp = mtp if mtp is not None else bool(arch.mtp_layers)
+        if want_mtp:
+            if not arch.mtp_layers:
+                raise TurboSpecError(
+                    f"{arch.name} has no MTP module (no mtp.* tensors / mtp layers in the config)")
+            modes.append("mtp")
+        if draft is not None:
+            modes.append("draft")
+    if draft is not None and setup.parallel > 1:
+        raise TurboSpecError("-md with -np > 1: serve does not batch draft-model (one copy of its weights per "
+                             "sequence), so fit does not plan it")
     notes = list(arch.notes)
     if arch.n_experts and setup.moe_cache_mem is None:
         setup = expert_plan(arch, setup, mem, at_ctx or 4096, want_mtp, notes)

@@ -8,6 +8,7 @@ COLUMNS = [("weights", "weights"), ("experts", "experts"), ("experts_on_disk", "
            ("mtp_weights", "MTP w"), ("draft_weights", "draft w"),
            ("attention_kv", "attn KV"), ("recurrent_state", "GDN state"),
            ("spec_state_copies", "spec copies"), ("mtp_kv", "MTP KV"), ("draft_kv", "draft KV"),
+           ("drafter_tables", "drafter tables"),
            ("activations", "activ."), ("upcast_scratch", "upcast"), ("rope_tables", "rope"),
            ("spec_hidden_rows", "MTP rows"), ("draft_head", "draft head"),
            ("mtp_compute", "MTP compute"), ("runtime", "runtime"), ("load_peak", "load peak")]
