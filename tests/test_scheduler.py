@@ -468,7 +468,7 @@ def test_cache_mem_sizes_the_pool_after_the_recurrent_states(hybrid):
 
 
 # ---- speculation in the batch -----------------------------------------------------------------------------------
-def _spec_scheduler(m, path, spec, hybrid_model, positions=4096, max_seqs=4, step=96, **cfg):
+def _spec_scheduler(m, path, spec, hybrid_model, positions=4096, max_seqs=4, step=96, adaptive=False, **cfg):
     from turbospec.config import SpecConfig
     from turbospec.speculative.registry import make_drafter, new_store
 
@@ -477,7 +477,8 @@ def _spec_scheduler(m, path, spec, hybrid_model, positions=4096, max_seqs=4, ste
     pool = pool_for(m, positions, None, None, layers=m.num_attn_layers if hybrid_model else None)
     return Scheduler(m, pool, max_seqs=max_seqs, max_step_tokens=step, ctx=2048,
                      states=m.new_state_pool(max_seqs, 8) if hybrid_model else None,
-                     drafters=lambda n: make_drafter(sc, m, n, model_path=str(path), store=store), n_max=sc.depth)
+                     drafters=lambda n: make_drafter(sc, m, n, model_path=str(path), store=store), n_max=sc.depth,
+                     adaptive=adaptive)
 
 
 @pytest.mark.parametrize("which,spec,cfg", [
@@ -503,6 +504,48 @@ def test_batched_speculation_equals_plain_greedy(which, spec, cfg, request):
     assert sum(got[i][4].stats.spec.accepted for i in got) > 0
     assert sch.steps < sum(p.max_tokens for p in params)  # fewer steps than tokens: several per step
     assert sch.pool.num_free == sch.pool.num_blocks
+
+
+def test_draft_gate_drafts_while_drafting_steps_emit_faster():
+    """--spec-adaptive in a batch: drafting until a plain step (every PROBE-th) emits faster; then a drafting step
+    every interval, the interval doubling up to PROBE_MAX while drafts do not pay; back on once they do."""
+    from turbospec.speculative.batch_gate import PROBE, PROBE_MAX, DraftGate
+
+    g = DraftGate()
+
+    def run(steps, draft_tps, plain_tps):  # a drafting step emits 8 tokens, a plain one 4
+        modes = []
+        for _ in range(steps):
+            modes.append(d := g.draft())
+            g.observe(d, 8 if d else 4, (8 / draft_tps) if d else (4 / plain_tps))
+        return modes
+
+    first = run(PROBE, 800, 1000)
+    assert first == [True] * (PROBE - 1) + [False] and not g.on  # the first plain step: plain is faster
+    off = run(1000, 800, 1000)
+    assert g.interval == PROBE_MAX and 3 <= sum(off) <= 8  # drafting steps at 16, 32, 64, 128, 256, 256... apart
+    back = run(PROBE_MAX, 1500, 1000)
+    assert g.on and all(back[back.index(True) + 1:back.index(True) + PROBE - 1])
+    g.observe(True, 0, 1.0)  # a step that emitted nothing (all sequences ended) teaches nothing
+    assert g.on
+
+
+@pytest.mark.parametrize("which", ["model", "hybrid"])
+def test_batched_adaptive_speculation_equals_plain_greedy(which, request):
+    """With the draft gate (--spec-adaptive), steps without drafts change no token: greedy outputs equal plain
+    decoding alone, and the gate measured both kinds of step."""
+    m = request.getfixturevalue(which)
+    rnd = random.Random(4)
+    prompts = [[rnd.randrange(3, 900) for _ in range(25)] * 3 for _ in range(3)]
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3
+    want = _solo(m, prompts, params)
+    sch = _spec_scheduler(m, HYBRID if which == "hybrid" else TINY, "ngram,draft-mtp", which == "hybrid",
+                          adaptive=True)
+    got = _drive(sch, [(0, p, sp) for p, sp in zip(prompts, params)])
+    assert [got[i][0] for i in range(3)] == [w[0] for w in want]
+    assert sch.gate is not None and sch.gate.rate[True] > 0 and sch.gate.rate[False] > 0
+    stats = [got[i][4].stats.spec for i in range(3)]
+    assert all(st.skipped > 0 for st in stats) and sum(st.accepted for st in stats) > 0
 
 
 @pytest.mark.parametrize("which", ["model", "hybrid"])

@@ -28,6 +28,7 @@ from turbospec.kv.slot_file import SlotData, check_fields
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, argmax_rows, logprobs_of
+from turbospec.speculative.batch_gate import DraftGate
 from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
@@ -121,7 +122,8 @@ class Output:
 class Scheduler:
     def __init__(self, model, pool: BlockPool, *, max_seqs: int = 8, max_step_tokens: int = 512, ctx: int = 4096,
                  tokenizer=None, eos: set[int] | None = None, prefix_cache: bool = True,
-                 states: StatePool | None = None, drafters: Callable[[int], Drafter] | None = None, n_max: int = 3):
+                 states: StatePool | None = None, drafters: Callable[[int], Drafter] | None = None, n_max: int = 3,
+                 adaptive: bool = False):
         if max_seqs < 1 or max_step_tokens < 1:
             raise TurboSpecError("the scheduler needs at least one sequence and one token per step")
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
@@ -140,6 +142,8 @@ class Scheduler:
         self.states = states
         # speculation: a new drafter per sequence (for its longest length); drafts at most n_max tokens deep
         self.drafters, self.n_max = drafters, n_max
+        # adaptive speculation (--spec-adaptive): the sequences draft while drafting steps emit tokens faster
+        self.gate = DraftGate() if drafters is not None and adaptive else None
         # slots (llama-server's): a running sequence holds one; the context of the last one to finish in it stays
         # the slot's (its blocks in the prefix cache) for /slots save and restore
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_seqs)]
@@ -183,7 +187,7 @@ class Scheduler:
                         reserved=states.nbytes if states is not None else 0)
         return cls(model, pool, max_seqs=parallel, max_step_tokens=c.ubatch, ctx=c.ctx,
                    tokenizer=engine.tokenizer, eos=engine.eos_ids(), prefix_cache=c.prefix_cache, states=states,
-                   drafters=drafters, n_max=c.spec.depth)
+                   drafters=drafters, n_max=c.spec.depth, adaptive=c.spec.adaptive)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, tokens: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -223,9 +227,11 @@ class Scheduler:
     def step(self) -> list[Output]:
         """Schedule, run one forward over every scheduled row, sample; the outputs of this step."""
         outputs = self._drop_aborted()
+        t0 = time.perf_counter()
+        drafting = self.gate.draft() if self.gate is not None else True
         while True:
             self._promised = 0
-            decode = self._schedule_decode()
+            decode = self._schedule_decode(drafting)
             chunks = self._schedule_prefill(self.max_step_tokens - sum(n for _, n, _ in decode))
             work = decode + [(s, n, None) for s, n in chunks]
             prefill = {s.id for s, _ in chunks}
@@ -285,6 +291,13 @@ class Scheduler:
                     self._begin_drafter(s)
                 outputs.append(self._sample(s, logits[at], rows_of_seq if decoding else None, greedy.get(at)))
             at += len(w)
+        if self.gate is not None and decode and not prefill:  # a decode-only step: its rate of tokens
+            emitted = sum(1 + len(verified[i][0]) if i in verified else 1 for i in range(len(work)))
+            self.gate.observe(drafting, emitted, time.perf_counter() - t0)
+        if not drafting:
+            for s, _, _ in decode:
+                if s.stats.spec is not None:
+                    s.stats.spec.skipped += 1
         return outputs
 
     def _prompt_rows(self, s: Sequence, hidden: torch.Tensor, start: int) -> None:
@@ -345,14 +358,14 @@ class Scheduler:
         """Blocks not yet promised to a row of the step being scheduled."""
         return self.pool.num_free - self._promised
 
-    def _schedule_decode(self) -> list[tuple[Sequence, int, DraftTree | None]]:
-        """Running sequences past their prompt, each with room for its next row and its draft's (the draft is
-        dropped when its rows do not fit; then the newest sequences are preempted until one row does)."""
+    def _schedule_decode(self, drafting: bool = True) -> list[tuple[Sequence, int, DraftTree | None]]:
+        """Running sequences past their prompt, each with room for its next row and (`drafting`) its draft's (the
+        draft is dropped when its rows do not fit; then the newest sequences are preempted until one row does)."""
         decode: list[tuple[Sequence, int, DraftTree | None]] = []
         for s in list(self.running):
             if s.status != RUNNING or s.todo != 1:
                 continue
-            tree = self._draft(s)
+            tree = self._draft(s) if drafting else None
             n = 1 + (len(tree) if tree is not None else 0)
             if self._need(s, n) > self._available():
                 tree, n = None, 1
