@@ -103,11 +103,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-c", "--ctx", type=int, default=8192, help="context per conversation")
+    ap.add_argument("--parallel", type=int, default=None, help="turbospec -np (default: the most clients)")
+    ap.add_argument("--engines", nargs="*", default=None,
+                    help="run only these (names as in the tables: 'turbospec', 'turbospec -np 1', ...)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     src = a.gguf or a.model
     flags = shlex.split(a.flags)
-    top = max(a.clients)
+    top = a.parallel or max(a.clients)
     ctx = top * a.ctx
 
     def ts(extra, np=top):
@@ -121,6 +124,11 @@ def main() -> int:
         cmds["llama.cpp"] = lambda port: [a.llama_server, "-m", a.gguf, "-c", str(ctx), "-np", str(top), "-t",
                                           str(a.threads), "-tb", str(a.threads), "--port", str(port), "-fa", "on",
                                           *shlex.split(a.llama_flags)]
+    if a.engines is not None:
+        unknown = set(a.engines) - set(cmds)
+        if unknown:
+            ap.error(f"--engines: unknown {sorted(unknown)}; choose from {sorted(cmds)}")
+        cmds = {k: v for k, v in cmds.items() if k in a.engines}
     results: dict[str, dict[int, list[list[dict]]]] = {k: {c: [] for c in a.clients} for k in cmds}
     for name, cmd in cmds.items():  # one server at a time
         port = free_port()
