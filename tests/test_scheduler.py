@@ -507,9 +507,10 @@ def test_batched_speculation_equals_plain_greedy(which, spec, cfg, request):
 
 
 def test_draft_gate_drafts_while_drafting_steps_emit_faster():
-    """--spec-adaptive in a batch: drafting until a plain step (every PROBE-th) emits faster; then a drafting step
-    every interval, the interval doubling up to PROBE_MAX while drafts do not pay; back on once they do."""
-    from turbospec.speculative.batch_gate import PROBE, PROBE_MAX, DraftGate
+    """--spec-adaptive in a batch: drafting until a plain step (the FIRST-th, then every PROBE-th) emits faster; then a
+    drafting step every interval, the interval doubling up to PROBE_MAX while drafts do not pay; back on once they
+    do."""
+    from turbospec.speculative.batch_gate import FIRST, PROBE, PROBE_MAX, DraftGate
 
     g = DraftGate()
 
@@ -520,8 +521,8 @@ def test_draft_gate_drafts_while_drafting_steps_emit_faster():
             g.observe(d, 8 if d else 4, (8 / draft_tps) if d else (4 / plain_tps))
         return modes
 
-    first = run(PROBE, 800, 1000)
-    assert first == [True] * (PROBE - 1) + [False] and not g.on  # the first plain step: plain is faster
+    first = run(FIRST, 800, 1000)
+    assert first == [True] * (FIRST - 1) + [False] and not g.on  # the first plain step: plain is faster
     off = run(1000, 800, 1000)
     assert g.interval == PROBE_MAX and 3 <= sum(off) <= 8  # drafting steps at 16, 32, 64, 128, 256, 256... apart
     back = run(PROBE_MAX, 1500, 1000)

@@ -50,7 +50,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-draft-p-min", type=float, default=0.0, help="stop drafting below this probability")
     p.add_argument("--spec-adaptive", dest="spec_adaptive", action="store_true",
                    help="each step drafts the length that pays most by a measured cost model and the running "
-                        "acceptance, none when drafting does not pay (default: always up to --spec-draft-n-max)")
+                        "acceptance, none when drafting does not pay (with -np N: the batch drafts while its drafting "
+                        "steps emit tokens faster than plain ones); default: always up to --spec-draft-n-max")
     p.add_argument("-md", "--spec-draft-model", default=None, help="draft model directory (draft-model)")
     p.add_argument("--spec-ngram-size-n", type=int, default=4, help="prompt lookup: longest n-gram to match")
     p.add_argument("--spec-ngram-mod-n-match", type=int, default=8, help="ngram-mod: tokens hashed per key")

@@ -228,7 +228,8 @@ class Scheduler:
         """Schedule, run one forward over every scheduled row, sample; the outputs of this step."""
         outputs = self._drop_aborted()
         t0 = time.perf_counter()
-        drafting = self.gate.draft() if self.gate is not None else True
+        # (the gate counts the steps with decode rows)
+        drafting = self.gate.draft() if self.gate is not None and any(s.todo == 1 for s in self.running) else True
         while True:
             self._promised = 0
             decode = self._schedule_decode(drafting)

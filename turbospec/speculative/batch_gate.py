@@ -4,7 +4,8 @@ A batched step's cost depends on every sequence in it, so the one-sequence contr
 plus a cost per verification row, `adaptive.StepCosts`) does not carry over; what a batch can measure is the rate at
 which its decode steps emit tokens. `DraftGate` keeps a running rate (tokens per second over decode-only steps) for
 steps where the sequences draft and for steps where they do not, and drafts while drafting steps emit at least as
-fast. Each mode's rate is kept current by a step of the other mode every `interval` steps: PROBE while drafting
+fast. Each mode's rate is kept current by a step of the other mode every `interval` steps (the first plain one
+after FIRST steps): PROBE while drafting
 (a plain step costs at most what drafting gains over it), doubling up to PROBE_MAX while drafting does not pay; such
 a step weighs more in its mode's running rate (PROBE_RATE against RATE), which is older. A
 model small enough to be bound by its arithmetic at the batch's rows (the bundled ones on 2 cores) pays for every
@@ -16,6 +17,7 @@ Skipping a draft changes no token: verification is lossless and the drafters are
 from __future__ import annotations
 
 PROBE = 16  # while drafting, every PROBE-th decode step is plain
+FIRST = 4  # the first plain step: soon, so that a batch where drafting does not pay stops early
 PROBE_MAX = 256  # while not, a drafting step every `interval` steps, the interval doubling up to this
 RATE = 0.25  # share of a new step's rate in the running one (the machine's step times are noisy)
 PROBE_RATE = 0.5  # the same for a step of the other mode: rarer, and its running rate older
@@ -26,7 +28,7 @@ class DraftGate:
     def __init__(self) -> None:
         self.on = True  # drafting, until plain steps are measured to emit faster
         self.rate: dict[bool, float] = {True: 0.0, False: 0.0}  # tokens per second (0: not measured yet)
-        self.interval = PROBE
+        self.interval = FIRST  # then PROBE
         self._since = 0  # decode steps since the last step of the other mode
 
     def draft(self) -> bool:
@@ -47,6 +49,7 @@ class DraftGate:
         d, p = self.rate[True], self.rate[False]
         if not (d and p):
             return
+        self.interval = max(self.interval, PROBE)
         if self.on and d < p * (1 - MARGIN):
             self.on = False
         elif not self.on and d > p * (1 + MARGIN):
