@@ -549,6 +549,29 @@ def test_batched_adaptive_speculation_equals_plain_greedy(which, request):
     assert all(st.skipped > 0 for st in stats) and sum(st.accepted for st in stats) > 0
 
 
+def test_next_turn_takes_over_the_finished_turns_drafter(model):
+    """A request that continues a finished one by a block or more (a conversation's next turn) takes over its
+    model-free drafter, whose tables keep what the two share; another request gets a new one. Outputs equal plain
+    greedy decoding."""
+    rnd = random.Random(7)
+    first = [rnd.randrange(3, 900) for _ in range(40)] * 8  # 320 tokens
+    p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    sch = _spec_scheduler(model, TINY, "ngram,suffix", False)
+    a = sch.add(first, p)
+    while sch.has_work:
+        sch.step()
+    second = a.tokens + [rnd.randrange(3, 900) for _ in range(10)]
+    other = [rnd.randrange(3, 900) for _ in range(300)]
+    b, c = sch.add(second, p), sch.add(other, p)
+    while sch.has_work:
+        sch.step()
+    assert b.drafter is a.drafter and c.drafter is not a.drafter
+    assert len(b.drafter.drafters[0]._seen) >= len(second)  # prompt lookup's table follows b's tokens now
+    want = _solo(model, [second, other], [p, p])
+    assert [b.tokens[b.prompt_len:], c.tokens[c.prompt_len:]] == [w[0] for w in want]
+    assert len(sch._spare) == 2 and sum(len(t) for t, _ in sch._spare) <= sch.ctx
+
+
 @pytest.mark.parametrize("which", ["model", "hybrid"])
 def test_batched_speculation_survives_preemption(which, request):
     m = request.getfixturevalue(which)

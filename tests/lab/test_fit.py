@@ -315,8 +315,9 @@ def test_model_free_drafters_tables_are_counted():
         del d
     arch = load_arch(preset="qwen3.6-27b")
     b = estimate(arch, Setup(drafters=("ngram", "ngram-mod"), parallel=2), 4096, "f16", "f16", "ngram")
-    assert b.drafter_tables == (TABLE_BYTES_PER_TOKEN["ngram"] + TABLE_BYTES_PER_TOKEN["ngram-mod"]) * 4096 + \
-        2 * NGRAM_MOD_POOL
+    # two sequences: their tables, as many again kept for a next turn, ngram-mod's pool per sequence and kept drafter
+    assert b.drafter_tables == 2 * (TABLE_BYTES_PER_TOKEN["ngram"] + TABLE_BYTES_PER_TOKEN["ngram-mod"]) * 4096 + \
+        4 * NGRAM_MOD_POOL
     assert b.mtp_weights == b.mtp_kv == 0 and b.spec_state_copies > 0
     with pytest.raises(TurboSpecError, match="unknown mode"):
         estimate(arch, Setup(), 4096, "f16", "f16", "medusa")

@@ -33,6 +33,7 @@ from turbospec.speculative.drafter import Drafter
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
 from turbospec.speculative.verify import verify
+from turbospec.tokens import common_prefix
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 NOT_BATCHED = ("draft-model", "medusa")  # drafters that load weights of their own: one per sequence is too many
@@ -144,6 +145,11 @@ class Scheduler:
         self.drafters, self.n_max = drafters, n_max
         # adaptive speculation (--spec-adaptive): the sequences draft while drafting steps emit tokens faster
         self.gate = DraftGate() if drafters is not None and adaptive else None
+        # drafters of finished sequences whose tables follow the tokens (model-free ones), with the tokens they hold:
+        # a request that continues one (a conversation's next turn) takes it over instead of indexing its whole
+        # prompt again (at 64K tokens prompt lookup took 65 ms, the suffix index 230 ms, inside a step the batch
+        # waits for); at most `max_seqs` of them, holding at most `ctx` tokens together
+        self._spare: list[tuple[list[int], Drafter]] = []
         # slots (llama-server's): a running sequence holds one; the context of the last one to finish in it stays
         # the slot's (its blocks in the prefix cache) for /slots save and restore
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_seqs)]
@@ -315,6 +321,7 @@ class Scheduler:
                 s.prompt_rows.append(hidden[lo - start:])
 
     def _begin_drafter(self, s: Sequence) -> None:
+        self._take_spare(s)
         d = s.drafter
         assert d is not None
         rows = torch.cat(s.prompt_rows) if s.prompt_rows else None
@@ -322,6 +329,22 @@ class Scheduler:
         d.begin(s.tokens[:s.cache.length], rows if d.needs_hidden else None)
         s.prompt_rows = []
         s.began = True
+
+    def _take_spare(self, s: Sequence) -> None:
+        """Give `s` the kept drafter whose tokens share the longest prefix (a block at least) with its tokens."""
+        if not self._spare or s.drafter is None or s.drafter.needs_hidden:
+            return
+        tokens = s.tokens[:s.cache.length]
+        shared, i = max((common_prefix(held, tokens), i) for i, (held, _) in enumerate(self._spare))
+        if shared >= self.pool.block:
+            s.drafter = self._spare.pop(i)[1]
+
+    def _keep_spare(self, tokens: list[int], d: Drafter) -> None:
+        if d.needs_hidden:  # (an MTP drafter's cache is sized for its sequence; it reads a window of rows anyway)
+            return
+        self._spare.append((tokens, d))
+        while len(self._spare) > self.max_seqs or sum(len(t) for t, _ in self._spare) > self.ctx:
+            self._spare.pop(0)  # the least recently finished
 
     def _new_drafter(self, s: Sequence) -> Drafter:
         assert self.drafters is not None
@@ -593,6 +616,8 @@ class Scheduler:
             self.slot_tokens[s.slot_id] = s.tokens[:s.cache.length]
         if s.drafter is not None:
             s.drafter.finish(s.tokens[:s.cache.length])
+            if s.began and s.status == RUNNING:  # (not one that never started: aborted while waiting)
+                self._keep_spare(s.tokens[:s.cache.length], s.drafter)
         s.cache.reset()
         self._release_slots(s)
         s.status = FINISHED

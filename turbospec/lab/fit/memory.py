@@ -191,12 +191,14 @@ def activation_bytes(arch: Arch, setup: Setup, ctx: int, rows: int, spec: bool =
 
 def drafter_table_bytes(setup: Setup, ctx: int) -> int:
     """The model-free drafters' tables for `ctx` context tokens (with several sequences: tokens of all of them, at
-    most the pool's positions), ngram-mod's pool per sequence, and the suffix drafters' shared store."""
+    most the pool's positions, and as many again in the drafters kept for a next turn), ngram-mod's pool per
+    sequence (and per kept drafter), and the suffix drafters' shared store."""
     unknown = [d for d in setup.drafters if d not in TABLE_BYTES_PER_TOKEN]
     if unknown:
         raise TurboSpecError(f"unknown model-free drafter {unknown[0]!r} ({', '.join(MODEL_FREE)})")
-    n = sum(TABLE_BYTES_PER_TOKEN[d] * ctx for d in setup.drafters)
-    n += setup.parallel * NGRAM_MOD_POOL * ("ngram-mod" in setup.drafters)
+    # with several sequences, finished requests' drafters are kept for their next turn: up to the pool's tokens more
+    n = sum(TABLE_BYTES_PER_TOKEN[d] * ctx for d in setup.drafters) * (2 if setup.parallel > 1 else 1)
+    n += setup.parallel * NGRAM_MOD_POOL * ("ngram-mod" in setup.drafters) * (2 if setup.parallel > 1 else 1)
     if "suffix" in setup.drafters and setup.suffix_store:  # its documents, and their index
         n += setup.suffix_store * (TABLE_BYTES_PER_TOKEN["suffix"] + 8)
     return n
