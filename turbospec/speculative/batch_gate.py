@@ -4,12 +4,12 @@ A batched step's cost depends on every sequence in it, so the one-sequence contr
 plus a cost per verification row, `adaptive.StepCosts`) does not carry over; what a batch can measure is the rate at
 which its decode steps emit tokens. `DraftGate` keeps a running rate (tokens per second over decode-only steps) for
 steps where the sequences draft and for steps where they do not, and drafts while drafting steps emit at least as
-fast. Each mode's rate is kept current by a step of the other mode every `interval` steps (the first plain one
-after FIRST steps): PROBE while drafting
-(a plain step costs at most what drafting gains over it), doubling up to PROBE_MAX while drafting does not pay; such
-a step weighs more in its mode's running rate (PROBE_RATE against RATE), which is older. A
-model small enough to be bound by its arithmetic at the batch's rows (the bundled ones on 2 cores) pays for every
-draft row what it would save, and turns drafting off; a model bound by memory bandwidth keeps it.
+fast. Each mode's rate is kept current by a step of the other mode every `interval` steps: the first plain one after
+FIRST steps, then one every PROBE while drafting (a plain step costs at most what drafting gains over it), and while
+drafting does not pay a drafting step at intervals doubling up to PROBE_MAX. Such a step weighs more in its mode's
+running rate (PROBE_RATE against RATE), which is older. A model small enough to be bound by its arithmetic at the
+batch's rows (the bundled ones on 2 cores) pays for every draft row what it would save, and turns drafting off; a
+model bound by memory bandwidth keeps it.
 
 Skipping a draft changes no token: verification is lossless and the drafters are told every committed token.
 """
