@@ -29,8 +29,9 @@ PAGE = 256  # turbospec.kv.paged.BLOCK: positions per block of the paged pool (s
 ROLLBACK_LIMIT = 16  # HybridCache.rollback_limit: steps up to this many tokens keep every recurrent state
 # The model-free drafters' tables, bytes per context token they index (Python dicts of n-gram tuples and their start /
 # end positions): the most held after begin() over contexts of 8K-420K tokens that never repeat an n-gram (the worst
-# case: a repeated n-gram adds a position to one entry; 230-360 bytes on prose), measured with tracemalloc
-# (`python benchmarks/drafter_costs.py`, held_mib). ngram-mod keeps its window's tokens and a fixed pool per sequence.
+# case: a repeated n-gram adds a position to one entry; 230-360 bytes on prose), measured with tracemalloc over sizes
+# 1.12x apart (`benchmarks/drafter_costs.py` prints held_mib at given sizes: 438 / 451 bytes at 64K, 442 / 455 at
+# 262K). ngram-mod keeps its window's tokens and a fixed pool per sequence.
 TABLE_BYTES_PER_TOKEN = {"ngram": 460, "ngram-simple": 460, "suffix": 500, "ngram-mod": 10}
 NGRAM_MOD_POOL = 4 << 20  # NgramMod: 2^20 int32 slots
 MODEL_FREE = tuple(TABLE_BYTES_PER_TOKEN)  # --spec-type names of the drafters without weights
