@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served_speed import free_port, stream, wait_ready  # noqa: E402
+from served_speed import free_port, server, stream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,14 +43,10 @@ def served_peak(model: str, flags: list[str], parallel: int, ctx: int, prompt: i
                 threads: int) -> int:
     """Peak RSS of a server that ran `parallel` requests of `prompt` random tokens + `gen` at once."""
     port = free_port()
-    # through a forking shell, so that the server's RSS high-water mark is its own (docs/fit.md)
     cmd = ["turbospec", "serve", "-m", model, "-np", str(parallel), "-c", str(ctx), "-t", str(threads), "--port",
            str(port), *flags]
-    proc = subprocess.Popen(["sh", "-c", 'exec "$@"', "sh", *cmd], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    procs: list = []
+    with server(cmd, port, procs=procs) as url:  # (VmHWM is the exec'd server's own: nothing of this process's)
         errors: list[BaseException] = []
 
         def one(i: int) -> None:
@@ -68,13 +64,7 @@ def served_peak(model: str, flags: list[str], parallel: int, ctx: int, prompt: i
             j.join()
         if errors:
             raise RuntimeError(f"a request failed: {errors[0]!r}")
-        return peak_rss(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        return peak_rss(procs[0].pid)
 
 
 def fit_total(model: str, flags: list[str], parallel: int, ctx: int, runtime: int) -> dict:

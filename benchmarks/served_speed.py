@@ -174,8 +174,11 @@ def llama_flags(flags: list[str]) -> list[str] | None:
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], port: int, env: dict | None = None):
+def server(cmd: list[str], port: int, env: dict | None = None, procs: list | None = None):
+    """The server `cmd` runs, its URL once it answers /health; stopped on exit. `procs` gets its Popen."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    if procs is not None:
+        procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
