@@ -612,12 +612,13 @@ class Scheduler:
             self.pool.remember(s.cache.blocks[-1], key)
             if self.states is not None and s.slot is not None:
                 self.states.snapshot(key, s.slot, s.id)
+        done = s.tokens[:s.cache.length]  # (one copy for the slot, the drafter and the kept drafter: none changes it)
         if s.slot_id is not None:  # its context becomes the slot's
-            self.slot_tokens[s.slot_id] = s.tokens[:s.cache.length]
+            self.slot_tokens[s.slot_id] = done
         if s.drafter is not None:
-            s.drafter.finish(s.tokens[:s.cache.length])
+            s.drafter.finish(done)
             if s.began and s.status == RUNNING:  # (not one that never started: aborted while waiting)
-                self._keep_spare(s.tokens[:s.cache.length], s.drafter)
+                self._keep_spare(done, s.drafter)
         s.cache.reset()
         self._release_slots(s)
         s.status = FINISHED

@@ -258,12 +258,12 @@ def exact_bf16(lin: Linear | SplitLinear) -> Linear | SplitLinear:
     w = lin.weight
     if w.dtype != torch.float32:
         return lin
-    rows = max(1, (1 << 20) // max(1, 4 * w[0].numel()))  # checked ~1 MB at a time: a float32 round trip of the
-    for i in range(0, w.shape[0], rows):  # whole matrix (an LM head: V x H x 4 bytes) would be a transient copy
-        part = w[i:i + rows]
-        if not torch.equal(part.to(torch.bfloat16).to(torch.float32), part):
+    wb = torch.empty(w.shape, dtype=torch.bfloat16)
+    rows = max(1, (1 << 20) // max(1, 4 * w[0].numel()))  # converted and checked ~1 MB at a time: a float32 round
+    for i in range(0, w.shape[0], rows):  # trip of the whole matrix (an LM head: V x H x 4 bytes) would be a copy
+        wb[i:i + rows] = w[i:i + rows]
+        if not torch.equal(wb[i:i + rows].to(torch.float32), w[i:i + rows]):
             return lin
-    wb = w.to(torch.bfloat16)
     b = lin.bias
     if b is not None and not torch.equal(b.to(torch.bfloat16).to(torch.float32), b):
         return lin

@@ -198,8 +198,9 @@ def drafter_table_bytes(setup: Setup, ctx: int) -> int:
     if unknown:
         raise TurboSpecError(f"unknown model-free drafter {unknown[0]!r} ({', '.join(MODEL_FREE)})")
     # with several sequences, finished requests' drafters are kept for their next turn: up to the pool's tokens more
-    n = sum(TABLE_BYTES_PER_TOKEN[d] * ctx for d in setup.drafters) * (2 if setup.parallel > 1 else 1)
-    n += setup.parallel * NGRAM_MOD_POOL * ("ngram-mod" in setup.drafters) * (2 if setup.parallel > 1 else 1)
+    copies = 2 if setup.parallel > 1 else 1
+    n = copies * sum(TABLE_BYTES_PER_TOKEN[d] * ctx for d in setup.drafters)
+    n += copies * setup.parallel * NGRAM_MOD_POOL * ("ngram-mod" in setup.drafters)
     if "suffix" in setup.drafters and setup.suffix_store:  # its documents, and their index
         n += setup.suffix_store * (TABLE_BYTES_PER_TOKEN["suffix"] + 8)
     return n
