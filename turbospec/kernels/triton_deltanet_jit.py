@@ -6,21 +6,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _ld(p):
-    return tl.load(p).to(tl.float32)
-
-
-@triton.jit
-def _rd(x, DT: tl.constexpr):
-    return x.to(DT).to(tl.float32)
-
-
-@triton.jit
 def gdn_step(window, conv_t, z, b, a, neg_a, dt_bias, norm_w, state, parents, rows, out, states,
              C, sz, sb, sa, eps, q_scale, n,
              NP: tl.constexpr, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, REP: tl.constexpr,
@@ -59,12 +44,18 @@ def gdn_step(window, conv_t, z, b, a, neg_a, dt_bias, norm_w, state, parents, ro
                 else:
                     r = t + i
                 # products and sums rounded to the window's dtype, as the torch path computes the conv in it
-                qa = _rd(qa + _rd(_ld(window + r * C + qc) * _ld(conv_t + i * C + qc), DT), DT)
-                ka = _rd(ka + _rd(_ld(window + r * C + kc) * _ld(conv_t + i * C + kc), DT), DT)
-                va = _rd(va + _rd(_ld(window + r * C + vc) * _ld(conv_t + i * C + vc), DT), DT)
-            qv = _rd(_silu(qa), DT)
-            kv = _rd(_silu(ka), DT)
-            vv = _rd(_silu(va), DT)
+                # (written out: each call of a jit helper costs the CPU tests' interpreter a module scan)
+                wr = window + r * C
+                ct = conv_t + i * C
+                pq = (tl.load(wr + qc).to(tl.float32) * tl.load(ct + qc).to(tl.float32)).to(DT).to(tl.float32)
+                pk = (tl.load(wr + kc).to(tl.float32) * tl.load(ct + kc).to(tl.float32)).to(DT).to(tl.float32)
+                pv = (tl.load(wr + vc).to(tl.float32) * tl.load(ct + vc).to(tl.float32)).to(DT).to(tl.float32)
+                qa = (qa + pq).to(DT).to(tl.float32)
+                ka = (ka + pk).to(DT).to(tl.float32)
+                va = (va + pv).to(DT).to(tl.float32)
+            qv = (qa / (1.0 + tl.exp(-qa))).to(DT).to(tl.float32)  # SiLU, rounded to DT
+            kv = (ka / (1.0 + tl.exp(-ka))).to(DT).to(tl.float32)
+            vv = (va / (1.0 + tl.exp(-va))).to(DT).to(tl.float32)
             qv = qv * tl.rsqrt(tl.sum(qv * qv, 0) + 1e-6) * q_scale
             kv = kv * tl.rsqrt(tl.sum(kv * kv, 0) + 1e-6)
             beta = tl.sigmoid(tl.load(b + t * sb + h).to(tl.float32))
@@ -79,5 +70,5 @@ def gdn_step(window, conv_t, z, b, a, neg_a, dt_bias, norm_w, state, parents, ro
             o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
             zz = tl.load(z + t * sz + h * DV + dv).to(tl.float32)
             y = (nw * o.to(norm_w.dtype.element_ty).to(tl.float32)).to(norm_w.dtype.element_ty).to(tl.float32)
-            y = y * _silu(zz)
+            y = y * (zz / (1.0 + tl.exp(-zz)))
             tl.store(out + t * NV * DV + h * DV + dv, y.to(out.dtype.element_ty))

@@ -18,7 +18,7 @@ import torch
 from turbospec.kernels.attention import BF16, F16, F32, Q4_0, Q8_0, TBQ4_0, TURBO, TURBO64
 
 _BLOCK = {F32: 32, F16: 32, BF16: 32, Q8_0: 32, Q4_0: 32, TBQ4_0: 64, TURBO: 128, TURBO64: 64}
-ROWS = 16  # turbo*: vectors per program (the rotation is one [16, B] x [B, B] product)
+ROWS = 16  # vectors per program (turbo*: the rotation is one [16, B] x [B, B] product)
 
 
 def supports(kind: int, width: int, dim: int) -> bool:
@@ -52,6 +52,6 @@ def encode_into(x: torch.Tensor, kind: int, fields: list[torch.Tensor], start: i
         return
     f0 = fields[0]
     f1 = fields[1] if len(fields) > 1 else f0
-    _kernels()[0][(kvh * n, d // bs)](x, f0, f1, x.stride(0), x.stride(1), f0.stride(0), f0.stride(1), f1.stride(0),
-                                   f1.stride(1), n, start, slots, KIND=kind, BS=bs, SLOTS=slots is not None,
-                                   enable_fp_fusion=False)
+    _kernels()[0][(-(-kvh * n // ROWS), d // bs)](x, f0, f1, x.stride(0), x.stride(1), f0.stride(0), f0.stride(1),
+                                               f1.stride(0), f1.stride(1), n, kvh * n, start, slots, KIND=kind, BS=bs,
+                                               RP=ROWS, SLOTS=slots is not None, enable_fp_fusion=False)

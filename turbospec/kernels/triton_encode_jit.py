@@ -36,58 +36,60 @@ def _half_away(v):
 
 
 @triton.jit
-def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, start, slots, KIND: tl.constexpr, BS: tl.constexpr,
-           SLOTS: tl.constexpr):
-    """One program per (vector, block): vector v = head * n + token of x [KVH, n, D] into position start + token
-    (SLOTS: position slots[token], a paged pool's)."""
-    v = tl.program_id(0)
+def encode(x, f0, f1, sxh, sxt, s0h, s0t, s1h, s1t, n, rows, start, slots, KIND: tl.constexpr, BS: tl.constexpr,
+           RP: tl.constexpr, SLOTS: tl.constexpr):
+    """One program per (RP vectors, block): vector v = head * n + token of x [KVH, n, D] (v < rows = KVH * n) into
+    position start + token (SLOTS: position slots[token], a paged pool's)."""
+    v = tl.program_id(0) * RP + tl.arange(0, RP)
     b = tl.program_id(1)
+    vmask = v < rows
     h = (v // n).to(tl.int64)
     t = v % n
     HALF: tl.constexpr = BS // 2
     j = tl.arange(0, HALF)
-    xp = x + h * sxh + t * sxt + b * BS
-    lo = tl.load(xp + j).to(tl.float32)
-    hi = tl.load(xp + HALF + j).to(tl.float32)
+    m2 = vmask[:, None]
+    xp = x + h[:, None] * sxh + t[:, None] * sxt + b * BS + j[None, :]
+    lo = tl.load(xp, mask=m2, other=0.0).to(tl.float32)  # [RP, HALF]
+    hi = tl.load(xp + HALF, mask=m2, other=0.0).to(tl.float32)
     if SLOTS:  # noqa: SIM108 -- (a compile-time branch of Triton's)
-        pos = tl.load(slots + t).to(tl.int64)
+        pos = tl.load(slots + t, mask=vmask, other=0).to(tl.int64)
     else:
         pos = (start + t).to(tl.int64)
-    o0 = f0 + h * s0h + pos * s0t
+    o0 = f0 + h * s0h + pos * s0t  # [RP]
     o1 = f1 + h * s1h + pos * s1t
     if KIND <= 2:  # plain: the values in the cache's dtype
-        tl.store(o0 + b * BS + j, lo.to(f0.dtype.element_ty))
-        tl.store(o0 + b * BS + HALF + j, hi.to(f0.dtype.element_ty))
+        tl.store(o0[:, None] + b * BS + j[None, :], lo.to(f0.dtype.element_ty), mask=m2)
+        tl.store(o0[:, None] + b * BS + HALF + j[None, :], hi.to(f0.dtype.element_ty), mask=m2)
     elif KIND == 3:  # q8_0: d = absmax / 127 (stored fp16), codes roundf(x / d) with the float32 d
-        d = tl.math.div_rn(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), 127.0)
-        inv = _recip(d)
-        tl.store(o0 + b, d.to(tl.float16))
-        tl.store(o1 + b * BS + j, _half_away(lo * inv).to(tl.int8))
-        tl.store(o1 + b * BS + HALF + j, _half_away(hi * inv).to(tl.int8))
+        d = tl.math.div_rn(tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1)), 127.0)
+        inv = _recip(d)[:, None]
+        tl.store(o0 + b, d.to(tl.float16), mask=vmask)
+        tl.store(o1[:, None] + b * BS + j[None, :], _half_away(lo * inv).to(tl.int8), mask=m2)
+        tl.store(o1[:, None] + b * BS + HALF + j[None, :], _half_away(hi * inv).to(tl.int8), mask=m2)
     else:
         if KIND == 4:  # q4_0: d = (the value of largest magnitude, first on ties) / -8; codes trunc(x / d + 8.5)
             al = tl.abs(lo)
             ah = tl.abs(hi)
-            ml = tl.max(al, 0)
-            mh = tl.max(ah, 0)
-            il = tl.argmax(al, 0, tie_break_left=True)
-            ih = tl.argmax(ah, 0, tie_break_left=True)
-            xl = tl.sum(tl.where(j == il, lo, 0.0), 0)
-            xh = tl.sum(tl.where(j == ih, hi, 0.0), 0)
+            ml = tl.max(al, 1)
+            mh = tl.max(ah, 1)
+            il = tl.argmax(al, 1, tie_break_left=True)
+            ih = tl.argmax(ah, 1, tie_break_left=True)
+            xl = tl.sum(tl.where(j[None, :] == il[:, None], lo, 0.0), 1)
+            xh = tl.sum(tl.where(j[None, :] == ih[:, None], hi, 0.0), 1)
             m = tl.where(ml >= mh, xl, xh)
             d = tl.math.div_rn(m, -8.0)
-            inv = _recip(d)
-            tl.store(o0 + b, d.to(tl.float16))
+            inv = _recip(d)[:, None]
+            tl.store(o0 + b, d.to(tl.float16), mask=vmask)
             ql = tl.minimum(tl.maximum(_trunc((lo * inv) + 8.5), 0.0), 15.0)
             qh = tl.minimum(tl.maximum(_trunc((hi * inv) + 8.5), 0.0), 15.0)
         else:  # tbq4_0: S = absmax / 7 stored fp16, codes round(x / S) in [-8, 7] against the stored S, + 8
-            s16 = tl.math.div_rn(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), 7.0).to(tl.float16)
-            inv = _recip(s16.to(tl.float32))
-            tl.store(o0 + b, s16)
+            s16 = tl.math.div_rn(tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1)), 7.0).to(tl.float16)
+            inv = _recip(s16.to(tl.float32))[:, None]
+            tl.store(o0 + b, s16, mask=vmask)
             ql = tl.minimum(tl.maximum(_rne(lo * inv), -8.0), 7.0) + 8.0
             qh = tl.minimum(tl.maximum(_rne(hi * inv), -8.0), 7.0) + 8.0
         byte = ql.to(tl.int32) | (qh.to(tl.int32) << 4)  # low nibbles: the block's first half
-        tl.store(o1 + b * HALF + j, byte.to(tl.uint8))
+        tl.store(o1[:, None] + b * HALF + j[None, :], byte.to(tl.uint8), mask=m2)
 
 
 @triton.jit
