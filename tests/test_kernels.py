@@ -143,3 +143,26 @@ def test_silu_mul_matches_op_by_op(dtype, shape):
     assert got.dtype == dtype and got.shape == (shape[0], i)
     tol = 1e-6 if dtype == torch.float32 else 2 * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
     assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_of_a_linear_multiply_in_place_as_a_copy_of_them(dtype):
+    """`Linear.take(rows)` of a float matrix keeps only the row ids (`LinearRows`): one input row through the C++
+    kernel over the rows where they lie, several through a gathered copy -- bit for bit a `Linear` over a copy of
+    those rows (and bias entries), for row counts that do not fill the kernel's 4-row blocks, repeated and unsorted
+    ids, and row lengths off its 8-wide vectors."""
+    from turbospec.layers.linear import Linear, LinearRows
+
+    g = torch.Generator().manual_seed(0)
+    for cols in (64, 100):
+        w, b = torch.randn(50, cols, generator=g).to(dtype), torch.randn(50, generator=g)
+        lin = Linear(w, b)
+        for ids in ([3], [0, 7, 7, 49, 2], list(range(0, 50, 3))):
+            rows = torch.tensor(ids)
+            view, copy = lin.take(rows), Linear(w[rows], b[rows], hugepages=False)
+            assert isinstance(view, LinearRows) and view.out_features == len(ids) and view.nbytes == 8 * len(ids)
+            for n in (1, 3):
+                x = torch.randn(n, cols, generator=g).to(dtype if dtype != torch.float16 else torch.float32)
+                assert torch.equal(view(x), copy(x))
+    with pytest.raises(RuntimeError, match="row id out of range"):
+        kernel.rows_linear(torch.zeros(1, 64), torch.zeros(4, 64), torch.tensor([4]), None)

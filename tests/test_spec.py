@@ -288,6 +288,10 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
     assert small.head_ids is not None and set(range(4)) | set(prompt) <= set(small.head_ids) <= (
         set(range(4)) | set(prompt) | set(out))
     assert small.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(small.head_ids))
+    # the reduced head reads the full head's rows where they lie: the drafter holds their ids, not a copy
+    h = torch.randn(1, target.cfg.hidden_size)
+    assert torch.equal(small.head(h), small.full_head(h)[:, small.head_ids])
+    assert small._reduced_head.nbytes <= 8 * len(small.head_ids)
 
 
 def test_draft_vocab_ranking_and_drafter_mapping(paths, tmp_path):

@@ -80,10 +80,11 @@ inline void prefetch_l2(const char* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-// 4 weight rows x 2 input rows per inner block: 8 independent accumulators.
+// 4 weight rows (w[r] + ldw * r: a block of a matrix, or with ldw = 0 four rows anywhere) x 2 input rows per
+// inner block: 8 independent accumulators.
 template <typename W>
-void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_t in, float* out0, float* out1,
-               int64_t ldo, bool two, const char* pf, int64_t pf_step) {
+void block_4x2(const W* const* w, int64_t ldw, const float* x0, const float* x1, int64_t in, float* out0,
+               float* out1, int64_t ldo, bool two, const char* pf, int64_t pf_step) {
   __m256 a[4][2];
   for (int r = 0; r < 4; ++r) { a[r][0] = _mm256_setzero_ps(); a[r][1] = _mm256_setzero_ps(); }
   int64_t i = 0;
@@ -94,7 +95,7 @@ void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_
     __m256 v0 = _mm256_loadu_ps(x0 + i);
     __m256 v1 = two ? _mm256_loadu_ps(x1 + i) : v0;
     for (int r = 0; r < 4; ++r) {
-      __m256 wr = load8(w + r * ldw + i);
+      __m256 wr = load8(w[r] + r * ldw + i);
       a[r][0] = _mm256_fmadd_ps(wr, v0, a[r][0]);
       if (two) a[r][1] = _mm256_fmadd_ps(wr, v1, a[r][1]);
     }
@@ -102,7 +103,7 @@ void block_4x2(const W* w, int64_t ldw, const float* x0, const float* x1, int64_
   for (int r = 0; r < 4; ++r) {
     float s0 = hsum(a[r][0]), s1 = two ? hsum(a[r][1]) : 0.f;
     for (int64_t j = i; j < in; ++j) {
-      float wv = to_f(w[r * ldw + j]);
+      float wv = to_f(w[r][r * ldw + j]);
       s0 += wv * x0[j];
       if (two) s1 += wv * x1[j];
     }
@@ -193,7 +194,8 @@ void run(const W* w, const float* x, float* y, int64_t m, int64_t in, int64_t ou
           const int64_t passes = (m + 1) / 2, share = blk_bytes / passes;
           const char* pf = reinterpret_cast<const char*>(w + std::min(o + 4 * ahead, out - 4) * in) + (r / 2) * share;
           const int64_t step = std::max<int64_t>(1, share / std::max<int64_t>(1, in / 8));
-          block_4x2(w + o * in, in, x0, x1, in, t0, t1, 1, two, pf, step);
+          const W* const blk[4] = {w + o * in, w + o * in, w + o * in, w + o * in};
+          block_4x2(blk, in, x0, x1, in, t0, t1, 1, two, pf, step);
           for (int q = 0; q < 4; ++q) {
             y[r * out + o + q] = t0[q];
             if (two) y[(r + 1) * out + o + q] = t1[q];
@@ -384,6 +386,52 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m, out_dtype == torch::kBFloat16);
   auto shape = x.sizes().vec();
   shape.back() = out;
+  return y.to(out_dtype).reshape(shape);
+}
+
+// x W[rows]^T (+ b[rows]) for few rows of x, without a copy of W's selected rows: each output is the same chain of
+// FMAs as `skinny_linear`'s over the gathered matrix (a drafter's head over a reduced vocabulary, shared by every
+// sequence: each holds only its row ids). W float32 / bfloat16 / float16, 2-D and contiguous; rows int64.
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor rows, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && !packed::is_packed(w), "weight must be a contiguous 2-D tensor");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be int64 [R]");
+  auto out_dtype = x.scalar_type();
+  auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
+  const int64_t m = xs.size(0), in = xs.size(1), n = rows.numel(), out = w.size(0);
+  TORCH_CHECK(w.size(1) == in, "shape mismatch");
+  rows = rows.contiguous();
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < out, "row id out of range");
+  auto y = torch::empty({m, n}, xs.options());
+  const float* xp = xs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  by_dtype(w.scalar_type(), [&](auto tag) {
+    using W = decltype(tag);
+    const W* wp = w.data_ptr<W>();
+    at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t o = b * 4, k = std::min<int64_t>(4, n - o);
+        const W* blk[4];
+        for (int q = 0; q < 4; ++q) blk[q] = wp + ids[o + std::min<int64_t>(q, k - 1)] * in;
+        // the next block's rows into L2 while this one is multiplied (scattered rows: no prefetch stream to follow)
+        for (int64_t q = o + 4; q < std::min(n, o + 8); ++q)
+          prefetch_l2(reinterpret_cast<const char*>(wp + ids[q] * in), in * static_cast<int64_t>(sizeof(W)));
+        for (int64_t r = 0; r < m; r += 2) {
+          const bool two = r + 1 < m;
+          const float* x0 = xp + r * in;
+          float t0[4], t1[4];
+          block_4x2(blk, 0, x0, two ? x0 + in : x0, in, t0, t1, 1, two, reinterpret_cast<const char*>(wp), 0);
+          for (int64_t q = 0; q < k; ++q) {
+            yp[r * n + o + q] = t0[q];
+            if (two) yp[(r + 1) * n + o + q] = t1[q];
+          }
+        }
+      }
+    });
+  });
+  if (bias.has_value()) add_bias(bias->index_select(0, rows), yp, m, n);
+  auto shape = x.sizes().vec();
+  shape.back() = n;
   return y.to(out_dtype).reshape(shape);
 }
 
@@ -1274,6 +1322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
+  m.def("rows_linear", &rows_linear, "x W[rows]^T for few rows of x, without a copy of W's rows");
   m.def("bf16_dot", &bf16_dot, "whether bf16 products can use AVX-512 BF16 dot products");
   m.def("set_bf16_dot_rows", &set_bf16_dot_rows, "fewest rows for bf16 dot products; returns the previous value");
   m.def("packed_linear", &packed_linear, "x W^T for a packed (Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K) W, any number of rows");

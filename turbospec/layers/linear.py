@@ -146,8 +146,11 @@ class Linear:
         self.out_features, self.in_features = out_features(self.weight), in_features(self.weight)
         self.packed = is_packed(self.weight)
 
-    def take(self, rows: torch.Tensor) -> Linear:
-        """The layer over output rows `rows` alone (in ordinary memory: it may be rebuilt often)."""
+    def take(self, rows: torch.Tensor) -> Linear | LinearRows:
+        """The layer over output rows `rows` (int64) alone: float weights with the C++ kernel read in place (no copy:
+        `LinearRows`), else a copy of the rows (in ordinary memory: it may be rebuilt often)."""
+        if self.kernel is not None and not self.packed and self.weight.device.type == "cpu":
+            return LinearRows(self, rows.cpu())
         w = ggml_blocks(self.weight, rows) if self.packed else self.weight[rows]
         return Linear(w, None if self.bias is None else self.bias[rows], hugepages=False)
 
@@ -191,6 +194,30 @@ class Linear:
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+class LinearRows:
+    """Output rows `rows` of a float `Linear`, as a layer. One input row (a drafter's draft step) is multiplied by the
+    C++ kernel over the rows where they lie, with the arithmetic of a copy's skinny product; more rows gather the
+    rows per call. A holder keeps only the row ids: a draft head over a reduced vocabulary is one matrix however
+    many sequences draft from it (their vocabularies differ by their contexts' tokens)."""
+
+    packed = False
+
+    def __init__(self, layer: Linear, rows: torch.Tensor):
+        self.layer, self.rows = layer, rows
+        self.in_features, self.out_features = layer.in_features, rows.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        if x.numel() == self.in_features:
+            return layer.kernel.rows_linear(x, layer.weight, self.rows, layer.bias)
+        bias = None if layer.bias is None else layer.bias[self.rows]
+        return Linear(layer.weight[self.rows], bias, hugepages=False)(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
 
 
 class SplitLinear:

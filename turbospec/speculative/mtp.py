@@ -10,7 +10,7 @@ import torch
 from turbospec import device
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
-from turbospec.layers.linear import Linear
+from turbospec.layers.linear import Linear, LinearRows
 from turbospec.model.mtp import MTPModule
 from turbospec.sampling import SamplingParams, argmax
 from turbospec.speculative.drafter import Drafter
@@ -60,7 +60,7 @@ class MTPDrafter(Drafter):
         self._ids: set[int] = set(self._base)  # the reduced vocabulary: the base set and the context's tokens
         self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
         self._head_rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # head_ids as a tensor
-        self._reduced_head: Linear | None = None
+        self._reduced_head: Linear | LinearRows | None = None  # rows of full_head (in place on the CPU)
         self._outside: torch.Tensor | None = None  # ids outside the reduced vocabulary while the full head stands in
         self._stale_head = False  # tokens joined the vocabulary since the head rows were gathered
         mtp.compact_weights()
@@ -150,7 +150,7 @@ class MTPDrafter(Drafter):
         self._outside = None
         self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
         self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64, device=self.device)
-        self._reduced_head = self.full_head.take(self._head_rows)  # rebuilt as tokens arrive
+        self._reduced_head = self.full_head.take(self._head_rows)  # re-taken as tokens arrive
 
     def window(self, n: int) -> int:
         """Prompt positions fed to the MTP for an n-token prompt (0: all): `prompt_window`, or for -1 (auto) a

@@ -330,7 +330,7 @@ def estimate(arch: Arch, setup: Setup, ctx: int, k_type: str, v_type: str, mode:
             b.spec_hidden_rows = par * min(ctx, window + 1) * arch.hidden * dtypes.nbytes(setup.dtype)
             if dtypes.nbytes(setup.dtype) == 4 and arch.src_dtype_bytes <= 2 and setup.weights_bpw is None:
                 # float32 run of a 16-bit checkpoint: the draft head is a bf16 copy of the lm_head (exact),
-                # from which the reduced vocabulary's rows are gathered (those ~1-2K rows are not counted)
+                # whose reduced vocabulary's rows every sequence reads in place (LinearRows: no copy)
                 b.draft_head = arch.vocab * arch.hidden * 2
         else:
             # llama.cpp: the MTP context inherits n_ubatch and reserves its own graph (one layer + logits)
