@@ -27,7 +27,7 @@ from turbospec import env
 from turbospec.errors import TurboSpecError
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.gated_deltanet import GatedDeltaNet
-from turbospec.layers.linear import Linear, RowParallelLinear
+from turbospec.layers.linear import Linear, LinearRows, RowParallelLinear
 from turbospec.layers.moe import MoE
 from turbospec.model.config import HYBRID_ARCHS, MOE_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer
@@ -384,7 +384,7 @@ class VocabHead:
     """An LM head holding the rows of token ids [lo, hi) (this rank's): a call gives the whole vocabulary's logits,
     every rank's rows gathered in order."""
 
-    def __init__(self, inner: Linear, sizes: list[int], comm: GlooCollective):
+    def __init__(self, inner: Linear | LinearRows, sizes: list[int], comm: GlooCollective):
         self.inner, self.sizes, self.comm = inner, sizes, comm
         self.out_features = sum(sizes)
 
@@ -401,7 +401,8 @@ class VocabHead:
         return VocabHead(self.inner.take(mine), counts, self.comm)
 
     @property
-    def weight(self) -> torch.Tensor:  # this rank's rows
+    def weight(self) -> torch.Tensor:  # this rank's rows (of a whole head: a taken one reads them in place)
+        assert isinstance(self.inner, Linear)
         return self.inner.weight
 
     @property
