@@ -7,7 +7,7 @@ decode t/s counts the tokens generated once every prompt is computed.
     python benchmarks/batch_spec.py --model models/demo-qwen3 --dtype bfloat16 --spec-type ngram --streams 4 8 \\
         --json docs/results/batch_spec.json
 
-`--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
+`--mtp-topk K` drafts MTP trees (K candidates per depth). `--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
 subprocess per round, alternating with this checkout.
 """
 
@@ -42,7 +42,7 @@ def measure(a, streams: int, spec: str | None) -> dict:
     lines = (ROOT / "turbospec" / "data" / "eval" / "prose.jsonl").read_text().splitlines()
     ids = tok.encode(" ".join(json.loads(x)["text"] for x in lines if x.strip()))
     cfg = EngineConfig(ctx=streams * (a.prompt + a.gen + 512), dtype=a.dtype,
-                       spec=SpecConfig(types=spec, adaptive=a.adaptive) if spec else SpecConfig())
+                       spec=SpecConfig(types=spec, adaptive=a.adaptive, mtp_topk=a.mtp_topk) if spec else SpecConfig())
     sch = Scheduler.for_engine(Engine(model, tok, cfg), streams)
     params = SamplingParams(max_tokens=a.gen, temperature=0, ignore_eos=True)
     seqs = [sch.add(ids[i * 997:i * 997 + a.prompt], params) for i in range(streams)]
@@ -68,6 +68,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--adaptive", action="store_true", help="draft with --spec-adaptive (the batch's draft gate)")
+    ap.add_argument("--mtp-topk", type=int, default=1, help="MTP trees: candidates per depth (--spec-mtp-topk)")
     ap.add_argument("--revision", default=None, help="a checkout whose turbospec to measure too (a 'before')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "S,spec": one measurement, printed as JSON
@@ -84,7 +85,7 @@ def main() -> int:
             env["TORCH_EXTENSIONS_DIR"] = env.get("TORCH_EXTENSIONS_DIR", "/tmp/torch_ext") + "_before"
         args = [sys.executable, __file__, "--one", f"{s},{spec}", "--model", a.model, "--dtype", a.dtype,
                 "--prompt", str(a.prompt), "--gen", str(a.gen), "--threads", str(a.threads)] + \
-            (["--adaptive"] if a.adaptive else [])
+            (["--adaptive"] if a.adaptive else []) + ["--mtp-topk", str(a.mtp_topk)]
         r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
         return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -120,6 +120,48 @@ def test_paged_kernel_equals_contiguous_attention(name):
 
 
 @pytest.mark.skipif(fused.load() is None, reason="attention kernel not available on this machine")
+@pytest.mark.parametrize("block", [4, 256])
+def test_paged_kernel_masks_a_trees_other_branches(block):
+    """A draft tree's rows through the paged kernel with their ancestor masks: each row attends to the committed
+    positions and to its own ancestors among the tree's, as the contiguous kernel over exactly those positions does
+    (to float rounding: the tiles split differently); masks of -1 give the unmasked rows bit for bit. With blocks of
+    4 some of a row's tiles hold only other branches' positions."""
+    from turbospec.kv.paged import _ancestor_masks
+
+    g = torch.Generator().manual_seed(2)
+    fmt, d, kvh, rows = get_format("f32"), 64, 2, 3
+    spec = attention_spec(fmt, d)
+    parents = [-1, 0, 0, 1, 1, 2, 5, 3, 3, 0]  # the root (the last committed token's row), then 9 drafts
+    committed, n = 37, 10
+    total = committed + n
+    nb = -(-total // block)
+    table = torch.randperm(nb + 3, generator=g)[:nb].tolist()
+    kbuf, vbuf = fmt.allocate(d, (kvh, (nb + 3) * block)), fmt.allocate(d, (kvh, (nb + 3) * block))
+    k, v = torch.randn(kvh, total, d, generator=g), torch.randn(kvh, total, d, generator=g)
+    for j, b in enumerate(table):
+        s, e = j * block, min(total, (j + 1) * block)
+        kbuf[spec[2][0]][:, b * block:b * block + e - s] = k[:, s:e]
+        vbuf[spec[2][0]][:, b * block:b * block + e - s] = v[:, s:e]
+    q = torch.randn(n, kvh, rows, d, generator=g) * 0.3
+    tables = torch.tensor([table] * n, dtype=torch.int32)
+    lens = torch.tensor([committed + i + 1 for i in range(n)], dtype=torch.int64)
+    masks = torch.tensor(_ancestor_masks(parents), dtype=torch.int64)
+    out = fused.paged(q, spec, [kbuf[spec[2][0]]], spec, [vbuf[spec[2][0]]], d, tables, lens, block, masks)
+    for i in range(n):
+        seen, a = [], i
+        while a >= 0:
+            seen.append(committed + a)
+            a = parents[a]
+        idx = torch.tensor(list(range(committed)) + sorted(seen))
+        m, lsum, acc = fused.partial(q[i], spec, [k[:, idx]], spec, [v[:, idx]], d, 0, len(idx))
+        torch.testing.assert_close(out[i], acc / lsum.unsqueeze(-1), rtol=1e-5, atol=1e-6)
+    plain = fused.paged(q, spec, [kbuf[spec[2][0]]], spec, [vbuf[spec[2][0]]], d, tables, lens, block)
+    assert torch.equal(fused.paged(q, spec, [kbuf[spec[2][0]]], spec, [vbuf[spec[2][0]]], d, tables, lens, block,
+                                   torch.full((n,), -1, dtype=torch.int64)), plain)
+    assert not torch.allclose(out[4:], plain[4:])  # rows with other branches before them attend differently
+
+
+@pytest.mark.skipif(fused.load() is None, reason="attention kernel not available on this machine")
 @pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0", "turbo3"])
 def test_chain_rows_attend_as_the_steps_that_decode_them(kv):
     """A chain of drafts to verify (a causal segment of up to STEP_ROWS rows), beside another sequence's decode row,

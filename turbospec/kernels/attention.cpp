@@ -899,13 +899,20 @@ QTable prepare_queries(float* q, int64_t heads, int64_t rows4, int64_t dk, int64
 // One tile of the flash-decoding split: scores of rows4 query rows (groups g0, g0 + 1, ... of qt) against positions
 // [s0, s1) of head h, softmax partial m / l [rows4] and the unnormalized accumulator acc [rows4, Dv]. sc (rows4 *
 // tile) and pn (4 * tile) are scratch.
+// `keep` / `back0` (paged tree rows): the tile's position i lies back0 - i positions before the row's own; one
+// fewer than 64 back is attended only where that bit of keep is set (~0: every position, the default).
 inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccFn accumulate, int64_t h, int64_t s0,
                          int64_t s1, const QTable& qt, int64_t g0, int64_t rows4, int64_t tile, float* sc, float* pn,
-                         float* m, float* l, float* acc) {
+                         float* m, float* l, float* acc, uint64_t keep = ~0ull, int64_t back0 = 0) {
   const int64_t len = s1 - s0, dv = vs.width;
   for (int64_t r0 = 0; r0 < rows4; r0 += 4) score(ks, h, s0, s1, qt.group(g0 + r0 / 4), sc + r0 * tile, tile);
+  // masked positions: no score before the max, no weight after the exponentials
+  const int64_t mask_from = keep == ~0ull ? len : std::max<int64_t>(0, back0 - 63);
+  auto masked = [&](int64_t i) { return i >= mask_from && !((keep >> (back0 - i)) & 1ull); };
   for (int64_t r = 0; r < rows4; ++r) {
     float* row = sc + r * tile;
+    for (int64_t i = mask_from; i < len; ++i)
+      if (masked(i)) row[i] = -std::numeric_limits<float>::infinity();
     // the row's max, 8 lanes at a time: _mm256_max_ps(x, m) keeps m when x is NaN, as std::max(m, x) does
     __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t j = 0;
@@ -915,6 +922,12 @@ inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccF
     float mx = lanes[0];
     for (int k = 1; k < 8; ++k) mx = std::max(mx, lanes[k]);
     for (; j < len; ++j) mx = std::max(mx, row[j]);
+    if (mx == -std::numeric_limits<float>::infinity()) {  // every position masked: nothing from this tile
+      std::fill(row, row + len, 0.0f);
+      m[r] = mx;
+      l[r] = 0.0f;
+      continue;
+    }
     __m256 sum8 = _mm256_setzero_ps();
     const __m256 mx8 = _mm256_set1_ps(mx);
     int64_t i = 0;
@@ -927,6 +940,15 @@ inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccF
     for (; i < len; ++i) {
       row[i] = std::exp(row[i] - mx);
       sum += row[i];
+    }
+    if (mask_from < len) {  // masked weights to 0 (exp_nonpos clamps at e^-87), the sum again in the same order
+      for (int64_t j = mask_from; j < len; ++j)
+        if (masked(j)) row[j] = 0.0f;
+      __m256 s8 = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= len; j += 8) s8 = _mm256_add_ps(s8, _mm256_loadu_ps(row + j));
+      sum = hsum(s8);
+      for (; j < len; ++j) sum += row[j];
     }
     m[r] = mx;
     l[r] = sum;
@@ -1002,16 +1024,21 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
 // block, ...]; sequence s attends to its first lens[s] positions, which lie in blocks tables[s, 0..]. One tile per
 // block, tiles of all sequences and heads in one parallel loop, each sequence's tiles merged in order: a row's
 // result does not depend on the other sequences in the call, and with block = 256 it equals attend_partial's
-// over the same positions stored contiguously. Returns acc / l, [S, KVH, R, Dv] float32.
+// over the same positions stored contiguously. `masks` (int64 [S], optional; -1: none): sequence s attends to a
+// position k < 64 places before its last one only where bit k of masks[s] is set (a draft tree's row: its
+// ancestors among the tree's positions, which end at its own). Returns acc / l, [S, KVH, R, Dv] float32.
 torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std::vector<torch::Tensor> k_fields,
                            torch::Tensor k_cent, int64_t v_kind, int64_t v_bits, int64_t v_width,
                            std::vector<torch::Tensor> v_fields, torch::Tensor v_cent, torch::Tensor tables,
-                           torch::Tensor lens, int64_t block) {
+                           torch::Tensor lens, int64_t block, c10::optional<torch::Tensor> masks) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4, "q must be float32 [S, KVH, R, D]");
   TORCH_CHECK(tables.scalar_type() == torch::kInt && tables.dim() == 2 && tables.size(0) == q.size(0),
               "tables must be int32 [S, blocks]");
   TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.numel() == q.size(0), "lens must be int64 [S]");
   TORCH_CHECK(block >= 1, "block size must be >= 1");
+  TORCH_CHECK(!masks.has_value() || (masks->scalar_type() == torch::kLong && masks->is_contiguous() &&
+                                     masks->numel() == q.size(0)), "masks must be int64 [S]");
+  const int64_t* mask = masks.has_value() ? masks->data_ptr<int64_t>() : nullptr;
   q = q.contiguous();
   tables = tables.contiguous();
   const int64_t ns = q.size(0), kvh = q.size(1), rows = q.size(2), dk = q.size(3);
@@ -1052,7 +1079,8 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
       const int64_t n = std::min(block, len[s] - j * block);
       const int64_t sh = s * kvh + h;
       tile_partial(ks, vs, score, accumulate, h, p0, p0 + n, qt, sh * groups, rows4, block, sc.data(), pn.data(),
-                   pm.data() + task * rows4, pl.data() + task * rows4, pacc.data() + task * rows4 * dv);
+                   pm.data() + task * rows4, pl.data() + task * rows4, pacc.data() + task * rows4 * dv,
+                   mask ? static_cast<uint64_t>(mask[s]) : ~0ull, len[s] - 1 - j * block);
     }
     _mm_setcsr(csr);
   });

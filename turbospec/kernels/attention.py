@@ -64,13 +64,15 @@ def dense_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def paged(q: torch.Tensor, k_spec, k_fields: list[torch.Tensor], v_spec, v_fields: list[torch.Tensor], v_width: int,
-          tables: torch.Tensor, lens: torch.Tensor, block: int, mod=None) -> torch.Tensor:
+          tables: torch.Tensor, lens: torch.Tensor, block: int, masks: torch.Tensor | None = None,
+          mod=None) -> torch.Tensor:
     """Attention of many sequences over a paged cache: q float32 [S, KVH, R, Dk] (scaled, rotated and padded as
     for `partial`), fields [KVH, blocks * block, ...], tables int32 [S, max blocks], lens int64 [S] (positions
-    each sequence attends). Returns the normalized output [S, KVH, R, v_width] float32."""
+    each sequence attends), masks int64 [S] or None (bit k clear: the position k places before the last one is
+    not attended, for k < 64; -1: all). Returns the normalized output [S, KVH, R, v_width] float32."""
     mod = mod or load()
     return mod.attend_paged(q, k_spec[0], k_spec[1], k_fields, k_spec[3], v_spec[0], v_spec[1], v_width, v_fields,
-                            v_spec[3], tables, lens, block)
+                            v_spec[3], tables, lens, block, masks)
 
 
 def prefill_rows_available() -> bool:

@@ -908,7 +908,7 @@ template <typename T>
 c10::optional<torch::Tensor> paged_rows_t(const torch::Tensor& qkv, int64_t nh, int64_t nkv, int64_t hd, bool gated,
                                           const PackedSide& K, const PackedSide& V, const torch::Tensor& slots,
                                           const torch::Tensor& tables, const torch::Tensor& lens, int64_t block,
-                                          double scale) {
+                                          double scale, const c10::optional<torch::Tensor>& masks) {
   const int64_t n = qkv.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -921,7 +921,7 @@ c10::optional<torch::Tensor> paged_rows_t(const torch::Tensor& qkv, int64_t nh, 
   auto q = torch::zeros({n, nkv, nh / nkv, K.width}, torch::kFloat);  // [S, KVH, G, Dk]: head h = kv head * G + g
   step_q<T>(qkv, nh, hd, gated, K, scale, q.data_ptr<float>());
   auto o = attn::attend_paged(q, K.kind, K.bits, K.fields, K.cent, V.kind, V.bits, V.width, V.fields, V.cent, tables,
-                              lens, block);
+                              lens, block, masks);
   return step_out<T>(o.data_ptr<float>(), n, nh, hd, V, qkv);
 }
 
@@ -933,7 +933,7 @@ std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, 
                                            std::vector<torch::Tensor> k_fields, std::vector<int64_t> v_ints,
                                            std::vector<torch::Tensor> v_tabs, std::vector<torch::Tensor> v_fields,
                                            torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t block,
-                                           double scale) {
+                                           double scale, c10::optional<torch::Tensor> masks) {
   const PackedSide K(k_ints, k_tabs, k_fields), V(v_ints, v_tabs, v_fields);
   TORCH_CHECK(K.width >= hd && V.width >= hd && K.width % 8 == 0 && V.width % 8 == 0, "bad cache widths");
   TORCH_CHECK(!K.rotated() || (K.s1.numel() > 0 && K.width % K.s1.numel() == 0), "bad K rotation");
@@ -944,7 +944,7 @@ std::vector<torch::Tensor> attn_paged_rows(torch::Tensor x, torch::Tensor in_w, 
   auto qkv = attn_in(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
   TORCH_CHECK(qkv.size(1) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
   auto a = by_dtype(qkv.scalar_type(), [&](auto tag) {
-    return paged_rows_t<decltype(tag)>(qkv, nh, nkv, hd, gated, K, V, slots, tables, lens, block, scale);
+    return paged_rows_t<decltype(tag)>(qkv, nh, nkv, hd, gated, K, V, slots, tables, lens, block, scale, masks);
   });
   if (!a.has_value()) return {};
   return {*a, qkv};
@@ -958,10 +958,11 @@ c10::optional<torch::Tensor> layer_paged_rows(
     int64_t nh, int64_t nkv, int64_t hd, bool gated, std::vector<int64_t> k_ints, std::vector<torch::Tensor> k_tabs,
     std::vector<torch::Tensor> k_fields, std::vector<int64_t> v_ints, std::vector<torch::Tensor> v_tabs,
     std::vector<torch::Tensor> v_fields, torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t block,
-    double scale, torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w, torch::Tensor w_gu,
-    c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn, c10::optional<torch::Tensor> b_dn) {
+    double scale, c10::optional<torch::Tensor> masks, torch::Tensor w_o, c10::optional<torch::Tensor> b_o,
+    torch::Tensor post_w, torch::Tensor w_gu, c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
+    c10::optional<torch::Tensor> b_dn) {
   auto r = attn_paged_rows(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated, k_ints, k_tabs,
-                           k_fields, v_ints, v_tabs, v_fields, slots, tables, lens, block, scale);
+                           k_fields, v_ints, v_tabs, v_fields, slots, tables, lens, block, scale, masks);
   if (r.empty()) return c10::nullopt;
   c10::optional<torch::Tensor> gate;
   const int64_t n = r[1].size(0);

@@ -334,8 +334,8 @@ class PagedBatch:
     """One forward's rows from many sequences (the `cache` a model's forward gets; `plan` is `self.plan`).
 
     Every segment's sequence is begun here (blocks allocated for its new rows); `commit()` commits them all.
-    The rows of causal segments of up to STEP_ROWS rows (decode, chain verification) attend in one paged-kernel call;
-    the others (prefill chunks, draft trees) one by one over their gathered positions."""
+    The rows of segments of up to STEP_ROWS rows (decode, chain and tree verification; with the C++ kernel) attend
+    in one paged-kernel call; the others (prefill chunks) one by one over their gathered positions."""
 
     def __init__(self, pool: BlockPool, segments: list[Segment]):
         self.pool = pool
@@ -351,10 +351,11 @@ class PagedBatch:
             self.slots = torch.tensor([s.seq.slot(s.seq.length) for s in segments], dtype=torch.int64)
         else:
             self.slots = torch.cat([s.seq.slots(s.seq.length, s.seq.length + s.n) for s in segments])
-        # step rows: every row of a causal segment of at most `step_rows` (a decode row; with the C++ kernel also a
-        # chain of drafts to verify or a short prompt chunk) attends as a decode row over its sequence's positions up
-        # to its own, in one paged-kernel call for all of them -- the arithmetic of the single-token steps that decode
-        # those rows. (On a GPU the longer segments read their committed positions once for all their rows instead:
+        # step rows: every row of a segment of at most `step_rows` (a decode row; with the C++ kernel also a chain
+        # or tree of drafts to verify or a short prompt chunk) attends as a decode row over its sequence's positions
+        # up to its own, in one paged-kernel call for all of them -- for a chain the arithmetic of the single-token
+        # steps that decode those rows; a tree's rows skip the positions of the tree's other branches (`masks`).
+        # (On a GPU the longer segments and trees read their committed positions once for all their rows instead:
         # `_segment_triton`.)
         self.step_rows = STEP_ROWS if pool.kernel_specs is not None else 1
         steps = [s for s in segments if self._step(s)]
@@ -362,6 +363,7 @@ class PagedBatch:
         self.decode_rows = torch.tensor([s.row + i for s, i in rows], dtype=torch.int64)
         self.others = [s for s in segments if not self._step(s)]
         self.decode_only = bool(steps) and not self.others  # the one-call attention's case
+        self.masks: torch.Tensor | None = None
         if steps:
             width = max(len(s.seq.blocks) for s in steps)
             table = torch.full((len(rows), width), -1, dtype=torch.int32)
@@ -370,10 +372,16 @@ class PagedBatch:
             self.tables = table
             self.lens = torch.tensor([s.seq.length + i + 1 for s, i in rows], dtype=torch.int64)
             self.longest = int(self.lens.max())
+            # a draft tree's row i attends over its segment's rows 0..i to its ancestors alone: bit k of its mask
+            # set where row i - k is one (or itself); None where every step row is causal
+            trees = {id(s): _ancestor_masks(s.plan.parents) for s in steps if s.plan.mask is not None}
+            self.masks = torch.tensor([trees[id(s)][i] if id(s) in trees else -1 for s, i in rows],
+                                      dtype=torch.int64) if trees else None
 
     def _step(self, s: Segment) -> bool:
-        """Whether segment s's rows attend as decode rows (causal, at most `step_rows` of them)."""
-        return s.plan.mask is None and s.n <= self.step_rows
+        """Whether segment s's rows attend as decode rows (at most `step_rows` of them; a draft tree's with their
+        masks, in the C++ kernel)."""
+        return s.n <= self.step_rows and (s.plan.mask is None or (self.step_rows > 1 and s.plan.parents is not None))
 
     # the Cache protocol, as far as a model's forward uses it
     def begin(self, n: int) -> None:
@@ -481,7 +489,8 @@ class PagedBatch:
             o = gpu_attention.paged(round_queries(qf, pool.q_block).contiguous(), ks, k_fields, vs, v_fields, vw,
                                     self.tables, self.lens, pool.block, self.longest)
         else:
-            o = fused.paged(qf.contiguous(), ks, k_fields, vs, v_fields, vw, self.tables, self.lens, pool.block)
+            o = fused.paged(qf.contiguous(), ks, k_fields, vs, v_fields, vw, self.tables, self.lens, pool.block,
+                            self.masks)
         if vf.rotated:
             o = kernel_args.rotate_fast(o, inverse=True, dim=d)
         elif vw != d:
@@ -497,6 +506,19 @@ class PagedBatch:
             outs.append(torch.matmul(torch.softmax(sc, -1), values.float()))
         kvh, g = qf.shape[1], qf.shape[2]
         return torch.stack(outs).permute(1, 2, 0, 3).reshape(kvh * g, len(rows), d)
+
+
+def _ancestor_masks(parents: list[int]) -> list[int]:
+    """Per node of a tree in topological order (parents[i] < i, -1: a root): bit k set where node i - k is the
+    node or one of its ancestors, or lies before the tree (k > i), for k < 64; as int64s (bit 63 set: negative)."""
+    full = (1 << 64) - 1
+    nodes: list[int] = []  # bit k: node i - k is node i or an ancestor
+    for i, p in enumerate(parents):
+        if i >= 64:
+            raise ValueError("a tree of more than 64 rows has no 64-bit masks")
+        nodes.append(1 | ((nodes[p] << (i - p)) if p >= 0 else 0))
+    masks = [(m | (full << (i + 1))) & full for i, m in enumerate(nodes)]
+    return [m - (1 << 64) if m >> 63 else m for m in masks]
 
 
 def pool_for(model, positions: int, k_type: str | None, v_type: str | None, block: int = BLOCK, *,

@@ -193,7 +193,8 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
             out = k.layer_paged_rows(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                      rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated,
                                      *cache.pool.step_args(layer), cache.slots, cache.tables, cache.lens,
-                                     cache.pool.block, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias, post_norm,
+                                     cache.pool.block, 1.0 / math.sqrt(attn.hd), cache.masks, attn.o.weight,
+                                     attn.o.bias, post_norm,
                                      mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
             if out is not None:
                 return out
@@ -247,7 +248,7 @@ def _paged_attention(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor,
     not finite (the general path then handles the step)."""
     r = k.attn_paged_rows(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm, rope[0],
                           rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.pool.step_args(layer), cache.slots,
-                          cache.tables, cache.lens, cache.pool.block, 1.0 / math.sqrt(attn.hd))
+                          cache.tables, cache.lens, cache.pool.block, 1.0 / math.sqrt(attn.hd), cache.masks)
     return (r[0], attn.split(r[1], x.shape[0])[3]) if r else None
 
 
