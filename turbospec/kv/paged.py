@@ -366,10 +366,8 @@ class PagedBatch:
         self.masks: torch.Tensor | None = None
         if steps:
             width = max(len(s.seq.blocks) for s in steps)
-            table = torch.full((len(rows), width), -1, dtype=torch.int32)
-            for j, (s, _) in enumerate(rows):
-                table[j, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks, dtype=torch.int32)
-            self.tables = table
+            padded = {id(s): s.seq.blocks + [-1] * (width - len(s.seq.blocks)) for s in steps}
+            self.tables = torch.tensor([padded[id(s)] for s, _ in rows], dtype=torch.int32)  # one call, not S
             self.lens = torch.tensor([s.seq.length + i + 1 for s, i in rows], dtype=torch.int64)
             self.longest = int(self.lens.max())
             # a draft tree's row i attends over its segment's rows 0..i to its ancestors alone: bit k of its mask
