@@ -33,7 +33,7 @@ from turbospec.kv.query_rounding import key_block, round_queries
 Key = tuple  # (hash of the previous block's key or 0, the block's tokens)
 BLOCK = 256  # positions per block; equal to the attention kernel's tile, so a decode row's arithmetic is the same
 # whether its positions are paged or contiguous
-STEP_ROWS = 16  # causal segments of up to this many rows attend row by row in the C++ paged kernel (chain verification)
+STEP_ROWS = 16  # segments of up to this many rows attend row by row in the C++ paged kernel (chain / tree verification)
 
 
 class OutOfBlocks(TurboSpecError):
@@ -359,7 +359,7 @@ class PagedBatch:
         # `_segment_triton`.)
         self.step_rows = STEP_ROWS if pool.kernel_specs is not None else 1
         steps = [s for s in segments if self._step(s)]
-        rows = [(s, i) for s in steps for i in range(s.n)]
+        rows = self._rows = [(s, i) for s in steps for i in range(s.n)]  # (segment, row in it) of every step row
         self.decode_rows = torch.tensor([s.row + i for s, i in rows], dtype=torch.int64)
         self.others = [s for s in segments if not self._step(s)]
         self.decode_only = bool(steps) and not self.others  # the one-call attention's case
@@ -497,7 +497,7 @@ class PagedBatch:
 
     def _decode_torch(self, layer: int, qf: torch.Tensor, d: int) -> torch.Tensor:
         outs = []
-        rows = [(s, i) for s in self.segments if self._step(s) for i in range(s.n)]
+        rows = self._rows
         for j, (s, i) in enumerate(rows):
             keys, values = self.pool.gather(layer, s.seq.slots(0, s.seq.length + i + 1))
             sc = torch.matmul(qf[j], keys.float().transpose(-1, -2))  # [KVH, G, D] x [KVH, D, T]: [KVH, G, T]
