@@ -49,6 +49,80 @@ def greedy(model, path: str, prompt: list[int], cache_type: str | None, spec: tu
     return out
 
 
+def _choose_in_turn(self, room: int, depth: int = 0) -> int:
+    """Rank 0's stand-in for adaptive speculation's choice: a whole draft, a probe, a plain step and then two idle
+    ones, in turn (every field the ranks agree on)."""
+    self.turn = getattr(self, "turn", 0) + 1
+    self.shadow = self.turn % 3 == 2
+    if self.turn % 3 == 0:
+        self.idle = 2
+        return 0
+    return 1 if self.shadow else room
+
+
+def _never(self, *args) -> int:
+    """Rank 1's: never draft (were its choice taken, its steps would not match rank 0's)."""
+    self.shadow = False
+    return 0
+
+
+def _every_other(self) -> bool:
+    self.turn = getattr(self, "turn", 0) + 1
+    return self.turn % 2 == 1
+
+
+def adaptive(model, path: str, prompt: list[int]) -> tuple[list[int], int]:
+    """24 greedy tokens with adaptive MTP speculation, rank 0's controller replaced by `_choose_in_turn` and rank
+    1's by `_never`: (the tokens, the drafts verified)."""
+    from turbospec.engine.engine import Engine
+    from turbospec.parallel import tp
+    from turbospec.speculative.adaptive import Controller, StepCosts
+    from turbospec.speculative.registry import make_drafter
+
+    cfg = EngineConfig(model=path, ctx=256, spec=SpecConfig(types=("draft-mtp",), adaptive=True))
+    engine = Engine(model, None, cfg, make_drafter(cfg.spec, model, 260, model_path=path), model_path=path)
+    engine.agree, engine.agree_plan = tp.rank0_choice(), tp.rank0_ints(longest=4)
+    engine.step_costs = StepCosts([1.0] * (cfg.spec.n_max + 1))  # (no calibration: the choice is the stand-in's)
+    saved = Controller.choose
+    Controller.choose = _choose_in_turn if tp.world()[0] == 0 else _never  # type: ignore[method-assign]
+    try:
+        out = [t for c in engine.stream(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+               for t in c.tokens]
+    finally:
+        Controller.choose = saved  # type: ignore[method-assign]
+    return out, engine.last_stats.spec.drafts
+
+
+def batched(model, path: str, prompts: list[list[int]], seeds: list[int | None], spec: tuple[str, ...] = (),
+            adaptive: bool = False) -> tuple[list[list[int]], int]:
+    """The prompts' 24 tokens each from one continuous-batching scheduler (greedy, or sampled at T = 0.8 with a
+    seed), all added at once: (the tokens, the drafts verified). Under tensor parallelism rank 0 decides; with
+    `adaptive` rank 0's draft gate drafts every other step and rank 1's never."""
+    from turbospec.engine.engine import Engine
+    from turbospec.parallel import tp
+    from turbospec.speculative.batch_gate import DraftGate
+
+    cfg = EngineConfig(model=path, ctx=512, spec=SpecConfig(types=spec, adaptive=adaptive))
+    sched = Engine(model, None, cfg, model_path=path).new_scheduler(len(prompts))
+    rank, ranks = tp.world()
+    if ranks > 1:
+        sched.agree = tp.scheduler_choice(sched)
+    saved = DraftGate.draft
+    if adaptive and ranks > 1:
+        DraftGate.draft = _every_other if rank == 0 else _never  # type: ignore[method-assign]
+    try:
+        seqs = [sched.add(p, SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, max_tokens=24,
+                                            ignore_eos=True)) for p, seed in zip(prompts, seeds)]
+        out: dict = {s: [] for s in seqs}
+        while sched.has_work:
+            for o in sched.step():
+                if o.chunk is not None:
+                    out[o.seq] += o.chunk.tokens
+    finally:
+        DraftGate.draft = saved  # type: ignore[method-assign]
+    return [out[s] for s in seqs], sum(s.stats.spec.drafts for s in seqs if s.stats.spec is not None)
+
+
 def worker(rank: int, store: str, jobs: list, out: str) -> None:
     from turbospec.parallel import tp
 
@@ -67,6 +141,12 @@ def worker(rank: int, store: str, jobs: list, out: str) -> None:
                 results[key + ":bytes"] = model.weight_bytes
             elif kind == "sampled":  # each rank its own seed: rank 0's draws must be every rank's tokens
                 results[key] = greedy(model, path, arg[0], None, (), -1, arg[1] + 1000 * rank)
+            elif kind == "adaptive":
+                results[key] = adaptive(model, path, arg)
+            elif kind == "batch":  # (sampled rows: each rank its own seed, as above)
+                prompts, seeds, *rest = arg
+                results[key] = batched(model, path, prompts, [None if x is None else x + 1000 * rank for x in seeds],
+                                       *rest)
             else:
                 results[key] = greedy(model, path, *arg)
     finally:
@@ -151,6 +231,30 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
             assert r[key] == tokens, key  # lossless drafting, sharded MTP layers included
 
 
+def test_rank0_decides_adaptive_drafts_and_the_batch(tmp_path):
+    """What a rank times or draws for itself never steers the others: with adaptive speculation rank 0's choice of
+    a step (draft length, probe, idle steps after) is every rank's, though rank 1's own controller would never
+    draft (without the agreement its steps would not match rank 0's); in a continuous batch every sequence's
+    sampled tokens are rank 0's (rank 1 draws with other seeds) and rank 0's draft gate decides."""
+    from turbospec.model import load_model
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (12, 30, 7)]
+    jobs = [("adaptive", str(BUNDLED), "adaptive", prompts[0]),
+            ("batch-sampled", str(BUNDLED), "batch", (prompts, [7, 8, None])),
+            ("batch-adaptive", str(BUNDLED), "batch", (prompts, [None] * 3, ("draft-mtp",), True))]
+    ranks = run_ranks(tmp_path, jobs)
+    one = load_model(BUNDLED, "float32")
+    plain = batched(one, str(BUNDLED), prompts, [None] * 3)[0]
+    sampled = batched(one, str(BUNDLED), prompts, [7, 8, None])[0]
+    assert batched(one, str(BUNDLED), prompts, [1007, 1008, None])[0][:2] != sampled[:2]  # rank 1's own draws
+    for r in ranks:
+        assert r["adaptive"][0] == plain[0] and r["batch-adaptive"][0] == plain
+        assert r["batch-sampled"][0] == sampled
+    for key in ("adaptive", "batch-adaptive"):
+        assert ranks[0][key][1] == ranks[1][key][1] > 0, key  # rank 1 verified rank 0's drafts
+
+
 def test_split_must_divide(hf_models):
     from turbospec.model.config import ModelConfig
     from turbospec.model.loader import load_config
@@ -205,7 +309,7 @@ def test_a_rank_reads_its_part_only(hf_models):
 @pytest.mark.parametrize("parallel", [1, 3])
 def test_serve_under_torchrun(parallel):
     """`turbospec serve --tp 2` (two ranks under torchrun) on the hybrid model with MTP drafting, one request at a
-    time and with continuous batching (-np 3): rank 0 answers with the single process's greedy text (three clients
+    time and with continuous batching (-np 3, adaptive: rank 0's draft gate decides): rank 0 answers with the single process's greedy text (three clients
     at once with -np 3), a client that leaves mid-stream stops every rank (the next request still agrees), a server
     idle for longer than the collectives' timeout still answers, and Ctrl-C ends every rank."""
     import signal
@@ -221,7 +325,7 @@ def test_serve_under_torchrun(parallel):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TURBOSPEC_TP_TIMEOUT": "8"}
     cmd = [sys.executable, "-m", "turbospec.cli", "serve", "--tp", "2", "-m", str(HYBRID), "-c", "2048", "--port",
-           str(port), "--spec-type", "draft-mtp", "-np", str(parallel)]
+           str(port), "--spec-type", "draft-mtp", "-np", str(parallel)] + (["--spec-adaptive"] if parallel > 1 else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -326,11 +430,9 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     assert not ranks[0].is_running()
 
 
-@pytest.mark.parametrize("spec, match", [(SpecConfig(types=("medusa",)), "Medusa"),
-                                         (SpecConfig(types=("draft-mtp",), adaptive=True), "spec-adaptive")])
+@pytest.mark.parametrize("spec, match", [(SpecConfig(types=("medusa",)), "Medusa")])
 def test_what_tensor_parallelism_refuses(monkeypatch, spec, match):
-    """Medusa heads (the whole LM head) and adaptive speculation (each rank would time its own steps and choose its
-    own draft lengths) are one-line errors under tensor parallelism, before anything loads."""
+    """Medusa heads (the whole LM head) are a one-line error under tensor parallelism, before anything loads."""
     from turbospec.engine.build import load_parts
     from turbospec.parallel import tp
 

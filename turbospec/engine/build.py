@@ -60,9 +60,6 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> tuple[
     if shard is not None and "medusa" in config.spec.types:
         raise TurboSpecError("Medusa heads read the whole LM head, which tensor parallelism splits: use draft-mtp, "
                              "ngram or a draft model under torchrun")
-    if shard is not None and config.spec.adaptive:  # each rank would time its own steps and choose its own drafts
-        raise TurboSpecError("--spec-adaptive is not available under tensor parallelism yet (the ranks would choose "
-                             "different draft lengths); drop it or use --tp 1")
     if is_gguf(path):  # one file: model and tokenizer
         f = GGUFFile(path)
         model = load_gguf(f, config.dtype, config.weights, budget, progress, shard)
@@ -88,8 +85,10 @@ def assemble_engine(config: EngineConfig, path: str, model: Model, tokenizer: To
     engine = Engine(model, tokenizer, config, drafter, model_path=path)
     from turbospec.parallel import tp
 
-    if tp.world()[1] > 1:  # rank 0 decides every step's tokens
+    if tp.world()[1] > 1:  # rank 0 decides every step's tokens (and with --spec-adaptive its draft length)
         engine.agree = tp.rank0_choice()
+        if drafter is not None and config.spec.adaptive:
+            engine.agree_plan = tp.rank0_ints(longest=4)
     if drafter is not None and config.spec.adaptive:
         engine.step_costs = calibrate(model, config.spec.n_max, config.spec)  # adaptive speculation's cost model
     return engine

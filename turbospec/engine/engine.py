@@ -62,6 +62,8 @@ class Engine:
         self.last_stats = GenStats()
         # tensor parallelism: this rank's (accepted draft nodes, next token) -> rank 0's (turbospec.parallel.tp)
         self.agree: Callable[[list[int], int], tuple[list[int], int]] | None = None
+        # and adaptive speculation's choice of a step: [draft tokens, probe, width, idle steps after] -> rank 0's
+        self.agree_plan: Callable[[list[int]], list[int]] | None = None
         # The model's thousands of long-lived objects out of the cyclic GC's reach (vLLM does the same after start-up):
         # a decode step allocates enough small objects to trigger collections that would traverse them all.
         gc.freeze()
@@ -321,10 +323,14 @@ class Engine:
                     else:
                         asked = True
                         room = ctl.choose(min(room, slots), self.cache.length)
+                        width = ctl.width(room, slots) if wide else 1
+                        if self.agree_plan is not None:  # rank 0's choice (each rank timed its own steps)
+                            room, probe, width, ctl.idle = self.agree_plan([room, int(ctl.shadow), width, ctl.idle])
+                            ctl.shadow = bool(probe)
                         shadow = ctl.shadow
                         spec.skipped += room == 0 or shadow
                         if wide and drafter is not None:
-                            drafter.set_width(ctl.width(room, slots))
+                            drafter.set_width(width)
                 with self.lean():  # (no yield inside: the hook is off only for this step's work)
                     t_step = time.perf_counter()
                     if drafter is not None and min(room, slots) > 0:

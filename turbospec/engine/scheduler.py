@@ -145,6 +145,8 @@ class Scheduler:
         self.drafters, self.n_max = drafters, n_max
         # adaptive speculation (--spec-adaptive): the sequences draft while drafting steps emit tokens faster
         self.gate = DraftGate() if drafters is not None and adaptive else None
+        # tensor parallelism: this rank's decisions of a step (ints) -> rank 0's (turbospec.parallel.tp.rank0_ints)
+        self.agree: Callable[[list[int]], list[int]] | None = None
         # drafters of finished sequences whose tables follow the tokens (model-free ones), with the tokens they hold:
         # a request that continues one (a conversation's next turn) takes it over instead of indexing its whole
         # prompt again (at 64K tokens prompt lookup took 65 ms, the suffix index 230 ms, inside a step the batch
@@ -236,6 +238,8 @@ class Scheduler:
         t0 = time.perf_counter()
         # (the gate counts the steps with decode rows)
         drafting = self.gate.draft() if self.gate is not None and any(s.todo == 1 for s in self.running) else True
+        if self.gate is not None and self.agree is not None:  # rank 0's choice: each rank timed its own steps
+            drafting = bool(self.agree([int(drafting)])[0])
         while True:
             self._promised = 0
             decode = self._schedule_decode(drafting)
@@ -272,19 +276,13 @@ class Scheduler:
                       for (s, n, tree), seg in zip(work, segments)]
             flat = [r for w in wanted for r in w]
             logits = self.model.logits(hidden[flat]) if flat else None
-        at, verified, keeps = 0, {}, {}
-        for i, ((s, _, tree), w) in enumerate(zip(work, wanted)):
-            if tree is not None and logits is not None:  # verification: the accepted path is committed
-                path, nxt = verify(tree, logits[at:at + len(w)], s.sampler)
-                verified[i] = (path, nxt)
-                keeps[i] = [0] + [1 + j for j in path]
-            at += len(w)
-        batch.commit(keeps)
+        decided = self._decide(work, wanted, logits)
+        verified = {i: d for i, d in decided.items() if work[i][2] is not None}
+        keeps = {i: [0] + [1 + j for j in path] for i, (path, _) in verified.items()}
+        batch.commit(keeps)  # a verification's accepted path
         if self.prefix_cache:
             for s, _, _ in work:
                 self._remember(s)
-        greedy = self._greedy_tokens(work, wanted, logits)
-        at = 0
         for i, ((s, n, tree), seg, w) in enumerate(zip(work, segments, wanted)):
             rows_of_seq = hidden[seg.row:seg.row + n]
             if s.id in prefill:
@@ -296,8 +294,8 @@ class Scheduler:
                 decoding = s.began
                 if s.drafter is not None and not s.began:
                     self._begin_drafter(s)
-                outputs.append(self._sample(s, logits[at], rows_of_seq if decoding else None, greedy.get(at)))
-            at += len(w)
+                outputs.append(self._sample(s, decided[i][1] if i in decided else None,
+                                            rows_of_seq if decoding else None))
         if self.gate is not None and decode and not prefill:  # a decode-only step: its rate of tokens
             emitted = sum(1 + len(verified[i][0]) if i in verified else 1 for i in range(len(work)))
             self.gate.observe(drafting, emitted, time.perf_counter() - t0)
@@ -662,11 +660,46 @@ class Scheduler:
         every = len(picks) == logits.shape[0]  # all rows (a decode step): no gathered copy
         return dict(zip(picks, argmax_rows(logits if every else logits[picks])))
 
-    def _sample(self, s: Sequence, logits: torch.Tensor, row: torch.Tensor | None = None,
-                token: int | None = None) -> Output:
-        """Sample the sequence's next token (`token`: its argmax, taken with other rows', for a plain greedy
-        sampler), apply the stop rules, and say what goes out (`row`: the hidden row of a decode step, which the
-        sequence's drafter is told with the token, as after a verification)."""
+    def _decide(self, work, wanted: list[list[int]], logits: torch.Tensor | None) -> dict[int, tuple[list[int], int]]:
+        """Work item -> (accepted draft nodes, next token) for every item whose rows have logits: a verification's
+        path and the token after it, a decode row's or a prompt's last row's sampled token (none for a request of
+        max_tokens 0, which ends at its first token). Under tensor parallelism (`agree`) every rank takes rank 0's
+        decisions, its samplers' penalty windows set to match."""
+        decided: dict[int, tuple[list[int], int]] = {}
+        if logits is None:
+            return decided
+        greedy = self._greedy_tokens(work, wanted, logits)
+        windows: dict[int, list[int]] = {}
+        at = 0
+        for i, ((s, _, tree), w) in enumerate(zip(work, wanted)):
+            if w and self.agree is not None:
+                windows[i] = s.sampler.window
+            if tree is not None:
+                decided[i] = verify(tree, logits[at:at + len(w)], s.sampler)
+            elif w and not (s.t_first is None and s.params.max_tokens == 0):
+                tok = greedy.get(at)
+                decided[i] = ([], s.sampler.sample(logits[at]) if tok is None else s.sampler.took(tok))
+            at += len(w)
+        if self.agree is None or not decided:
+            return decided
+        got = self.agree([v for path, nxt in decided.values() for v in (len(path), nxt, *path)])
+        at = 0
+        for i, mine in decided.items():
+            n = got[at]
+            theirs = (got[at + 2:at + 2 + n], got[at + 1])
+            at += 2 + n
+            if theirs != mine:
+                s, _, tree = work[i]
+                decided[i] = theirs
+                s.sampler.window = windows[i]
+                s.sampler.accept([tree.tokens[j] for j in theirs[0]] + [theirs[1]] if tree is not None
+                                 else [theirs[1]])
+        return decided
+
+    def _sample(self, s: Sequence, tok: int | None, row: torch.Tensor | None = None) -> Output:
+        """The sequence's sampled next token (`_decide`; None: none, for max_tokens 0): apply the stop rules, and say
+        what goes out (`row`: the hidden row of a decode step, which the sequence's drafter is told with the token,
+        as after a verification)."""
         st, params = s.stats, s.params
         now = time.perf_counter()
         first = s.t_first is None
@@ -680,7 +713,7 @@ class Scheduler:
                 st.finish_reason = "length"
                 self._finish(s)
                 return Output(s, Chunk([], "", prompt_logprobs=prompt_lp) if prompt_lp else None, True)
-        tok = s.sampler.sample(logits) if token is None else s.sampler.took(token)
+        assert tok is not None
         if first:
             s.t_first = now
             st.ttft_s = now - s.arrived

@@ -437,21 +437,35 @@ def parallelize(model, group=None) -> None:
         mtp.embed, mtp.lm_head = model.embed, model.lm_head
 
 
+def rank0_ints(group=None, longest: int = 1024) -> Callable[[list[int]], list[int]]:
+    """A post of rank 0's decisions: every rank calls the returned function at the same point with its own list of
+    at most `longest` ints (token ids, draft lengths, flags: each below 2^24, exact in the shared buffer's float32)
+    and all get rank 0's list back."""
+    comm = collective(group, max_numel=longest + 1)
+
+    def post(values: list[int]) -> list[int]:
+        if len(values) > longest:
+            raise TurboSpecError(f"{len(values)} values to agree on in one step; at most {longest} are posted")
+        mine = torch.zeros(longest + 1, dtype=torch.int64)
+        mine[0] = len(values)
+        mine[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+        got = comm.broadcast(mine).tolist()
+        return [int(v) for v in got[1:1 + int(got[0])]]
+
+    return post
+
+
 def rank0_choice(group=None, longest: int = 1024) -> Callable[[list[int], int], tuple[list[int], int]]:
     """`Engine.agree` for this rank: every rank posts its (accepted draft nodes, next token) of a step and all take
     rank 0's, so that rank 0 alone decides what is emitted (each rank's own choice comes from the same gathered
     logits with rank 0's seed, so it agrees unless the ranks' arithmetic differs, as on mixed hosts)."""
-    comm = collective(group, max_numel=longest + 2)
+    post = rank0_ints(group, longest + 1)
 
     def agree(path: list[int], nxt: int) -> tuple[list[int], int]:
         if len(path) > longest:
             raise TurboSpecError(f"a verification step accepted {len(path)} drafts; at most {longest} are agreed on")
-        mine = torch.zeros(longest + 2, dtype=torch.int64)
-        mine[0], mine[1] = len(path), nxt
-        mine[2:2 + len(path)] = torch.tensor(path, dtype=torch.int64)
-        got = comm.broadcast(mine).tolist()  # (float32 in shared memory: exact for ids below 2^24)
-        n = int(got[0])
-        return [int(i) for i in got[2:2 + n]], int(got[1])
+        got = post([nxt, *path])
+        return got[1:], got[0]
 
     return agree
 
@@ -522,10 +536,10 @@ class Lockstep:
         dist.broadcast_object_list([("stop",)], src=0, group=self.group)
 
 
-def announcements():
+def announcements(group=None):
     """On a rank other than 0 of a server: rank 0's announcements (`Lockstep`, `SchedulerLockstep`) as they come,
-    until it stops."""
-    group = command_group()
+    until it stops (`group`: the `command_group`, made here when not given)."""
+    group = group if group is not None else command_group()
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0, group=group)
@@ -555,6 +569,7 @@ class SchedulerLockstep:
 
     def __init__(self, scheduler, group):
         self.scheduler, self.group = scheduler, group
+        scheduler.agree = scheduler_choice(scheduler)
         self.events: list[tuple] = []
         self.ids: dict = {}  # running sequence -> the number the followers know it by
         self.added = 0
@@ -587,11 +602,19 @@ class SchedulerLockstep:
         return outputs
 
 
+def scheduler_choice(scheduler) -> Callable[[list[int]], list[int]]:
+    """`Scheduler.agree` for this rank: a step's decisions (every sequence's accepted draft nodes and next token,
+    at most 2 + n_max values each; with --spec-adaptive whether the step drafts) are rank 0's."""
+    return rank0_ints(longest=scheduler.max_seqs * (2 + scheduler.n_max))
+
+
 def follow_scheduler(scheduler) -> None:
     """A rank other than 0 of a batching server: make the scheduler calls rank 0 announces (`SchedulerLockstep`)
     until it stops."""
+    group = command_group()  # (made in the order rank 0 makes them: its Lockstep's group, then its scheduler's post)
+    scheduler.agree = scheduler_choice(scheduler)
     running: dict = {}
-    for _, events in announcements():
+    for _, events in announcements(group):
         for event in events:
             if event[0] == "add":
                 running[event[1]] = scheduler.add(event[2], event[3])
