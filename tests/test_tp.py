@@ -307,11 +307,13 @@ def test_a_rank_reads_its_part_only(hf_models):
 
 
 @pytest.mark.parametrize("parallel", [1, 3])
-def test_serve_under_torchrun(parallel):
+def test_serve_under_torchrun(parallel, tmp_path):
     """`turbospec serve --tp 2` (two ranks under torchrun) on the hybrid model with MTP drafting, one request at a
     time and with continuous batching (-np 3, adaptive: rank 0's draft gate decides): rank 0 answers with the single process's greedy text (three clients
     at once with -np 3), a client that leaves mid-stream stops every rank (the next request still agrees), a server
-    idle for longer than the collectives' timeout still answers, and Ctrl-C ends every rank."""
+    idle for longer than the collectives' timeout still answers, and Ctrl-C ends every rank. Slot save / restore: each
+    rank writes and reads its own file; a rank's file missing, or files of two saves mixed, are one-line errors
+    that change no rank's cache."""
     import signal
     import subprocess
     import sys
@@ -325,15 +327,23 @@ def test_serve_under_torchrun(parallel):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TURBOSPEC_TP_TIMEOUT": "8"}
     cmd = [sys.executable, "-m", "turbospec.cli", "serve", "--tp", "2", "-m", str(HYBRID), "-c", "2048", "--port",
-           str(port), "--spec-type", "draft-mtp", "-np", str(parallel)] + (["--spec-adaptive"] if parallel > 1 else [])
+           str(port), "--spec-type", "draft-mtp", "-np", str(parallel), "--slot-save-path", str(tmp_path)] + (
+               ["--spec-adaptive"] if parallel > 1 else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     prompts = ["def fib(n):", "The river", "import os\n"]
 
-    def complete(prompt: str) -> str:
+    def complete(prompt: str, cached: list | None = None) -> str:
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-        return httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        if cached is not None:
+            cached.append(got["timings"]["cache_n"])
+        return got["choices"][0]["text"]
+
+    def slot(action: str, name: str | None = None):
+        return httpx.post(f"{url}/slots/0?action={action}", json={} if name is None else {"filename": name},
+                          timeout=60)
 
     try:
         deadline = time.time() + 120
@@ -355,6 +365,17 @@ def test_serve_under_torchrun(parallel):
                     break  # the client leaves
         time.sleep(10)  # idle past TURBOSPEC_TP_TIMEOUT: the other rank waits for the next request, not a collective
         again = complete(prompts[0])
+        saved = [slot("save", name).json() for name in ("a.bin", "b.bin")]
+        files = sorted(p.name for p in tmp_path.iterdir())
+        assert slot("erase").status_code == 200
+        restored = slot("restore", "a.bin").json()
+        cached: list[int] = []
+        resumed = complete(prompts[0] + again + " # next", cached)  # (a hybrid resumes where the saved context ends)
+        (tmp_path / "a.bin.tp1").write_bytes((tmp_path / "b.bin.tp1").read_bytes())  # rank 1's part of another save
+        mixed = slot("restore", "a.bin")
+        (tmp_path / "a.bin.tp1").unlink()
+        missing = slot("restore", "a.bin")
+        after = complete(prompts[1])
         health = httpx.get(url + "/health", timeout=5).json()
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -367,6 +388,13 @@ def test_serve_under_torchrun(parallel):
     engine = build_engine(EngineConfig(model=str(HYBRID), ctx=2048))
     want = ["".join(c.text for c in engine.stream(p, SamplingParams(temperature=0, max_tokens=24))) for p in prompts]
     assert first == want[:len(first)] and again == want[0], out[-2000:]
+    assert files == ["a.bin", "a.bin.tp1", "b.bin", "b.bin.tp1"] and saved[0]["n_saved"] > 0, saved
+    follow_up = "".join(c.text for c in engine.stream(prompts[0] + want[0] + " # next",
+                                                      SamplingParams(temperature=0, max_tokens=24)))
+    assert restored["n_restored"] == saved[0]["n_saved"] and cached[0] > 0 and resumed == follow_up
+    assert mixed.status_code == 400 and "different saves" in mixed.json()["error"]["message"]
+    assert missing.status_code == 404 and "rank 1: slot file 'a.bin.tp1' not found" in missing.json()["error"]["message"]
+    assert after == want[1]  # the ranks still in step
     assert (health["running"], health["waiting"]) == (0, 0)
     assert "turbospec serve: model 'turbospec-tiny-hybrid'" in out and "tensor parallel 2" in out
     # Ctrl-C reaches torchrun's agent too, which reports it as its own failure (rc 1): what matters is that every

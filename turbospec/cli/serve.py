@@ -118,11 +118,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     rank, ranks = tp.world()
     if ranks > 1:  # under torchrun: rank 0 serves, the others follow its engine calls (turbospec.parallel.tp)
-        if a.slot_save_path:
-            raise TurboSpecError("tensor parallelism has no --slot-save-path yet")
         if rank != 0:
             if a.parallel > 1:
-                tp.follow_scheduler(engine.new_scheduler(a.parallel))
+                tp.follow_scheduler(engine.new_scheduler(a.parallel), engine)
             else:
                 tp.follow(engine)
             return 0

@@ -514,7 +514,7 @@ class Scheduler:
     # ---- slots: save / restore / erase (between steps) ------------------------------------------------------
     def slot_data(self, i: int) -> SlotData:
         """Slot i's context as far as the prefix cache still holds it (and, on hybrids, recurrent states there)."""
-        self._check_slot(i)
+        self.check_slot(i)
         tokens, b = self.slot_tokens[i], self.pool.block
         hit = self._find(tokens, len(tokens), block_keys(tokens, b, len(tokens) // b))
         n = len(hit.blocks) * b + hit.partial_len
@@ -533,7 +533,7 @@ class Scheduler:
 
     def load_slot(self, i: int, data: SlotData) -> None:
         """Put a saved context into the prefix cache as slot i's: a prompt that starts with it resumes after it."""
-        self._check_slot(i)
+        self.check_slot(i)
         check_fields(data, self.pool.k, self.pool.v)
         pool, b, n = self.pool, self.pool.block, len(data.tokens)
         if n > min(self.ctx, pool.num_blocks * b):
@@ -563,11 +563,11 @@ class Scheduler:
 
     def erase_slot(self, i: int) -> int:
         """Forget slot i's context (its blocks stay in the prefix cache until evicted); the tokens it had."""
-        self._check_slot(i)
+        self.check_slot(i)
         n, self.slot_tokens[i] = len(self.slot_tokens[i]), []
         return n
 
-    def _check_slot(self, i: int) -> None:
+    def check_slot(self, i: int) -> None:
         if not 0 <= i < self.max_seqs:
             raise TurboSpecError(f"slot {i} does not exist (0..{self.max_seqs - 1}, -np)")
 

@@ -56,10 +56,50 @@ def engine_load(engine, data: SlotData) -> None:
 
 
 def run(action: str, slot: int, path: Path | None, engine, scheduler=None) -> dict:
-    """Do a slot action on the worker's thread (between requests or steps); llama-server's response fields."""
+    """Do a slot action on the worker's thread (between requests or steps); llama-server's response fields. Under
+    tensor parallelism (rank 0's engine a `tp.Lockstep`) every rank does it on its own part of the context, each in
+    its own file (`turbospec.parallel.tp.slot`)."""
+    from turbospec.parallel import tp
+
+    if tp.world()[1] > 1:
+        return tp.slot(action, slot, path, engine, scheduler)
     t0 = time.perf_counter()
+    result, data = prepare(action, slot, path, engine, scheduler)
+    return finish(action, slot, engine, scheduler, result, data, t0)
+
+
+def prepare(action: str, slot: int, path: Path | None, engine, scheduler=None, part: str = "", save_id: str = ""
+            ) -> tuple[dict, SlotData | None]:
+    """The half of a slot action that changes no cache: `save` writes the file (`part`, `save_id`: a tensor-parallel
+    rank's, see `slot_file.save`); `restore` reads it and checks it against the cache (the data to load, for
+    `finish`); `erase` checks the slot."""
     if scheduler is None and slot != 0:
         raise TurboSpecError(f"slot {slot} does not exist (one sequence at a time: slot 0; -np N for more)")
+    if action == "erase":
+        if scheduler is not None:
+            scheduler.check_slot(slot)
+        return {}, None
+    assert path is not None
+    kt, vt = kv_formats(engine)
+    meta = {"model": slot_file.model_fingerprint(engine.model), "k_type": kt, "v_type": vt, "part": part}
+    if action == "save":
+        data = scheduler.slot_data(slot) if scheduler is not None else engine_data(engine)
+        size = slot_file.save(path, data, save_id=save_id, **meta)
+        return {"id_slot": slot, "filename": path.name, "n_saved": len(data.tokens), "n_written": size}, None
+    hybrid = isinstance(engine.cache, HybridCache) if scheduler is None else scheduler.states is not None
+    data = slot_file.load(path, hybrid=hybrid, **meta)
+    if scheduler is not None:
+        scheduler.check_slot(slot)
+        slot_file.check_fields(data, scheduler.pool.k, scheduler.pool.v)
+    else:
+        kv = engine.cache.kv if isinstance(engine.cache, HybridCache) else engine.cache
+        slot_file.check_fields(data, *kv.fields())
+    return {"id_slot": slot, "filename": path.name, "n_restored": len(data.tokens), "n_read": path.stat().st_size}, data
+
+
+def finish(action: str, slot: int, engine, scheduler, result: dict, data: SlotData | None, t0: float) -> dict:
+    """The half of a slot action that changes the cache (`restore` loads `data`, `erase` forgets the slot's context);
+    the response with its timings."""
     if action == "erase":
         if scheduler is not None:
             n = scheduler.erase_slot(slot)
@@ -68,19 +108,10 @@ def run(action: str, slot: int, path: Path | None, engine, scheduler=None) -> di
             engine.cache.reset()
             engine.cached_tokens = []
         return {"id_slot": slot, "n_erased": n}
-    assert path is not None
-    kt, vt = kv_formats(engine)
-    meta = {"model": slot_file.model_fingerprint(engine.model), "k_type": kt, "v_type": vt}
-    if action == "save":
-        data = scheduler.slot_data(slot) if scheduler is not None else engine_data(engine)
-        size = slot_file.save(path, data, **meta)
-        return {"id_slot": slot, "filename": path.name, "n_saved": len(data.tokens), "n_written": size,
-                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
-    hybrid = isinstance(engine.cache, HybridCache) if scheduler is None else scheduler.states is not None
-    data = slot_file.load(path, hybrid=hybrid, **meta)
-    if scheduler is not None:
-        scheduler.load_slot(slot, data)
-    else:
-        engine_load(engine, data)
-    return {"id_slot": slot, "filename": path.name, "n_restored": len(data.tokens), "n_read": path.stat().st_size,
-            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+    if action == "restore":
+        assert data is not None
+        if scheduler is not None:
+            scheduler.load_slot(slot, data)
+        else:
+            engine_load(engine, data)
+    return result | {"timings": {f"{action}_ms": (time.perf_counter() - t0) * 1e3}}

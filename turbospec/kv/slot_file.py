@@ -33,6 +33,7 @@ class SlotData:
     v: dict[str, torch.Tensor]
     conv: torch.Tensor | None = None  # hybrids: [gdn layers, K-1, C]
     ssm: torch.Tensor | None = None  # [gdn layers, Hv, Dk, Dv] float32
+    save_id: str = ""  # tensor parallelism: the save the file came from (every rank's file of one save has it)
 
 
 def model_fingerprint(model) -> str:
@@ -48,8 +49,10 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:32]
 
 
-def save(path: Path, data: SlotData, *, model: str, k_type: str, v_type: str) -> int:
-    """Write `data` atomically; the bytes written."""
+def save(path: Path, data: SlotData, *, model: str, k_type: str, v_type: str, part: str = "", save_id: str = ""
+         ) -> int:
+    """Write `data` atomically; the bytes written. `part` ("rank/ranks") and `save_id`: a tensor-parallel rank's
+    file, one of a save's set."""
     from safetensors.torch import save_file
 
     tensors = {"tokens": torch.tensor(data.tokens, dtype=torch.int64)}
@@ -59,6 +62,8 @@ def save(path: Path, data: SlotData, *, model: str, k_type: str, v_type: str) ->
         tensors |= {"conv": data.conv.contiguous(), "ssm": data.ssm.contiguous()}
     meta = {"format": FORMAT, "version": VERSION, "model": model, "k_type": k_type, "v_type": v_type,
             "n_tokens": str(len(data.tokens))}
+    if part:
+        meta |= {"part": part, "save_id": save_id}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -71,8 +76,9 @@ def save(path: Path, data: SlotData, *, model: str, k_type: str, v_type: str) ->
     return path.stat().st_size
 
 
-def load(path: Path, *, model: str, k_type: str, v_type: str, hybrid: bool) -> SlotData:
-    """Read a slot file written for this model and these K/V formats (one-line errors otherwise)."""
+def load(path: Path, *, model: str, k_type: str, v_type: str, hybrid: bool, part: str = "") -> SlotData:
+    """Read a slot file written for this model and these K/V formats (and this tensor-parallel `part`: "rank/ranks",
+    "" for one process) -- one-line errors otherwise."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -87,6 +93,9 @@ def load(path: Path, *, model: str, k_type: str, v_type: str, hybrid: bool) -> S
         raise TurboSpecError(f"{path.name!r} is not a turbospec slot file")
     if meta.get("version") != VERSION:
         raise TurboSpecError(f"slot file {path.name!r} has version {meta.get('version')}, this server reads {VERSION}")
+    if meta.get("part", "") != part:
+        raise TurboSpecError(f"slot file {path.name!r} holds {_part(meta.get('part', ''))}, this server's "
+                             f"{'rank ' if part else ''}needs {_part(part)}")
     if meta.get("model") != model:
         raise TurboSpecError(f"slot file {path.name!r} was saved from another model")
     if (meta.get("k_type"), meta.get("v_type")) != (k_type, v_type):
@@ -100,7 +109,15 @@ def load(path: Path, *, model: str, k_type: str, v_type: str, hybrid: bool) -> S
     v = {name[2:]: t for name, t in tensors.items() if name.startswith("v.")}
     if not k or not v or any(t.dim() < 3 or t.shape[2] != n for t in (*k.values(), *v.values())):
         raise TurboSpecError(f"slot file {path.name!r} is incomplete")
-    return SlotData(tokens, k, v, tensors.get("conv"), tensors.get("ssm"))
+    return SlotData(tokens, k, v, tensors.get("conv"), tensors.get("ssm"), meta.get("save_id", ""))
+
+
+def _part(part: str) -> str:
+    """Whose context a file's `part` ("rank/ranks"; "" for one process) is, in words."""
+    if not part:
+        return "a one-process server's context"
+    rank, _, ranks = part.partition("/")
+    return f"tensor-parallel rank {rank} of {ranks}'s part"
 
 
 def check_fields(data: SlotData, k_like: dict[str, torch.Tensor], v_like: dict[str, torch.Tensor]) -> None:

@@ -548,9 +548,72 @@ def announcements(group=None):
         yield box[0]
 
 
+def slot(action: str, slot_id: int, path, engine, scheduler=None) -> dict:
+    """Rank 0 of a server (`engine`: its `Lockstep`): a slot action (`turbospec.engine.slots`) announced to the other
+    ranks and done by each on its part of the context (`slot_part`)."""
+    import secrets
+
+    assert isinstance(engine, Lockstep), "slot actions under tensor parallelism go through rank 0's Lockstep"
+    events = scheduler.flush() if isinstance(scheduler, SchedulerLockstep) else []
+    save_id = secrets.token_hex(8)
+    dist.broadcast_object_list([("slot", action, slot_id, None if path is None else str(path), save_id, events)],
+                               src=0, group=engine.group)
+    out = slot_part(action, slot_id, path, save_id, engine.engine, scheduler, engine.group)
+    assert out is not None
+    return out
+
+
+def slot_part(action: str, slot_id: int, path, save_id: str, engine, scheduler, group) -> dict | None:
+    """Every rank's half of a slot action: rank r > 0 saves to and restores from its own file beside rank 0's (the
+    name + `.tp{r}`), each file marked with its part and the save it belongs to. The ranks change their caches only
+    when every rank's file was written, or read, checked and of one save; otherwise a save removes the files it
+    wrote. Rank 0 gets the response or the first rank's error (a TurboSpecError naming the rank); the others
+    None."""
+    import time
+    from pathlib import Path
+
+    from turbospec.engine import slots
+
+    t0 = time.perf_counter()
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    mine = None if path is None else Path(path) if rank == 0 else Path(f"{path}.tp{rank}")
+    result, data, error, mistake = None, None, None, None
+    try:
+        result, data = slots.prepare(action, slot_id, mine, engine, scheduler, f"{rank}/{ranks}", save_id)
+    except Exception as e:  # noqa: BLE001 -- every rank must reach the gather below, whatever went wrong
+        error, mistake = str(e) or type(e).__name__, e
+    got: list = [None] * ranks
+    dist.all_gather_object(got, (error, data.save_id if data is not None else save_id), group=group)
+    failed = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
+    if not failed and len({sid for _, sid in got}) > 1:
+        failed = [(0, f"the ranks' slot files of {Path(path).name!r} come from different saves")]
+    if failed:
+        if action == "save" and result is not None and mine is not None:
+            mine.unlink(missing_ok=True)  # no set of files with one rank's part missing
+        if rank != 0:
+            return None
+        if mistake is not None:
+            raise mistake  # (rank 0's own, as a one-process server raises it)
+        r, e = failed[0]
+        raise TurboSpecError(e if r == 0 else f"rank {r}: {e}")
+    try:
+        out = slots.finish(action, slot_id, engine, scheduler, result or {}, data, t0)
+    except Exception:
+        if rank != 0:
+            return None  # (the same error on every rank: the caches' states and the slot's checks are alike)
+        raise
+    return out if rank == 0 else None
+
+
 def follow(engine) -> None:
     """A rank other than 0 of a server: run the engine calls rank 0 announces (`Lockstep`) until it stops."""
-    for _, prompt, params, chat in announcements():
+    group = command_group()
+    for message in announcements(group):
+        if message[0] == "slot":
+            _, action, slot_id, path, save_id, _ = message
+            slot_part(action, slot_id, path, save_id, engine, None, group)
+            continue
+        _, prompt, params, chat = message
         gen = engine.stream(prompt, params, chat=chat, abort=_flag)
         try:
             for _ in gen:
@@ -592,9 +655,13 @@ class SchedulerLockstep:
         if seq in self.ids:
             self.events.append(("abort", self.ids[seq]))
 
+    def flush(self) -> list[tuple]:
+        """The events since the last announcement (for one that is not a step's), which then start again."""
+        events, self.events = self.events, []
+        return events
+
     def step(self):
-        dist.broadcast_object_list([("step", self.events)], src=0, group=self.group)
-        self.events = []
+        dist.broadcast_object_list([("step", self.flush())], src=0, group=self.group)
         outputs = self.scheduler.step()
         for out in outputs:
             if out.finished:
@@ -608,18 +675,21 @@ def scheduler_choice(scheduler) -> Callable[[list[int]], list[int]]:
     return rank0_ints(longest=scheduler.max_seqs * (2 + scheduler.n_max))
 
 
-def follow_scheduler(scheduler) -> None:
-    """A rank other than 0 of a batching server: make the scheduler calls rank 0 announces (`SchedulerLockstep`)
-    until it stops."""
+def follow_scheduler(scheduler, engine) -> None:
+    """A rank other than 0 of a batching server: make the scheduler calls (and slot actions) rank 0 announces
+    (`SchedulerLockstep`) on `engine`'s scheduler until it stops."""
     group = command_group()  # (made in the order rank 0 makes them: its Lockstep's group, then its scheduler's post)
     scheduler.agree = scheduler_choice(scheduler)
     running: dict = {}
-    for _, events in announcements(group):
-        for event in events:
+    for message in announcements(group):
+        for event in message[-1]:  # (a step's or a slot action's: those since the last announcement)
             if event[0] == "add":
                 running[event[1]] = scheduler.add(event[2], event[3])
             else:
                 scheduler.abort(running[event[1]])
+        if message[0] == "slot":
+            slot_part(*message[1:5], engine=engine, scheduler=scheduler, group=group)
+            continue
         try:
             outputs = scheduler.step()
         except Exception:  # noqa: BLE001 -- rank 0 met the same error at the same step: it aborts those sequences next
