@@ -345,8 +345,23 @@ class PagedBatch:
             if s.plan.start != s.seq.length or s.plan.n != s.n:
                 raise ValueError("a segment's plan does not match its sequence")
             s.seq.begin(s.n)
-        positions = torch.cat([s.plan.positions for s in segments])
-        self.plan = AttentionPlan(positions, 0)
+        if len(segments) == 1 and segments[0].plan.first is not None:  # one sequence's consecutive positions
+            p = segments[0].plan  # (RoPE then takes slices of its tables)
+            self.plan = AttentionPlan(None, 0, first=p.first, n=p.n)
+        else:
+            positions: list[int] = []
+            for s in segments:
+                p = s.plan
+                if p.first is not None:
+                    positions += range(p.first, p.first + p.n)
+                elif p.parents is not None:  # a draft tree: each node after the cache at its depth (no device read)
+                    depth: list[int] = []
+                    for parent in p.parents:
+                        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+                    positions += [p.start + d for d in depth]
+                else:
+                    positions += p.positions.tolist()
+            self.plan = AttentionPlan(torch.tensor(positions, dtype=torch.int64), 0)
         if all(s.n == 1 for s in segments):
             self.slots = torch.tensor([s.seq.slot(s.seq.length) for s in segments], dtype=torch.int64)
         else:
@@ -360,7 +375,6 @@ class PagedBatch:
         self.step_rows = STEP_ROWS if pool.kernel_specs is not None else 1
         steps = [s for s in segments if self._step(s)]
         rows = self._rows = [(s, i) for s in steps for i in range(s.n)]  # (segment, row in it) of every step row
-        self.decode_rows = torch.tensor([s.row + i for s, i in rows], dtype=torch.int64)
         self.others = [s for s in segments if not self._step(s)]
         self.decode_only = bool(steps) and not self.others  # the one-call attention's case
         self.masks: torch.Tensor | None = None
@@ -368,8 +382,9 @@ class PagedBatch:
             width = max(len(s.seq.blocks) for s in steps)
             padded = {id(s): s.seq.blocks + [-1] * (width - len(s.seq.blocks)) for s in steps}
             self.tables = torch.tensor([padded[id(s)] for s, _ in rows], dtype=torch.int32)  # one call, not S
-            self.lens = torch.tensor([s.seq.length + i + 1 for s, i in rows], dtype=torch.int64)
-            self.longest = int(self.lens.max())
+            lens = [s.seq.length + i + 1 for s, i in rows]
+            self.lens = torch.tensor(lens, dtype=torch.int64)
+            self.longest = max(lens)
             # a draft tree's row i attends over its segment's rows 0..i to its ancestors alone: bit k of its mask
             # set where row i - k is one (or itself); None where every step row is causal
             trees = {id(s): _ancestor_masks(s.plan.parents) for s in steps if s.plan.mask is not None}
@@ -401,8 +416,9 @@ class PagedBatch:
         if not self.others:  # decode rows only (the common step): rows in order, no scatter
             return self._decode(layer, q, kvh, g, d, scale).to(q.dtype)
         out = torch.empty_like(q)
-        if self.decode_rows.numel():
-            out[:, self.decode_rows] = self._decode(layer, q[:, self.decode_rows], kvh, g, d, scale).to(q.dtype)
+        if self._rows:
+            rows = torch.tensor([s.row + i for s, i in self._rows], dtype=torch.int64, device=q.device)
+            out[:, rows] = self._decode(layer, q[:, rows], kvh, g, d, scale).to(q.dtype)
         for s in self.others:
             rows = slice(s.row, s.row + s.n)
             o = self._segment_triton(layer, q[:, rows], s, kvh, g, d, scale)

@@ -111,6 +111,18 @@ def decode_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torc
                           tree_parents(plan))
 
 
+def paged_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention, cache,
+                layer: int) -> torch.Tensor | None:
+    """A decoder layer in one `layer_paged_rows` call with the arguments of `layer_decode_args`: the step rows of a
+    paged batch (`_paged_rows`); None for any other step, or where the kernel declines it (`attention_layer`
+    then). The call `attention_layer` makes, without its checks and lookups per layer and step."""
+    if not _paged_rows(attn, cache):
+        return None
+    pre, mid, post = args
+    return k.layer_paged_rows(x, *pre, rope[0], rope[1], *mid, *cache.pool.step_args(layer), cache.slots, cache.tables,
+                              cache.lens, cache.pool.block, post[0], cache.masks, *post[1:])
+
+
 def split(*projections) -> bool:
     """Whether one of a layer's output / down `projections` is one part of a tensor-parallel sum
     (`RowParallelLinear`): then its kernels run up to each sum, which the projection does between them."""

@@ -31,7 +31,8 @@ class DecoderLayer:
         k = block.kernel_for(x, self.in_norm)
         if k is not None:  # decode / verification over a plain cache: one C++ call
             args = self._calls.get(block.layer_key(self.attn, self.mlp), self._decode_args)
-            if args is not None and (out := block.decode_layer(k, args, x, rope, plan, cache, layer)) is not None:
+            if args is not None and ((out := block.decode_layer(k, args, x, rope, plan, cache, layer)) is not None
+                                     or (out := block.paged_layer(k, args, x, rope, self.attn, cache, layer)) is not None):
                 return out
         if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None
                 and isinstance(cache, (KVCache, QuantKVCache))):

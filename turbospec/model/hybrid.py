@@ -122,6 +122,8 @@ class HybridLayer:
         """A decode / verification step of this layer in one C++ call with its cached arguments, or None where the
         step or the layer needs the general path."""
         args = self.one_call_args()
+        if args is not None and self.kind == "full_attention" and isinstance(cache, HybridBatch):
+            return block.paged_layer(k, args, x, rope, self.mixer, cache.kv, self.slot)  # decode rows of a batch
         if args is None or not isinstance(cache, HybridCache):
             return None
         if self.kind == "full_attention":
