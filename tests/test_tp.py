@@ -141,6 +141,15 @@ def worker(rank: int, store: str, jobs: list, out: str) -> None:
                 results[key + ":bytes"] = model.weight_bytes
             elif kind == "sampled":  # each rank its own seed: rank 0's draws must be every rank's tokens
                 results[key] = greedy(model, path, arg[0], None, (), -1, arg[1] + 1000 * rank)
+            elif kind == "greedy-moe":  # (and how many layer steps took the one-call attention + fused experts)
+                from turbospec.layers import block
+
+                real, calls = block.moe_layer, []
+                block.moe_layer = lambda *a, **k: calls.append(1) or real(*a, **k)
+                try:
+                    results[key] = (greedy(model, path, *arg), len(calls))
+                finally:
+                    block.moe_layer = real
             elif kind == "adaptive":
                 results[key] = adaptive(model, path, arg)
             elif kind == "batch":  # (sampled rows: each rank its own seed, as above)
@@ -196,7 +205,10 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
              ("hybrid-mtp", str(HYBRID), "greedy", (prompt, "q8_0", ("draft-mtp",))),
              ("gguf-q8_0-mtp", str(checkpoints["gguf_q8_0"]), "greedy", (prompt, None, ("draft-mtp",))),
              ("gguf-q4_0", str(checkpoints["gguf_q4_0"]), "greedy", (prompt, None, ())),
-             ("rank0-decides", str(BUNDLED), "sampled", (prompt, 7))]
+             ("rank0-decides", str(BUNDLED), "sampled", (prompt, 7)),
+             ("moe", str(checkpoints["qwen3_moe"]), "greedy-moe", (prompt, None, ())),
+             ("gguf-moe-q8_0", str(checkpoints["gguf_moe_q8_0"]), "greedy-moe", (prompt, None, ())),
+             ("hybrid-moe-mtp", str(checkpoints["qwen3_5_moe_mtp"]), "greedy-moe", (prompt, None, ("draft-mtp",)))]
     ranks = run_ranks(tmp_path, jobs)
     for n in LOGITS:
         one = load_model(checkpoints[n], "float32")
@@ -229,6 +241,12 @@ def test_two_ranks_equal_one_process(checkpoints, tmp_path):
         assert len(tokens) == 24
         for r in ranks:
             assert r[key] == tokens, key  # lossless drafting, sharded MTP layers included
+    # mixture-of-experts decode steps: each layer's attention in one call, then the experts' part and one sum
+    for key, path, kv in (("moe", "qwen3_moe", None), ("gguf-moe-q8_0", "gguf_moe_q8_0", None),
+                          ("hybrid-moe-mtp", "qwen3_5_moe_mtp", None)):
+        tokens = plain(checkpoints[path], kv)
+        for r in ranks:
+            assert r[key][0] == tokens and r[key][1] > 0, key
 
 
 def test_rank0_decides_adaptive_drafts_and_the_batch(tmp_path):

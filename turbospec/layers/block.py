@@ -23,7 +23,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.linear import Linear, RowParallelLinear, SplitLinear, skinny_rows
-from turbospec.layers.moe import MoE
+from turbospec.layers.moe import MoE, RowParallelMoE
 from turbospec.layers.norm import rms_norm
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -130,16 +130,17 @@ def split(*projections) -> bool:
 
 
 def fusable_moe(x: torch.Tensor, moe, norm: torch.Tensor, mixer):
-    """`kernel_for(x, norm)` for a layer whose feed-forward is a mixture of experts (`moe_layer`), else None."""
+    """`kernel_for(x, norm)` for a layer whose feed-forward is a mixture of experts (`moe_layer`; under tensor
+    parallelism its part, with the mixer's output projection's), else None."""
     inp, out = mixer.linears()
-    if not isinstance(moe, MoE) or not (isinstance(out, Linear) and _input_projection(inp)):
+    if not isinstance(moe, (MoE, RowParallelMoE)) or not (_one_matrix(out) and _input_projection(inp)):
         return None
     return kernel_for(x, norm)
 
 
-def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tensor, post_norm: torch.Tensor,
-              eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache,
-              layer: int) -> torch.Tensor:
+def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE | RowParallelMoE, in_norm: torch.Tensor,
+              post_norm: torch.Tensor, eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor],
+              plan: AttentionPlan, cache, layer: int) -> torch.Tensor:
     """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
     `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
     `moe_tail`."""
@@ -159,8 +160,8 @@ def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE, in_norm: torch.Tens
     return moe_tail(x, a, gate, attn.o, moe, post_norm, eps, zc)
 
 
-def moe_tail(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, moe: MoE, post_norm: torch.Tensor,
-             eps: float, zc: bool) -> torch.Tensor:
+def moe_tail(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, moe: MoE | RowParallelMoE,
+             post_norm: torch.Tensor, eps: float, zc: bool) -> torch.Tensor:
     """x1 = x + o(a * sigmoid(gate)); x1 + moe(norm(x1)): every op row by row, so a row's result does not depend
     on the other rows of the step."""
     if gate is not None:
@@ -169,10 +170,10 @@ def moe_tail(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, moe
     return x + moe(rms_norm(x, post_norm, eps, zc))
 
 
-def ffn_tail(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, ffn: MLP | MoE,
+def ffn_tail(k, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, ffn: MLP | MoE | RowParallelMoE,
              post_norm: torch.Tensor, eps: float, zc: bool) -> torch.Tensor:
     """`moe_tail` for a mixture of experts, else `out_mlp`."""
-    if isinstance(ffn, MoE):
+    if isinstance(ffn, (MoE, RowParallelMoE)):
         return moe_tail(x, a, gate, o, ffn, post_norm, eps, zc)
     return out_mlp(k, x, a, gate, o, ffn, post_norm, eps, zc)
 

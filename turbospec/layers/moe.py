@@ -280,6 +280,21 @@ class MoE:
         return n
 
 
+class RowParallelMoE:
+    """A mixture of experts whose experts (and shared expert) hold one part of their intermediate columns (tensor
+    parallelism: this process's part): routing is the same on every part, each expert's product is a partial sum,
+    and `reduce` sums the layer's output over the parts once (as `RowParallelLinear` does for one matrix)."""
+
+    def __init__(self, inner: MoE, reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self.inner, self.reduce = inner, reduce
+
+    def __getattr__(self, name: str):  # nbytes, experts, ...
+        return getattr(self.inner, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.inner(x))
+
+
 DEVICE_ROWS = 64  # rows (tokens) the GPU's pair kernel takes; more (prefill) are grouped by expert
 FOLIO = 2 << 20  # the largest page-cache folio a file's pages come in: a fault maps it whole
 

@@ -28,7 +28,7 @@ from turbospec.errors import TurboSpecError
 from turbospec.layers.attention import MLP, Attention
 from turbospec.layers.gated_deltanet import GatedDeltaNet
 from turbospec.layers.linear import Linear, LinearRows, RowParallelLinear
-from turbospec.layers.moe import MoE
+from turbospec.layers.moe import MoE, RowParallelMoE
 from turbospec.model.config import HYBRID_ARCHS, MOE_ARCHS, ModelConfig
 from turbospec.model.decoder import DecoderLayer
 from turbospec.model.loader import IndexedSource, WeightSource
@@ -348,20 +348,6 @@ def collective(group=None, max_numel: int = 1 << 18) -> GlooCollective:
 
 
 # ---- the split layers --------------------------------------------------------------------------------------------
-class ParallelMoE:
-    """A mixture of experts whose experts (and shared expert) hold this rank's intermediate columns: routing is
-    the same on every rank, each expert's product is a partial sum, and one sum over the ranks ends the layer."""
-
-    def __init__(self, inner: MoE, comm: GlooCollective):
-        self.inner, self.comm = inner, comm
-
-    def __getattr__(self, name: str):  # nbytes, experts, ...
-        return getattr(self.inner, name)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.inner(x))
-
-
 class VocabEmbedding:
     """The embedding rows of token ids [lo, hi) (this rank's): `rows(ids)` looks up the ids in the range (zeros for
     the others) and sums over the ranks, so every rank gets every id's row."""
@@ -429,7 +415,7 @@ def parallelize(model, group=None) -> None:
         if isinstance(layer.mlp, MLP):
             layer.mlp.down = RowParallelLinear(layer.mlp.down, comm.all_reduce)
         elif isinstance(layer.mlp, MoE):
-            layer.mlp = ParallelMoE(layer.mlp, comm)
+            layer.mlp = RowParallelMoE(layer.mlp, comm.all_reduce)
     lo, hi = vocab_range(vocab, dist.get_rank(group), ranks)
     model.lm_head = VocabHead(model.lm_head, sizes, comm)
     model.embed = VocabEmbedding(model.embed, lo, hi, comm)
