@@ -145,7 +145,7 @@ def worker(rank: int, store: str, jobs: list, out: str) -> None:
                 from turbospec.layers import block
 
                 real, calls = block.moe_layer, []
-                block.moe_layer = lambda *a, **k: calls.append(1) or real(*a, **k)
+                block.moe_layer = lambda *a, _real=real, _calls=calls, **k: _calls.append(1) or _real(*a, **k)
                 try:
                     results[key] = (greedy(model, path, *arg), len(calls))
                 finally:
