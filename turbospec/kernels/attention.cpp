@@ -1086,8 +1086,9 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
   });
   auto out = torch::empty({ns, kvh, rows, dv}, torch::kFloat);
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, ns * kvh, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> acc(dv);
+  // (the merge is a few hundred operations per head: in the calling thread for a few sequences, where a parallel
+  // region's fork and join cost more than the work)
+  at::parallel_for(0, ns * kvh, 64, [&](int64_t a, int64_t b) {
     for (int64_t sh = a; sh < b; ++sh) {
       const int64_t s = sh / kvh, h = sh % kvh, t = first[s] + h * ntiles[s];
       for (int64_t r = 0; r < rows; ++r) {
