@@ -275,7 +275,8 @@ class Scheduler:
                       else [seg.row + n - 1] if s.cache.length + n == len(s.tokens) else []
                       for (s, n, tree), seg in zip(work, segments)]
             flat = [r for w in wanted for r in w]
-            logits = self.model.logits(hidden[flat]) if flat else None
+            # (every row wanted, as in a step of decode rows: the rows themselves, not a gathered copy)
+            logits = self.model.logits(hidden if len(flat) == hidden.shape[0] else hidden[flat]) if flat else None
         decided = self._decide(work, wanted, logits)
         verified = {i: d for i, d in decided.items() if work[i][2] is not None}
         keeps = {i: [0] + [1 + j for j in path] for i, (path, _) in verified.items()}
