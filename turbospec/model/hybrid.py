@@ -122,8 +122,20 @@ class HybridLayer:
         """A decode / verification step of this layer in one C++ call with its cached arguments, or None where the
         step or the layer needs the general path."""
         args = self.one_call_args()
-        if args is not None and self.kind == "full_attention" and isinstance(cache, HybridBatch):
-            return block.paged_layer(k, args, x, rope, self.mixer, cache.kv, self.slot)  # decode rows of a batch
+        if args is not None and isinstance(cache, HybridBatch):
+            if self.kind == "full_attention":  # decode rows of a batch
+                return block.paged_layer(k, args, x, rope, self.mixer, cache.kv, self.slot)
+            # one sequence's step in the batch (one stream): the lone sequence's one call over its states; with more
+            # sequences the projections and the MLP run once over every row (`_gdn_batch`)
+            if len(cache.segments) == 1 and cache.all_states(0) and not env.on("TURBOSPEC_NO_GDN_KERNEL"):
+                parents = cache.parents(0)
+                par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
+                conv, ssm = cache.gdn_state(0, self.slot)
+                pre, mid, post = args
+                x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
+                cache.gdn_stash(0, self.slot, window, states)
+                return x
+            return None
         if args is None or not isinstance(cache, HybridCache):
             return None
         if self.kind == "full_attention":
