@@ -48,3 +48,34 @@ def test_state_input_is_not_modified_and_prefix_states_are_consistent():
     # the state after 3 tokens equals the 3rd state of the 5-token call
     _, _, states3 = layer(x[:3], conv_state, state, True)
     assert torch.allclose(states3[-1], states[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_for_a_batchs_sequences_equals_one_call_each(dtype):
+    """`gdn_steps` (every sequence of a batched step: a decode row, a chain, a tree, with committed states as the
+    pool holds them or as a step's outputs) gives each sequence's `gdn_step` outputs to the bit."""
+    from turbospec.layers.gated_deltanet import _CHAIN
+
+    k = load_gdn_kernel()
+    layer, _, _, _ = _layer(dtype, 2, 4)
+    g = torch.Generator().manual_seed(1)
+    c = layer.conv_dim
+    sizes, trees = [1, 3, 4], [None, None, [-1, 0, 0, 1]]
+    proj = (torch.randn(sum(sizes), c + layer.value_dim + 2 * layer.nv, generator=g) * 0.5).to(dtype)
+    convs = [(torch.randn(3, c, generator=g)).to(dtype), (torch.randn(5, c, generator=g)).to(dtype),
+             (torch.randn(3, c, generator=g)).to(dtype)]  # (the second: a step's window, its last 3 rows the state)
+    ssms = [torch.randn(4, 32, 32, generator=g) * 0.1, torch.randn(2, 4, 32, 32, generator=g) * 0.1,
+            torch.randn(4, 32, 32, generator=g) * 0.1]
+    pars = [_CHAIN if t is None else torch.tensor(t, dtype=torch.int64) for t in trees]
+    starts = [0, 1, 4, 8]
+    got = k.gdn_steps(proj, layer.conv_t, layer.neg_a, layer.dt_bias, layer.norm_weight, convs, ssms, starts, pars,
+                      layer.nk, layer.nv, layer.dk, layer.dv, layer.eps)
+    for s in range(3):
+        rows = proj[starts[s]:starts[s + 1]]
+        qkv, z, b, a = rows.split([c, layer.value_dim, layer.nv, layer.nv], dim=-1)
+        window = torch.cat([convs[s][-3:], qkv])
+        y, states = k.gdn_step(window, layer.conv_t, z, b, a, layer.neg_a, layer.dt_bias, layer.norm_weight,
+                               ssms[s] if ssms[s].dim() == 3 else ssms[s][-1], pars[s], layer.nk, layer.nv, layer.dk,
+                               layer.dv, layer.eps, True)
+        assert torch.equal(got[0][starts[s]:starts[s + 1]], y), s
+        assert torch.equal(got[1 + 2 * s], window) and torch.equal(got[2 + 2 * s], states), s

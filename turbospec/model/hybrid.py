@@ -26,7 +26,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers import block
-from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet
+from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
 from turbospec.layers.linear import Linear, skinny_rows
 from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
@@ -198,14 +198,27 @@ class HybridLayer:
             proj = (k or km).norm_linear(x, self.in_norm, self.eps, True, gdn.proj.matrices, gdn.proj.bias)
         else:
             proj = gdn.proj(rms_norm(x, self.in_norm, self.eps, True))
-        outs = []
-        for i, seg in enumerate(cache.segments):
-            conv, ssm = cache.gdn_state(i, self.slot)
-            o, window, states = gdn.mix(proj[seg.row:seg.row + seg.n], conv, ssm, cache.all_states(i),
-                                        cache.parents(i))
-            cache.gdn_stash(i, self.slot, window, states)
-            outs.append(o)
-        o = gdn.out_order(torch.cat(outs) if len(outs) > 1 else outs[0])
+        segments = range(len(cache.segments))
+        kernel = load_gdn_kernel() if proj.device.type == "cpu" else None
+        if kernel is not None and all(cache.all_states(i) for i in segments):  # every sequence in one C++ call
+            got = kernel.gdn_steps(proj, gdn.conv_t, gdn.neg_a, gdn.dt_bias, gdn.norm_weight,
+                                   *zip(*(cache.gdn_state(i, self.slot) for i in segments)),
+                                   [seg.row for seg in cache.segments] + [x.shape[0]],
+                                   [_CHAIN if (p := cache.parents(i)) is None else torch.tensor(p, dtype=torch.int64)
+                                    for i in segments], gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps)
+            for i in segments:
+                cache.gdn_stash(i, self.slot, got[1 + 2 * i], got[2 + 2 * i])
+            o = got[0]
+        else:
+            outs = []
+            for i, seg in enumerate(cache.segments):
+                conv, ssm = cache.gdn_state(i, self.slot)
+                o, window, states = gdn.mix(proj[seg.row:seg.row + seg.n], conv, ssm, cache.all_states(i),
+                                            cache.parents(i))
+                cache.gdn_stash(i, self.slot, window, states)
+                outs.append(o)
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        o = gdn.out_order(o)
         if k is not None or km is not None:
             return block.ffn_tail(k or km, x, o, None, gdn.out, self.mlp, self.post_norm, self.eps, True)
         x = x + gdn.out(o)
