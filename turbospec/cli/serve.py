@@ -119,10 +119,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     rank, ranks = tp.world()
     if ranks > 1:  # under torchrun: rank 0 serves, the others follow its engine calls (turbospec.parallel.tp)
         if rank != 0:
+            from turbospec.engine import slots
+
             if a.parallel > 1:
-                tp.follow_scheduler(engine.new_scheduler(a.parallel), engine)
+                tp.follow_scheduler(engine.new_scheduler(a.parallel), engine, slots.part)
             else:
-                tp.follow(engine)
+                tp.follow(engine, slots.part)
             return 0
         engine = tp.Lockstep(engine)
     name = a.alias or Path(engine.model_path).name

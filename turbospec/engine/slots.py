@@ -58,14 +58,60 @@ def engine_load(engine, data: SlotData) -> None:
 def run(action: str, slot: int, path: Path | None, engine, scheduler=None) -> dict:
     """Do a slot action on the worker's thread (between requests or steps); llama-server's response fields. Under
     tensor parallelism (rank 0's engine a `tp.Lockstep`) every rank does it on its own part of the context, each in
-    its own file (`turbospec.parallel.tp.slot`)."""
+    its own file (`part`)."""
     from turbospec.parallel import tp
 
-    if tp.world()[1] > 1:
-        return tp.slot(action, slot, path, engine, scheduler)
+    if tp.world()[1] > 1:  # rank 0: the other ranks do their parts too
+        import secrets
+
+        assert isinstance(engine, tp.Lockstep), "slot actions under tensor parallelism go through rank 0's Lockstep"
+        save_id = secrets.token_hex(8)
+        engine.announce_slot(action, slot, path, save_id, scheduler)
+        out = part(action, slot, path, save_id, engine.engine, scheduler, engine.group)
+        assert out is not None
+        return out
     t0 = time.perf_counter()
     result, data = prepare(action, slot, path, engine, scheduler)
     return finish(action, slot, engine, scheduler, result, data, t0)
+
+
+def part(action: str, slot: int, path, save_id: str, engine, scheduler, group) -> dict | None:
+    """Every tensor-parallel rank's half of a slot action: rank r > 0 saves to and restores from its own file beside
+    rank 0's (the name + `.tp{r}`), each file marked with its part and the save it belongs to. The ranks change their
+    caches only when every rank's file was written, or read, checked and of one save; otherwise a save removes the
+    files it wrote. Rank 0 gets the response or the first rank's error (a TurboSpecError naming the rank); the
+    others None."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    mine = None if path is None else Path(path) if rank == 0 else Path(f"{path}.tp{rank}")
+    result, data, error, mistake = None, None, None, None
+    try:
+        result, data = prepare(action, slot, mine, engine, scheduler, f"{rank}/{ranks}", save_id)
+    except Exception as e:  # noqa: BLE001 -- every rank must reach the gather below, whatever went wrong
+        error, mistake = str(e) or type(e).__name__, e
+    got: list = [None] * ranks
+    dist.all_gather_object(got, (error, data.save_id if data is not None else save_id), group=group)
+    failed = [(r, msg) for r, (msg, _) in enumerate(got) if msg is not None]
+    if not failed and len({sid for _, sid in got}) > 1:
+        failed = [(0, f"the ranks' slot files of {Path(path).name!r} come from different saves")]
+    if failed:
+        if action == "save" and result is not None and mine is not None:
+            mine.unlink(missing_ok=True)  # no set of files with one rank's part missing
+        if rank != 0:
+            return None
+        if mistake is not None:
+            raise mistake  # (rank 0's own, as a one-process server raises it)
+        r, msg = failed[0]
+        raise TurboSpecError(msg if r == 0 else f"rank {r}: {msg}")
+    try:
+        out = finish(action, slot, engine, scheduler, result or {}, data, t0)
+    except Exception:
+        if rank != 0:
+            return None  # (the same error on every rank: the caches' states and the slot's checks are alike)
+        raise
+    return out if rank == 0 else None
 
 
 def prepare(action: str, slot: int, path: Path | None, engine, scheduler=None, part: str = "", save_id: str = ""

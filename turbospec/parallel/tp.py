@@ -517,6 +517,13 @@ class Lockstep:
         """The continuous-batching scheduler, its calls announced to the other ranks."""
         return SchedulerLockstep(self.engine.new_scheduler(parallel), self.group)
 
+    def announce_slot(self, action: str, slot_id: int, path, save_id: str, scheduler=None) -> None:
+        """A slot action for the other ranks to do on their parts (`turbospec.engine.slots.part`), with the batching
+        scheduler's calls made since its last step (`SchedulerLockstep`), so that every rank acts on the same state."""
+        events = scheduler.flush() if isinstance(scheduler, SchedulerLockstep) else []
+        dist.broadcast_object_list([("slot", action, slot_id, None if path is None else str(path), save_id, events)],
+                                   src=0, group=self.group)
+
     def close(self) -> None:
         """The server stopped: the followers return."""
         dist.broadcast_object_list([("stop",)], src=0, group=self.group)
@@ -534,65 +541,12 @@ def announcements(group=None):
         yield box[0]
 
 
-def slot(action: str, slot_id: int, path, engine, scheduler=None) -> dict:
-    """Rank 0 of a server (`engine`: its `Lockstep`): a slot action (`turbospec.engine.slots`) announced to the other
-    ranks and done by each on its part of the context (`slot_part`)."""
-    import secrets
-
-    assert isinstance(engine, Lockstep), "slot actions under tensor parallelism go through rank 0's Lockstep"
-    events = scheduler.flush() if isinstance(scheduler, SchedulerLockstep) else []
-    save_id = secrets.token_hex(8)
-    dist.broadcast_object_list([("slot", action, slot_id, None if path is None else str(path), save_id, events)],
-                               src=0, group=engine.group)
-    out = slot_part(action, slot_id, path, save_id, engine.engine, scheduler, engine.group)
-    assert out is not None
-    return out
+SlotPart = Callable[..., object]  # (action, slot id, path, save id, engine, scheduler, group): turbospec.engine.slots.part
 
 
-def slot_part(action: str, slot_id: int, path, save_id: str, engine, scheduler, group) -> dict | None:
-    """Every rank's half of a slot action: rank r > 0 saves to and restores from its own file beside rank 0's (the
-    name + `.tp{r}`), each file marked with its part and the save it belongs to. The ranks change their caches only
-    when every rank's file was written, or read, checked and of one save; otherwise a save removes the files it
-    wrote. Rank 0 gets the response or the first rank's error (a TurboSpecError naming the rank); the others
-    None."""
-    import time
-    from pathlib import Path
-
-    from turbospec.engine import slots
-
-    t0 = time.perf_counter()
-    rank, ranks = dist.get_rank(), dist.get_world_size()
-    mine = None if path is None else Path(path) if rank == 0 else Path(f"{path}.tp{rank}")
-    result, data, error, mistake = None, None, None, None
-    try:
-        result, data = slots.prepare(action, slot_id, mine, engine, scheduler, f"{rank}/{ranks}", save_id)
-    except Exception as e:  # noqa: BLE001 -- every rank must reach the gather below, whatever went wrong
-        error, mistake = str(e) or type(e).__name__, e
-    got: list = [None] * ranks
-    dist.all_gather_object(got, (error, data.save_id if data is not None else save_id), group=group)
-    failed = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
-    if not failed and len({sid for _, sid in got}) > 1:
-        failed = [(0, f"the ranks' slot files of {Path(path).name!r} come from different saves")]
-    if failed:
-        if action == "save" and result is not None and mine is not None:
-            mine.unlink(missing_ok=True)  # no set of files with one rank's part missing
-        if rank != 0:
-            return None
-        if mistake is not None:
-            raise mistake  # (rank 0's own, as a one-process server raises it)
-        r, e = failed[0]
-        raise TurboSpecError(e if r == 0 else f"rank {r}: {e}")
-    try:
-        out = slots.finish(action, slot_id, engine, scheduler, result or {}, data, t0)
-    except Exception:
-        if rank != 0:
-            return None  # (the same error on every rank: the caches' states and the slot's checks are alike)
-        raise
-    return out if rank == 0 else None
-
-
-def follow(engine) -> None:
-    """A rank other than 0 of a server: run the engine calls rank 0 announces (`Lockstep`) until it stops."""
+def follow(engine, slot_part: SlotPart) -> None:
+    """A rank other than 0 of a server: run the engine calls (and slot actions, through `slot_part`) rank 0 announces
+    (`Lockstep`) until it stops."""
     group = command_group()
     for message in announcements(group):
         if message[0] == "slot":
@@ -661,9 +615,9 @@ def scheduler_choice(scheduler) -> Callable[[list[int]], list[int]]:
     return rank0_ints(longest=scheduler.max_seqs * (2 + scheduler.n_max))
 
 
-def follow_scheduler(scheduler, engine) -> None:
-    """A rank other than 0 of a batching server: make the scheduler calls (and slot actions) rank 0 announces
-    (`SchedulerLockstep`) on `engine`'s scheduler until it stops."""
+def follow_scheduler(scheduler, engine, slot_part: SlotPart) -> None:
+    """A rank other than 0 of a batching server: make the scheduler calls (and slot actions, through `slot_part`)
+    rank 0 announces (`SchedulerLockstep`) on `engine`'s scheduler until it stops."""
     group = command_group()  # (made in the order rank 0 makes them: its Lockstep's group, then its scheduler's post)
     scheduler.agree = scheduler_choice(scheduler)
     running: dict = {}
