@@ -391,6 +391,11 @@ class PagedBatch:
             self.masks = torch.tensor([trees[id(s)][i] if id(s) in trees else -1 for s, i in rows],
                                       dtype=torch.int64) if trees else None
 
+    @cached_property
+    def _decode_rows(self) -> torch.Tensor:
+        """The step rows' indices among the batch's rows (a step that mixes them with prompt chunks; made once)."""
+        return torch.tensor([s.row + i for s, i in self._rows], dtype=torch.int64)
+
     def _step(self, s: Segment) -> bool:
         """Whether segment s's rows attend as decode rows (at most `step_rows` of them; a draft tree's with their
         masks, in the C++ kernel)."""
@@ -417,7 +422,7 @@ class PagedBatch:
             return self._decode(layer, q, kvh, g, d, scale).to(q.dtype)
         out = torch.empty_like(q)
         if self._rows:
-            rows = torch.tensor([s.row + i for s, i in self._rows], dtype=torch.int64, device=q.device)
+            rows = self._decode_rows
             out[:, rows] = self._decode(layer, q[:, rows], kvh, g, d, scale).to(q.dtype)
         for s in self.others:
             rows = slice(s.row, s.row + s.n)
