@@ -53,11 +53,13 @@ class BatchWorker(Worker):
             self._step()
             self._gauges()
             self._kv_metrics()
-        for seq, job in list(self.active.items()):
+        left = list(self.active.items())
+        for seq, job in left:
             self.scheduler.abort(seq)
             job.emit(("done", seq.stats, "abort"), last=True)
         self.active.clear()
-        self.scheduler.step()  # frees the aborted sequences' blocks
+        if left:  # (an idle server steps no more: under tensor parallelism Ctrl-C has stopped the other ranks too)
+            self.scheduler.step()  # frees the aborted sequences' blocks
         self.stop_soon()
 
     def _kv_metrics(self) -> None:
