@@ -183,12 +183,12 @@ const int64_t* tree_parents(torch::Tensor& parents, int64_t n) {
 
 // window [K-1+N, C] (conv state rows then the new projected rows), conv_t [K, C], z [N, Hv*Dv], b/a [N, Hv]
 // (model dtype); neg_a, dt_bias [Hv] float32; norm_w [Dv]; state [Hv, Dk, Dv] float32 (not modified); parents
-// int64 [N] for a token tree (node i continues from node parents[i], -1 = state), empty for a chain.
-// Returns (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
-std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b,
-                                    torch::Tensor a, torch::Tensor neg_a, torch::Tensor dt_bias,
-                                    torch::Tensor norm_w, torch::Tensor state, torch::Tensor parents, int64_t nk,
-                                    int64_t nv, int64_t dk, int64_t dv, double eps, bool all_states) {
+// int64 [N] for a token tree (node i continues from node parents[i], -1 = state), empty for a chain. Writes y
+// [N, Hv*Dv] (model dtype, contiguous rows) and returns the states [N or 1, Hv, Dk, Dv] float32.
+torch::Tensor step_into(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b, torch::Tensor a,
+                        const torch::Tensor& neg_a, const torch::Tensor& dt_bias, torch::Tensor norm_w,
+                        torch::Tensor state, torch::Tensor parents, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
+                        double eps, bool all_states, torch::Tensor& y) {
   const auto dt = window.scalar_type();
   TORCH_CHECK(conv_t.scalar_type() == dt && z.scalar_type() == dt && b.scalar_type() == dt &&
               a.scalar_type() == dt && norm_w.scalar_type() == dt, "gdn_step: mixed dtypes");
@@ -200,8 +200,8 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
   const int64_t kernel = conv_t.size(0), n = window.size(0) - (kernel - 1);
   TORCH_CHECK(n >= 1 && window.size(1) == 2 * nk * dk + nv * dv && state.numel() == nv * dk * dv, "gdn_step: shapes");
   TORCH_CHECK(parents.numel() == 0 || all_states, "gdn_step: a token tree needs all_states");
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == dt && y.size(0) == n && y.size(1) == nv * dv, "gdn_step: output");
   const int64_t* par = tree_parents(parents, n);
-  auto y = torch::empty({n, nv * dv}, window.options());
   auto states = torch::empty({all_states ? n : 1, nv, dk, dv}, state.options());
 #define GDN_RUN(T)                                                                                              \
   run<T>(window.data_ptr<T>(), conv_t.data_ptr<T>(), z.data_ptr<T>(), b.data_ptr<T>(), a.data_ptr<T>(),     \
@@ -214,6 +214,17 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
     default: TORCH_CHECK(false, "gdn_step: unsupported dtype");
   }
 #undef GDN_RUN
+  return states;
+}
+
+// `step_into` with y of its own: (y [N, Hv*Dv] model dtype, states [N or 1, Hv, Dk, Dv] float32).
+std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b,
+                                    torch::Tensor a, torch::Tensor neg_a, torch::Tensor dt_bias,
+                                    torch::Tensor norm_w, torch::Tensor state, torch::Tensor parents, int64_t nk,
+                                    int64_t nv, int64_t dk, int64_t dv, double eps, bool all_states) {
+  auto y = torch::empty({window.size(0) - (conv_t.size(0) - 1), nv * dv}, window.options());
+  auto states = step_into(window, conv_t, z, b, a, neg_a, dt_bias, norm_w, state, parents, nk, nv, dk, dv, eps,
+                          all_states, y);
   return {y, states};
 }
 
@@ -221,56 +232,35 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
 // rows: conv channels | z | b | a) holds segment s's rows at [starts[s], starts[s+1]); conv_states[s] [>= K-1, C]
 // (its last K-1 rows are the state), ssm_states[s] [Hv, Dk, Dv] or [T, Hv, Dk, Dv] (its last one), parents[s] its
 // tree (empty: a chain); every segment keeps the state after each of its rows. Returns [y [N, Hv*Dv], then per
-// segment its conv window [K-1+n, C] and states [n, Hv, Dk, Dv]]: segment by segment what gdn_step returns for the
-// window of its conv state and its rows, to the bit.
+// segment its conv window [K-1+n, C] and states [n, Hv, Dk, Dv]]: gdn_step's work per segment (`step_into`, each
+// writing its rows of y), over the window of its conv state and its rows -- one call from Python for the batch
+// instead of one per sequence.
 std::vector<torch::Tensor> gdn_steps(torch::Tensor proj, torch::Tensor conv_t, torch::Tensor neg_a,
                                      torch::Tensor dt_bias, torch::Tensor norm_w, std::vector<torch::Tensor> conv_states,
                                      std::vector<torch::Tensor> ssm_states, std::vector<int64_t> starts,
                                      std::vector<torch::Tensor> parents, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
                                      double eps) {
-  const auto dt = proj.scalar_type();
   const int64_t segs = static_cast<int64_t>(conv_states.size());
-  const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv, kernel = conv_t.size(0), km1 = kernel - 1;
-  TORCH_CHECK(conv_t.scalar_type() == dt && norm_w.scalar_type() == dt, "gdn_steps: mixed dtypes");
-  TORCH_CHECK(neg_a.scalar_type() == torch::kFloat && dt_bias.scalar_type() == torch::kFloat,
-              "gdn_steps: gates must be float32");
-  TORCH_CHECK(nv % nk == 0, "value heads must be a multiple of key heads");
+  const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv, km1 = conv_t.size(0) - 1;
   TORCH_CHECK(proj.dim() == 2 && proj.size(1) == c + vd + 2 * nv, "gdn_steps: projection width mismatch");
   TORCH_CHECK(static_cast<int64_t>(ssm_states.size()) == segs && static_cast<int64_t>(parents.size()) == segs &&
               static_cast<int64_t>(starts.size()) == segs + 1 && starts[0] == 0 && starts[segs] == proj.size(0),
               "gdn_steps: one state, tree and start per segment");
-  conv_t = conv_t.contiguous(); norm_w = norm_w.contiguous();
-  TORCH_CHECK(conv_t.dim() == 2 && conv_t.size(1) == c, "gdn_steps: conv weight shape");
   auto y = torch::empty({proj.size(0), vd}, proj.options());
   std::vector<torch::Tensor> out{y};
   for (int64_t s = 0; s < segs; ++s) {
     const int64_t r0 = starts[s], n = starts[s + 1] - r0;
     TORCH_CHECK(n >= 1, "gdn_steps: an empty segment");
-    torch::Tensor conv = conv_states[s];
+    const torch::Tensor& conv = conv_states[s];
     TORCH_CHECK(conv.dim() == 2 && conv.size(0) >= km1 && conv.size(1) == c, "gdn_steps: conv state rows");
     torch::Tensor state = ssm_states[s];
-    TORCH_CHECK(state.scalar_type() == torch::kFloat, "gdn_steps: states must be float32");
     if (state.dim() == 4) state = state[state.size(0) - 1];
-    state = state.contiguous();
-    TORCH_CHECK(state.numel() == nv * dk * dv, "gdn_steps: state shape");
     const torch::Tensor rows = proj.narrow(0, r0, n);
-    auto window = torch::cat({conv.narrow(0, conv.size(0) - km1, km1).to(dt), rows.narrow(1, 0, c)}, 0);
-    const torch::Tensor z = rows.narrow(1, c, vd).contiguous(), b = rows.narrow(1, c + vd, nv).contiguous(),
-                        a = rows.narrow(1, c + vd + nv, nv).contiguous();
-    torch::Tensor par_s = parents[s];
-    const int64_t* par = tree_parents(par_s, n);
-    auto states = torch::empty({n, nv, dk, dv}, state.options());
-#define GDN_RUN(T)                                                                                              \
-    run<T>(window.data_ptr<T>(), conv_t.data_ptr<T>(), z.data_ptr<T>(), b.data_ptr<T>(), a.data_ptr<T>(),       \
-           neg_a.data_ptr<float>(), dt_bias.data_ptr<float>(), norm_w.data_ptr<T>(), state.data_ptr<float>(), par,  \
-           states.data_ptr<float>(), y.data_ptr<T>() + r0 * vd, n, kernel, nk, nv, dk, dv, eps, true)
-    switch (dt) {
-      case torch::kFloat: GDN_RUN(float); break;
-      case torch::kBFloat16: GDN_RUN(at::BFloat16); break;
-      case torch::kHalf: GDN_RUN(at::Half); break;
-      default: TORCH_CHECK(false, "gdn_steps: unsupported dtype");
-    }
-#undef GDN_RUN
+    auto window = torch::cat({conv.narrow(0, conv.size(0) - km1, km1).to(proj.scalar_type()), rows.narrow(1, 0, c)}, 0);
+    auto y_rows = y.narrow(0, r0, n);  // (whole rows of y: contiguous)
+    auto states = step_into(window, conv_t, rows.narrow(1, c, vd), rows.narrow(1, c + vd, nv),
+                            rows.narrow(1, c + vd + nv, nv), neg_a, dt_bias, norm_w, state, parents[s], nk, nv, dk,
+                            dv, eps, true, y_rows);
     out.push_back(window);
     out.push_back(states);
   }

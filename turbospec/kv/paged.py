@@ -27,7 +27,7 @@ from turbospec.kernels import triton_attention as gpu_attention
 from turbospec.kernels import triton_encode as gpu_encode
 from turbospec.kv import kernel_args
 from turbospec.kv.formats import KVFormat, Packed, PlainFormat, get_format
-from turbospec.kv.plan import AttentionPlan
+from turbospec.kv.plan import AttentionPlan, tree_positions
 from turbospec.kv.query_rounding import key_block, round_queries
 
 Key = tuple  # (hash of the previous block's key or 0, the block's tokens)
@@ -354,11 +354,8 @@ class PagedBatch:
                 p = s.plan
                 if p.first is not None:
                     positions += range(p.first, p.first + p.n)
-                elif p.parents is not None:  # a draft tree: each node after the cache at its depth (no device read)
-                    depth: list[int] = []
-                    for parent in p.parents:
-                        depth.append(depth[parent] + 1 if parent >= 0 else 0)
-                    positions += [p.start + d for d in depth]
+                elif p.parents is not None:  # a draft tree (from its parents: no read of a device tensor)
+                    positions += tree_positions(p.start, p.parents)
                 else:
                     positions += p.positions.tolist()
             self.plan = AttentionPlan(torch.tensor(positions, dtype=torch.int64), 0)

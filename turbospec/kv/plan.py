@@ -45,17 +45,15 @@ class AttentionPlan:
         where the mask and positions live (None: torch's default device)."""
         n = len(parents)
         rows: list[list[bool]] = []
-        depth: list[int] = []
         for i, p in enumerate(parents):
             if p >= i:
                 raise ValueError("tree nodes must be in topological order (parent before child)")
             row = list(rows[p]) if p >= 0 else [False] * n
             row[i] = True
             rows.append(row)
-            depth.append(depth[p] + 1 if p >= 0 else 0)
         mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
         mask[:, start:] = torch.tensor(rows, dtype=torch.bool, device=device)
-        pos = torch.tensor(depth, dtype=torch.int64, device=device) + start
+        pos = torch.tensor(tree_positions(start, parents), dtype=torch.int64, device=device)
         return cls(pos, start, mask, list(parents))
 
     def sdpa_mask(self, device: torch.device | None = None) -> tuple[torch.Tensor | None, bool]:
@@ -71,3 +69,12 @@ class AttentionPlan:
         keys = torch.arange(self.start + n, device=device)
         rows = torch.arange(self.start, self.start + n, device=device)
         return keys[None, :] <= rows[:, None], False
+
+
+def tree_positions(start: int, parents: list[int]) -> list[int]:
+    """RoPE positions of a token tree's nodes after `start` cached ones (topological order, parents[i] < i, -1: a
+    root): each node at start + its depth."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    return [start + d for d in depth]

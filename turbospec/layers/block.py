@@ -182,8 +182,8 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                     eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache,
                     layer: int) -> torch.Tensor:
     """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`), for the
-    steps `decode_layer` does not take (the layers try it first): tensor-parallel parts, packed caches, paged
-    batches, rows that do not end the cache."""
+    steps `decode_layer` and `paged_layer` do not take (the layers try them first): tensor-parallel parts, packed
+    caches, paged batches that mix step rows with prompt chunks, rows that do not end the cache."""
     if _one_call(attn, plan, cache) and split(attn.o, mlp.down):  # the attention in one call, then out_mlp's parts
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
@@ -201,18 +201,11 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
                 return out
         elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
             return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
-    if _paged_rows(attn, cache):
-        if not split(attn.o, mlp.down):
-            out = k.layer_paged_rows(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
-                                     rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated,
-                                     *cache.pool.step_args(layer), cache.slots, cache.tables, cache.lens,
-                                     cache.pool.block, 1.0 / math.sqrt(attn.hd), cache.masks, attn.o.weight,
-                                     attn.o.bias, post_norm,
-                                     mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
-            if out is not None:
-                return out
-        elif (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None:
-            return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
+    # (a whole layer over a paged pool's step rows is `paged_layer`'s one call, which the layers try first; here the
+    # tensor-parallel parts)
+    if (_paged_rows(attn, cache) and split(attn.o, mlp.down)
+            and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None):
+        return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
     a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
     return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
 

@@ -529,10 +529,9 @@ class Lockstep:
         dist.broadcast_object_list([("stop",)], src=0, group=self.group)
 
 
-def announcements(group=None):
-    """On a rank other than 0 of a server: rank 0's announcements (`Lockstep`, `SchedulerLockstep`) as they come,
-    until it stops (`group`: the `command_group`, made here when not given)."""
-    group = group if group is not None else command_group()
+def announcements(group):
+    """On a rank other than 0 of a server: rank 0's announcements (`Lockstep`, `SchedulerLockstep`) on `group` (the
+    `command_group`) as they come, until it stops."""
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0, group=group)
