@@ -7,7 +7,9 @@ decode t/s counts the tokens generated once every prompt is computed.
     python benchmarks/batch_spec.py --model models/demo-qwen3 --dtype bfloat16 --spec-type ngram --streams 4 8 \\
         --json docs/results/batch_spec.json
 
-`--mtp-topk K` drafts MTP trees (K candidates per depth). `--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
+`--mtp-topk K` drafts MTP trees (K candidates per depth). `--drafts-alone` adds a third run per round: the MTP
+drafters of the batch drafting one sequence at a time (one MTP forward and draft-head product per sequence and
+depth), as the scheduler did before they drafted together. `--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
 subprocess per round, alternating with this checkout.
 """
 
@@ -23,11 +25,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ALONE = "/alone"
 
 
 def measure(a, streams: int, spec: str | None) -> dict:
-    """One run: S sequences, plain or drafting; decode t/s and the drafts' acceptance."""
+    """One run: S sequences, plain or drafting (a spec ending in ALONE: the MTP drafters one by one); decode t/s and
+    the drafts' acceptance."""
     import torch
+
+    if spec and spec.endswith(ALONE):
+        from turbospec.speculative.mtp import MTPDrafter
+
+        spec = spec[:-len(ALONE)]
+        MTPDrafter.batch_key = lambda self: None  # type: ignore[method-assign]
 
     from turbospec.config import EngineConfig, SpecConfig
     from turbospec.engine.engine import Engine
@@ -42,7 +52,8 @@ def measure(a, streams: int, spec: str | None) -> dict:
     lines = (ROOT / "turbospec" / "data" / "eval" / "prose.jsonl").read_text().splitlines()
     ids = tok.encode(" ".join(json.loads(x)["text"] for x in lines if x.strip()))
     cfg = EngineConfig(ctx=streams * (a.prompt + a.gen + 512), dtype=a.dtype,
-                       spec=SpecConfig(types=spec, adaptive=a.adaptive, mtp_topk=a.mtp_topk) if spec else SpecConfig())
+                       spec=SpecConfig(types=spec, adaptive=a.adaptive, mtp_topk=a.mtp_topk, draft_vocab=a.draft_vocab)
+                       if spec else SpecConfig())
     sch = Scheduler.for_engine(Engine(model, tok, cfg), streams)
     params = SamplingParams(max_tokens=a.gen, temperature=0, ignore_eos=True)
     seqs = [sch.add(ids[i * 997:i * 997 + a.prompt], params) for i in range(streams)]
@@ -69,6 +80,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--adaptive", action="store_true", help="draft with --spec-adaptive (the batch's draft gate)")
     ap.add_argument("--mtp-topk", type=int, default=1, help="MTP trees: candidates per depth (--spec-mtp-topk)")
+    ap.add_argument("--draft-vocab", type=int, default=-1, help="MTP drafts over N tokens (--spec-draft-vocab)")
+    ap.add_argument("--drafts-alone", action="store_true", help="also: the MTP drafters drafting one by one")
     ap.add_argument("--revision", default=None, help="a checkout whose turbospec to measure too (a 'before')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "S,spec": one measurement, printed as JSON
@@ -85,7 +98,7 @@ def main() -> int:
             env["TORCH_EXTENSIONS_DIR"] = env.get("TORCH_EXTENSIONS_DIR", "/tmp/torch_ext") + "_before"
         args = [sys.executable, __file__, "--one", f"{s},{spec}", "--model", a.model, "--dtype", a.dtype,
                 "--prompt", str(a.prompt), "--gen", str(a.gen), "--threads", str(a.threads)] + \
-            (["--adaptive"] if a.adaptive else []) + ["--mtp-topk", str(a.mtp_topk)]
+            (["--adaptive"] if a.adaptive else []) + ["--mtp-topk", str(a.mtp_topk), "--draft-vocab", str(a.draft_vocab)]
         r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -93,7 +106,7 @@ def main() -> int:
     for r in range(a.rounds):
         for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
             for s in a.streams:
-                for spec in ("", a.spec_type):
+                for spec in ("", a.spec_type) + ((a.spec_type + ALONE,) if a.drafts_alone else ()):
                     runs.setdefault((name, s, spec), []).append(one(tree, s, spec))
         print(f"round {r}: " + ", ".join(f"{n} S={s} {sp or 'plain'} {v[-1]['decode_tps']:.0f}"
                                          for (n, s, sp), v in runs.items()), flush=True)
@@ -108,13 +121,15 @@ def main() -> int:
                      "spec_tps": statistics.median(x["decode_tps"] for x in v),
                      "ratio_paired": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                      "acceptance": sum(x["accepted"] for x in v) / max(1, sum(x["drafted"] for x in v))})
-    print(f"\n{'checkout':8s} {'S':>3s} {'plain t/s':>10s} {a.spec_type + ' t/s':>14s} {'x plain':>8s} {'accepted':>9s}")
+    print(f"\n{'checkout':8s} {'S':>3s} {'drafter':>18s} {'plain t/s':>10s} {'drafting t/s':>13s} {'x plain':>8s} "
+          f"{'accepted':>9s}")
     for row in rows:
-        print(f"{row['checkout']:8s} {row['streams']:3d} {row['plain_tps']:10.0f} {row['spec_tps']:14.0f} "
-              f"{row['ratio_paired']:8.2f} {100 * row['acceptance']:8.0f}%")
+        print(f"{row['checkout']:8s} {row['streams']:3d} {row['spec_type']:>18s} {row['plain_tps']:10.0f} "
+              f"{row['spec_tps']:13.0f} {row['ratio_paired']:8.2f} {100 * row['acceptance']:8.0f}%")
     if a.json:
         Path(a.json).write_text(json.dumps({"command": " ".join(["python", "benchmarks/batch_spec.py", *sys.argv[1:]]),
-                                            "model": a.model, "dtype": a.dtype, "adaptive": a.adaptive, "prompt_tokens": a.prompt,
+                                            "model": a.model, "dtype": a.dtype, "adaptive": a.adaptive,
+                                            "draft_vocab": a.draft_vocab, "prompt_tokens": a.prompt,
                                             "gen_tokens": a.gen, "rounds": a.rounds, "rows": rows}, indent=1) + "\n")
     return 0
 

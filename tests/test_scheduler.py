@@ -548,6 +548,51 @@ def test_batched_speculation_equals_plain_greedy(which, spec, cfg, request):
     assert sch.pool.num_free == sch.pool.num_blocks
 
 
+@pytest.mark.parametrize("which,cfg", [
+    ("model", {}),  # the bundled ranking: reduced vocabularies, each drafter through its own rows of the head
+    ("model", {"draft_vocab": 0, "draft_k_type": "q8_0"}),  # the whole head in one product; packed MTP caches
+    ("hybrid", {"mtp_topk": 2}),  # trees
+    ("hybrid", {"draft_vocab": 0}),
+])
+def test_batched_mtp_drafts_equal_each_drafters_own(which, cfg, request, monkeypatch):
+    """The MTP drafters of a batch draft together (one MTP forward per depth over every sequence, the whole draft
+    head in one product): every step's drafts equal those of the same drafters drafting one by one."""
+    from turbospec.engine import scheduler as sched
+    from turbospec.model.mtp import MTPModule
+    from turbospec.speculative.mtp import MTPDrafter
+
+    m = request.getfixturevalue(which)
+    path = HYBRID if which == "hybrid" else TINY
+    prompts, params, steps = _requests(3, 6)
+    prompts = [p[:30] * 4 for p in prompts]
+    drafts: list[list] = []
+    together = []
+    propose_all, forward_many = sched.propose_all, MTPModule.forward_many
+
+    def record(drafters, tokens, n_max):
+        trees = propose_all(drafters, tokens, n_max)
+        drafts[-1].append([(t.tokens, t.parents) for t in trees])
+        return trees
+
+    def count(self, tokens, hidden, plans, caches, counts, step=0):
+        together.append(len(caches))
+        return forward_many(self, tokens, hidden, plans, caches, counts, step)
+
+    monkeypatch.setattr(sched, "propose_all", record)
+    monkeypatch.setattr(MTPModule, "forward_many", count)
+    runs = []
+    for alone in (False, True):
+        if alone:
+            monkeypatch.setattr(MTPDrafter, "batch_key", lambda self: None)
+        drafts.append([])
+        sch = _spec_scheduler(m, path, "draft-mtp", which == "hybrid", **cfg)
+        runs.append(_drive(sch, list(zip(steps, prompts, params))))
+        if not alone:
+            assert max(together) > 1  # several sequences' drafters in one forward
+    assert drafts[0] == drafts[1] and sum(len(t) for step in drafts[0] for t, _ in step) > 0
+    assert [runs[0][i][0] for i in range(6)] == [runs[1][i][0] for i in range(6)]
+
+
 def test_draft_gate_drafts_while_drafting_steps_emit_faster():
     """--spec-adaptive in a batch: drafting until a plain step (the FIRST-th, then every PROBE-th) emits faster; then a
     drafting step every interval, the interval doubling up to PROBE_MAX while drafts do not pay; back on once they

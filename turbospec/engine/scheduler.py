@@ -29,7 +29,7 @@ from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers.linear import batch_products
 from turbospec.sampling import Sampler, SamplingParams, TokenLogprob, argmax_rows, logprobs_of
 from turbospec.speculative.batch_gate import DraftGate
-from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.drafter import Drafter, propose_all
 from turbospec.speculative.stats import SpecStats
 from turbospec.speculative.tree import DraftTree
 from turbospec.speculative.verify import verify
@@ -349,21 +349,29 @@ class Scheduler:
         assert self.drafters is not None
         return self.drafters(s.prompt_len + s.params.max_tokens + self.n_max + 1)
 
-    def _draft(self, s: Sequence) -> DraftTree | None:
-        """The draft to verify after the sequence's last token (None: no drafter, or nothing worth a row)."""
-        d = s.drafter
-        if d is None or not s.began:
-            return None
-        room = min(s.params.max_tokens - s.stats.gen_tokens - 1, self.n_max)
-        slots = s.cache.max_len - s.cache.length - 1
-        if self.states is not None:  # a hybrid keeps every node's recurrent state for at most rollback_limit rows
-            slots = min(slots, self.states.rollback_limit - 1)
-        if min(room, slots) <= 0:
-            return None
-        tree = d.propose(s.tokens, room)
-        if len(tree):
-            tree = tree.limit(room, slots)
-        return tree if len(tree) else None
+    def _drafts(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
+        """The drafts to verify after each sequence's last token, by sequence id (none for a sequence without a
+        drafter, or whose draft would be worth no row); the MTP drafters of the batch draft together."""
+        todo: list[tuple[Sequence, int, int]] = []  # (sequence, deepest draft, rows it may take)
+        for s in seqs:
+            if s.drafter is None or not s.began:
+                continue
+            room = min(s.params.max_tokens - s.stats.gen_tokens - 1, self.n_max)
+            slots = s.cache.max_len - s.cache.length - 1
+            if self.states is not None:  # a hybrid keeps every node's recurrent state for at most rollback_limit rows
+                slots = min(slots, self.states.rollback_limit - 1)
+            if min(room, slots) > 0:
+                todo.append((s, room, slots))
+        with batch_products():  # (rows of several sequences in one product: as in the step's forward)
+            trees = propose_all([s.drafter for s, _, _ in todo], [s.tokens for s, _, _ in todo],  # type: ignore[misc]
+                                [room for _, room, _ in todo])
+        out = {}
+        for (s, room, slots), tree in zip(todo, trees):
+            if len(tree):
+                tree = tree.limit(room, slots)
+            if len(tree):
+                out[s.id] = tree
+        return out
 
     def _drop_aborted(self) -> list[Output]:
         out = []
@@ -385,10 +393,12 @@ class Scheduler:
         """Running sequences past their prompt, each with room for its next row and (`drafting`) its draft's (the
         draft is dropped when its rows do not fit; then the newest sequences are preempted until one row does)."""
         decode: list[tuple[Sequence, int, DraftTree | None]] = []
-        for s in list(self.running):
-            if s.status != RUNNING or s.todo != 1:
+        ready = [s for s in self.running if s.status == RUNNING and s.todo == 1]
+        drafts = self._drafts(ready) if drafting else {}
+        for s in ready:
+            if s.status != RUNNING:  # preempted for an earlier sequence's rows
                 continue
-            tree = self._draft(s) if drafting else None
+            tree = drafts.get(s.id)
             n = 1 + (len(tree) if tree is not None else 0)
             if self._need(s, n) > self._available():
                 tree, n = None, 1

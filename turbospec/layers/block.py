@@ -141,23 +141,30 @@ def fusable_moe(x: torch.Tensor, moe, norm: torch.Tensor, mixer):
 def moe_layer(k, x: torch.Tensor, attn: Attention, moe: MoE | RowParallelMoE, in_norm: torch.Tensor,
               post_norm: torch.Tensor, eps: float, zc: bool, rope: tuple[torch.Tensor, torch.Tensor],
               plan: AttentionPlan, cache, layer: int) -> torch.Tensor:
-    """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): the attention as
-    `attention_layer` computes it (each causal or tree row equal to its single-token step over a plain cache), then
+    """x + attention + MoE for x [N, hidden], N <= SKINNY_MAX_ROWS (k from `fusable_moe`): `attention_rows`, then
     `moe_tail`."""
+    a, gate = attention_rows(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
+    return moe_tail(x, a, gate, attn.o, moe, post_norm, eps, zc)
+
+
+def attention_rows(k, x: torch.Tensor, attn: Attention, in_norm: torch.Tensor, eps: float, zc: bool,
+                   rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan, cache, layer: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attention output [N, H*D], output gate or None) of rows x over `cache`, as `attention_layer` computes them
+    (each causal or tree row equal to its single-token step): in one call where the kernels take the step (a
+    packed cache's, a paged batch's step rows, a plain cache's), else `attn_in` and the cache's own attention."""
     if ((_packed_step(attn, plan, cache)
          and (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None)
             or (_paged_rows(attn, cache)
                 and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None)):
-        a, gate = r
-    elif _one_call(attn, plan, cache):
+        return r
+    if _one_call(attn, plan, cache):
         a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
                                rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
                                cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
                                tree_parents(plan))
-        gate = attn.split(qkv, x.shape[0])[3]
-    else:
-        a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
-    return moe_tail(x, a, gate, attn.o, moe, post_norm, eps, zc)
+        return a, attn.split(qkv, x.shape[0])[3]
+    return _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
 
 
 def moe_tail(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor | None, o, moe: MoE | RowParallelMoE,

@@ -197,10 +197,11 @@ class Linear:
 
 
 class LinearRows:
-    """Output rows `rows` of a float `Linear`, as a layer. One input row (a drafter's draft step) is multiplied by the
-    C++ kernel over the rows where they lie, with the arithmetic of a copy's skinny product; more rows gather the
-    rows per call. A holder keeps only the row ids: a draft head over a reduced vocabulary is one matrix however
-    many sequences draft from it (their vocabularies differ by their contexts' tokens)."""
+    """Output rows `rows` of a float `Linear`, as a layer. A few input rows (a drafter's draft step, the drafters of a
+    batch together) are multiplied by the C++ kernel over the rows where they lie, with the arithmetic of a copy's
+    skinny product; more rows gather the rows per call. A holder keeps only the row ids: a draft head over a reduced
+    vocabulary is one matrix however many sequences draft from it (their vocabularies differ by their contexts'
+    tokens)."""
 
     packed = False
 
@@ -210,7 +211,7 @@ class LinearRows:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
-        if x.numel() == self.in_features:
+        if x.numel() <= env.SKINNY_MAX_ROWS * self.in_features:
             return layer.kernel.rows_linear(x, layer.weight, self.rows, layer.bias)
         bias = None if layer.bias is None else layer.bias[self.rows]
         return Linear(layer.weight[self.rows], bias, hugepages=False)(x)

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from turbospec.errors import TurboSpecError
 from turbospec.kv.cache import KVCache
+from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import QuantKVCache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP, Attention
@@ -49,6 +52,27 @@ class DecoderLayer:
             return block.moe_layer(k, x, self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc, rope,
                                    plan, cache, layer)
         x = x + self.attn(rms_norm(x, self.in_norm, self.eps, self.zc), rope, plan, cache, layer)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
+
+    def over_caches(self, x: torch.Tensor, ropes: list, plans: list[AttentionPlan], caches: list, counts: list[int],
+                    layer: int) -> torch.Tensor:
+        """Rows of several sequences, `counts[i]` of them over `caches[i]` with `plans[i]` and `ropes[i]` (the MTP
+        drafting for a batch): each sequence's attention over its own cache, the output projection and the
+        feed-forward over all the rows at once (each row as its own step computes it, where the fused calls take
+        the rows: drafts as one sequence drafting alone)."""
+        spans = list(zip(accumulate([0, *counts[:-1]]), counts))  # (first row, rows) per sequence
+        k = (block.fusable(x, self.mlp, self.in_norm, self.attn)
+             or block.fusable_moe(x, self.mlp, self.in_norm, self.attn))
+        if k is not None:
+            parts = [block.attention_rows(k, x[r:r + n], self.attn, self.in_norm, self.eps, self.zc, rope, plan,
+                                          cache, layer)
+                     for (r, n), rope, plan, cache in zip(spans, ropes, plans, caches)]
+            a = torch.cat([p[0] for p in parts])
+            gate = None if parts[0][1] is None else torch.cat([p[1] for p in parts])  # type: ignore[misc]
+            return block.ffn_tail(k, x, a, gate, self.attn.o, self.mlp, self.post_norm, self.eps, self.zc)
+        h = rms_norm(x, self.in_norm, self.eps, self.zc)
+        x = x + torch.cat([self.attn(h[r:r + n], rope, plan, cache, layer)
+                           for (r, n), rope, plan, cache in zip(spans, ropes, plans, caches)])
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
 
 

@@ -76,6 +76,29 @@ class MTPModule:
                 step: int = 0) -> torch.Tensor:
         """tokens x_{j+1} [N] (a tensor or a list of ids), hidden h_j [N, H], plan positions j -> normed MTP
         hidden [N, H]."""
+        u = self._input(tokens, hidden)
+        cache.begin(u.shape[0])
+        li = step % len(self.layers)
+        x = self.layers[li](u, self.rope.tables_for(plan), plan, cache, li)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.zc)
+
+    @torch.inference_mode()
+    def forward_many(self, tokens: list[int], hidden: torch.Tensor, plans: list[AttentionPlan], caches: list[Cache],
+                     counts: list[int], step: int = 0) -> torch.Tensor:
+        """`forward` for several sequences at once (the drafters of a batch): `counts[i]` rows of tokens / hidden
+        over `caches[i]` with `plans[i]`, in order. The input projection, the layer's output projection and
+        feed-forward run once over all the rows; each sequence attends over its own cache."""
+        if len(caches) == 1:
+            return self.forward(tokens, hidden, plans[0], caches[0], step)
+        u = self._input(tokens, hidden)
+        for cache, n in zip(caches, counts):
+            cache.begin(n)
+        li = step % len(self.layers)
+        x = self.layers[li].over_caches(u, [self.rope.tables_for(p) for p in plans], plans, caches, counts, li)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.zc)
+
+    def _input(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """u = fc([norm_e(embed(tokens)), norm_h(hidden)])."""
         eps = self.cfg.rms_norm_eps
         if not isinstance(self.embed, torch.Tensor) or is_packed(self.embed):  # split (tensor parallel) or packed
             e = embedding_rows(self.embed, torch.as_tensor(tokens), self.dtype)
@@ -84,16 +107,11 @@ class MTPModule:
                  else self.embed[torch.tensor(tokens, device=self.embed.device)])
         else:
             e = F.embedding(tokens, self.embed)
-        cache.begin(e.shape[0])
         h = hidden.to(self.dtype)
         k = block.kernel_for(e, self.norm_e)
         if k is not None:  # drafting / catching up: one C++ call
-            u = k.mtp_in(e, self.norm_e, h, self.norm_h, eps, self.zc, self.fc.weight, self.fc.bias)
-        else:
-            u = self.fc(torch.cat([rms_norm(e, self.norm_e, eps, self.zc), rms_norm(h, self.norm_h, eps, self.zc)], -1))
-        li = step % len(self.layers)
-        x = self.layers[li](u, self.rope.tables_for(plan), plan, cache, li)
-        return rms_norm(x, self.norm, eps, self.zc)
+            return k.mtp_in(e, self.norm_e, h, self.norm_h, eps, self.zc, self.fc.weight, self.fc.bias)
+        return self.fc(torch.cat([rms_norm(e, self.norm_e, eps, self.zc), rms_norm(h, self.norm_h, eps, self.zc)], -1))
 
     def compact_weights(self) -> None:
         """Store the MTP's own matrices in bf16 where that is exact (see `exact_bf16`); once."""

@@ -41,6 +41,15 @@ class Drafter(Protocol):
         in the target's cache)."""
         ...
 
+    def batch_key(self) -> object | None:
+        """Drafters whose keys are the same object draft together in a batch (`propose_many`: the MTP drafters of
+        one block, one forward per depth for all of them); None: this one drafts alone."""
+        return None
+
+    def propose_many(self, drafters: list, tokens: list[list[int]], n_max: list[int]) -> list[DraftTree]:
+        """`propose` of each of `drafters` (this one's batch_key) for its sequence's tokens and depth."""
+        return [d.propose(t, n) for d, t, n in zip(drafters, tokens, n_max)]
+
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         """After verification, with the tokens committed this step (the root token plus accepted drafts) and the
         target's hidden rows for them; `next_token` (the bonus) is not yet committed. Several steps may arrive in
@@ -69,3 +78,22 @@ class Drafter(Protocol):
     def finish(self, tokens: list[int]) -> None:
         """The request ended with these tokens (prompt and output); drafters that learn across requests keep them."""
         return None
+
+
+def propose_all(drafters: list[Drafter], tokens: list[list[int]], n_max: list[int]) -> list[DraftTree]:
+    """`propose` of every drafter (a batch's sequences, each with its tokens and depth), those that share a
+    `batch_key` together."""
+    trees: list[DraftTree | None] = [None] * len(drafters)
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(drafters):
+        key = d.batch_key()
+        if key is None:
+            trees[i] = d.propose(tokens[i], n_max[i])
+        else:
+            groups.setdefault(id(key), []).append(i)
+    for idx in groups.values():
+        made = drafters[idx[0]].propose_many([drafters[i] for i in idx], [tokens[i] for i in idx],
+                                             [n_max[i] for i in idx])
+        for i, t in zip(idx, made):
+            trees[i] = t
+    return trees  # type: ignore[return-value]

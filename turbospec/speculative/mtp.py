@@ -60,6 +60,8 @@ class MTPDrafter(Drafter):
         self._ids: set[int] = set(self._base)  # the reduced vocabulary: the base set and the context's tokens
         self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
         self._head_rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # head_ids as a tensor
+        # (the union of a batch's vocabularies it was last drafted with, its head rows then, its columns in it)
+        self._columns: tuple = (None, None, None)
         self._reduced_head: Linear | LinearRows | None = None  # rows of full_head (in place on the CPU)
         self._outside: torch.Tensor | None = None  # ids outside the reduced vocabulary while the full head stands in
         self._stale_head = False  # tokens joined the vocabulary since the head rows were gathered
@@ -194,51 +196,62 @@ class MTPDrafter(Drafter):
         self.pending_hidden = [hidden[-1:]]
         self._waiting = 1
 
-    def _flush_and_first(self, root: int) -> torch.Tensor:
-        """Process the pending true pairs plus (h_{L-1}, root); return the last MTP output row."""
-        toks = self.pending_tokens + [root]
-        hid = torch.cat(self.pending_hidden, 0)
-        assert hid.shape[0] == len(toks)
-        plan = _plan(self.cache, self.next_pos, len(toks))
-        out = self.mtp.forward(toks, hid, plan, self.cache)
-        # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
-        self.cache.commit()
-        self.pending_tokens, self.pending_hidden, self._waiting = [], [], 0
-        return out[-1:]
-
     @property
     def next_pos(self) -> int:
         """Target position of the next pair fed to the MTP."""
         return self.cache.length + self.offset
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
-        h = self._flush_and_first(tokens[-1])
-        committed = self.cache.length
-        nodes: list[int] = []
-        parents: list[int] = []
-        qs: list[torch.Tensor | None] = []
-        spine = -1  # tree index of the last drafted top-1 token (topk = 1: a chain)
-        self._ranked = []
-        for i in range(n_max):
-            logits = self.head(h).float()[0]
-            top, q = self._draws(logits)
-            tok = top[0]
-            if self.p_min > 0 and float(torch.softmax(logits, -1).max()) < self.p_min:
+        return self.propose_many([self], [tokens], [n_max])[0]
+
+    def batch_key(self) -> object:
+        return self.mtp  # the drafters of one MTP block draft together
+
+    def propose_many(self, drafters: list, tokens: list[list[int]], n_max: list[int]) -> list[DraftTree]:
+        """The drafts of several sequences' MTP drafters (this one's block): per depth one MTP forward over every
+        sequence still drafting and one product of the shared draft head over their rows where it is the whole
+        head (each sequence attends over its own MTP cache); a lone drafter's forward as before. Each draft is
+        the one its drafter draws alone (the same arithmetic per row, where the fused calls take the rows)."""
+        ds: list[MTPDrafter] = drafters
+        h = _first_rows(ds, tokens)
+        committed = [d.cache.length for d in ds]
+        nodes: list[list[int]] = [[] for _ in ds]
+        parents: list[list[int]] = [[] for _ in ds]
+        qs: list[list[torch.Tensor | None]] = [[] for _ in ds]
+        spine = [-1] * len(ds)  # per drafter, tree index of the last drafted top-1 token (topk = 1: a chain)
+        for d in ds:
+            d._ranked = []
+        active = list(range(len(ds)))  # drafters still drafting; row j of h is active[j]'s
+        for i in range(max(n_max, default=0)):
+            logits = _heads([ds[a] for a in active], h)
+            rows, toks = [], []
+            for j, a in enumerate(active):
+                d = ds[a]
+                top, q = d._draws(logits[j])
+                if d.p_min > 0 and float(torch.softmax(logits[j], -1).max()) < d.p_min:
+                    continue
+                if q is None and d.topk > 1:  # greedy: the ranked candidates, drafted or not
+                    d._ranked.append(top)
+                tok, top = top[0], top[:d.width]
+                nodes[a] += top
+                parents[a] += [spine[a]] * len(top)
+                qs[a] += [q] * len(top)
+                spine[a] = len(nodes[a]) - len(top)
+                if i + 1 < n_max[a]:
+                    rows.append(j)
+                    toks.append(tok)
+            if not rows:
                 break
-            if q is None and self.topk > 1:  # greedy: the ranked candidates, drafted or not
-                self._ranked.append(top)
-            top = top[:self.width]
-            nodes += top
-            parents += [spine] * len(top)
-            qs += [q] * len(top)
-            spine = len(nodes) - len(top)
-            if i + 1 == n_max:
-                break
-            plan = _plan(self.cache, self.next_pos, 1)
-            h = self.mtp.forward([tok], h, plan, self.cache, step=i + 1)
-            self.cache.commit()
-        self.cache.length = committed  # drop speculative MTP entries
-        return DraftTree(nodes, parents, qs, self.name)
+            active = [active[j] for j in rows]
+            more = [ds[a] for a in active]
+            h = ds[0].mtp.forward_many(toks, h if len(rows) == h.shape[0] else h[rows],
+                                       [_plan(d.cache, d.next_pos, 1) for d in more], [d.cache for d in more],
+                                       [1] * len(more), step=i + 1)
+            for d in more:
+                d.cache.commit()
+        for d, n in zip(ds, committed):
+            d.cache.length = n  # drop speculative MTP entries
+        return [DraftTree(n, p, q, self.name) for n, p, q in zip(nodes, parents, qs)]
 
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         # committed = [root, d1..dj] at target positions L..L+j with hidden rows h_L..h_{L+j}
@@ -264,6 +277,74 @@ class MTPDrafter(Drafter):
                 else:
                     self.pending_hidden[0] = first[skip:]
                     skip = 0
+
+
+def _first_rows(ds: list[MTPDrafter], tokens: list[list[int]]) -> torch.Tensor:
+    """Each drafter's waiting true pairs plus (h_{L-1}, root) into its MTP cache, all in one forward; the last MTP
+    output row of each [S, H]."""
+    toks = [t for d, ts in zip(ds, tokens) for t in d.pending_tokens + [ts[-1]]]
+    hid = torch.cat([r for d in ds for r in d.pending_hidden], 0)
+    counts = [len(d.pending_tokens) + 1 for d in ds]
+    assert hid.shape[0] == len(toks)
+    out = ds[0].mtp.forward_many(toks, hid, [_plan(d.cache, d.next_pos, n) for d, n in zip(ds, counts)],
+                                 [d.cache for d in ds], counts)
+    # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
+    for d in ds:
+        d.cache.commit()
+        d.pending_tokens, d.pending_hidden, d._waiting = [], [], 0
+    if len(ds) == 1:
+        return out[-1:]
+    return out[torch.tensor(counts).cumsum(0) - 1]
+
+
+def _heads(ds: list[MTPDrafter], h: torch.Tensor) -> list[torch.Tensor]:
+    """Draft logits (float32, 1-D) of row j of h under drafter ds[j]'s head, each as that drafter's own head gives
+    them. The drafters whose head is the whole draft head (no reduced vocabulary, or one so large that the whole
+    head and a mask stand in) in one product of it over their rows; those whose reduced vocabularies are rows of it
+    read in place (`LinearRows`) in one product over the union of their rows, each taking its own columns; any
+    other (rows copied out of a packed head) through its own head."""
+    if len(ds) == 1:
+        return [ds[0].head(h).float()[0]]
+    for d in ds:
+        d._gather_head()
+    out: list[torch.Tensor | None] = [None] * len(ds)
+    whole = [j for j, d in enumerate(ds) if d._reduced_head is None]
+    if len(whole) > 1:
+        y = ds[whole[0]].full_head(h[whole]).float()
+        for r, j in enumerate(whole):
+            mask = ds[j]._outside
+            out[j] = y[r] if mask is None else y[r].masked_fill(mask, float("-inf"))
+    inplace = [j for j, d in enumerate(ds) if isinstance(d._reduced_head, LinearRows)]
+    if len(inplace) > 1:
+        union = _UNION.rows([ds[j] for j in inplace])
+        y = LinearRows(ds[inplace[0]]._reduced_head.layer, union)(h[inplace]).float()  # type: ignore[union-attr]
+        for r, j in enumerate(inplace):
+            out[j] = y[r, _UNION.columns(ds[j], union)]
+    return [o if o is not None else ds[j].head(h[j:j + 1]).float()[0] for j, o in enumerate(out)]
+
+
+class _Union:
+    """The union of a batch's reduced vocabularies (sorted head rows) and each drafter's columns in it, kept while
+    the vocabularies stay the same (a drafter gathers a new row-id tensor when its vocabulary grows)."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.union = torch.zeros(0, dtype=torch.int64)
+
+    def rows(self, ds: list[MTPDrafter]) -> torch.Tensor:
+        parts = [d._head_rows for d in ds]
+        if len(parts) != len(self.parts) or any(a is not b for a, b in zip(parts, self.parts)):
+            self.parts, self.union = parts, torch.unique(torch.cat(parts))  # (sorted)
+        return self.union
+
+    @staticmethod
+    def columns(d: MTPDrafter, union: torch.Tensor) -> torch.Tensor:
+        if d._columns[0] is not union or d._columns[1] is not d._head_rows:
+            d._columns = (union, d._head_rows, torch.searchsorted(union, d._head_rows))
+        return d._columns[2]
+
+
+_UNION = _Union()
 
 
 def _plan(cache: Cache, pos: int, n: int) -> AttentionPlan:
