@@ -7,9 +7,10 @@ decode t/s counts the tokens generated once every prompt is computed.
     python benchmarks/batch_spec.py --model models/demo-qwen3 --dtype bfloat16 --spec-type ngram --streams 4 8 \\
         --json docs/results/batch_spec.json
 
-`--mtp-topk K` drafts MTP trees (K candidates per depth). `--drafts-alone` adds a third run per round: the MTP
-drafters of the batch drafting one sequence at a time (one MTP forward and draft-head product per sequence and
-depth), as the scheduler did before they drafted together. `--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
+`--mtp-topk K` drafts MTP trees (K candidates per depth). `--arms A ..` adds drafting runs per round with parts of
+the scheduler as they were before session 49: `alone` (the MTP drafters of the batch drafting one sequence at a time:
+one MTP forward and draft-head product per sequence and depth), `fresh` (a hybrid's verification writes its per-row
+recurrent states into new tensors every step instead of the last step's), `alone+fresh` (both). `--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
 subprocess per round, alternating with this checkout.
 """
 
@@ -25,19 +26,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALONE = "/alone"
 
 
 def measure(a, streams: int, spec: str | None) -> dict:
-    """One run: S sequences, plain or drafting (a spec ending in ALONE: the MTP drafters one by one); decode t/s and
-    the drafts' acceptance."""
+    """One run: S sequences, plain or drafting (a spec "T/ARM": drafting with `--arms` ARM); decode t/s and the
+    drafts' acceptance."""
     import torch
 
-    if spec and spec.endswith(ALONE):
-        from turbospec.speculative.mtp import MTPDrafter
+    if spec and "/" in spec:
+        spec, arm = spec.split("/")
+        if "alone" in arm.split("+"):
+            from turbospec.speculative.mtp import MTPDrafter
 
-        spec = spec[:-len(ALONE)]
-        MTPDrafter.batch_key = lambda self: None  # type: ignore[method-assign]
+            MTPDrafter.batch_key = lambda self: None  # type: ignore[method-assign]
+        if "fresh" in arm.split("+"):
+            from turbospec.kv.state_pool import _NONE, StatePool
+
+            StatePool.buffer = lambda self, rows: _NONE  # type: ignore[method-assign]
 
     from turbospec.config import EngineConfig, SpecConfig
     from turbospec.engine.engine import Engine
@@ -81,7 +86,8 @@ def main() -> int:
     ap.add_argument("--adaptive", action="store_true", help="draft with --spec-adaptive (the batch's draft gate)")
     ap.add_argument("--mtp-topk", type=int, default=1, help="MTP trees: candidates per depth (--spec-mtp-topk)")
     ap.add_argument("--draft-vocab", type=int, default=-1, help="MTP drafts over N tokens (--spec-draft-vocab)")
-    ap.add_argument("--drafts-alone", action="store_true", help="also: the MTP drafters drafting one by one")
+    ap.add_argument("--arms", nargs="*", default=[], choices=("alone", "fresh", "alone+fresh"),
+                    help="also drafting with these parts as before: see above")
     ap.add_argument("--revision", default=None, help="a checkout whose turbospec to measure too (a 'before')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "S,spec": one measurement, printed as JSON
@@ -106,7 +112,7 @@ def main() -> int:
     for r in range(a.rounds):
         for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
             for s in a.streams:
-                for spec in ("", a.spec_type) + ((a.spec_type + ALONE,) if a.drafts_alone else ()):
+                for spec in ("", a.spec_type, *(f"{a.spec_type}/{arm}" for arm in a.arms)):
                     runs.setdefault((name, s, spec), []).append(one(tree, s, spec))
         print(f"round {r}: " + ", ".join(f"{n} S={s} {sp or 'plain'} {v[-1]['decode_tps']:.0f}"
                                          for (n, s, sp), v in runs.items()), flush=True)
@@ -121,10 +127,10 @@ def main() -> int:
                      "spec_tps": statistics.median(x["decode_tps"] for x in v),
                      "ratio_paired": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                      "acceptance": sum(x["accepted"] for x in v) / max(1, sum(x["drafted"] for x in v))})
-    print(f"\n{'checkout':8s} {'S':>3s} {'drafter':>18s} {'plain t/s':>10s} {'drafting t/s':>13s} {'x plain':>8s} "
+    print(f"\n{'checkout':8s} {'S':>3s} {'drafter':>22s} {'plain t/s':>10s} {'drafting t/s':>13s} {'x plain':>8s} "
           f"{'accepted':>9s}")
     for row in rows:
-        print(f"{row['checkout']:8s} {row['streams']:3d} {row['spec_type']:>18s} {row['plain_tps']:10.0f} "
+        print(f"{row['checkout']:8s} {row['streams']:3d} {row['spec_type']:>22s} {row['plain_tps']:10.0f} "
               f"{row['spec_tps']:13.0f} {row['ratio_paired']:8.2f} {100 * row['acceptance']:8.0f}%")
     if a.json:
         Path(a.json).write_text(json.dumps({"command": " ".join(["python", "benchmarks/batch_spec.py", *sys.argv[1:]]),

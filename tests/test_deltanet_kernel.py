@@ -53,7 +53,8 @@ def test_state_input_is_not_modified_and_prefix_states_are_consistent():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_for_a_batchs_sequences_equals_one_call_each(dtype):
     """`gdn_steps` (every sequence of a batched step: a decode row, a chain, a tree, with committed states as the
-    pool holds them or as a step's outputs) gives each sequence's `gdn_step` outputs to the bit."""
+    pool holds them or as a step's outputs) gives each sequence's `gdn_step` outputs to the bit, its states in the
+    buffer given for them (an earlier step's, overwritten) where there is one; a buffer of another size is refused."""
     from turbospec.layers.gated_deltanet import _CHAIN
 
     k = load_gdn_kernel()
@@ -68,8 +69,15 @@ def test_one_call_for_a_batchs_sequences_equals_one_call_each(dtype):
             torch.randn(4, 32, 32, generator=g) * 0.1]
     pars = [_CHAIN if t is None else torch.tensor(t, dtype=torch.int64) for t in trees]
     starts = [0, 1, 4, 8]
+    old = torch.full((3, 4, 32, 32), float("nan"))  # the chain's states go here
+    outs = [torch.empty(0), old, torch.empty(0)]
     got = k.gdn_steps(proj, layer.conv_t, layer.neg_a, layer.dt_bias, layer.norm_weight, convs, ssms, starts, pars,
-                      layer.nk, layer.nv, layer.dk, layer.dv, layer.eps)
+                      outs, layer.nk, layer.nv, layer.dk, layer.dv, layer.eps)
+    assert got[4].data_ptr() == old.data_ptr() and got[6].data_ptr() != outs[2].data_ptr()
+    with pytest.raises(RuntimeError, match="states buffer"):
+        k.gdn_steps(proj, layer.conv_t, layer.neg_a, layer.dt_bias, layer.norm_weight, convs, ssms, starts, pars,
+                    [torch.empty(0), torch.zeros(2, 4, 32, 32), torch.empty(0)], layer.nk, layer.nv, layer.dk,
+                    layer.dv, layer.eps)
     for s in range(3):
         rows = proj[starts[s]:starts[s + 1]]
         qkv, z, b, a = rows.split([c, layer.value_dim, layer.nv, layer.nv], dim=-1)

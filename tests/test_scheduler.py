@@ -593,6 +593,40 @@ def test_batched_mtp_drafts_equal_each_drafters_own(which, cfg, request, monkeyp
     assert [runs[0][i][0] for i in range(6)] == [runs[1][i][0] for i in range(6)]
 
 
+@pytest.mark.parametrize("which,kv", [("model", None), ("hybrid", None), ("hybrid", "q8_0")])
+def test_mtp_forward_over_many_caches_equals_each_alone(which, kv, request):
+    """`MTPModule.forward_many`: several sequences' rows, each over its own MTP cache (more rows than one fused call
+    takes: in groups), give each sequence's `forward` outputs and cache contents to the bit."""
+    from turbospec.kv.plan import AttentionPlan
+
+    mtp = request.getfixturevalue(which).mtp
+    g = torch.Generator().manual_seed(5)
+    counts, before = [9, 9, 1, 5, 1], [3, 0, 17, 6, 2]  # rows per sequence now; positions already in its cache
+    h = mtp.cfg.hidden_size
+    caches = [[mtp.new_cache(64, k_type=kv, v_type=kv) for _ in counts] for _ in range(2)]
+    for c0, c1, n in zip(*caches, before):  # the same history in both sets of caches
+        if n:
+            toks, hid = torch.randint(3, 900, (n,), generator=g), torch.randn(n, h, generator=g)
+            for c in (c0, c1):
+                mtp.forward(toks, hid, AttentionPlan.causal(0, n), c)
+                c.commit()
+    toks = torch.randint(3, 900, (sum(counts),), generator=g).tolist()
+    hid = torch.randn(sum(counts), h, generator=g)
+    plans = [AttentionPlan.causal(b, n) for b, n in zip(before, counts)]
+    got = mtp.forward_many(toks, hid, plans, caches[0], counts, step=0)
+    r = 0
+    for i, n in enumerate(counts):
+        want = mtp.forward(toks[r:r + n], hid[r:r + n], plans[i], caches[1][i])
+        assert torch.equal(got[r:r + n], want), i
+        for c in (caches[0][i], caches[1][i]):
+            c.commit()
+        assert caches[0][i].length == caches[1][i].length == before[i] + n
+        r += n
+    with torch.inference_mode():  # the next step attends over what both wrote
+        one = [mtp.forward([toks[0]], hid[:1], AttentionPlan.causal(c.length, 1), c) for c in (caches[0][2], caches[1][2])]
+    assert torch.equal(one[0], one[1])
+
+
 def test_draft_gate_drafts_while_drafting_steps_emit_faster():
     """--spec-adaptive in a batch: drafting until a plain step (the FIRST-th, then every PROBE-th) emits faster; then a
     drafting step every interval, the interval doubling up to PROBE_MAX while drafts do not pay; back on once they

@@ -188,7 +188,7 @@ const int64_t* tree_parents(torch::Tensor& parents, int64_t n) {
 torch::Tensor step_into(torch::Tensor window, torch::Tensor conv_t, torch::Tensor z, torch::Tensor b, torch::Tensor a,
                         const torch::Tensor& neg_a, const torch::Tensor& dt_bias, torch::Tensor norm_w,
                         torch::Tensor state, torch::Tensor parents, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
-                        double eps, bool all_states, torch::Tensor& y) {
+                        double eps, bool all_states, torch::Tensor& y, const torch::Tensor& out = torch::Tensor()) {
   const auto dt = window.scalar_type();
   TORCH_CHECK(conv_t.scalar_type() == dt && z.scalar_type() == dt && b.scalar_type() == dt &&
               a.scalar_type() == dt && norm_w.scalar_type() == dt, "gdn_step: mixed dtypes");
@@ -202,7 +202,13 @@ torch::Tensor step_into(torch::Tensor window, torch::Tensor conv_t, torch::Tenso
   TORCH_CHECK(parents.numel() == 0 || all_states, "gdn_step: a token tree needs all_states");
   TORCH_CHECK(y.is_contiguous() && y.scalar_type() == dt && y.size(0) == n && y.size(1) == nv * dv, "gdn_step: output");
   const int64_t* par = tree_parents(parents, n);
-  auto states = torch::empty({all_states ? n : 1, nv, dk, dv}, state.options());
+  torch::Tensor states = out;  // (a buffer of the caller's, reused from an earlier step: no fresh pages to fault in)
+  if (states.defined() && states.numel() > 0) {
+    TORCH_CHECK(states.is_contiguous() && states.scalar_type() == torch::kFloat &&
+                states.numel() == (all_states ? n : 1) * nv * dk * dv, "gdn_step: states buffer");
+  } else {
+    states = torch::empty({all_states ? n : 1, nv, dk, dv}, state.options());
+  }
 #define GDN_RUN(T)                                                                                              \
   run<T>(window.data_ptr<T>(), conv_t.data_ptr<T>(), z.data_ptr<T>(), b.data_ptr<T>(), a.data_ptr<T>(),     \
          neg_a.data_ptr<float>(), dt_bias.data_ptr<float>(), norm_w.data_ptr<T>(), state.data_ptr<float>(), par, \
@@ -231,21 +237,22 @@ std::vector<torch::Tensor> gdn_step(torch::Tensor window, torch::Tensor conv_t, 
 // gdn_step for every sequence of a batched step in one call: proj [N, C + Hv*Dv + 2 Hv] (the input projection's
 // rows: conv channels | z | b | a) holds segment s's rows at [starts[s], starts[s+1]); conv_states[s] [>= K-1, C]
 // (its last K-1 rows are the state), ssm_states[s] [Hv, Dk, Dv] or [T, Hv, Dk, Dv] (its last one), parents[s] its
-// tree (empty: a chain); every segment keeps the state after each of its rows. Returns [y [N, Hv*Dv], then per
+// tree (empty: a chain), outs[s] where its states go (float32 [n, Hv, Dk, Dv], or empty: new ones); every segment
+// keeps the state after each of its rows. Returns [y [N, Hv*Dv], then per
 // segment its conv window [K-1+n, C] and states [n, Hv, Dk, Dv]]: gdn_step's work per segment (`step_into`, each
 // writing its rows of y), over the window of its conv state and its rows -- one call from Python for the batch
 // instead of one per sequence.
 std::vector<torch::Tensor> gdn_steps(torch::Tensor proj, torch::Tensor conv_t, torch::Tensor neg_a,
                                      torch::Tensor dt_bias, torch::Tensor norm_w, std::vector<torch::Tensor> conv_states,
                                      std::vector<torch::Tensor> ssm_states, std::vector<int64_t> starts,
-                                     std::vector<torch::Tensor> parents, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
-                                     double eps) {
+                                     std::vector<torch::Tensor> parents, std::vector<torch::Tensor> outs, int64_t nk,
+                                     int64_t nv, int64_t dk, int64_t dv, double eps) {
   const int64_t segs = static_cast<int64_t>(conv_states.size());
   const int64_t c = 2 * nk * dk + nv * dv, vd = nv * dv, km1 = conv_t.size(0) - 1;
   TORCH_CHECK(proj.dim() == 2 && proj.size(1) == c + vd + 2 * nv, "gdn_steps: projection width mismatch");
   TORCH_CHECK(static_cast<int64_t>(ssm_states.size()) == segs && static_cast<int64_t>(parents.size()) == segs &&
-              static_cast<int64_t>(starts.size()) == segs + 1 && starts[0] == 0 && starts[segs] == proj.size(0),
-              "gdn_steps: one state, tree and start per segment");
+              static_cast<int64_t>(starts.size()) == segs + 1 && starts[0] == 0 && starts[segs] == proj.size(0) &&
+              static_cast<int64_t>(outs.size()) == segs, "gdn_steps: one state, tree, start and buffer per segment");
   auto y = torch::empty({proj.size(0), vd}, proj.options());
   std::vector<torch::Tensor> out{y};
   for (int64_t s = 0; s < segs; ++s) {
@@ -260,7 +267,7 @@ std::vector<torch::Tensor> gdn_steps(torch::Tensor proj, torch::Tensor conv_t, t
     auto y_rows = y.narrow(0, r0, n);  // (whole rows of y: contiguous)
     auto states = step_into(window, conv_t, rows.narrow(1, c, vd), rows.narrow(1, c + vd, nv),
                             rows.narrow(1, c + vd + nv, nv), neg_a, dt_bias, norm_w, state, parents[s], nk, nv, dk,
-                            dv, eps, true, y_rows);
+                            dv, eps, true, y_rows, outs[s]);
     out.push_back(window);
     out.push_back(states);
   }

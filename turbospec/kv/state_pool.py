@@ -23,6 +23,7 @@ from turbospec.kv.hybrid_cache import kept_state
 from turbospec.kv.paged import PagedBatch, Segment
 
 States = tuple[list[torch.Tensor], list[torch.Tensor]]  # conv and recurrent state of every GDN layer
+_NONE = torch.empty(0)  # no buffer: the kernel makes new states
 
 
 class StatePool:
@@ -40,6 +41,24 @@ class StatePool:
         self._snapshots: OrderedDict[object, States] = OrderedDict()  # key -> states, least recently used first
         self._owner: dict[object, int] = {}  # snapshot key -> id of the sequence that took it
         self.snapshot_hits = 0
+        # rows -> float32 [rows, *ssm_shape] buffers of the last step's per-row recurrent states (a verification's),
+        # which the next step's Gated DeltaNet layers write again: fresh ones cost a page fault per 4 KiB each step
+        self._spare: dict[int, list[torch.Tensor]] = {}
+
+    # ---- per-row states of a step ------------------------------------------------------------------------
+    def buffer(self, rows: int) -> torch.Tensor:
+        """Where a Gated DeltaNet layer may write a step's states after each of its `rows` rows: a buffer the last
+        step gave back, or an empty tensor (the kernel makes a new one)."""
+        spare = self._spare.get(rows)
+        return spare.pop() if spare else _NONE
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        """A committed step's per-row state buffers, for the next step; they replace the spare ones this step did
+        not take (so at most one step's buffers are kept)."""
+        spare: dict[int, list[torch.Tensor]] = {}
+        for b in buffers:
+            spare.setdefault(b.shape[0], []).append(b)
+        self._spare = spare
 
     # ---- slots ------------------------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -168,6 +187,12 @@ class HybridBatch:
         conv, ssm = self.states.get(self.slots[i])
         return conv[layer], ssm[layer]
 
+    def buffer(self, i: int) -> torch.Tensor:
+        """Where segment i's Gated DeltaNet states after each row may go (`StatePool.buffer`; a lone row's state
+        becomes its slot's own: always new)."""
+        n = self.segments[i].n
+        return self.states.buffer(n) if n > 1 else _NONE
+
     def gdn_stash(self, i: int, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
         self._stash[i][layer] = (window, states)
 
@@ -175,6 +200,7 @@ class HybridBatch:
         """Commit every segment, or for segment i in `keeps` only its listed rows (an accepted root path: the
         states after its last node, the conv rows along it)."""
         self.kv.commit(keeps)
+        spare: list[torch.Tensor] = []  # the per-row state buffers, for the next step
         for i, slot in enumerate(self.slots):
             stash = self._stash[i]
             if any(x is None for x in stash):
@@ -187,4 +213,7 @@ class HybridBatch:
                 # one row: views of the step's only state; more: copies of the kept one, so the step's others can go
                 conv.append(c.clone() if n > 1 else c)
                 ssm.append(s.clone() if st.shape[0] > 1 else s)
+                if st.shape[0] > 1:
+                    spare.append(st)
             self.states.set(slot, (conv, ssm))
+        self.states.give_back(spare)

@@ -205,7 +205,8 @@ class HybridLayer:
                                    *zip(*(cache.gdn_state(i, self.slot) for i in segments)),
                                    [seg.row for seg in cache.segments] + [x.shape[0]],
                                    [_CHAIN if (p := cache.parents(i)) is None else torch.tensor(p, dtype=torch.int64)
-                                    for i in segments], gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps)
+                                    for i in segments], [cache.buffer(i) for i in segments], gdn.nk, gdn.nv, gdn.dk,
+                                   gdn.dv, gdn.eps)
             for i in segments:
                 cache.gdn_stash(i, self.slot, got[1 + 2 * i], got[2 + 2 * i])
             o = got[0]

@@ -17,7 +17,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP
-from turbospec.layers.linear import Linear, exact_bf16
+from turbospec.layers.linear import Linear, exact_bf16, skinny_rows
 from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
@@ -87,9 +87,17 @@ class MTPModule:
                      counts: list[int], step: int = 0) -> torch.Tensor:
         """`forward` for several sequences at once (the drafters of a batch): `counts[i]` rows of tokens / hidden
         over `caches[i]` with `plans[i]`, in order. The input projection, the layer's output projection and
-        feed-forward run once over all the rows; each sequence attends over its own cache."""
+        feed-forward run once over the rows of as many sequences as the fused calls take at once (`skinny_rows`);
+        each sequence attends over its own cache."""
         if len(caches) == 1:
             return self.forward(tokens, hidden, plans[0], caches[0], step)
+        limit, rows = skinny_rows(self.dtype), 0
+        for i, n in enumerate(counts):  # more rows than one fused call takes: the first sequences that fit, the rest
+            if i > 0 and rows + n > limit:
+                return torch.cat([self.forward_many(tokens[:rows], hidden[:rows], plans[:i], caches[:i], counts[:i], step),
+                                  self.forward_many(tokens[rows:], hidden[rows:], plans[i:], caches[i:], counts[i:],
+                                                    step)])
+            rows += n
         u = self._input(tokens, hidden)
         for cache, n in zip(caches, counts):
             cache.begin(n)
