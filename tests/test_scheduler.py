@@ -548,15 +548,18 @@ def test_batched_speculation_equals_plain_greedy(which, spec, cfg, request):
     assert sch.pool.num_free == sch.pool.num_blocks
 
 
-@pytest.mark.parametrize("which,cfg", [
-    ("model", {}),  # the bundled ranking: reduced vocabularies, each drafter through its own rows of the head
-    ("model", {"draft_vocab": 0, "draft_k_type": "q8_0"}),  # the whole head in one product; packed MTP caches
-    ("hybrid", {"mtp_topk": 2}),  # trees
-    ("hybrid", {"draft_vocab": 0}),
+@pytest.mark.parametrize("which,spec,cfg", [
+    ("model", "draft-mtp", {}),  # the bundled ranking: reduced vocabularies, their union read in one product
+    ("model", "draft-mtp", {"draft_vocab": 0, "draft_k_type": "q8_0"}),  # the whole head; packed MTP caches
+    ("hybrid", "draft-mtp", {"mtp_topk": 2}),  # trees
+    ("hybrid", "draft-mtp", {"draft_vocab": 0}),
+    ("model", "draft-mtp,ngram-mod", {}),  # chains: their MTP members together
+    ("hybrid", "ngram,draft-mtp", {}),
 ])
-def test_batched_mtp_drafts_equal_each_drafters_own(which, cfg, request, monkeypatch):
-    """The MTP drafters of a batch draft together (one MTP forward per depth over every sequence, the whole draft
-    head in one product): every step's drafts equal those of the same drafters drafting one by one."""
+def test_batched_mtp_drafts_equal_each_drafters_own(which, spec, cfg, request, monkeypatch):
+    """The MTP drafters of a batch draft together (one MTP forward per depth over every sequence, one draft-head
+    product), chains of drafters member by member: every step's drafts equal those of the same drafters drafting one
+    by one."""
     from turbospec.engine import scheduler as sched
     from turbospec.model.mtp import MTPModule
     from turbospec.speculative.mtp import MTPDrafter
@@ -585,7 +588,7 @@ def test_batched_mtp_drafts_equal_each_drafters_own(which, cfg, request, monkeyp
         if alone:
             monkeypatch.setattr(MTPDrafter, "batch_key", lambda self: None)
         drafts.append([])
-        sch = _spec_scheduler(m, path, "draft-mtp", which == "hybrid", **cfg)
+        sch = _spec_scheduler(m, path, spec, which == "hybrid", **cfg)
         runs.append(_drive(sch, list(zip(steps, prompts, params))))
         if not alone:
             assert max(together) > 1  # several sequences' drafters in one forward

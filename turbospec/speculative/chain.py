@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from turbospec.sampling import SamplingParams
-from turbospec.speculative.drafter import Drafter
+from turbospec.speculative.drafter import Drafter, propose_all
 from turbospec.speculative.tree import DraftTree, merge
 
 
@@ -48,17 +48,33 @@ class ChainDrafter(Drafter):
         return self._last.ranked() if self._last is not None else []
 
     def propose(self, tokens: list[int], n_max: int) -> DraftTree:
-        self._last = None
+        return self.propose_many([self], [tokens], [n_max])[0]
+
+    def batch_key(self) -> object:
+        return ("chain", self.merge, len(self.drafters))  # chains of a batch: their members draft together
+
+    def propose_many(self, drafters: list, tokens: list[list[int]], n_max: list[int]) -> list[DraftTree]:
+        """Each chain's draft, member by member for all the chains at once (`propose_all`: the MTP members of a
+        batch together); each chain's members are asked (or synced) in the order they are alone."""
+        chains: list[ChainDrafter] = drafters
+        for c in chains:
+            c._last = None
+        every = range(len(chains))
         if self.merge:
-            return merge([d.propose(tokens, min(n_max, cap)) for d, cap in zip(self.drafters, self.caps)])
-        best = DraftTree()
-        for d, cap in zip(self.drafters, self.caps):
-            if len(best):
-                d.sync(tokens)  # keep its state current without drafting
-                continue
-            best = d.propose(tokens, min(n_max, cap))
-            if len(best):
-                self._last = d
+            drafts = [propose_all([c.drafters[m] for c in chains], tokens,
+                                  [min(n, c.caps[m]) for c, n in zip(chains, n_max)]) for m in range(len(self.drafters))]
+            return [merge([d[i] for d in drafts]) for i in every]
+        best = [DraftTree() for _ in chains]
+        for m in range(len(self.drafters)):
+            todo = [i for i in every if not len(best[i])]
+            for i in every:
+                if len(best[i]):
+                    chains[i].drafters[m].sync(tokens[i])  # keep its state current without drafting
+            made = propose_all([chains[i].drafters[m] for i in todo], [tokens[i] for i in todo],
+                               [min(n_max[i], chains[i].caps[m]) for i in todo])
+            for i, tree in zip(todo, made):
+                if len(tree):
+                    best[i], chains[i]._last = tree, chains[i].drafters[m]
         return best
 
     def accept(self, committed: list[int], hidden: torch.Tensor | None, next_token: int) -> None:

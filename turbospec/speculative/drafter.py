@@ -42,8 +42,8 @@ class Drafter(Protocol):
         ...
 
     def batch_key(self) -> object | None:
-        """Drafters whose keys are the same object draft together in a batch (`propose_many`: the MTP drafters of
-        one block, one forward per depth for all of them); None: this one drafts alone."""
+        """Drafters whose keys are equal draft together in a batch (`propose_many`: the MTP drafters of one block,
+        one forward per depth for all of them; chains of drafters, member by member); None: this one drafts alone."""
         return None
 
     def propose_many(self, drafters: list, tokens: list[list[int]], n_max: list[int]) -> list[DraftTree]:
@@ -84,13 +84,13 @@ def propose_all(drafters: list[Drafter], tokens: list[list[int]], n_max: list[in
     """`propose` of every drafter (a batch's sequences, each with its tokens and depth), those that share a
     `batch_key` together."""
     trees: list[DraftTree | None] = [None] * len(drafters)
-    groups: dict[int, list[int]] = {}
+    groups: dict[object, list[int]] = {}
     for i, d in enumerate(drafters):
         key = d.batch_key()
         if key is None:
             trees[i] = d.propose(tokens[i], n_max[i])
         else:
-            groups.setdefault(id(key), []).append(i)
+            groups.setdefault(key, []).append(i)
     for idx in groups.values():
         made = drafters[idx[0]].propose_many([drafters[i] for i in idx], [tokens[i] for i in idx],
                                              [n_max[i] for i in idx])
