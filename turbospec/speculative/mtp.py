@@ -209,9 +209,9 @@ class MTPDrafter(Drafter):
 
     def propose_many(self, drafters: list, tokens: list[list[int]], n_max: list[int]) -> list[DraftTree]:
         """The drafts of several sequences' MTP drafters (this one's block): per depth one MTP forward over every
-        sequence still drafting and one product of the shared draft head over their rows where it is the whole
-        head (each sequence attends over its own MTP cache); a lone drafter's forward as before. Each draft is
-        the one its drafter draws alone (the same arithmetic per row, where the fused calls take the rows)."""
+        sequence still drafting (each attends over its own MTP cache) and the draft head over their rows in one
+        product (`_heads`); a lone drafter's forward as before. Each draft is the one its drafter draws alone (the
+        same arithmetic per row, where the fused calls take the rows)."""
         ds: list[MTPDrafter] = drafters
         h = _first_rows(ds, tokens)
         committed = [d.cache.length for d in ds]
@@ -285,7 +285,7 @@ def _first_rows(ds: list[MTPDrafter], tokens: list[list[int]]) -> torch.Tensor:
     toks = [t for d, ts in zip(ds, tokens) for t in d.pending_tokens + [ts[-1]]]
     hid = torch.cat([r for d in ds for r in d.pending_hidden], 0)
     counts = [len(d.pending_tokens) + 1 for d in ds]
-    assert hid.shape[0] == len(toks)
+    assert all(sum(r.shape[0] for r in d.pending_hidden) == n for d, n in zip(ds, counts))
     out = ds[0].mtp.forward_many(toks, hid, [_plan(d.cache, d.next_pos, n) for d, n in zip(ds, counts)],
                                  [d.cache for d in ds], counts)
     # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
