@@ -353,6 +353,8 @@ class Scheduler:
         """The drafts to verify after each sequence's last token, by sequence id (none for a sequence without a
         drafter, or whose draft would be worth no row); the MTP drafters of the batch draft together."""
         todo: list[tuple[Sequence, int, int]] = []  # (sequence, deepest draft, rows it may take)
+        if self.drafters is None:
+            return {}
         for s in seqs:
             if s.drafter is None or not s.began:
                 continue

@@ -319,6 +319,8 @@ class HybridModel:
         rope = self.rope.tables_for(plan)
         if (one := self._one_calls(x, plan, cache)) is not None:  # decode, verification: one C++ call per layer
             x = self._decode_layers(*one, x, rope, plan, cache)  # type: ignore[arg-type]
+        elif (rows := self._batch_calls(x, cache)) is not None:  # a batch's decode rows and chains
+            x = self._batch_layers(*rows, x, rope, plan, cache)  # type: ignore[arg-type]
         else:
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
@@ -340,6 +342,41 @@ class HybridModel:
         k = block.kernel_for(x, self.layers[0].in_norm)
         calls = [layer.one_call_args() for layer in self.layers] if k is not None else [None]
         return None if any(c is None for c in calls) else (k, calls)  # type: ignore[return-value]
+
+    def _batch_calls(self, x: torch.Tensor, cache: Cache) -> tuple[object, list[tuple]] | None:
+        """`_one_calls` for a batch (`HybridBatch`) of decode rows and chains that the paged kernel takes, else
+        None."""
+        if (not isinstance(cache, HybridBatch) or not cache.kv.decode_only or cache.kv.pool.step_args(0) is None
+                or env.on("TURBOSPEC_NO_GDN_KERNEL")):
+            return None
+        k = block.kernel_for(x, self.layers[0].in_norm)
+        calls = [layer.one_call_args() for layer in self.layers] if k is not None else [None]
+        if any(c is None for c in calls) or any(layer.mixer.hd % 8 for layer in self.layers
+                                                if layer.kind == "full_attention"):
+            return None
+        return k, calls  # type: ignore[return-value]
+
+    def _batch_layers(self, k, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      plan: AttentionPlan, cache: HybridBatch) -> torch.Tensor:
+        """The layers of a `_batch_calls` step without the per-layer choices: each layer's result equals its
+        `HybridLayer.__call__` (one sequence's Gated DeltaNet layers as its one call, several sequences' through
+        `_gdn_batch`)."""
+        alone = len(cache.segments) == 1 and cache.all_states(0)
+        if alone:
+            parents = cache.parents(0)
+            par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
+        for layer, args in zip(self.layers, calls):
+            if layer.kind == "full_attention":  # None where a K/V value is not finite (the general path says so)
+                out = block.paged_layer(k, args, x, rope, layer.mixer, cache.kv, layer.slot)
+                x = out if out is not None else layer(x, rope, plan, cache)
+            elif alone:
+                conv, ssm = cache.gdn_state(0, layer.slot)
+                pre, mid, post = args
+                x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
+                cache.gdn_stash(0, layer.slot, window, states)
+            else:
+                x = layer._gdn_batch(x, cache, k, None)
+        return x
 
     def _decode_layers(self, k, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        plan: AttentionPlan, cache: HybridCache) -> torch.Tensor:
