@@ -96,6 +96,8 @@ def main() -> int:
         s, spec = a.one.split(",", 1)
         print(json.dumps(measure(a, int(s), spec or None)))
         return 0
+    if a.revision and a.arms:
+        ap.error("--arms switches parts of this checkout; it does not combine with --revision")
     trees = {"this": str(ROOT)} | ({"before": str(Path(a.revision).resolve())} if a.revision else {})
 
     def one(tree: str, s: int, spec: str) -> dict:

@@ -73,7 +73,7 @@ def test_one_call_for_a_batchs_sequences_equals_one_call_each(dtype):
     outs = [torch.empty(0), old, torch.empty(0)]
     got = k.gdn_steps(proj, layer.conv_t, layer.neg_a, layer.dt_bias, layer.norm_weight, convs, ssms, starts, pars,
                       outs, layer.nk, layer.nv, layer.dk, layer.dv, layer.eps)
-    assert got[4].data_ptr() == old.data_ptr() and got[6].data_ptr() != outs[2].data_ptr()
+    assert got[4].data_ptr() == old.data_ptr()
     with pytest.raises(RuntimeError, match="states buffer"):
         k.gdn_steps(proj, layer.conv_t, layer.neg_a, layer.dt_bias, layer.norm_weight, convs, ssms, starts, pars,
                     [torch.empty(0), torch.zeros(2, 4, 32, 32), torch.empty(0)], layer.nk, layer.nv, layer.dk,

@@ -548,18 +548,21 @@ def test_batched_speculation_equals_plain_greedy(which, spec, cfg, request):
     assert sch.pool.num_free == sch.pool.num_blocks
 
 
-@pytest.mark.parametrize("which,spec,cfg", [
-    ("model", "draft-mtp", {}),  # the bundled ranking: reduced vocabularies, their union read in one product
-    ("model", "draft-mtp", {"draft_vocab": 0, "draft_k_type": "q8_0"}),  # the whole head; packed MTP caches
-    ("hybrid", "draft-mtp", {"mtp_topk": 2}),  # trees
-    ("hybrid", "draft-mtp", {"draft_vocab": 0}),
-    ("model", "draft-mtp,ngram-mod", {}),  # chains: their MTP members together
-    ("hybrid", "ngram,draft-mtp", {}),
+@pytest.mark.parametrize("which,spec,cfg,most", [
+    ("model", "draft-mtp", {}, None),  # the bundled ranking: reduced vocabularies, their union read in one product
+    ("model", "draft-mtp", {"draft_vocab": 0, "draft_k_type": "q8_0"}, None),  # the whole head; packed MTP caches
+    ("hybrid", "draft-mtp", {"mtp_topk": 2}, None),  # trees
+    ("hybrid", "draft-mtp", {"draft_vocab": 0}, None),
+    ("model", "draft-mtp,ngram-mod", {}, None),  # chains: their MTP members together
+    ("hybrid", "ngram,draft-mtp", {}, None),
+    ("model", "draft-mtp", {}, 2),  # more drafters than one skinny call takes: in runs of that many rows
+    ("model", "draft-mtp", {"draft_vocab": 0}, 2),
 ])
-def test_batched_mtp_drafts_equal_each_drafters_own(which, spec, cfg, request, monkeypatch):
+def test_batched_mtp_drafts_equal_each_drafters_own(which, spec, cfg, most, request, monkeypatch):
     """The MTP drafters of a batch draft together (one MTP forward per depth over every sequence, one draft-head
     product), chains of drafters member by member: every step's drafts equal those of the same drafters drafting one
     by one."""
+    from turbospec import env
     from turbospec.engine import scheduler as sched
     from turbospec.model.mtp import MTPModule
     from turbospec.speculative.mtp import MTPDrafter
@@ -583,6 +586,8 @@ def test_batched_mtp_drafts_equal_each_drafters_own(which, spec, cfg, request, m
 
     monkeypatch.setattr(sched, "propose_all", record)
     monkeypatch.setattr(MTPModule, "forward_many", count)
+    if most is not None:
+        monkeypatch.setattr(env, "SKINNY_MAX_ROWS", most)
     runs = []
     for alone in (False, True):
         if alone:

@@ -396,6 +396,8 @@ class Scheduler:
         draft is dropped when its rows do not fit; then the newest sequences are preempted until one row does)."""
         decode: list[tuple[Sequence, int, DraftTree | None]] = []
         ready = [s for s in self.running if s.status == RUNNING and s.todo == 1]
+        # (every ready sequence drafts first, together; one preempted below for another's rows drafted for nothing:
+        # its drafter is replaced)
         drafts = self._drafts(ready) if drafting else {}
         for s in ready:
             if s.status != RUNNING:  # preempted for an earlier sequence's rows

@@ -3,8 +3,10 @@
 `StatePool` holds one slot per running sequence (the conv state [K-1, C] and the recurrent state [Hv, Dk, Dv]
 float32 of every GDN layer) and a bounded, least-recently-used set of snapshots: the states after a full KV block
 of the prefix cache, so that a prompt that starts with cached blocks resumes from the last one with a snapshot
-instead of re-processing it. A slot holds references to tensors that nothing writes to again (a step's outputs),
-so committing a step and taking a snapshot copy nothing.
+instead of re-processing it. A slot holds references to tensors that nothing writes to again (a one-row step's
+outputs, or the copy of the kept row's state of a longer step), so taking a snapshot copies nothing. A longer step's
+per-row states are written into buffers the step before used (`buffer`, `give_back`): once committed, nothing else
+refers to them.
 
 `HybridBatch` is the cache of one batched forward of a hybrid model: attention layers see its `kv` (a
 `PagedBatch`), Gated DeltaNet layers run segment by segment over `segments` and stash each segment's window and
@@ -59,6 +61,11 @@ class StatePool:
         for b in buffers:
             spare.setdefault(b.shape[0], []).append(b)
         self._spare = spare
+
+    def keep_spare(self, wanted: dict[int, int]) -> None:
+        """At a step's start: of the spare buffers, keep only as many of each row count as the step can take
+        (`wanted`: rows -> buffers), so that what it cannot use is not held beside the states it makes."""
+        self._spare = {n: bs[:wanted[n]] for n, bs in self._spare.items() if wanted.get(n)}
 
     # ---- slots ------------------------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -170,6 +177,12 @@ class HybridBatch:
         self.plan = kv.plan
         n = states.num_layers
         self._stash: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [[None] * n for _ in slots]
+        wanted: dict[int, int] = {}
+        for seg in self.segments:
+            if seg.n > 1:
+                wanted[seg.n] = wanted.get(seg.n, 0) + n
+        states.keep_spare(wanted)
+        self._took = False  # whether the step's layers asked for buffers (the C++ recurrence): then they go back
 
     def begin(self, n: int) -> None:
         self.kv.begin(n)
@@ -191,7 +204,10 @@ class HybridBatch:
         """Where segment i's Gated DeltaNet states after each row may go (`StatePool.buffer`; a lone row's state
         becomes its slot's own: always new)."""
         n = self.segments[i].n
-        return self.states.buffer(n) if n > 1 else _NONE
+        if n == 1:
+            return _NONE
+        self._took = True
+        return self.states.buffer(n)
 
     def gdn_stash(self, i: int, layer: int, window: torch.Tensor, states: torch.Tensor) -> None:
         self._stash[i][layer] = (window, states)
@@ -211,9 +227,11 @@ class HybridBatch:
             for w, st in stash:  # type: ignore[misc]
                 c, s = kept_state(w, st, keep, n)
                 # one row: views of the step's only state; more: copies of the kept one, so the step's others can go
+                # (and the per-row buffer with them, to the next step's layers: no slot or snapshot holds a view of
+                # it, as the copy is what the slot keeps)
                 conv.append(c.clone() if n > 1 else c)
                 ssm.append(s.clone() if st.shape[0] > 1 else s)
-                if st.shape[0] > 1:
+                if st.shape[0] > 1 and self._took:
                     spare.append(st)
             self.states.set(slot, (conv, ssm))
         self.states.give_back(spare)

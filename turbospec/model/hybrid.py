@@ -319,7 +319,7 @@ class HybridModel:
         rope = self.rope.tables_for(plan)
         if (one := self._one_calls(x, plan, cache)) is not None:  # decode, verification: one C++ call per layer
             x = self._decode_layers(*one, x, rope, plan, cache)  # type: ignore[arg-type]
-        elif (rows := self._batch_calls(x, cache)) is not None:  # a batch's decode rows and chains
+        elif (rows := self._batch_calls(x, cache)) is not None:  # a batch's step rows
             x = self._batch_layers(*rows, x, rope, plan, cache)  # type: ignore[arg-type]
         else:
             last = len(self.layers) - 1
@@ -344,17 +344,14 @@ class HybridModel:
         return None if any(c is None for c in calls) else (k, calls)  # type: ignore[return-value]
 
     def _batch_calls(self, x: torch.Tensor, cache: Cache) -> tuple[object, list[tuple]] | None:
-        """`_one_calls` for a batch (`HybridBatch`) of decode rows and chains that the paged kernel takes, else
-        None."""
+        """`_one_calls` for a batch (`HybridBatch`) of step rows only (decode rows, chains, small trees) over a pool
+        the paged kernel reads, else None."""
         if (not isinstance(cache, HybridBatch) or not cache.kv.decode_only or cache.kv.pool.step_args(0) is None
                 or env.on("TURBOSPEC_NO_GDN_KERNEL")):
             return None
         k = block.kernel_for(x, self.layers[0].in_norm)
         calls = [layer.one_call_args() for layer in self.layers] if k is not None else [None]
-        if any(c is None for c in calls) or any(layer.mixer.hd % 8 for layer in self.layers
-                                                if layer.kind == "full_attention"):
-            return None
-        return k, calls  # type: ignore[return-value]
+        return None if any(c is None for c in calls) else (k, calls)  # type: ignore[return-value]
 
     def _batch_layers(self, k, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       plan: AttentionPlan, cache: HybridBatch) -> torch.Tensor:

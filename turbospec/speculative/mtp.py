@@ -7,10 +7,10 @@ import secrets
 
 import torch
 
-from turbospec import device
+from turbospec import device, env
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
-from turbospec.layers.linear import Linear, LinearRows
+from turbospec.layers.linear import Linear, LinearRows, skinny_rows
 from turbospec.model.mtp import MTPModule
 from turbospec.sampling import SamplingParams, argmax
 from turbospec.speculative.drafter import Drafter
@@ -221,7 +221,9 @@ class MTPDrafter(Drafter):
         spine = [-1] * len(ds)  # per drafter, tree index of the last drafted top-1 token (topk = 1: a chain)
         for d in ds:
             d._ranked = []
-        active = list(range(len(ds)))  # drafters still drafting; row j of h is active[j]'s
+        active = [a for a in range(len(ds)) if n_max[a] > 0]  # drafters still drafting; row j of h is active[j]'s
+        if len(active) < len(ds):
+            h = h[active]
         for i in range(max(n_max, default=0)):
             logits = _heads([ds[a] for a in active], h)
             rows, toks = [], []
@@ -309,18 +311,24 @@ def _heads(ds: list[MTPDrafter], h: torch.Tensor) -> list[torch.Tensor]:
         d._gather_head()
     out: list[torch.Tensor | None] = [None] * len(ds)
     whole = [j for j, d in enumerate(ds) if d._reduced_head is None]
-    if len(whole) > 1:
-        y = ds[whole[0]].full_head(h[whole]).float()
-        for r, j in enumerate(whole):
+    for part in _parts(whole, skinny_rows(h.dtype)):
+        y = ds[part[0]].full_head(h[part]).float()
+        for r, j in enumerate(part):
             mask = ds[j]._outside
             out[j] = y[r] if mask is None else y[r].masked_fill(mask, float("-inf"))
     inplace = [j for j, d in enumerate(ds) if isinstance(d._reduced_head, LinearRows)]
-    if len(inplace) > 1:
-        union = _UNION.rows([ds[j] for j in inplace])
-        y = LinearRows(ds[inplace[0]]._reduced_head.layer, union)(h[inplace]).float()  # type: ignore[union-attr]
-        for r, j in enumerate(inplace):
+    for part in _parts(inplace, env.SKINNY_MAX_ROWS):
+        union = _UNION.rows([ds[j] for j in part])
+        y = LinearRows(ds[part[0]]._reduced_head.layer, union)(h[part]).float()  # type: ignore[union-attr]
+        for r, j in enumerate(part):
             out[j] = y[r, _UNION.columns(ds[j], union)]
     return [o if o is not None else ds[j].head(h[j:j + 1]).float()[0] for j, o in enumerate(out)]
+
+
+def _parts(rows: list[int], most: int) -> list[list[int]]:
+    """`rows` in runs of at most `most` (as many as one call of the skinny kernels takes: each row's product is then
+    the one it has alone); none for fewer than 2 rows (their drafters' own heads)."""
+    return [rows[i:i + most] for i in range(0, len(rows), most)] if len(rows) > 1 else []
 
 
 class _Union:
