@@ -199,9 +199,9 @@ class Linear:
 class LinearRows:
     """Output rows `rows` of a float `Linear`, as a layer. A few input rows (a drafter's draft step, the drafters of a
     batch together) are multiplied by the C++ kernel over the rows where they lie, each row with the arithmetic of a
-    one-row skinny product of a copy; more rows gather the rows per call. A holder keeps only the row ids: a draft head over a reduced
-    vocabulary is one matrix however many sequences draft from it (their vocabularies differ by their contexts'
-    tokens)."""
+    one-row skinny product of a copy; more rows gather the rows per call. A holder keeps only the row ids: a draft
+    head over a reduced vocabulary is one matrix however many sequences draft from it (their vocabularies differ by
+    their contexts' tokens)."""
 
     packed = False
 
