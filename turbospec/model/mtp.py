@@ -94,9 +94,9 @@ class MTPModule:
         limit, rows = skinny_rows(self.dtype), 0
         for i, n in enumerate(counts):  # more rows than one fused call takes: the first sequences that fit, the rest
             if i > 0 and rows + n > limit:
-                return torch.cat([self.forward_many(tokens[:rows], hidden[:rows], plans[:i], caches[:i], counts[:i], step),
-                                  self.forward_many(tokens[rows:], hidden[rows:], plans[i:], caches[i:], counts[i:],
-                                                    step)])
+                first = self.forward_many(tokens[:rows], hidden[:rows], plans[:i], caches[:i], counts[:i], step)
+                rest = self.forward_many(tokens[rows:], hidden[rows:], plans[i:], caches[i:], counts[i:], step)
+                return torch.cat([first, rest])
             rows += n
         u = self._input(tokens, hidden)
         for cache, n in zip(caches, counts):
