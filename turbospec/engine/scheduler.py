@@ -352,9 +352,9 @@ class Scheduler:
     def _drafts(self, seqs: list[Sequence]) -> dict[int, DraftTree]:
         """The drafts to verify after each sequence's last token, by sequence id (none for a sequence without a
         drafter, or whose draft would be worth no row); the MTP drafters of the batch draft together."""
-        todo: list[tuple[Sequence, int, int]] = []  # (sequence, deepest draft, rows it may take)
         if self.drafters is None:
             return {}
+        todo: list[tuple[Sequence, int, int]] = []  # (sequence, deepest draft, rows it may take)
         for s in seqs:
             if s.drafter is None or not s.began:
                 continue

@@ -191,29 +191,16 @@ def attention_layer(k, x: torch.Tensor, attn: Attention, mlp: MLP, in_norm: torc
     """x + attention + MLP for x [N, hidden], N <= SKINNY_MAX_ROWS (k: the loaded kernel from `fusable`), for the
     steps `decode_layer` and `paged_layer` do not take (the layers try them first): tensor-parallel parts, packed
     caches, paged batches that mix step rows with prompt chunks, rows that do not end the cache."""
-    if _one_call(attn, plan, cache) and split(attn.o, mlp.down):  # the attention in one call, then out_mlp's parts
-        a, qkv = k.attn_decode(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
-                               rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, cache.k[layer],
-                               cache.v[layer], cache.length, 1.0 / math.sqrt(attn.hd),
-                               tree_parents(plan))
-        return out_mlp(k, x, a, attn.split(qkv, x.shape[0])[3], attn.o, mlp, post_norm, eps, zc)
-    if _packed_step(attn, plan, cache):
-        if not split(attn.o, mlp.down):
-            out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
-                                 rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
-                                 cache.length, cache.base, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
-                                 post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
-                                 tree_parents(plan))
-            if out is not None:
-                return out
-        elif (r := _packed_attention(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)) is not None:
-            return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
-    # (a whole layer over a paged pool's step rows is `paged_layer`'s one call, which the layers try first; here the
-    # tensor-parallel parts)
-    if (_paged_rows(attn, cache) and split(attn.o, mlp.down)
-            and (r := _paged_attention(k, x, attn, in_norm, eps, zc, rope, cache, layer)) is not None):
-        return out_mlp(k, x, r[0], r[1], attn.o, mlp, post_norm, eps, zc)
-    a, gate = _attend(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
+    if _packed_step(attn, plan, cache) and not split(attn.o, mlp.down):  # the whole layer in one call
+        out = k.layer_packed(x, in_norm, eps, zc, attn.qkv.matrices, attn.qkv.bias, attn.q_norm, attn.k_norm,
+                             rope[0], rope[1], attn.nh, attn.nkv, attn.hd, attn.gated, *cache.step_args(layer),
+                             cache.length, cache.base, 1.0 / math.sqrt(attn.hd), attn.o.weight, attn.o.bias,
+                             post_norm, mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias,
+                             tree_parents(plan))
+        if out is not None:
+            return out
+    # the attention (in one call where the kernels take the step: under tensor parallelism, then out_mlp's parts)
+    a, gate = attention_rows(k, x, attn, in_norm, eps, zc, rope, plan, cache, layer)
     return out_mlp(k, x, a, gate, attn.o, mlp, post_norm, eps, zc)
 
 

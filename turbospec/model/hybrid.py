@@ -128,13 +128,7 @@ class HybridLayer:
             # one sequence's step in the batch (one stream): the lone sequence's one call over its states; with more
             # sequences the projections and the MLP run once over every row (`_gdn_batch`)
             if len(cache.segments) == 1 and cache.all_states(0) and not env.on("TURBOSPEC_NO_GDN_KERNEL"):
-                parents = cache.parents(0)
-                par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
-                conv, ssm = cache.gdn_state(0, self.slot)
-                pre, mid, post = args
-                x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
-                cache.gdn_stash(0, self.slot, window, states)
-                return x
+                return self.lone_call(k, args, x, cache, _parents_tensor(cache.parents(0)))
             return None
         if args is None or not isinstance(cache, HybridCache):
             return None
@@ -142,7 +136,15 @@ class HybridLayer:
             return block.decode_layer(k, args, x, rope, plan, cache.kv, self.slot)
         if not cache.track_all_states or env.on("TURBOSPEC_NO_GDN_KERNEL"):  # (the GDN kernel's off switch)
             return None
-        return self.gdn_call(k, args, x, cache, _tree_parents(cache))
+        return self.gdn_call(k, args, x, cache, _parents_tensor(cache.tree_parents))
+
+    def lone_call(self, k, args: tuple, x: torch.Tensor, cache: HybridBatch, parents: torch.Tensor) -> torch.Tensor:
+        """`gdn_layer` for a batch's one sequence (its state slot); its conv window and states to the batch's stash."""
+        conv, ssm = cache.gdn_state(0, self.slot)
+        pre, mid, post = args
+        x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, parents, *post)
+        cache.gdn_stash(0, self.slot, window, states)
+        return x
 
     def gdn_call(self, k, args: tuple, x: torch.Tensor, cache: HybridCache, parents: torch.Tensor) -> torch.Tensor:
         """`gdn_layer` with this layer's one-call `args`; its conv window and states go to the cache's stash."""
@@ -204,9 +206,8 @@ class HybridLayer:
             got = kernel.gdn_steps(proj, gdn.conv_t, gdn.neg_a, gdn.dt_bias, gdn.norm_weight,
                                    *zip(*(cache.gdn_state(i, self.slot) for i in segments)),
                                    [seg.row for seg in cache.segments] + [x.shape[0]],
-                                   [_CHAIN if (p := cache.parents(i)) is None else torch.tensor(p, dtype=torch.int64)
-                                    for i in segments], [cache.buffer(i) for i in segments], gdn.nk, gdn.nv, gdn.dk,
-                                   gdn.dv, gdn.eps)
+                                   [_parents_tensor(cache.parents(i)) for i in segments],
+                                   [cache.buffer(i) for i in segments], gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.eps)
             for i in segments:
                 cache.gdn_stash(i, self.slot, got[1 + 2 * i], got[2 + 2 * i])
             o = got[0]
@@ -226,9 +227,9 @@ class HybridLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, True))
 
 
-def _tree_parents(cache: HybridCache) -> torch.Tensor:
-    """The step's token tree as `gdn_layer` takes it (empty for a chain)."""
-    return _CHAIN if cache.tree_parents is None else torch.tensor(cache.tree_parents, dtype=torch.int64)
+def _parents_tensor(parents: list[int] | None) -> torch.Tensor:
+    """A step's token tree as the Gated DeltaNet kernels take it (empty for a chain: None)."""
+    return _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
 
 
 class HybridModel:
@@ -339,6 +340,11 @@ class HybridModel:
         kv = cache.kv
         if not isinstance(kv, KVCache) and not (isinstance(kv, QuantKVCache) and block.packed_kernels_take(plan, kv)):
             return None
+        return self._layer_calls(x)
+
+    def _layer_calls(self, x: torch.Tensor) -> tuple[object, list[tuple]] | None:
+        """(the kernel module, every layer's one-call arguments) where the rows x take the fused calls and every
+        layer's structure has them, else None."""
         k = block.kernel_for(x, self.layers[0].in_norm)
         calls = [layer.one_call_args() for layer in self.layers] if k is not None else [None]
         return None if any(c is None for c in calls) else (k, calls)  # type: ignore[return-value]
@@ -349,9 +355,7 @@ class HybridModel:
         if (not isinstance(cache, HybridBatch) or not cache.kv.decode_only or cache.kv.pool.step_args(0) is None
                 or env.on("TURBOSPEC_NO_GDN_KERNEL")):
             return None
-        k = block.kernel_for(x, self.layers[0].in_norm)
-        calls = [layer.one_call_args() for layer in self.layers] if k is not None else [None]
-        return None if any(c is None for c in calls) else (k, calls)  # type: ignore[return-value]
+        return self._layer_calls(x)
 
     def _batch_layers(self, k, calls: list[tuple], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       plan: AttentionPlan, cache: HybridBatch) -> torch.Tensor:
@@ -359,18 +363,13 @@ class HybridModel:
         `HybridLayer.__call__` (one sequence's Gated DeltaNet layers as its one call, several sequences' through
         `_gdn_batch`)."""
         alone = len(cache.segments) == 1 and cache.all_states(0)
-        if alone:
-            parents = cache.parents(0)
-            par = _CHAIN if parents is None else torch.tensor(parents, dtype=torch.int64)
+        par = _parents_tensor(cache.parents(0)) if alone else _CHAIN
         for layer, args in zip(self.layers, calls):
             if layer.kind == "full_attention":  # None where a K/V value is not finite (the general path says so)
                 out = block.paged_layer(k, args, x, rope, layer.mixer, cache.kv, layer.slot)
                 x = out if out is not None else layer(x, rope, plan, cache)
             elif alone:
-                conv, ssm = cache.gdn_state(0, layer.slot)
-                pre, mid, post = args
-                x, window, states = k.gdn_layer(x, *pre, conv, *mid, ssm, par, *post)
-                cache.gdn_stash(0, layer.slot, window, states)
+                x = layer.lone_call(k, args, x, cache, par)
             else:
                 x = layer._gdn_batch(x, cache, k, None)
         return x
@@ -381,7 +380,7 @@ class HybridModel:
         step): each layer's result equals its `HybridLayer.__call__`."""
         kv, pos = cache.kv, cache.length
         attn_parents = block.tree_parents(plan)
-        gdn_parents = _tree_parents(cache)
+        gdn_parents = _parents_tensor(cache.tree_parents)
         for layer, (pre, mid, post) in zip(self.layers, calls):
             if layer.kind != "full_attention":
                 x = layer.gdn_call(k, (pre, mid, post), x, cache, gdn_parents)
