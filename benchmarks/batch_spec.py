@@ -8,7 +8,7 @@ decode t/s counts the tokens generated once every prompt is computed.
         --json docs/results/batch_spec.json
 
 `--mtp-topk K` drafts MTP trees (K candidates per depth). `--arms A ..` adds drafting runs per round with parts of
-the scheduler as they were before session 49: `alone` (the MTP drafters of the batch drafting one sequence at a time:
+the scheduler switched to their simpler form: `alone` (the MTP drafters of the batch drafting one sequence at a time:
 one MTP forward and draft-head product per sequence and depth), `fresh` (a hybrid's verification writes its per-row
 recurrent states into new tensors every step instead of the last step's), `alone+fresh` (both). `--revision DIR` runs the same against another checkout's turbospec (a `git worktree` of an older commit), in a
 subprocess per round, alternating with this checkout.
