@@ -33,9 +33,11 @@ ARCH = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None = None,
-               int8_embedding: bool = False) -> Path:
+               int8_embedding: bool = False, meta: dict | None = None,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """A GGUF file of a transformers checkpoint, as llama.cpp's converter lays it out; matrices in `qtype`,
-    1-D tensors (norms, biases) in F32 as llama.cpp keeps them."""
+    1-D tensors (norms, biases) in F32 as llama.cpp keeps them. `meta`: more metadata (keys without the
+    architecture prefix); `extra`: more tensors."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -59,6 +61,10 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    for k, v in (meta or {}).items():
+        (w.add_string if isinstance(v, str) else w.add_float32)(f"{arch}.{k}", v)
+    for name, x in (extra or {}).items():
+        w.add_tensor(name, x)
     for hf, x in sorted(tensors.items()):
         x = x.astype(np.float32)
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
@@ -166,6 +172,59 @@ def test_unsupported_architecture_and_tensor_type(hf_models, tmp_path):
         load_model(write_gguf(hf_models["qwen3"], tmp_path / "b.gguf", int8_embedding=True))
 
 
+@pytest.mark.parametrize("name", ["llama3_rope", "qwen3_yarn"])
+def test_rope_scaling_files_give_the_checkpoint_logits(hf_models, tmp_path, name):
+    """RoPE scaling as llama.cpp's converter writes it -- llama3's schedule as the rope_freqs tensor of per-frequency
+    divisors, YaRN as rope.scaling.* keys -- gives transformers' logits, past the original context (32); without it
+    the logits differ. (By hand, files written by llama.cpp's converter itself for both checkpoints gave
+    transformers' logits within 3.3e-7 over 200 positions.)"""
+    from turbospec.model import gguf_reader
+
+    path = export_gguf(hf_models[name], tmp_path / f"{name}.gguf", "f32")
+    meta = gguf_reader.GGUFContents(path).meta
+    cfg = load_model(path, "float32").cfg
+    if name == "llama3_rope":
+        assert cfg.rope["freq_factors"][0] == 1.0 and cfg.rope["freq_factors"][-1] == pytest.approx(8.0)
+    else:
+        assert meta["qwen3.rope.scaling.type"] == "yarn" and meta["qwen3.rope.scaling.original_context_length"] == 32
+    ids = (torch.arange(80) * 37) % 128
+    want = hf_logits(hf_models[name], ids)
+
+    def file_logits(rope: dict | None = None) -> torch.Tensor:
+        model = load_model(path, "float32")
+        if rope is not None:
+            from turbospec.layers.rope import Rope
+
+            model.rope = Rope(rope, cfg.head_dim, 128, torch.float32)
+        return model.logits(model.forward(ids, AttentionPlan.causal(0, len(ids)), model.new_cache(128)))
+
+    got = file_logits()
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+    plain = file_logits({"rope_type": "default", "rope_theta": cfg.rope_theta})
+    assert (plain - want).abs().max() > 1e-4  # (random tiny models: rope moves logits little)
+
+
+def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):
+    llama, qwen3 = hf_models["llama"], hf_models["qwen3"]
+    halves = np.ones(8, dtype=np.float32)  # head_dim 16: 8 rotated pairs
+    cases = [(qwen3, {"rope.scaling.type": "longrope"}, None, "RoPE scaling 'longrope' is not supported"),
+             (qwen3, {"rope.scaling.type": "yarn", "rope.scaling.factor": -2.0}, None, "must be a positive number"),
+             (qwen3, {}, {"rope_freqs.weight": halves}, "rope_freqs tensor in a qwen3 file"),
+             (llama, {}, {"rope_freqs.weight": np.ones(5, dtype=np.float32)}, "has 5 values"),
+             (llama, {}, {"rope_freqs.weight": -halves}, "positive numbers"),
+             (qwen3, {"rope.scaling.attn_factor": 2.0}, None, "attn_factor 2.0 without YaRN")]
+    for i, (src, meta, extra, msg) in enumerate(cases):
+        with pytest.raises(TurboSpecError, match=msg) as e:
+            load_model(write_gguf(src, tmp_path / f"r{i}.gguf", meta=meta, extra=extra))
+        assert "\n" not in str(e.value)
+    # linear scaling (the default type when only a factor is given, as llama.cpp reads it) and factor 1 (none)
+    for i, (meta, kind) in enumerate([({"rope.scaling.factor": 2.0}, "linear"), ({"rope.scale_linear": 4.0}, "linear"),
+                                      ({"rope.scaling.type": "yarn", "rope.scaling.factor": 1.0}, "default"),
+                                      ({"rope.scaling.type": "none", "rope.scaling.factor": 2.0}, "default")]):
+        cfg = load_model(write_gguf(qwen3, tmp_path / f"ok{i}.gguf", meta=meta), "float32").cfg
+        assert cfg.rope["rope_type"] == kind, meta
+
+
 def test_cli_reports_a_bad_file_in_one_line(good_file, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(good_file.read_bytes()[:1000])
@@ -208,7 +267,7 @@ def test_qwen35_file_with_mtp_gives_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize(("name", "kind"), [("qwen3", "f32"), ("llama", "f32"), ("qwen3_tied_bias", "f16"),
-                                            ("qwen2", "q8_0"), ("llama", "q4_0")])
+                                            ("qwen2", "q8_0"), ("llama", "q4_0"), ("llama3_rope", "f32")])
 def test_export_round_trip(hf_models, tmp_path, name, kind):
     """export-gguf then load: f32 gives the checkpoint's tensors (llama's q/k permuted and back), other types
     the gguf package's quantize-dequantize of them."""
@@ -264,8 +323,14 @@ def test_export_bundled_models_with_their_tokenizer(tmp_path, bundled, monkeypat
 def test_export_refuses_what_it_cannot_write(hf_models, tmp_path):
     with pytest.raises(TurboSpecError, match="llama-quantize"):
         export_gguf(hf_models["qwen3"], tmp_path / "k.gguf", "q6_k")
-    with pytest.raises(TurboSpecError, match="RoPE scaling"):
-        export_gguf(hf_models["qwen3_yarn"], tmp_path / "y.gguf", "f32")
+    from turbospec.model.config import ModelConfig
+    from turbospec.model.gguf_export import write_metadata
+
+    cfg = json.loads((hf_models["qwen3"] / "config.json").read_text())
+    cfg["rope_parameters"] = json.loads((hf_models["llama3_rope"] / "config.json").read_text())["rope_parameters"]
+    with pytest.raises(TurboSpecError, match="llama3 RoPE scaling in a qwen3 file"):
+        write_metadata(gguf.GGUFWriter(str(tmp_path / "l.gguf"), "qwen3"), ModelConfig.from_dict(cfg), "qwen3", "f32",
+                       False, [], None)
 
 
 def test_lean_reader_equals_gguf_reader(tmp_path):

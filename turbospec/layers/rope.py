@@ -9,7 +9,15 @@ import torch
 
 
 def inv_freq_and_scale(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies for the rotated dims and the cos/sin scale (yarn's attention factor)."""
+    """Inverse frequencies for the rotated dims and the cos/sin scale (yarn's attention factor). `freq_factors`
+    (llama.cpp's per-frequency divisors, the rope_freqs tensor of a GGUF file) divide the schedule's frequencies."""
+    inv_freq, scale = _schedule(rope, head_dim)
+    if rope.get("freq_factors") is not None:
+        inv_freq = inv_freq / torch.tensor(rope["freq_factors"], dtype=torch.float32)
+    return inv_freq, scale
+
+
+def _schedule(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
     dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
     base = float(rope.get("rope_theta", 10000.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

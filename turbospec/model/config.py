@@ -256,6 +256,11 @@ def _check_rope(rope: dict[str, Any], head_dim: int) -> None:
             _number(rope[key], f"rope {key}", positive=True)
     if kind == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
         raise TurboSpecError("config.json: rope high_freq_factor must be greater than low_freq_factor")
+    factors = rope.get("freq_factors")  # (from a GGUF file's rope_freqs tensor)
+    if factors is not None and (not isinstance(factors, list) or len(factors) != dim // 2):
+        raise TurboSpecError(f"rope freq_factors must be a list of {dim // 2} numbers (one per rotated pair)")
+    for f in factors or []:
+        _number(f, "rope freq_factors entry", positive=True)
 
 
 def _dense_width(d: dict[str, Any]) -> Any:

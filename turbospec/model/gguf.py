@@ -14,6 +14,7 @@ one expert at a time (`expert_matrix`: a view of the memory map for packed types
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,61 @@ class GGUFFile:
                  linear_conv_kernel_dim=ssm["conv_kernel"], linear_key_head_dim=ssm["state_size"],
                  linear_num_key_heads=ssm["group_count"], linear_num_value_heads=ssm["time_step_rank"],
                  linear_value_head_dim=ssm["inner_size"] // ssm["time_step_rank"],
-                 rope_parameters={"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                 rope_parameters={**d.pop("rope_parameters"), "rope_theta": d.pop("rope_theta"),
                                   "partial_rotary_factor": rope_dim / d["head_dim"]})
         return ModelConfig.from_dict(d)
+
+    def _rope_scaling(self, context_length: Any, rotated: Any) -> dict[str, Any]:
+        """RoPE scaling as llama.cpp reads it from the file, in the config.json spelling: `rope.scaling.type` (absent:
+        linear, llama.cpp's default) with `rope.scaling.factor` (or the older `rope.scale_linear`; absent: none);
+        for YaRN the original context length (default: context_length), `yarn_beta_fast` / `yarn_beta_slow` and
+        the attention factor (`yarn_attn_factor`, the checkpoint's own, else 0.1 ln(factor) + 1; times
+        `rope.scaling.attn_factor`); and the llama3 schedule, which llama.cpp's converter writes as per-frequency
+        divisors, the `rope_freqs` tensor (llama files only, as llama.cpp reads it; one per pair of the `rotated`
+        dims)."""
+        name = self.path.name
+        kind = self.key("rope.scaling.type", "linear")
+        factor = self.key("rope.scaling.factor", self.key("rope.scale_linear"))
+        if kind not in ("none", "linear", "yarn"):
+            raise TurboSpecError(f"{name}: RoPE scaling {str(kind)[:40]!r} is not supported (none, linear, yarn, and "
+                                 "llama3's rope_freqs)")
+        rope: dict[str, Any] = {"rope_type": "default"}
+        if factor is not None and kind != "none":
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                    or factor < 0:
+                raise TurboSpecError(f"{name}: metadata {self.arch}.rope.scaling.factor must be a positive number, "
+                                     f"got {str(factor)[:40]}")
+            if factor not in (0, 1):  # (llama.cpp: 0 is no scaling; 1 scales nothing)
+                rope = {"rope_type": kind, "factor": float(factor)}
+        if rope["rope_type"] == "yarn":
+            rope["original_max_position_embeddings"] = self.key("rope.scaling.original_context_length",
+                                                                context_length)
+            for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                            ("yarn_attn_factor", "attention_factor")):
+                if self.key(f"rope.scaling.{key}") is not None:
+                    rope[hf] = self.key(f"rope.scaling.{key}")
+        scale = self.key("rope.scaling.attn_factor")
+        if scale is not None and scale != 1:
+            if rope["rope_type"] != "yarn":
+                raise TurboSpecError(f"{name}: rope.scaling.attn_factor {str(scale)[:40]} without YaRN is not "
+                                     "supported")
+            rope["attention_factor"] = rope.get("attention_factor", 0.1 * math.log(rope["factor"]) + 1) * scale
+        t = self.tensors.get("rope_freqs.weight")
+        if t is not None:
+            if self.arch != "llama":
+                raise TurboSpecError(f"{name}: a rope_freqs tensor in a {self.arch} file (llama.cpp reads it for "
+                                     "llama files only)")
+            try:
+                divisors = _values(t.data, t.tensor_type).astype(np.float64).ravel()
+            except (ValueError, IndexError) as e:
+                raise TurboSpecError(f"{name}: cannot read tensor rope_freqs.weight ({_one_line(e)})") from None
+            if not np.all(np.isfinite(divisors)) or not np.all(divisors > 0):
+                raise TurboSpecError(f"{name}: tensor rope_freqs.weight must hold positive numbers")
+            if isinstance(rotated, int) and divisors.size != rotated // 2:
+                raise TurboSpecError(f"{name}: tensor rope_freqs.weight has {divisors.size} values, the "
+                                     f"{rotated} rotated dims need {rotated // 2}")
+            rope["freq_factors"] = divisors.tolist()
+        return rope
 
     def _moe_config(self, d: dict[str, Any]) -> dict[str, Any]:
         """The mixture-of-experts fields, as llama.cpp reads them: expert_count, expert_used_count,
@@ -223,11 +276,9 @@ class GGUFFile:
             d["head_dim"] = self.key("attention.key_length", d["hidden_size"] // heads)
         d["rms_norm_eps"] = self.key("attention.layer_norm_rms_epsilon", 1e-6)
         d["rope_theta"] = self.key("rope.freq_base", 10000.0)
-        scaling = self.key("rope.scaling.type", "none")
-        if scaling not in (None, "none") or "rope_freqs.weight" in self.tensors:  # llama3 rope comes as rope_freqs
-            raise TurboSpecError(f"{self.path.name}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}) "
-                                 "in GGUF files is not supported yet")
         d["max_position_embeddings"] = self.key("context_length", 4096)
+        d["rope_parameters"] = self._rope_scaling(d["max_position_embeddings"],
+                                                  self.key("rope.dimension_count", d.get("head_dim")))
         emb = self.tensors.get("token_embd.weight")
         if emb is None:
             raise TurboSpecError(f"{self.path.name}: tensor token_embd.weight is missing")

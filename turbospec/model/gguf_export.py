@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from turbospec.errors import TurboSpecError
+from turbospec.layers.rope import inv_freq_and_scale
 from turbospec.model import draft_vocab
 from turbospec.model.config import ModelConfig
 from turbospec.model.gguf import (
@@ -180,6 +181,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
             mat = (h, inter) if proj == "down" else (inter, h)
             jobs.append((f"blk.{b}.ffn_{proj}_exps.weight", (e, *mat), partial(_stack, read, proj, e, mat)))
 
+    freqs = rope_freqs(cfg)
+    if freqs is not None:
+        jobs.append(("rope_freqs.weight", tuple(freqs.shape), lambda qt: freqs.numpy()))
     types = [_tensor_type(g, shape, kind, qtype) for g, shape, _ in jobs]
     for (g, shape, _), qt in zip(jobs, types):
         block, size = gguf.GGML_QUANT_SIZES[qt]
@@ -218,8 +222,9 @@ def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
-    if cfg.rope.get("rope_type", "default") != "default":
-        raise TurboSpecError(f"cannot export RoPE scaling {cfg.rope['rope_type']!r} yet")
+    if arch == "llama":  # (as llama.cpp's converter writes it for llama)
+        w.add_rope_dimension_count(cfg.head_dim)
+    _rope_scaling(w, cfg, arch)
     lin = cfg.linear_dims() if hybrid else {}
     if hybrid:
         w.add_rope_dimension_count(int(cfg.head_dim * float(cfg.rope.get("partial_rotary_factor", 1.0))))
@@ -248,6 +253,41 @@ EXPORT_ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe
                 "qwen3_5_moe": "qwen35moe"}  # config.json model_type -> llama.cpp architecture
 F32_MATRICES = ("ssm_conv1d.weight",  # llama.cpp's ssm_conv needs F32
                 "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # routers: F32, as llama.cpp's converter
+
+
+def _rope_scaling(w, cfg: ModelConfig, arch: str) -> None:
+    """RoPE scaling as llama.cpp's converter writes it: linear and YaRN as `rope.scaling.*` keys; llama3's schedule
+    as the `rope_freqs` tensor (`rope_freqs`; llama files only: llama.cpp reads it for no other of these)."""
+    import gguf
+
+    r = cfg.rope
+    kind = r.get("rope_type", "default")
+    if kind == "llama3" and arch != "llama":
+        raise TurboSpecError(f"cannot export llama3 RoPE scaling in a {arch} file (llama.cpp reads its rope_freqs "
+                             "tensor in llama files only)")
+    if kind in ("default", "llama3"):
+        return
+    if kind not in ("linear", "yarn"):
+        raise TurboSpecError(f"cannot export RoPE scaling {kind!r}")
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(r["factor"]))
+    if kind == "yarn":
+        w.add_rope_scaling_orig_ctx_len(int(r.get("original_max_position_embeddings") or cfg.max_position_embeddings))
+        for hf, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                        ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                        ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if r.get(hf) is not None:
+                add(float(r[hf]))
+
+
+def rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
+    """llama3's schedule as llama.cpp's per-frequency divisors (its `rope_freqs` tensor: the default frequencies
+    over the scaled ones); None for the other schedules."""
+    if cfg.rope.get("rope_type", "default") != "llama3":
+        return None
+    scaled, _ = inv_freq_and_scale(cfg.rope, cfg.head_dim)
+    default, _ = inv_freq_and_scale({**cfg.rope, "rope_type": "default"}, cfg.head_dim)
+    return default / scaled
 
 
 def _moe_metadata(w, arch: str, cfg: ModelConfig, m: dict[str, Any], blocks: list[int]) -> None:
@@ -289,7 +329,7 @@ class _Shapes:
 def _one(ws: WeightSource, cfg: ModelConfig, hf: str, g: str, lin: dict[str, int], qt) -> Any:
     """Tensor `hf` as llama.cpp's converter writes it (`g`), in type `qt`."""
     x = ws.get(hf, torch.float32)
-    if cfg.arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+    if cfg.arch == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
         x = permute_rope(x, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
     if lin:  # the hybrids
         x = _convert_qwen35(hf, g, x, lin)
