@@ -187,6 +187,9 @@ QWEN_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' +
 
 
 @pytest.mark.parametrize(("pre", "cls_path"), [("qwen2", "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"),
+                                               # (llama.cpp's name for the DeepSeek-R1 distills of Qwen: qwen2's split)
+                                               ("deepseek-r1-qwen",
+                                                "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"),
                                                ("qwen35", "transformers.models.qwen3_5.tokenization_qwen3_5"
                                                           ".Qwen3_5Tokenizer")])
 def test_qwen_pre_tokenizers_match_transformers(pre: str, cls_path: str, tmp_path: Path) -> None:
@@ -246,19 +249,23 @@ def test_qwen_pre_tokenizers_match_transformers(pre: str, cls_path: str, tmp_pat
 
 
 LLAMA3_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Mistral Nemo's tokenizer.json (as llama.cpp's src/llama-vocab.cpp quotes it for "tekken")
+TEKKEN_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-def test_llama3_bpe(tmp_path: Path) -> None:
-    """ "llama-bpe": Llama 3's split (digits in threes), its merges ignored for whole-word tokens, BOS added."""
+@pytest.mark.parametrize(("pre", "regex"), [("llama-bpe", LLAMA3_RE), ("tekken", TEKKEN_RE)])
+def test_llama3_bpe(tmp_path: Path, pre: str, regex: str) -> None:
+    """ "llama-bpe": Llama 3's split (digits in threes), its merges ignored for whole-word tokens, BOS added; "tekken"
+    (Mistral Nemo / Small 3) the same but for its split (case changes start words, digits one by one)."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    vocab, merges = trained(LLAMA3_RE)
+    vocab, merges = trained(regex)
     n = len(vocab)
     vocab["Ġunreachable"] = n  # a word no merge builds: found whole only because merges are ignored for it
     n += 1
     ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges], ignore_merges=True))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_RE), behavior="isolated"),
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     ref.decoder = decoders.ByteLevel()
     ref.add_special_tokens([AddedToken("<|begin_of_text|>", normalized=False),
@@ -267,7 +274,7 @@ def test_llama3_bpe(tmp_path: Path) -> None:
     types = [gguf.TokenType.NORMAL] * n + [gguf.TokenType.CONTROL] * 2
     w = gguf.GGUFWriter(tmp_path / "l.gguf", "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -284,7 +291,11 @@ def test_llama3_bpe(tmp_path: Path) -> None:
         assert got.encode(text, add_special=False) == ids, text
         assert got.encode(text) == ([n] + ids if ids[:1] != [n] else ids), text
         assert got.decode(ids) == ref.decode(ids), text
-    assert len(got.encode("1234567", add_special=False)) >= 3
+    digits = len(got.encode("1234567", add_special=False))
+    assert digits == 7 if pre == "tekken" else digits >= 3
+    if pre == "tekken":  # a case change starts a word
+        assert got.encode("camelCase", add_special=False) == ref.encode("camel", add_special_tokens=False).ids + \
+            ref.encode("Case", add_special_tokens=False).ids
     assert got.encode("a unreachable") == [n, vocab["a"], n - 1]
     assert got.tok.encode("a").ids == [n, vocab["a"]]  # the post-processor adds BOS as Llama 3's does
 
@@ -318,7 +329,7 @@ BASE = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenize
 @pytest.mark.parametrize(("change", "message"), [
     ({"tokenizer.ggml.model": "llama"}, "'llama' is not supported (supported: 'gpt2'"),
     ({"tokenizer.ggml.model": None}, "no tokenizer.ggml.model"),
-    ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre 'klingon' is not supported (supported: default, gpt-2"),
+    ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre 'klingon' is not supported (supported: dbrx, deepseek-r1-qwen, default"),
     ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens is missing"),
     ({"tokenizer.ggml.tokens": ["a", 2, "ab"]}, "tokenizer.ggml.tokens is missing or not a list of strings"),
     ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is missing"),

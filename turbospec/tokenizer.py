@@ -199,6 +199,8 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _QWEN2_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 _QWEN35_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 _LLAMA3_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Mistral's Tekken (Mistral Nemo, Mistral Small 3): words split at lower-to-upper case changes, digits one by one
+_TEKKEN_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # llama.cpp's "default" (a missing tokenizer.ggml.pre): its own sequence of splits, no Hugging Face counterpart
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)""",
                 r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -223,10 +225,16 @@ _PRE: dict[str, tuple[dict[str, Any] | None, dict[str, Any], bool, bool]] = {
     **dict.fromkeys(("starcoder", "smollm", "refact"),  # Digits(individual) + GPT-2's ByteLevel split
                     (None, _seq({"type": "Digits", "individual_digits": True}, _byte_level(True, trim_offsets=True)),
                      False, False)),
-    "qwen2": (_NFC, _seq(_split(_QWEN2_RE), _byte_level(False)), False, False),
+    # (llama.cpp reads the DeepSeek-R1 distills of Qwen and two more names as qwen2)
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"),
+                    (_NFC, _seq(_split(_QWEN2_RE), _byte_level(False)), False, False)),
     "qwen35": (_NFC, _seq(_split(_QWEN35_RE), _byte_level(False)), False, False),
-    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3"),
+    # (and Falcon 3's, Pixtral's and two more as Llama 3's)
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "midm-2.0", "lfm2"),
                     (None, _seq(_split(_LLAMA3_RE), _byte_level(False, trim_offsets=True)), True, True)),
+    **dict.fromkeys(("smaug-bpe", "dbrx"), (None, _seq(_split(_LLAMA3_RE), _byte_level(False, trim_offsets=True)),
+                                            False, False)),
+    "tekken": (None, _seq(_split(_TEKKEN_RE), _byte_level(False)), True, True),
     "default": (None, _seq(*(_split(r) for r in _DEFAULT_RES), _byte_level(False)), False, False),
 }
 
