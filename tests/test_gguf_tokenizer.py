@@ -357,3 +357,73 @@ def test_minimal_metadata() -> None:
         t.render_chat([{"role": "user", "content": "x"}])
     with pytest.raises(TurboSpecError, match="metadata must be a dict"):
         Tokenizer.from_gguf([])  # type: ignore[arg-type]
+
+
+def spm_model(tmp_path: Path, **options: Any):
+    """A small SentencePiece BPE model trained as Llama 2's was (byte fallback, digits split, whitespace kept)."""
+    spm = pytest.importorskip("sentencepiece")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_prefix=str(tmp_path / "sp"), vocab_size=900, model_type="bpe",
+        byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", character_coverage=0.98, bos_id=1, eos_id=2, unk_id=0,
+        max_sentence_length=100000, minloglevel=2, **options)
+    return spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+
+
+def spm_gguf(sp: Any, path: Path, **extra: Any) -> dict[str, Any]:
+    """The SentencePiece model's GGUF metadata as llama.cpp's converter writes it (`_create_vocab_sentencepiece`:
+    pieces, scores, types; model "llama", pre "default"), read back with GGUFReader."""
+    n = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    types = [gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i) else
+             gguf.TokenType.UNUSED if sp.is_unused(i) else gguf.TokenType.BYTE if sp.is_byte(i) else
+             gguf.TokenType.NORMAL for i in range(n)]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for k, v in extra.items():
+        getattr(w, f"add_{k}")(v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return gguf_metadata(gguf.GGUFReader(path))
+
+
+SPM_TEXTS = [t for t in TRICKY + TEXTS if "<" not in t] + [
+    "Hello world", " Hello", "  two leading", "trailing  ", "a\n\nb", "tab\there", "x" * 40, "naïve façade",
+    "rare: ☃ ♞ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꙮ", "mixed123abc456", "\u00a0nbsp\u3000ideographic space"]
+
+
+def test_sentencepiece_bpe(tmp_path: Path) -> None:
+    """"llama" (SentencePiece BPE, Llama 2 / Mistral 7B files): the tokenizer rebuilt from pieces, scores and types
+    tokenizes and decodes as the `sentencepiece` library does with the model (a space before the text, byte tokens
+    for characters outside the vocabulary), and adds BOS."""
+    sp = spm_model(tmp_path)
+    got = Tokenizer.from_gguf(spm_gguf(sp, tmp_path / "s.gguf"))
+    assert got.add_bos and got.bos_token == "<s>" and got.eos_ids == {2}
+    bytes_used = 0
+    for text in SPM_TEXTS + CORPUS[:6]:
+        ids = sp.encode(text)
+        assert got.encode(text, add_special=False) == ids, (text, got.encode(text, add_special=False), ids)
+        assert got.encode(text) == [1] + ids
+        assert got.decode(ids) == sp.decode(ids), text
+        bytes_used += sum(sp.is_byte(i) for i in ids)
+        dec = StreamDecoder(got)
+        assert "".join(dec.push(i) for i in ids) == got.decode(ids), text
+    assert bytes_used > 0  # characters outside the vocabulary took the byte fallback
+    # a special token in the text is its id, and the text after it starts a word again (llama.cpp's space prefix)
+    assert got.encode("hi</s>there", add_special=False) == sp.encode("hi") + [2] + sp.encode("there")
+
+
+def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
+    sp = spm_model(tmp_path, add_dummy_prefix=False)
+    got = Tokenizer.from_gguf(spm_gguf(sp, tmp_path / "s.gguf", add_space_prefix=False))
+    for text in SPM_TEXTS:
+        assert got.encode(text, add_special=False) == sp.encode(text), text
+        assert got.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text

@@ -55,7 +55,8 @@ class Tokenizer:
         """The tokenizer of a GGUF file, from its metadata (`fields`: key -> python value, as `gguf_metadata` gives):
         the `tokenizers` tokenizer Hugging Face uses for the original checkpoint, rebuilt from the vocabulary, token
         types, merges and pre-tokenizer name llama.cpp's converter stored; BOS/EOS and the chat template from the
-        metadata. Byte-level BPE (`tokenizer.ggml.model` "gpt2") only."""
+        metadata. Byte-level BPE (`tokenizer.ggml.model` "gpt2") and SentencePiece BPE ("llama": Llama 2, Mistral 7B;
+        its merges from the token scores)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         spec, cfg, extra_eos = _gguf_tokenizer_spec(fields)
@@ -263,6 +264,46 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
+_SPACE = "\u2581"  # SentencePiece's word boundary, "▁"
+
+
+def _spm_merges(fields: dict[str, Any], tokens: list[str], types: list[int], vocab: dict[str, int]) -> list[list[str]]:
+    """The BPE merges a SentencePiece BPE vocabulary implies (llama.cpp's "llama" tokenizer: tokens with scores, no
+    merge list): every split of a normal token into two normal tokens, the tokens by descending score (ties: lower
+    id first), a token's splits by their halves' ids -- as transformers builds Llama's tokenizer.json from its
+    SentencePiece model. SentencePiece merges the adjacent pair whose token scores highest; BPE the pair whose merge
+    comes first."""
+    scores = fields.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens) or \
+            not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores):
+        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.scores must be {len(tokens)} numbers (one per token)")
+    normal = {t for t, ty in zip(tokens, types) if ty == _NORMAL and vocab.get(t) is not None}
+    pairs: list[list[str]] = []
+    for i in sorted((vocab[t] for t in normal if len(t) > 1), key=lambda i: (-scores[i], i)):
+        t = tokens[i]
+        splits = [(vocab[t[:k]], vocab[t[k:]]) for k in range(1, len(t)) if t[:k] in normal and t[k:] in normal]
+        pairs += [[tokens[a], tokens[b]] for a, b in sorted(splits)]
+    return pairs
+
+
+def _spm_text(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SentencePiece's text handling as llama.cpp's "llama" tokenizer does it, as tokenizers' normalizer and decoder:
+    spaces as "▁", one "▁" before the text and after every special token (`tokenizer.ggml.add_space_prefix`,
+    default true), byte tokens (<0x0A>) for characters outside the vocabulary; decoding undoes them and drops the
+    leading space."""
+    prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
+    if not isinstance(prefix, bool):
+        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.add_space_prefix {prefix!r} is not a bool")
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}
+    normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": _SPACE}, replace]} if prefix \
+        else replace
+    steps = [{"type": "Replace", "pattern": {"String": _SPACE}, "content": " "}, {"type": "ByteFallback"},
+             {"type": "Fuse"}]
+    if prefix:
+        steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return normalizer, {"type": "Sequence", "decoders": steps}
+
+
 def _gguf_tokenizer_spec(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:
     """The tokenizer.json (as a dict), a tokenizer_config.json-shaped dict and the extra end-of-generation ids that
     GGUF metadata describes; one-line TurboSpecError for metadata it cannot describe."""
@@ -271,14 +312,18 @@ def _gguf_tokenizer_spec(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     model = fields.get("tokenizer.ggml.model")
     if model is None:
         raise TurboSpecError("GGUF tokenizer: no tokenizer.ggml.model in the metadata (a file without a tokenizer)")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.model {model!r} is not supported "
-                             "(supported: 'gpt2', byte-level BPE)")
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if not isinstance(pre, str) or pre not in _PRE:
-        raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.pre {pre!r} is not supported "
-                             f"(supported: {', '.join(sorted(_PRE))})")
-    normalizer, pre_tokenizer, ignore_merges, add_bos_default = _PRE[pre]
+                             "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)")
+    spm = model == "llama"
+    if spm:  # (llama.cpp's SentencePiece tokenizer splits no words: its converter writes pre "default")
+        normalizer, pre_tokenizer, ignore_merges, add_bos_default = None, None, False, True
+    else:
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        if not isinstance(pre, str) or pre not in _PRE:
+            raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.pre {pre!r} is not supported "
+                                 f"(supported: {', '.join(sorted(_PRE))})")
+        normalizer, pre_tokenizer, ignore_merges, add_bos_default = _PRE[pre]
 
     tokens = fields.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
@@ -287,20 +332,11 @@ def _gguf_tokenizer_spec(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     types = fields.get("tokenizer.ggml.token_type", [_NORMAL] * n)
     if not isinstance(types, list) or len(types) != n or not all(type(t) is int for t in types):
         raise TurboSpecError(f"GGUF tokenizer: tokenizer.ggml.token_type must be {n} integers (one per token)")
-    merges = fields.get("tokenizer.ggml.merges")
-    if not isinstance(merges, list) or not merges or not all(isinstance(m, str) for m in merges):
-        raise TurboSpecError("GGUF tokenizer: tokenizer.ggml.merges is missing or not a list of strings")
-    pairs: list[list[str]] = []
-    for m in merges:
-        k = m.find(" ", 1)  # as llama.cpp splits them (a space never starts a byte-level token)
-        if k < 0 or k == len(m) - 1:
-            raise TurboSpecError(f"GGUF tokenizer: merge {m[:40]!r} is not two tokens separated by a space")
-        pairs.append([m[:k], m[k + 1:]])
 
     vocab: dict[str, int] = {}
     added: list[dict[str, Any]] = []
     for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty == _UNUSED:  # llama.cpp's "[PAD<i>]" fillers up to the embedding rows: no token in Hugging Face
+        if ty == _UNUSED or t in vocab:  # llama.cpp's "[PAD<i>]" fillers up to the embedding rows: no token in HF
             continue
         # added tokens are in the BPE vocabulary too: `tokenizers` gives an added token that is not the next free id
         # only when the model has it (merges never build them, so BPE results do not change)
@@ -308,6 +344,18 @@ def _gguf_tokenizer_spec(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[s
         if ty in (_CONTROL, _USER_DEFINED, _UNKNOWN):  # the checkpoint's added tokens (special ones: control)
             added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": ty != _USER_DEFINED})
+    if spm:
+        pairs = _spm_merges(fields, tokens, types, vocab)
+    else:
+        merges = fields.get("tokenizer.ggml.merges")
+        if not isinstance(merges, list) or not merges or not all(isinstance(m, str) for m in merges):
+            raise TurboSpecError("GGUF tokenizer: tokenizer.ggml.merges is missing or not a list of strings")
+        pairs = []
+        for m in merges:
+            k = m.find(" ", 1)  # as llama.cpp splits them (a space never starts a byte-level token)
+            if k < 0 or k == len(m) - 1:
+                raise TurboSpecError(f"GGUF tokenizer: merge {m[:40]!r} is not two tokens separated by a space")
+            pairs.append([m[:k], m[k + 1:]])
 
     def token_id(key: str) -> int | None:
         v = fields.get(key)
@@ -327,20 +375,25 @@ def _gguf_tokenizer_spec(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     if template is not None and not isinstance(template, str):
         raise TurboSpecError("GGUF tokenizer: tokenizer.chat_template is not a string")
 
-    post: dict[str, Any] = _byte_level(True)
-    if add_bos and bos is not None:  # as Llama 3's tokenizer.json: ByteLevel, then "<bos> $A"
+    steps: list[dict[str, Any]] = [] if spm else [_byte_level(True)]
+    if add_bos and bos is not None:  # as Llama's tokenizer.json: (ByteLevel, then) "<bos> $A"
         b = {"SpecialToken": {"id": tokens[bos], "type_id": 0}}
-        post = {"type": "Sequence", "processors": [post, {
+        steps.append({
             "type": "TemplateProcessing",
             "single": [b, {"Sequence": {"id": "A", "type_id": 0}}],
             "pair": [b, {"Sequence": {"id": "A", "type_id": 0}}, b, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}}}]}
+            "special_tokens": {tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}}})
+    post = None if not steps else steps[0] if len(steps) == 1 else {"type": "Sequence", "processors": steps}
+    decoder: dict[str, Any] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    unk = None
+    if spm:
+        normalizer, decoder = _spm_text(fields)
+        unk = next((t for t, ty in zip(tokens, types) if ty == _UNKNOWN), None)
     spec = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer, "post_processor": post,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+        "pre_tokenizer": pre_tokenizer, "post_processor": post, "decoder": decoder,
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": spm, "byte_fallback": spm,
                   "ignore_merges": ignore_merges, "vocab": vocab, "merges": pairs},
     }
     cfg = {"bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
