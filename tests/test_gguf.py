@@ -30,6 +30,7 @@ from turbospec.model.gguf_export import export_gguf, permute_rope  # noqa: E402
 from turbospec.model.registry import load_model  # noqa: E402
 
 ARCH = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+LLAMA_LAYOUT = ("llama", "mistral3")  # (the converter permutes their q/k rows)
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None = None,
@@ -67,7 +68,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32, arch_name: str | None 
         w.add_tensor(name, x)
     for hf, x in sorted(tensors.items()):
         x = x.astype(np.float32)
-        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in LLAMA_LAYOUT and hf.endswith(("q_proj.weight", "k_proj.weight")):
             x = permute_rope(torch.from_numpy(x), heads if "q_proj" in hf else kv).numpy()
         if int8_embedding and names[hf] == "token_embd.weight":  # a tensor type no loader supports (I8)
             w.add_tensor(names[hf], x.astype(np.int8))
@@ -202,6 +203,25 @@ def test_rope_scaling_files_give_the_checkpoint_logits(hf_models, tmp_path, name
     assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
     plain = file_logits({"rope_type": "default", "rope_theta": cfg.rope_theta})
     assert (plain - want).abs().max() > 1e-4  # (random tiny models: rope moves logits little)
+
+
+def test_mistral3_file_is_a_llama_file(hf_models, tmp_path):
+    """llama.cpp's `mistral3` (Mistral Small 3.1 / 3.2, Ministral 3): llama's layers and layout; Ministral 3's YaRN
+    attention factor from its log multiplier, as llama.cpp computes it; its attention temperature scaling is
+    refused in one line."""
+    path = write_gguf(hf_models["llama"], tmp_path / "m.gguf", arch_name="mistral3")
+    got, want = logits(load_model(path, "float32"), IDS), hf_logits(hf_models["llama"], IDS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 16.0, "rope.scaling.original_context_length": 64.0,
+            "rope.scaling.yarn_log_multiplier": 1.0}
+    rope = load_model(write_gguf(hf_models["llama"], tmp_path / "y.gguf", arch_name="mistral3", meta=yarn)).cfg.rope
+    assert rope["rope_type"] == "yarn" and rope["attention_factor"] == pytest.approx(1.0)  # log multiplier 1
+    rope = load_model(write_gguf(hf_models["llama"], tmp_path / "y0.gguf", arch_name="mistral3",
+                                 meta={**yarn, "rope.scaling.yarn_log_multiplier": 0.0})).cfg.rope
+    assert rope["attention_factor"] == pytest.approx(0.1 * np.log(16.0) + 1)
+    with pytest.raises(TurboSpecError, match="attention temperature scaling"):
+        load_model(write_gguf(hf_models["llama"], tmp_path / "t.gguf", arch_name="mistral3",
+                              meta={"attention.temperature_scale": 0.1}))
 
 
 def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):

@@ -27,10 +27,12 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
 from turbospec.weights import BY_GGUF_TYPE, packable, packed_here, release, trim_heap
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen35", "qwen35moe")
+ARCHS = ("qwen3", "qwen2", "llama", "mistral3", "qwen3moe", "qwen35", "qwen35moe")
+LLAMA = ("llama", "mistral3")  # llama's layout (q/k rows permuted by the converter; rope_freqs read)
 HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (llama.cpp's converter reorders their tensors)
 MOE = ("qwen3moe", "qwen35moe")
-MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}  # else the same
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",  # else the same
+               "mistral3": "llama"}  # (Mistral Small 3.1 / 3.2, Ministral 3: llama layers)
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
          # what llama-quantize falls back to for rows not a multiple of 256 values, and other common ones
          "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
@@ -173,10 +175,10 @@ class GGUFFile:
         """RoPE scaling as llama.cpp reads it from the file, in the config.json spelling: `rope.scaling.type` (absent:
         linear, llama.cpp's default) with `rope.scaling.factor` (or the older `rope.scale_linear`; absent: none);
         for YaRN the original context length (default: context_length), `yarn_beta_fast` / `yarn_beta_slow` and
-        the attention factor (`yarn_attn_factor`, the checkpoint's own, else 0.1 ln(factor) + 1; times
-        `rope.scaling.attn_factor`); and the llama3 schedule, which llama.cpp's converter writes as per-frequency
-        divisors, the `rope_freqs` tensor (llama files only, as llama.cpp reads it; one per pair of the `rotated`
-        dims)."""
+        the attention factor (`yarn_attn_factor`, the checkpoint's own, else llama.cpp's 0.1 ln(factor) + 1, over
+        0.1 m ln(factor) + 1 with a `yarn_log_multiplier` m; times `rope.scaling.attn_factor`); and the llama3
+        schedule, which llama.cpp's converter writes as per-frequency divisors, the `rope_freqs` tensor (llama
+        layouts only, as llama.cpp reads it; one per pair of the `rotated` dims)."""
         name = self.path.name
         kind = self.key("rope.scaling.type", "linear")
         factor = self.key("rope.scaling.factor", self.key("rope.scale_linear"))
@@ -194,19 +196,24 @@ class GGUFFile:
         if rope["rope_type"] == "yarn":
             rope["original_max_position_embeddings"] = self.key("rope.scaling.original_context_length",
                                                                 context_length)
-            for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                            ("yarn_attn_factor", "attention_factor")):
+            for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
                 if self.key(f"rope.scaling.{key}") is not None:
                     rope[hf] = self.key(f"rope.scaling.{key}")
-        scale = self.key("rope.scaling.attn_factor")
-        if scale is not None and scale != 1:
-            if rope["rope_type"] != "yarn":
-                raise TurboSpecError(f"{name}: rope.scaling.attn_factor {str(scale)[:40]} without YaRN is not "
-                                     "supported")
-            rope["attention_factor"] = rope.get("attention_factor", 0.1 * math.log(rope["factor"]) + 1) * scale
+            f = rope["factor"]
+            attn = self.key("rope.scaling.yarn_attn_factor")
+            if attn is None:  # llama.cpp's: 0.1 ln(f) + 1, or with a log multiplier m (Ministral 3's mscale_all_dim)
+                m = self.key("rope.scaling.yarn_log_multiplier") or 0  # (0.1 ln(f) + 1) / (0.1 m ln(f) + 1)
+                attn = (0.1 * math.log(f) + 1) / (0.1 * m * math.log(f) + 1)
+            rope["attention_factor"] = float(attn) * self.key("rope.scaling.attn_factor", 1.0)
+        elif self.key("rope.scaling.attn_factor", 1.0) != 1:
+            raise TurboSpecError(f"{name}: rope.scaling.attn_factor {str(self.key('rope.scaling.attn_factor'))[:40]} "
+                                 "without YaRN is not supported")
+        if self.key("attention.temperature_scale"):
+            raise TurboSpecError(f"{name}: attention temperature scaling (Ministral 3's llama_4_scaling_beta) is not "
+                                 "supported yet")
         t = self.tensors.get("rope_freqs.weight")
         if t is not None:
-            if self.arch != "llama":
+            if self.arch not in LLAMA:
                 raise TurboSpecError(f"{name}: a rope_freqs tensor in a {self.arch} file (llama.cpp reads it for "
                                      "llama files only)")
             try:
@@ -417,7 +424,7 @@ class GGUFWeights(IndexedSource):
 
     def _reorder(self, name: str, out: torch.Tensor, col_unit: int = 1) -> torch.Tensor:
         """Undo the converter's reordering (rows, and columns in units of `col_unit` values for packed rows)."""
-        if self.f.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        if self.f.arch in LLAMA and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
             out = unpermute_rope(out, heads)
         if self.hybrid:
