@@ -207,8 +207,8 @@ def test_rope_scaling_files_give_the_checkpoint_logits(hf_models, tmp_path, name
 
 def test_mistral3_file_is_a_llama_file(hf_models, tmp_path):
     """llama.cpp's `mistral3` (Mistral Small 3.1 / 3.2, Ministral 3): llama's layers and layout; Ministral 3's YaRN
-    attention factor from its log multiplier, as llama.cpp computes it; its attention temperature scaling is
-    refused in one line."""
+    attention factor from its log multiplier, as llama.cpp computes it; its attention temperature scaling, which
+    starts at the original context, limits the context to it (one-line error above)."""
     path = write_gguf(hf_models["llama"], tmp_path / "m.gguf", arch_name="mistral3")
     got, want = logits(load_model(path, "float32"), IDS), hf_logits(hf_models["llama"], IDS)
     assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
@@ -219,9 +219,13 @@ def test_mistral3_file_is_a_llama_file(hf_models, tmp_path):
     rope = load_model(write_gguf(hf_models["llama"], tmp_path / "y0.gguf", arch_name="mistral3",
                                  meta={**yarn, "rope.scaling.yarn_log_multiplier": 0.0})).cfg.rope
     assert rope["attention_factor"] == pytest.approx(0.1 * np.log(16.0) + 1)
-    with pytest.raises(TurboSpecError, match="attention temperature scaling"):
-        load_model(write_gguf(hf_models["llama"], tmp_path / "t.gguf", arch_name="mistral3",
-                              meta={"attention.temperature_scale": 0.1}))
+    from turbospec import EngineConfig, build_engine
+
+    temp = write_gguf(hf_models["llama"], tmp_path / "t.gguf", arch_name="mistral3",
+                      meta={**yarn, "attention.temperature_scale": 0.1})
+    assert build_engine(EngineConfig(model=str(temp), ctx=64)).model.cfg.rope["exact_positions"] == 64
+    with pytest.raises(TurboSpecError, match="-c 65: this model scales its attention temperature from position 64"):
+        build_engine(EngineConfig(model=str(temp), ctx=65))
 
 
 def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):

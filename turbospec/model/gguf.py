@@ -208,9 +208,9 @@ class GGUFFile:
         elif self.key("rope.scaling.attn_factor", 1.0) != 1:
             raise TurboSpecError(f"{name}: rope.scaling.attn_factor {str(self.key('rope.scaling.attn_factor'))[:40]} "
                                  "without YaRN is not supported")
-        if self.key("attention.temperature_scale"):
-            raise TurboSpecError(f"{name}: attention temperature scaling (Ministral 3's llama_4_scaling_beta) is not "
-                                 "supported yet")
+        if self.key("attention.temperature_scale"):  # (Ministral 3's llama_4_scaling_beta: queries scaled by
+            # 1 + beta ln(1 + floor(pos / n)) -- by 1 before position n, the original context; not done here)
+            rope["exact_positions"] = int(self.key("rope.scaling.original_context_length") or context_length)
         t = self.tensors.get("rope_freqs.weight")
         if t is not None:
             if self.arch not in LLAMA:
