@@ -1,4 +1,4 @@
-"""Tiny random-weight mixture-of-experts checkpoints (Qwen3-MoE, Qwen3.5-MoE) saved with transformers."""
+"""Tiny random-weight mixture-of-experts checkpoints (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) saved with transformers."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ VARIANTS = {
                          {"decoder_sparse_step": 2, "num_experts_per_tok": 3, "norm_topk_prob": False}),
     # Gated DeltaNet + gated attention, every layer MoE with a gated shared expert
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
+    # the same in Qwen3-Next's layout (in_proj_qkvz / in_proj_ba grouped per key head)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**HYBRID, "mlp_only_layers": []}),
 }
 
 

@@ -27,12 +27,13 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
 from turbospec.weights import BY_GGUF_TYPE, packable, packed_here, release, trim_heap
 
-ARCHS = ("qwen3", "qwen2", "llama", "mistral3", "qwen3moe", "qwen35", "qwen35moe")
+ARCHS = ("qwen3", "qwen2", "llama", "mistral3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 LLAMA = ("llama", "mistral3")  # llama's layout (q/k rows permuted by the converter; rope_freqs read)
-HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (llama.cpp's converter reorders their tensors)
-MOE = ("qwen3moe", "qwen35moe")
+HYBRID = ("qwen35", "qwen35moe", "qwen3next")  # Gated DeltaNet + gated attention (the converter reorders tensors)
+MOE = ("qwen3moe", "qwen35moe", "qwen3next")
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",  # else the same
-               "mistral3": "llama"}  # (Mistral Small 3.1 / 3.2, Ministral 3: llama layers)
+               "mistral3": "llama",  # (Mistral Small 3.1 / 3.2, Ministral 3: llama layers)
+               "qwen3next": "qwen3_next"}
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K",
          # what llama-quantize falls back to for rows not a multiple of 256 values, and other common ones
          "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
@@ -72,6 +73,7 @@ HYBRID_LAYER_NAMES = {  # qwen35 (Qwen3.5 / 3.6 hybrid), per layer: Hugging Face
     "linear_attn.dt_bias": "ssm_dt.bias",
     "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",  # qwen3next: b and a in one, in the checkpoint's order
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.norm.weight": "ssm_norm.weight",
@@ -151,6 +153,9 @@ class GGUFFile:
         n_mtp = int(self.key("nextn_predict_layers", 0) or 0)
         n = d["num_hidden_layers"] = int(d["num_hidden_layers"]) - n_mtp
         recurrent = self.key("attention.recurrent_layers")
+        interval = self.key("full_attention_interval", 4)
+        if recurrent is None and self.arch == "qwen3next" and isinstance(interval, int) and interval > 0:
+            recurrent = [(i + 1) % interval != 0 for i in range(n)]  # (llama.cpp's default for Qwen3-Next)
         if not isinstance(recurrent, list) or len(recurrent) < n:
             raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.attention.recurrent_layers is missing or "
                                  "short")
@@ -163,7 +168,7 @@ class GGUFFile:
         rope_dim = self.key("rope.dimension_count", d["head_dim"])
         d.update(mtp_num_hidden_layers=n_mtp,
                  layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:n]],
-                 full_attention_interval=self.key("full_attention_interval", 4),
+                 full_attention_interval=interval,
                  linear_conv_kernel_dim=ssm["conv_kernel"], linear_key_head_dim=ssm["state_size"],
                  linear_num_key_heads=ssm["group_count"], linear_num_value_heads=ssm["time_step_rank"],
                  linear_value_head_dim=ssm["inner_size"] // ssm["time_step_rank"],
@@ -246,11 +251,12 @@ class GGUFFile:
             d["intermediate_size"] = inter
         out: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": inter,
                                "norm_topk_prob": bool(self.key("expert_weights_norm", True))}
-        if self.arch == "qwen35moe":
+        if self.arch in ("qwen35moe", "qwen3next"):
             shared = self._count("expert_shared_feed_forward_length", False)
             out["shared_expert_intermediate_size"] = shared or d["intermediate_size"]
-        else:
+        if self.arch != "qwen35moe":
             n = d["num_hidden_layers"] if isinstance(d["num_hidden_layers"], int) else 0
+            n -= int(self.key("nextn_predict_layers", 0) or 0)
             out.update(decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors])
         return out
@@ -444,7 +450,7 @@ class GGUFWeights(IndexedSource):
             x = torch.log(-x)
         if name.endswith("conv1d.weight"):
             x = x.reshape(x.shape[0], 1, -1)
-        if nv == nk or ".linear_attn." not in name:
+        if nv == nk or ".linear_attn." not in name or self.f.arch == "qwen3next":  # (Qwen3-Next: grouped, as is)
             return x
         r = nv // nk
         if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):

@@ -145,6 +145,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
     layer = HYBRID_LAYER_NAMES if hybrid else LAYER_NAMES
     if moe:  # the router and the shared expert; the routed experts are stacked below
         layer = {**layer, **{hf: g for hf, g in MOE_LAYER_NAMES.items() if ".experts." not in hf}}
+    if arch == "qwen3next":  # in_proj_qkvz is written as attn_qkv and attn_gate (below)
+        layer = {**layer, "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight"}
     for i in range(n):
         names.update({f"{prefix}.layers.{i}.{hf}": f"blk.{i}.{g}" for hf, g in layer.items()})
     has_mtp = hybrid and ws.has("mtp.fc.weight")
@@ -164,7 +166,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
     ranked = draft_vocab.load(model_dir)
     if ranked is not None:  # the MTP drafter's reduced vocabulary travels with the file
         w.add_array(draft_vocab.GGUF_KEY, ranked)
-    lin = cfg.linear_dims() if hybrid else {}
+    lin = {**cfg.linear_dims(), "tiled": arch != "qwen3next"} if hybrid else {}
     m = cfg.moe()
 
     shapes = _Shapes(ws)
@@ -173,6 +175,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
         g, shape = names[hf], shapes(hf)
         if hybrid and hf.endswith("conv1d.weight"):  # squeezed
             shape = (shape[0], math.prod(shape[1:]))
+        if hf.endswith("in_proj_qkvz.weight"):  # Qwen3-Next: z apart, as the converter does
+            gate = g.replace("attn_qkv", "attn_gate")
+            z = lin["num_v_heads"] * lin["v_head_dim"]
+            jobs.append((gate, (z, shape[1]), partial(_one, ws, cfg, hf, gate, lin)))
+            shape = (shape[0] - z, shape[1])
         jobs.append((g, shape, partial(_one, ws, cfg, hf, g, lin)))
     e, h, inter = m["experts"], cfg.hidden_size, m["inter"]
     for p, b in moe_blocks:
@@ -228,7 +235,8 @@ def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe
     lin = cfg.linear_dims() if hybrid else {}
     if hybrid:
         w.add_rope_dimension_count(int(cfg.head_dim * float(cfg.rope.get("partial_rotary_factor", 1.0))))
-        w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp's default M-RoPE split for Qwen3.5 text
+        if arch != "qwen3next":
+            w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp's default M-RoPE split for Qwen3.5 text
         w.add_ssm_conv_kernel(lin["conv_kernel"])
         w.add_ssm_state_size(lin["k_head_dim"])
         w.add_ssm_group_count(lin["num_k_heads"])
@@ -250,14 +258,14 @@ def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe
 
 EXPORT_ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe",
                 "qwen3_5_text": "qwen35", "qwen3_5": "qwen35", "qwen3_5_moe_text": "qwen35moe",
-                "qwen3_5_moe": "qwen35moe"}  # config.json model_type -> llama.cpp architecture
+                "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}  # config.json model_type -> llama.cpp arch
 F32_MATRICES = ("ssm_conv1d.weight",  # llama.cpp's ssm_conv needs F32
                 "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # routers: F32, as llama.cpp's converter
 
 
 def _rope_scaling(w, cfg: ModelConfig, arch: str) -> None:
     """RoPE scaling as llama.cpp's converter writes it: linear and YaRN as `rope.scaling.*` keys; llama3's schedule
-    as the `rope_freqs` tensor (`rope_freqs`; llama files only: llama.cpp reads it for no other of these)."""
+    as the `rope_freqs` tensor (`rope_freqs` below; in llama files only: llama.cpp reads it in no other of these)."""
     import gguf
 
     r = cfg.rope
@@ -300,16 +308,16 @@ def _moe_metadata(w, arch: str, cfg: ModelConfig, m: dict[str, Any], blocks: lis
     w.add_expert_feed_forward_length(m["inter"])
     if cfg.raw.get("shared_expert_intermediate_size") is not None:
         w.add_expert_shared_feed_forward_length(m["shared_inter"])
-    if arch != "qwen3moe":
+    if arch not in ("qwen3moe", "qwen3next"):
         return
-    if not m["norm_topk"]:
+    if arch == "qwen3moe" and not m["norm_topk"]:
         w.add_expert_weights_norm(False)
         log.warning("norm_topk_prob is false: llama.cpp renormalises the top-k expert weights of qwen3moe files "
                     "regardless, so its output will differ from transformers' (turbospec follows the checkpoint)")
     dense = [i for i in range(cfg.num_layers) if i not in blocks]
     if dense:
         log.warning("layers %s have a dense feed-forward (mlp_only_layers / decoder_sparse_step): turbospec loads "
-                    "the file, llama.cpp's qwen3moe needs every layer to be a MoE and will not", dense)
+                    "the file, llama.cpp's %s needs every layer to be a MoE and will not", dense, arch)
 
 
 class _Shapes:
@@ -395,11 +403,15 @@ def _encode(x: torch.Tensor, qt) -> Any:
 
 
 def _convert_qwen35(hf: str, g: str, x: torch.Tensor, lin: dict[str, int]) -> torch.Tensor:
-    """What llama.cpp's converter does to a Qwen3.5 tensor (undone by `GGUFWeights._undo_qwen35`)."""
+    """What llama.cpp's converter does to a Qwen3.5 or Qwen3-Next tensor (undone by `GGUFWeights._undo_qwen35`):
+    the +1 norms, -exp(A_log), the squeezed conv1d; Qwen3.5's value heads tiled; Qwen3-Next's in_proj_qkvz taken
+    apart (`_qkvz_part`)."""
     if g.endswith("norm.weight") and not g.endswith("ssm_norm.weight"):
         return x + 1
     nk, nv, dk, dv = lin["num_k_heads"], lin["num_v_heads"], lin["k_head_dim"], lin["v_head_dim"]
-    if nv != nk and ".linear_attn." in hf:
+    if hf.endswith("in_proj_qkvz.weight"):
+        return _qkvz_part(x, g, nk, nv, dk, dv)
+    if nv != nk and ".linear_attn." in hf and lin.get("tiled", True):
         r = nv // nk
         if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
             x = torch.cat([x[:2 * nk * dk], tile_v_heads(x[2 * nk * dk:], 0, nk, r, dv)])
@@ -414,6 +426,16 @@ def _convert_qwen35(hf: str, g: str, x: torch.Tensor, lin: dict[str, int]) -> to
     if hf.endswith("conv1d.weight"):
         x = x.reshape(x.shape[0], -1)
     return x
+
+
+def _qkvz_part(x: torch.Tensor, g: str, nk: int, nv: int, dk: int, dv: int) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz (per key head [q | k | v (r heads) | z (r heads)]) as llama.cpp's converter writes
+    it: `attn_qkv` (every head's q, then k, then v) or `attn_gate` (z)."""
+    r = nv // nk
+    q, k, v, z = x.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    if g.endswith("attn_gate.weight"):
+        return z.reshape(nv * dv, -1)
+    return torch.cat([q.reshape(nk * dk, -1), k.reshape(nk * dk, -1), v.reshape(nv * dv, -1)])
 
 
 def _add(w, key: str, value: Any) -> None:

@@ -57,25 +57,23 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
             f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})"
         )
     if ws.has(f"{p}.in_proj_qkv.weight"):  # Qwen3.5: separate projections, head-major
+        if ws.has(f"{p}.in_proj_b.weight"):
+            b, a = ws.matrix(f"{p}.in_proj_b.weight", dtype, (nv, h)), ws.matrix(f"{p}.in_proj_a.weight", dtype, (nv, h))
+        else:  # a Qwen3-Next GGUF file: q, k, v and z as Qwen3.5's, b and a in the checkpoint's in_proj_ba
+            b, a = _split_ba(ws.get(f"{p}.in_proj_ba.weight", dtype, (2 * nv, h)), nk)
         rows = [
             ws.matrix(f"{p}.in_proj_qkv.weight", dtype, (conv_dim, h)),
             ws.matrix(f"{p}.in_proj_z.weight", dtype, (value_dim, h)),
-            ws.matrix(f"{p}.in_proj_b.weight", dtype, (nv, h)),
-            ws.matrix(f"{p}.in_proj_a.weight", dtype, (nv, h)),
+            b,
+            a,
         ]
     else:  # Qwen3-Next: per key-head groups [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]; float
         r = nv // nk
         qkvz = ws.get(f"{p}.in_proj_qkvz.weight", dtype, (2 * key_dim + 2 * value_dim, h))
-        ba = ws.get(f"{p}.in_proj_ba.weight", dtype, (2 * nv, h))
         grp = qkvz.view(nk, 2 * dk + 2 * r * dv, h)
         q, k, v, z = grp.split([dk, dk, r * dv, r * dv], dim=1)
-        b, a = ba.view(nk, 2 * r, h).split([r, r], dim=1)
-        rows = [
-            torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]),
-            z.reshape(-1, h),
-            b.reshape(-1, h),
-            a.reshape(-1, h),
-        ]
+        b, a = _split_ba(ws.get(f"{p}.in_proj_ba.weight", dtype, (2 * nv, h)), nk)
+        rows = [torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]), z.reshape(-1, h), b, a]
     gdn = GatedDeltaNet(
         Linear.fused(rows, [None] * 4, dtype),
         ws.get(f"{p}.conv1d.weight", dtype, (conv_dim, 1, kern)),
@@ -91,6 +89,14 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
     )
     gdn.out_tiling = ws.value_tiling(f"{p}.out_proj.weight")
     return gdn
+
+
+def _split_ba(ba: torch.Tensor, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_ba, per key head [b (r value heads) | a (r value heads)], as Qwen3.5's in_proj_b and
+    in_proj_a (value heads in order)."""
+    h = ba.shape[-1]
+    b, a = ba.view(nk, -1, h).split(ba.shape[0] // nk // 2, dim=1)
+    return b.reshape(-1, h), a.reshape(-1, h)
 
 
 class HybridLayer:
