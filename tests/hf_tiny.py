@@ -9,6 +9,8 @@ import torch
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 512}
 
+PHI3_IDS = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}  # (Phi3Config's defaults are Phi-3's 32000)
+
 VARIANTS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
     "qwen3_tied_bias": ("Qwen3Config", "Qwen3ForCausalLM",
@@ -21,6 +23,12 @@ VARIANTS = {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
         "attention_bias": True, "mlp_bias": True}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None,
+                                               "original_max_position_embeddings": 512, **PHI3_IDS}),
+    # Phi-4-mini's partial rotary and tied embeddings; Phi-3-mini's sliding window
+    "phi3_partial": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True,
+                                                       "sliding_window": 64, "original_max_position_embeddings": 512,
+                                                       **PHI3_IDS}),
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", {
         "head_dim": 16, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 32}}),

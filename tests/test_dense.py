@@ -21,7 +21,7 @@ def test_matches_transformers(hf_models, name):
     assert (got - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3_rope", "qwen2", "phi3_partial"])
 @pytest.mark.parametrize("ubatch", [1, 7, 16, 50])
 def test_chunked_prefill_then_decode(hf_models, name, ubatch):
     model = load_model(hf_models[name], "float32")

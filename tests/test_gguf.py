@@ -224,8 +224,34 @@ def test_mistral3_file_is_a_llama_file(hf_models, tmp_path):
     temp = write_gguf(hf_models["llama"], tmp_path / "t.gguf", arch_name="mistral3",
                       meta={**yarn, "attention.temperature_scale": 0.1})
     assert build_engine(EngineConfig(model=str(temp), ctx=64)).model.cfg.rope["exact_positions"] == 64
-    with pytest.raises(TurboSpecError, match="-c 65: this model scales its attention temperature from position 64"):
+    with pytest.raises(TurboSpecError, match="-c 65: this model has attention temperature scaling .* from position 64"):
         build_engine(EngineConfig(model=str(temp), ctx=65))
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi3_partial"])
+def test_phi3_file_gives_the_checkpoint_logits(hf_models, tmp_path, name):
+    """llama.cpp's `phi3` (Phi-3, Phi-4): q/k/v and gate/up fused as in the checkpoint (`attn_qkv`, `ffn_up`), the
+    partial rotary from rope.dimension_count; a sliding window (Phi-3-mini's) limits the context to it, and LongRoPE
+    files are refused in one line. (By hand, llama.cpp's converter wrote the same tensors, bytes and phi3.* keys for
+    both checkpoints, and its files gave transformers' logits within 2.9e-7.)"""
+    from turbospec import EngineConfig, build_engine
+    from turbospec.model import gguf_reader
+
+    path = export_gguf(hf_models[name], tmp_path / f"{name}.gguf", "f32")
+    meta = gguf_reader.GGUFContents(path).meta
+    got, want = logits(load_model(path, "float32"), IDS), hf_logits(hf_models[name], IDS)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+    if name == "phi3":
+        assert meta["phi3.attention.sliding_window"] == 0 and build_engine(EngineConfig(model=str(path), ctx=4096))
+        return
+    assert meta["phi3.rope.dimension_count"] == 8  # half of head_dim 16
+    build_engine(EngineConfig(model=str(path), ctx=64))
+    with pytest.raises(TurboSpecError, match="-c 65: this model has a sliding attention window .* from position 64"):
+        build_engine(EngineConfig(model=str(path), ctx=65))
+    long = write_gguf(hf_models["llama"], tmp_path / "long.gguf", arch_name="phi3",
+                      extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
+    with pytest.raises(TurboSpecError, match="LongRoPE"):
+        load_model(long)
 
 
 def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):
@@ -291,7 +317,8 @@ def test_qwen35_file_with_mtp_gives_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize(("name", "kind"), [("qwen3", "f32"), ("llama", "f32"), ("qwen3_tied_bias", "f16"),
-                                            ("qwen2", "q8_0"), ("llama", "q4_0"), ("llama3_rope", "f32")])
+                                            ("qwen2", "q8_0"), ("llama", "q4_0"), ("llama3_rope", "f32"),
+                                            ("phi3", "q8_0"), ("phi3_partial", "f32")])
 def test_export_round_trip(hf_models, tmp_path, name, kind):
     """export-gguf then load: f32 gives the checkpoint's tensors (llama's q/k permuted and back), other types
     the gguf package's quantize-dequantize of them."""

@@ -81,10 +81,10 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
 def assemble_engine(config: EngineConfig, path: str, model: Model, tokenizer: Tokenizer | None) -> Engine:
     """An engine for `config` on a model already loaded (`load_parts`): its drafter, cache and cost model. Several
     engines may share one model (`turbospec bench --interleave`)."""
-    exact = model.cfg.rope.get("exact_positions")
-    if exact is not None and config.ctx > exact:
-        raise TurboSpecError(f"-c {config.ctx}: this model scales its attention temperature from position {exact} on "
-                             f"(Ministral 3), which turbospec does not do yet; use -c {exact} or less")
+    limit = model.cfg.exact_limit()
+    if limit is not None and config.ctx > limit[0]:
+        raise TurboSpecError(f"-c {config.ctx}: this model has {limit[1]} from position {limit[0]} on, which "
+                             f"turbospec does not implement yet; use -c {limit[0]} or less")
     drafter = make_drafter(config.spec, model, config.ctx + config.spec.depth + 1, model_path=path)
     engine = Engine(model, tokenizer, config, drafter, model_path=path)
     from turbospec.parallel import tp

@@ -10,7 +10,7 @@ from typing import Any
 
 from turbospec.errors import TurboSpecError
 
-DENSE_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+DENSE_ARCHS = ("qwen3", "qwen2", "llama", "phi3", "qwen3_moe")
 HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 MOE_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # outer model_type -> its text part
@@ -64,6 +64,18 @@ class ModelConfig:
                                      f"of linear_num_key_heads ({d['num_k_heads']})")
         if self.arch in MOE_ARCHS:
             _check_moe(self.raw)
+        if self.arch == "phi3" and self.raw.get("sliding_window") is not None:
+            _int(self.raw["sliding_window"], "sliding_window", 1)
+
+    def exact_limit(self) -> tuple[int, str] | None:
+        """(n, why) when the model attends differently from position n on in a way turbospec does not implement
+        (so a context of at most n positions is exact), else None: Phi-3's sliding window (every position attends to
+        the last n), Ministral 3's attention temperature scaling (queries scaled from its original context on)."""
+        if self.arch == "phi3" and self.raw.get("sliding_window"):
+            return int(self.raw["sliding_window"]), "a sliding attention window (Phi-3)"
+        if self.rope.get("exact_positions"):
+            return int(self.rope["exact_positions"]), "attention temperature scaling (Ministral 3)"
+        return None
 
     @property
     def rope_theta(self) -> float:

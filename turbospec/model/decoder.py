@@ -81,8 +81,11 @@ def load_attention(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtyp
     h, q, kv = cfg.hidden_size, cfg.q_size * (2 if gated else 1), cfg.kv_size
     names = ("q_proj", "k_proj", "v_proj")
     sizes = (q, kv, kv)
-    ws_ = [ws.matrix(f"{p}.{n}.weight", dtype, (s, h)) for n, s in zip(names, sizes)]
-    bs = [ws.get(f"{p}.{n}.bias", dtype, (s,)) if cfg.attention_bias else None for n, s in zip(names, sizes)]
+    if ws.has(f"{p}.qkv_proj.weight"):  # Phi-3: q, k and v in one matrix (no biases)
+        ws_, bs = [ws.matrix(f"{p}.qkv_proj.weight", dtype, (q + 2 * kv, h))], [None]
+    else:
+        ws_ = [ws.matrix(f"{p}.{n}.weight", dtype, (s, h)) for n, s in zip(names, sizes)]
+        bs = [ws.get(f"{p}.{n}.bias", dtype, (s,)) if cfg.attention_bias else None for n, s in zip(names, sizes)]
     o_bias = ws.get(f"{p}.o_proj.bias", dtype, (h,)) if cfg.o_bias else None
     qn = kn = None
     if cfg.qk_norm:
@@ -97,6 +100,9 @@ def load_attention(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtyp
 def load_mlp(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> MLP:
     h, i = cfg.hidden_size, cfg.intermediate_size
     bias = cfg.mlp_bias
+    if ws.has(f"{p}.gate_up_proj.weight"):  # Phi-3: gate then up in one matrix (no biases)
+        return MLP(Linear.fused([ws.matrix(f"{p}.gate_up_proj.weight", dtype, (2 * i, h))], [None], dtype),
+                   Linear(ws.matrix(f"{p}.down_proj.weight", dtype, (h, i))))
     gate = ws.matrix(f"{p}.gate_proj.weight", dtype, (i, h))
     up = ws.matrix(f"{p}.up_proj.weight", dtype, (i, h))
     gb = [ws.get(f"{p}.{n}.bias", dtype, (i,)) if bias else None for n in ("gate_proj", "up_proj")]

@@ -27,7 +27,7 @@ from turbospec.model.config import ModelConfig
 from turbospec.model.loader import IndexedSource, _one_line
 from turbospec.weights import BY_GGUF_TYPE, packable, packed_here, release, trim_heap
 
-ARCHS = ("qwen3", "qwen2", "llama", "mistral3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
+ARCHS = ("qwen3", "qwen2", "llama", "mistral3", "phi3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 LLAMA = ("llama", "mistral3")  # llama's layout (q/k rows permuted by the converter; rope_freqs read)
 HYBRID = ("qwen35", "qwen35moe", "qwen3next")  # Gated DeltaNet + gated attention (the converter reorders tensors)
 MOE = ("qwen3moe", "qwen35moe", "qwen3next")
@@ -65,6 +65,14 @@ LAYER_NAMES = {  # per layer: Hugging Face suffix -> GGUF suffix
 }
 
 
+PHI3_LAYER_NAMES = {  # phi3 (Phi-3, Phi-4): q/k/v and gate/up fused, as in the checkpoint
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 HYBRID_LAYER_NAMES = {  # qwen35 (Qwen3.5 / 3.6 hybrid), per layer: Hugging Face suffix -> GGUF suffix
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -216,6 +224,9 @@ class GGUFFile:
         if self.key("attention.temperature_scale"):  # (Ministral 3's llama_4_scaling_beta: queries scaled by
             # 1 + beta ln(1 + floor(pos / n)) -- by 1 before position n, the original context; not done here)
             rope["exact_positions"] = int(self.key("rope.scaling.original_context_length") or context_length)
+        if "rope_factors_long.weight" in self.tensors:  # (Phi-3's converter writes no type for it)
+            raise TurboSpecError(f"{name}: LongRoPE (rope_factors_long / rope_factors_short: Phi-3.5, Phi-4-mini) is "
+                                 "not supported yet")
         t = self.tensors.get("rope_freqs.weight")
         if t is not None:
             if self.arch not in LLAMA:
@@ -290,8 +301,14 @@ class GGUFFile:
         d["rms_norm_eps"] = self.key("attention.layer_norm_rms_epsilon", 1e-6)
         d["rope_theta"] = self.key("rope.freq_base", 10000.0)
         d["max_position_embeddings"] = self.key("context_length", 4096)
-        d["rope_parameters"] = self._rope_scaling(d["max_position_embeddings"],
-                                                  self.key("rope.dimension_count", d.get("head_dim")))
+        rotated = self.key("rope.dimension_count", d.get("head_dim"))
+        d["rope_parameters"] = self._rope_scaling(d["max_position_embeddings"], rotated)
+        if self.arch not in HYBRID and isinstance(rotated, int) and isinstance(d.get("head_dim"), int) \
+                and rotated != d["head_dim"]:  # partial rotary (Phi-4-mini)
+            d["rope_parameters"]["partial_rotary_factor"] = rotated / d["head_dim"]
+        if self.arch == "phi3":  # (the converter writes 0 for none: Phi-4)
+            d["sliding_window"] = self.key("attention.sliding_window") or None
+            d["original_max_position_embeddings"] = self.key("rope.scaling.original_context_length")
         emb = self.tensors.get("token_embd.weight")
         if emb is None:
             raise TurboSpecError(f"{self.path.name}: tensor token_embd.weight is missing")
@@ -319,7 +336,7 @@ class GGUFWeights(IndexedSource):
         for hf, g in GLOBAL_NAMES.items():
             if g in f.tensors:
                 self.index[hf] = g
-        layer = HYBRID_LAYER_NAMES if self.hybrid else LAYER_NAMES
+        layer = HYBRID_LAYER_NAMES if self.hybrid else PHI3_LAYER_NAMES if f.arch == "phi3" else LAYER_NAMES
         if f.arch in MOE:
             layer = {**layer, **MOE_LAYER_NAMES}
         for i in range(cfg.num_layers):

@@ -35,6 +35,7 @@ from turbospec.model.gguf import (
     MOE,
     MOE_LAYER_NAMES,
     MTP_NAMES,
+    PHI3_LAYER_NAMES,
 )
 from turbospec.model.loader import WeightSource
 from turbospec.tokenizer import _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE, _TEKKEN_RE
@@ -142,7 +143,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
     prefix = "model.language_model" if ws.has("model.language_model.embed_tokens.weight") else "model"
     n = cfg.num_layers
     names = {hf.replace("model.", f"{prefix}.", 1): g for hf, g in GLOBAL_NAMES.items()}
-    layer = HYBRID_LAYER_NAMES if hybrid else LAYER_NAMES
+    layer = HYBRID_LAYER_NAMES if hybrid else PHI3_LAYER_NAMES if arch == "phi3" else LAYER_NAMES
     if moe:  # the router and the shared expert; the routed experts are stacked below
         layer = {**layer, **{hf: g for hf, g in MOE_LAYER_NAMES.items() if ".experts." not in hf}}
     if arch == "qwen3next":  # in_proj_qkvz is written as attn_qkv and attn_gate (below)
@@ -225,12 +226,17 @@ def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe
         w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    if arch != "phi3":  # (llama.cpp's converter writes none for phi3: head_dim is hidden / heads there)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
-    if arch == "llama":  # (as llama.cpp's converter writes it for llama)
-        w.add_rope_dimension_count(cfg.head_dim)
+    if arch in ("llama", "phi3"):  # (as llama.cpp's converter writes them)
+        w.add_rope_dimension_count(int(cfg.head_dim * float(cfg.rope.get("partial_rotary_factor", 1.0))))
+    if arch == "phi3":
+        w.add_sliding_window(int(cfg.raw.get("sliding_window") or 0))
+        w.add_rope_scaling_orig_ctx_len(int(cfg.raw.get("original_max_position_embeddings")
+                                            or cfg.max_position_embeddings))
     _rope_scaling(w, cfg, arch)
     lin = cfg.linear_dims() if hybrid else {}
     if hybrid:
@@ -258,7 +264,7 @@ def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe
 
 EXPORT_ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe",
                 "qwen3_5_text": "qwen35", "qwen3_5": "qwen35", "qwen3_5_moe_text": "qwen35moe",
-                "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}  # config.json model_type -> llama.cpp arch
+                "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next", "phi3": "phi3"}  # model_type -> llama.cpp
 F32_MATRICES = ("ssm_conv1d.weight",  # llama.cpp's ssm_conv needs F32
                 "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # routers: F32, as llama.cpp's converter
 
