@@ -290,6 +290,8 @@ def test_split_must_divide(hf_models):
     raw = {**load_config(HYBRID).raw, "linear_num_key_heads": 1, "linear_num_value_heads": 2}
     with pytest.raises(TurboSpecError, match="does not divide linear_num_key_heads"):
         shard_config(ModelConfig.from_dict(raw), 2)
+    with pytest.raises(TurboSpecError, match="does not split Phi-3's fused"):
+        shard_config(load_config(hf_models["phi3"]), 2)
 
 
 def test_stacked_gate_up_experts_split_by_halves(hf_models):

@@ -94,6 +94,8 @@ def same_sampling(params):
 def shard_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
     """The config one rank builds: 1/`ranks` of the attention heads, KV heads, MLP width, Gated DeltaNet heads and
     expert widths (one clear error naming what the rank count does not divide)."""
+    if cfg.arch == "phi3":
+        raise TurboSpecError("tensor parallelism does not split Phi-3's fused qkv_proj / gate_up_proj yet")
     kv = cfg.num_kv_heads
     if kv < ranks:  # fewer KV heads than ranks: each rank keeps a copy of the one its query heads read (as vLLM)
         if ranks % kv:
