@@ -29,6 +29,12 @@ VARIANTS = {
     "phi3_partial": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True,
                                                        "sliding_window": 64, "original_max_position_embeddings": 512,
                                                        **PHI3_IDS}),
+    # Phi-3.5's LongRoPE: short / long per-frequency factors, 32 pretrained positions of 512
+    "phi3_long": ("Phi3Config", "Phi3ForCausalLM", {
+        "tie_word_embeddings": False, "sliding_window": None, **PHI3_IDS, "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}}),
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", {
         "head_dim": 16, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 32}}),

@@ -231,8 +231,7 @@ def test_mistral3_file_is_a_llama_file(hf_models, tmp_path):
 @pytest.mark.parametrize("name", ["phi3", "phi3_partial"])
 def test_phi3_file_gives_the_checkpoint_logits(hf_models, tmp_path, name):
     """llama.cpp's `phi3` (Phi-3, Phi-4): q/k/v and gate/up fused as in the checkpoint (`attn_qkv`, `ffn_up`), the
-    partial rotary from rope.dimension_count; a sliding window (Phi-3-mini's) limits the context to it, and LongRoPE
-    files are refused in one line. (By hand, llama.cpp's converter wrote the same tensors, bytes and phi3.* keys for
+    partial rotary from rope.dimension_count; a sliding window (Phi-3-mini's) limits the context to it. (By hand, llama.cpp's converter wrote the same tensors, bytes and phi3.* keys for
     both checkpoints, and its files gave transformers' logits within 2.9e-7.)"""
     from turbospec import EngineConfig, build_engine
     from turbospec.model import gguf_reader
@@ -248,10 +247,31 @@ def test_phi3_file_gives_the_checkpoint_logits(hf_models, tmp_path, name):
     build_engine(EngineConfig(model=str(path), ctx=64))
     with pytest.raises(TurboSpecError, match="-c 65: this model has a sliding attention window .* from position 64"):
         build_engine(EngineConfig(model=str(path), ctx=65))
-    long = write_gguf(hf_models["llama"], tmp_path / "long.gguf", arch_name="phi3",
-                      extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(TurboSpecError, match="LongRoPE"):
-        load_model(long)
+
+
+def test_longrope_file_gives_the_checkpoint_logits(hf_models, tmp_path):
+    """LongRoPE (Phi-3.5, Phi-4-mini) as llama.cpp's converter writes it -- the `rope_factors_short` / `_long`
+    tensors, the cos/sin scale as `rope.scaling.attn_factor` -- with the factors llama.cpp picks for the context: the
+    short ones up to the pretrained 32 positions, the long ones past them (transformers picks them by the sequence's
+    length: both agree where the context is the sequence). By hand, the converter's file of the checkpoint had the
+    same tensors, bytes and keys, and gave the same logits."""
+    from turbospec import EngineConfig, build_engine
+
+    src = hf_models["phi3_long"]
+    path = export_gguf(src, tmp_path / "long.gguf", "f32")
+    for n, ctx in ((24, 32), (40, 64)):
+        model = build_engine(EngineConfig(model=str(path), ctx=ctx)).model
+        ids = (torch.arange(n) * 37) % 128
+        got = model.logits(model.forward(ids, AttentionPlan.causal(0, n), model.new_cache(64)))
+        want = hf_logits(src, ids)
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (n, float((got - want).abs().max()))
+        model.rope.set_context(96 - ctx)  # the other factors: different logits
+        other = model.logits(model.forward(ids, AttentionPlan.causal(0, n), model.new_cache(64)))
+        assert (other - want).abs().max() > 1e-3
+    bad = write_gguf(hf_models["llama"], tmp_path / "bad.gguf", arch_name="phi3",
+                     extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
+    with pytest.raises(TurboSpecError, match="rope_factors_short.weight is missing"):
+        load_model(bad)
 
 
 def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):

@@ -81,6 +81,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
 def assemble_engine(config: EngineConfig, path: str, model: Model, tokenizer: Tokenizer | None) -> Engine:
     """An engine for `config` on a model already loaded (`load_parts`): its drafter, cache and cost model. Several
     engines may share one model (`turbospec bench --interleave`)."""
+    model.rope.set_context(config.ctx)  # (LongRoPE: its long frequencies past the pretrained context)
     limit = model.cfg.exact_limit()
     if limit is not None and config.ctx > limit[0]:
         raise TurboSpecError(f"-c {config.ctx}: this model has {limit[1]} from position {limit[0]} on, which "

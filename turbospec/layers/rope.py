@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, llama3 and yarn frequency schedules."""
+"""Rotary position embeddings: default, linear, llama3, yarn and longrope frequency schedules."""
 
 from __future__ import annotations
 
@@ -30,7 +30,22 @@ def _schedule(rope: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]
         return _llama3(inv_freq, rope), 1.0
     if kind == "yarn":
         return _yarn(dim, base, rope)
+    if kind == "longrope":
+        return _longrope(inv_freq, rope)
     raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _longrope(inv_freq: torch.Tensor, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors, the long ones for a context past the pretrained one
+    (`long_context`, set by `Rope.set_context` as llama.cpp chooses them for its context size; transformers picks
+    them per forward by the sequence length), and sqrt(1 + ln(factor) / ln(original)) on cos and sin."""
+    orig = float(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or float(rope.get("max_position_embeddings", orig)) / orig)
+    attn = rope.get("attention_factor")
+    if attn is None:
+        attn = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+    ext = rope["long_factor"] if rope.get("long_context") else rope["short_factor"]
+    return inv_freq / torch.tensor(ext, dtype=torch.float32), float(attn)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
@@ -80,6 +95,7 @@ class Rope:
     """Precomputed cos/sin tables; `apply` rotates the first `rot_dim` dims of q/k at given positions."""
 
     def __init__(self, rope: dict[str, Any], head_dim: int, max_positions: int, dtype: torch.dtype):
+        self.rope = rope
         inv_freq, scale = inv_freq_and_scale(rope, head_dim)
         self.rot_dim = inv_freq.numel() * 2
         self.head_dim = head_dim
@@ -87,6 +103,18 @@ class Rope:
         self.inv_freq = inv_freq
         self.scale = scale
         self._build(max_positions)
+
+    def set_context(self, ctx: int) -> None:
+        """The frequencies for a context of `ctx` positions: LongRoPE's long ones past its pretrained context (as
+        llama.cpp chooses them), else nothing changes."""
+        if self.rope.get("rope_type") != "longrope":
+            return
+        long = ctx > int(self.rope["original_max_position_embeddings"])
+        if bool(self.rope.get("long_context")) != long:
+            self.rope = {**self.rope, "long_context": long}
+            self.inv_freq, self.scale = inv_freq_and_scale(self.rope, self.head_dim)
+            self.inv_freq = self.inv_freq.to(self.cos.device)
+            self._build(self.cos.shape[0])
 
     def _build(self, n: int) -> None:
         t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)  # (decode may grow the tables)

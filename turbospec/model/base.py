@@ -10,6 +10,7 @@ from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.layers.linear import Linear
 from turbospec.layers.moe import ExpertCache
+from turbospec.layers.rope import Rope
 from turbospec.model.config import ModelConfig
 from turbospec.model.mtp import MTPModule
 
@@ -23,6 +24,7 @@ class Model(Protocol):
     lm_head: Linear  # the output projection (Medusa heads and MTP drafting share it)
     mtp: MTPModule | None
     experts: ExpertCache  # mixture-of-experts models' routed experts (empty for other models)
+    rope: Rope  # the rotary tables (the MTP block shares them)
 
     def new_cache(self, max_len: int, *, k_type: str | None = None, v_type: str | None = None,
                   checkpoints: int = 0) -> Cache:

@@ -258,7 +258,8 @@ def _check_rope(rope: dict[str, Any], head_dim: int) -> None:
                              f"dims; it must be in (0, 1] and rotate an even number of dims")
     kind = rope.get("rope_type", "default")
     need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")}.get(kind, ())
+                                              "original_max_position_embeddings"),
+            "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}.get(kind, ())
     for key in need:
         if key not in rope:
             raise TurboSpecError(f"config.json: rope type {kind!r} needs {key!r}")
@@ -268,11 +269,12 @@ def _check_rope(rope: dict[str, Any], head_dim: int) -> None:
             _number(rope[key], f"rope {key}", positive=True)
     if kind == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
         raise TurboSpecError("config.json: rope high_freq_factor must be greater than low_freq_factor")
-    factors = rope.get("freq_factors")  # (from a GGUF file's rope_freqs tensor)
-    if factors is not None and (not isinstance(factors, list) or len(factors) != dim // 2):
-        raise TurboSpecError(f"rope freq_factors must be a list of {dim // 2} numbers (one per rotated pair)")
-    for f in factors or []:
-        _number(f, "rope freq_factors entry", positive=True)
+    for key in ("freq_factors", "short_factor", "long_factor"):  # (freq_factors: a GGUF file's rope_freqs tensor)
+        factors = rope.get(key)
+        if factors is not None and (not isinstance(factors, list) or len(factors) != dim // 2):
+            raise TurboSpecError(f"rope {key} must be a list of {dim // 2} numbers (one per rotated pair)")
+        for f in factors or []:
+            _number(f, f"rope {key} entry", positive=True)
 
 
 def _dense_width(d: dict[str, Any]) -> Any:
@@ -313,11 +315,17 @@ def _rope_params(d: dict[str, Any], hybrid: bool = False) -> dict[str, Any]:
             rope.update(extra)
     if "type" in rope and rope.get("rope_type", "default") == "default":
         rope["rope_type"] = rope.pop("type")
+    if rope["rope_type"] == "su":  # (Phi-3's first name for LongRoPE)
+        rope["rope_type"] = "longrope"
+    if rope["rope_type"] == "longrope":  # (Phi-3 keeps the pretrained context beside the config's rope settings)
+        rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if "partial_rotary_factor" in d:
         rope.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
     if hybrid:  # Qwen3.5 / Qwen3-Next rotate a quarter of each head unless the config says otherwise
         rope.setdefault("partial_rotary_factor", 0.25)
     rope.setdefault("max_position_embeddings", d.get("max_position_embeddings", 32768))
-    if not isinstance(rope["rope_type"], str) or rope["rope_type"] not in ("default", "llama3", "yarn", "linear"):
-        raise TurboSpecError(f"unsupported rope type {_show(rope['rope_type'])} (default, linear, llama3, yarn)")
+    if not isinstance(rope["rope_type"], str) or rope["rope_type"] not in ("default", "llama3", "yarn", "linear",
+                                                                             "longrope"):
+        raise TurboSpecError(f"unsupported rope type {_show(rope['rope_type'])} (default, linear, llama3, yarn, "
+                             "longrope)")
     return rope

@@ -191,8 +191,15 @@ class GGUFFile:
         the attention factor (`yarn_attn_factor`, the checkpoint's own, else llama.cpp's 0.1 ln(factor) + 1, over
         0.1 m ln(factor) + 1 with a `yarn_log_multiplier` m; times `rope.scaling.attn_factor`); and the llama3
         schedule, which llama.cpp's converter writes as per-frequency divisors, the `rope_freqs` tensor (llama
-        layouts only, as llama.cpp reads it; one per pair of the `rotated` dims)."""
+        layouts only, as llama.cpp reads it; one per pair of the `rotated` dims); LongRoPE as its short and long
+        divisors (`rope_factors_short` / `_long`) with `rope.scaling.attn_factor`."""
         name = self.path.name
+        if "rope_factors_long.weight" in self.tensors:  # LongRoPE (Phi-3.5, Phi-4-mini; the converter writes no type)
+            short, long = (self._rope_factors(f"rope_factors_{k}.weight", rotated) for k in ("short", "long"))
+            return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                    "original_max_position_embeddings": self.key("rope.scaling.original_context_length",
+                                                                 context_length),
+                    "attention_factor": float(self.key("rope.scaling.attn_factor", 1.0))}
         kind = self.key("rope.scaling.type", "linear")
         factor = self.key("rope.scaling.factor", self.key("rope.scale_linear"))
         if kind not in ("none", "linear", "yarn"):
@@ -224,25 +231,29 @@ class GGUFFile:
         if self.key("attention.temperature_scale"):  # (Ministral 3's llama_4_scaling_beta: queries scaled by
             # 1 + beta ln(1 + floor(pos / n)) -- by 1 before position n, the original context; not done here)
             rope["exact_positions"] = int(self.key("rope.scaling.original_context_length") or context_length)
-        if "rope_factors_long.weight" in self.tensors:  # (Phi-3's converter writes no type for it)
-            raise TurboSpecError(f"{name}: LongRoPE (rope_factors_long / rope_factors_short: Phi-3.5, Phi-4-mini) is "
-                                 "not supported yet")
-        t = self.tensors.get("rope_freqs.weight")
-        if t is not None:
+        if "rope_freqs.weight" in self.tensors:
             if self.arch not in LLAMA:
                 raise TurboSpecError(f"{name}: a rope_freqs tensor in a {self.arch} file (llama.cpp reads it for "
                                      "llama files only)")
-            try:
-                divisors = _values(t.data, t.tensor_type).astype(np.float64).ravel()
-            except (ValueError, IndexError) as e:
-                raise TurboSpecError(f"{name}: cannot read tensor rope_freqs.weight ({_one_line(e)})") from None
-            if not np.all(np.isfinite(divisors)) or not np.all(divisors > 0):
-                raise TurboSpecError(f"{name}: tensor rope_freqs.weight must hold positive numbers")
-            if isinstance(rotated, int) and divisors.size != rotated // 2:
-                raise TurboSpecError(f"{name}: tensor rope_freqs.weight has {divisors.size} values, the "
-                                     f"{rotated} rotated dims need {rotated // 2}")
-            rope["freq_factors"] = divisors.tolist()
+            rope["freq_factors"] = self._rope_factors("rope_freqs.weight", rotated)
         return rope
+
+    def _rope_factors(self, tensor: str, rotated: Any) -> list[float]:
+        """A tensor of per-frequency factors (`rope_freqs`, `rope_factors_long` / `_short`): positive, one per pair
+        of the `rotated` dims; a one-line error otherwise."""
+        t = self.tensors.get(tensor)
+        if t is None:
+            raise TurboSpecError(f"{self.path.name}: tensor {tensor} is missing")
+        try:
+            values = _values(t.data, t.tensor_type).astype(np.float64).ravel()
+        except (ValueError, IndexError) as e:
+            raise TurboSpecError(f"{self.path.name}: cannot read tensor {tensor} ({_one_line(e)})") from None
+        if not np.all(np.isfinite(values)) or not np.all(values > 0):
+            raise TurboSpecError(f"{self.path.name}: tensor {tensor} must hold positive numbers")
+        if isinstance(rotated, int) and values.size != rotated // 2:
+            raise TurboSpecError(f"{self.path.name}: tensor {tensor} has {values.size} values, the {rotated} rotated "
+                                 f"dims need {rotated // 2}")
+        return values.tolist()
 
     def _moe_config(self, d: dict[str, Any]) -> dict[str, Any]:
         """The mixture-of-experts fields, as llama.cpp reads them: expert_count, expert_used_count,

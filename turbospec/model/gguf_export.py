@@ -190,8 +190,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, kind: str = "f16",
             jobs.append((f"blk.{b}.ffn_{proj}_exps.weight", (e, *mat), partial(_stack, read, proj, e, mat)))
 
     freqs = rope_freqs(cfg)
-    if freqs is not None:
-        jobs.append(("rope_freqs.weight", tuple(freqs.shape), lambda qt: freqs.numpy()))
+    extra = {"rope_freqs.weight": freqs} if freqs is not None else rope_factors(cfg)
+    for g, t in extra.items():
+        jobs.append((g, tuple(t.shape), partial(lambda t, qt: t.numpy(), t)))
     types = [_tensor_type(g, shape, kind, qtype) for g, shape, _ in jobs]
     for (g, shape, _), qt in zip(jobs, types):
         block, size = gguf.GGML_QUANT_SIZES[qt]
@@ -281,6 +282,11 @@ def _rope_scaling(w, cfg: ModelConfig, arch: str) -> None:
                              "tensor in llama files only)")
     if kind in ("default", "llama3"):
         return
+    if kind == "longrope" and arch == "phi3":  # the factors as tensors (`rope_factors`), the cos/sin scale as a key
+        factor = cfg.max_position_embeddings / float(r["original_max_position_embeddings"])
+        orig = float(r["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0)
+        return
     if kind not in ("linear", "yarn"):
         raise TurboSpecError(f"cannot export RoPE scaling {kind!r}")
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
@@ -292,6 +298,14 @@ def _rope_scaling(w, cfg: ModelConfig, arch: str) -> None:
                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if r.get(hf) is not None:
                 add(float(r[hf]))
+
+
+def rope_factors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """LongRoPE's short and long divisors as llama.cpp's converter writes them (`rope_factors_short` / `_long`)."""
+    if cfg.rope.get("rope_type") != "longrope":
+        return {}
+    return {f"rope_factors_{k}.weight": torch.tensor(cfg.rope[f"{k}_factor"], dtype=torch.float32)
+            for k in ("long", "short")}
 
 
 def rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
