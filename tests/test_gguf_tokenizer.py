@@ -300,6 +300,37 @@ def test_llama3_bpe(tmp_path: Path, pre: str, regex: str) -> None:
     assert got.tok.encode("a").ids == [n, vocab["a"]]  # the post-processor adds BOS as Llama 3's does
 
 
+# OpenAI's o200k split as its tokenizer.json has it (quoted by llama.cpp's src/llama-vocab.cpp for "gpt-4o")
+GPT4O_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def test_gpt4o_bpe(tmp_path: Path) -> None:
+    """ "gpt-4o" (Phi-4-mini): the o200k split, merges not ignored, no BOS; against `tokenizers` with that split."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab, merges = trained(GPT4O_RE)
+    ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges]))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT4O_RE), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ref.decoder = decoders.ByteLevel()
+    w = gguf.GGUFWriter(tmp_path / "o.gguf", "phi3")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "o.gguf")))
+    assert not got.add_bos
+    for text in TRICKY + TEXTS:
+        ids = ref.encode(text, add_special_tokens=False).ids
+        assert got.encode(text) == ids, text
+        assert got.decode(ids) == ref.decode(ids), text
+    assert len(got.encode("1234567")) >= 3 and got.encode("I'M") == ref.encode("I'M").ids
+
+
 def test_gguf_metadata_values(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen3")
     w.add_uint32("a.u32", 7)
@@ -327,7 +358,11 @@ BASE = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenize
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"tokenizer.ggml.model": "llama"}, "'llama' is not supported (supported: 'gpt2'"),
+    ({"tokenizer.ggml.model": "t5"}, "'t5' is not supported (supported: 'gpt2', byte-level BPE; 'llama'"),
+    ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.scores must be 3 numbers (one per token)"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0, "x", 1.0]}, "tokenizer.ggml.scores must be"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0] * 3, "tokenizer.ggml.add_space_prefix": 1},
+     "add_space_prefix 1 is not a bool"),
     ({"tokenizer.ggml.model": None}, "no tokenizer.ggml.model"),
     ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre 'klingon' is not supported (supported: dbrx, deepseek-r1-qwen, default"),
     ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens is missing"),

@@ -202,6 +202,8 @@ _QWEN35_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p
 _LLAMA3_RE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # Mistral's Tekken (Mistral Nemo, Mistral Small 3): words split at lower-to-upper case changes, digits one by one
 _TEKKEN_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# OpenAI's o200k split (Phi-4-mini): Tekken's with contractions kept on words and digits in threes
+_GPT4O_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # llama.cpp's "default" (a missing tokenizer.ggml.pre): its own sequence of splits, no Hugging Face counterpart
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)""",
                 r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -236,6 +238,7 @@ _PRE: dict[str, tuple[dict[str, Any] | None, dict[str, Any], bool, bool]] = {
     **dict.fromkeys(("smaug-bpe", "dbrx"), (None, _seq(_split(_LLAMA3_RE), _byte_level(False, trim_offsets=True)),
                                             False, False)),
     "tekken": (None, _seq(_split(_TEKKEN_RE), _byte_level(False)), True, True),
+    "gpt-4o": (None, _seq(_split(_GPT4O_RE), _byte_level(False)), False, False),
     "default": (None, _seq(*(_split(r) for r in _DEFAULT_RES), _byte_level(False)), False, False),
 }
 

@@ -38,7 +38,7 @@ from turbospec.model.gguf import (
     PHI3_LAYER_NAMES,
 )
 from turbospec.model.loader import WeightSource
-from turbospec.tokenizer import _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE, _TEKKEN_RE
+from turbospec.tokenizer import _GPT4O_RE, _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE, _TEKKEN_RE
 from turbospec.weights import quantize
 
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
@@ -67,7 +67,8 @@ def pre_tokenizer_name(tok: dict[str, Any]) -> str:
     if kinds == ["Digits", "ByteLevel"] and pre["pretokenizers"][0].get("individual_digits"):
         return "smollm"
     regexes = {p.get("pattern", {}).get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"}
-    for name, regex in (("qwen35", _QWEN35_RE), ("qwen2", _QWEN2_RE), ("llama-bpe", _LLAMA3_RE), ("tekken", _TEKKEN_RE)):
+    for name, regex in (("qwen35", _QWEN35_RE), ("qwen2", _QWEN2_RE), ("llama-bpe", _LLAMA3_RE), ("tekken", _TEKKEN_RE),
+                        ("gpt-4o", _GPT4O_RE)):
         if regex in regexes:
             return name
     raise TurboSpecError(f"cannot name this tokenizer's pre-tokenizer for llama.cpp ({json.dumps(pre)[:120]})")
