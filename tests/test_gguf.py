@@ -282,7 +282,9 @@ def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):
              (qwen3, {}, {"rope_freqs.weight": halves}, "rope_freqs tensor in a qwen3 file"),
              (llama, {}, {"rope_freqs.weight": np.ones(5, dtype=np.float32)}, "has 5 values"),
              (llama, {}, {"rope_freqs.weight": -halves}, "positive numbers"),
-             (qwen3, {"rope.scaling.attn_factor": 2.0}, None, "attn_factor 2.0 without YaRN")]
+             (qwen3, {"rope.scaling.attn_factor": 2.0}, None, "attn_factor 2 without YaRN"),
+             (qwen3, {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_beta_fast": "x"},
+              None, "yarn_beta_fast must be a positive number, got x")]
     for i, (src, meta, extra, msg) in enumerate(cases):
         with pytest.raises(TurboSpecError, match=msg) as e:
             load_model(write_gguf(src, tmp_path / f"r{i}.gguf", meta=meta, extra=extra))

@@ -197,46 +197,53 @@ class GGUFFile:
         if "rope_factors_long.weight" in self.tensors:  # LongRoPE (Phi-3.5, Phi-4-mini; the converter writes no type)
             short, long = (self._rope_factors(f"rope_factors_{k}.weight", rotated) for k in ("short", "long"))
             return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
-                    "original_max_position_embeddings": self.key("rope.scaling.original_context_length",
-                                                                 context_length),
-                    "attention_factor": float(self.key("rope.scaling.attn_factor", 1.0))}
+                    "original_max_position_embeddings": self._number("rope.scaling.original_context_length",
+                                                                     context_length),
+                    "attention_factor": self._number("rope.scaling.attn_factor", 1.0)}
         kind = self.key("rope.scaling.type", "linear")
-        factor = self.key("rope.scaling.factor", self.key("rope.scale_linear"))
+        factor = self._number("rope.scaling.factor", self.key("rope.scale_linear"), zero=True)
         if kind not in ("none", "linear", "yarn"):
             raise TurboSpecError(f"{name}: RoPE scaling {str(kind)[:40]!r} is not supported (none, linear, yarn, and "
                                  "llama3's rope_freqs)")
         rope: dict[str, Any] = {"rope_type": "default"}
-        if factor is not None and kind != "none":
-            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
-                    or factor < 0:
-                raise TurboSpecError(f"{name}: metadata {self.arch}.rope.scaling.factor must be a positive number, "
-                                     f"got {str(factor)[:40]}")
-            if factor not in (0, 1):  # (llama.cpp: 0 is no scaling; 1 scales nothing)
-                rope = {"rope_type": kind, "factor": float(factor)}
+        if factor is not None and kind != "none" and factor not in (0, 1):  # (llama.cpp: 0 is none; 1 scales nothing)
+            rope = {"rope_type": kind, "factor": factor}
+        scale = self._number("rope.scaling.attn_factor", 1.0)
         if rope["rope_type"] == "yarn":
-            rope["original_max_position_embeddings"] = self.key("rope.scaling.original_context_length",
-                                                                context_length)
+            rope["original_max_position_embeddings"] = self._number("rope.scaling.original_context_length",
+                                                                    context_length)
             for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
                 if self.key(f"rope.scaling.{key}") is not None:
-                    rope[hf] = self.key(f"rope.scaling.{key}")
+                    rope[hf] = self._number(f"rope.scaling.{key}")
             f = rope["factor"]
-            attn = self.key("rope.scaling.yarn_attn_factor")
+            attn = self._number("rope.scaling.yarn_attn_factor")
             if attn is None:  # llama.cpp's: 0.1 ln(f) + 1, or with a log multiplier m (Ministral 3's mscale_all_dim)
-                m = self.key("rope.scaling.yarn_log_multiplier") or 0  # (0.1 ln(f) + 1) / (0.1 m ln(f) + 1)
+                m = self._number("rope.scaling.yarn_log_multiplier", 0.0, zero=True)  # (0.1 ln(f) + 1) / (0.1 m ...)
                 attn = (0.1 * math.log(f) + 1) / (0.1 * m * math.log(f) + 1)
-            rope["attention_factor"] = float(attn) * self.key("rope.scaling.attn_factor", 1.0)
-        elif self.key("rope.scaling.attn_factor", 1.0) != 1:
-            raise TurboSpecError(f"{name}: rope.scaling.attn_factor {str(self.key('rope.scaling.attn_factor'))[:40]} "
-                                 "without YaRN is not supported")
+            rope["attention_factor"] = attn * scale
+        elif scale != 1:
+            raise TurboSpecError(f"{name}: rope.scaling.attn_factor {scale:g} without YaRN is not supported")
         if self.key("attention.temperature_scale"):  # (Ministral 3's llama_4_scaling_beta: queries scaled by
             # 1 + beta ln(1 + floor(pos / n)) -- by 1 before position n, the original context; not done here)
-            rope["exact_positions"] = int(self.key("rope.scaling.original_context_length") or context_length)
+            rope["exact_positions"] = int(self._number("rope.scaling.original_context_length", context_length))
         if "rope_freqs.weight" in self.tensors:
             if self.arch not in LLAMA:
                 raise TurboSpecError(f"{name}: a rope_freqs tensor in a {self.arch} file (llama.cpp reads it for "
                                      "llama files only)")
             rope["freq_factors"] = self._rope_factors("rope_freqs.weight", rotated)
         return rope
+
+    def _number(self, key: str, default: Any = None, zero: bool = False) -> Any:
+        """The metadata number `key` (the architecture's), `default` when absent; positive (or 0 with `zero`), else
+        a one-line error."""
+        v = self.key(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+                (v == 0 and not zero):
+            raise TurboSpecError(f"{self.path.name}: metadata {self.arch}.{key} must be a positive number, got "
+                                 f"{str(v)[:40]}")
+        return float(v)
 
     def _rope_factors(self, tensor: str, rotated: Any) -> list[float]:
         """A tensor of per-frequency factors (`rope_freqs`, `rope_factors_long` / `_short`): positive, one per pair
