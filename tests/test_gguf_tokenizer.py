@@ -85,6 +85,11 @@ def gguf_fields(tokenizer_json: dict[str, Any], tokenizer_config: dict[str, Any]
         w.add_add_bos_token(bool(tokenizer_config["add_bos_token"]))
     if tokenizer_config.get("chat_template"):
         w.add_chat_template(tokenizer_config["chat_template"])
+    return read_back(w, path, extra)
+
+
+def read_back(w: Any, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """Add the `extra` keys (GGUFWriter's add_<key>) to `w`, write it, and read the metadata back with GGUFReader."""
     for k, v in extra.items():
         getattr(w, f"add_{k}")(v)
     w.write_header_to_file()
@@ -422,12 +427,7 @@ def spm_gguf(sp: Any, path: Path, **extra: Any) -> dict[str, Any]:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    for k, v in extra.items():
-        getattr(w, f"add_{k}")(v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    return gguf_metadata(gguf.GGUFReader(path))
+    return read_back(w, path, extra)
 
 
 SPM_TEXTS = [t for t in TRICKY + TEXTS if "<" not in t] + [
