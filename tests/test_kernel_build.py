@@ -69,3 +69,30 @@ def test_no_message_when_cached(fake_torch_build, tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(gemv, "BUILD_NOTICE_AFTER_S", 60.0)
     assert gemv._load_extension.__wrapped__("ts_test_c", "encode.cpp", "test", ("-DX=1",)) is not None
     assert gemv.BUILD_MESSAGE not in capsys.readouterr().err
+
+
+def test_a_killed_builds_lock_is_dropped(tmp_path, capsys):
+    """torch waits forever on the lock of a build whose process was killed (Ctrl-C on the first run): the lock goes
+    when the process that took it is gone, stays while it runs or when the owner cannot be told (then only its age
+    counts)."""
+    import subprocess
+    import sys
+
+    lock, owner = tmp_path / "lock", tmp_path / "turbospec.pid"
+    gemv._drop_stale_lock(lock)  # no lock: this process is about to take it
+    assert owner.read_text() == str(os.getpid())
+    lock.touch()
+    gemv._drop_stale_lock(lock)  # taken by a live process (this one): kept
+    assert lock.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner.write_text(dead.stdout.strip())
+    gemv._drop_stale_lock(lock)
+    assert not lock.exists() and "removed a stale kernel build lock" in capsys.readouterr().err
+    assert owner.read_text() == str(os.getpid())
+    lock.touch()
+    owner.write_text("not a pid")
+    gemv._drop_stale_lock(lock)  # owner unknown, lock fresh: kept
+    assert lock.exists()
+    os.utime(lock, (0, 0))
+    gemv._drop_stale_lock(lock)  # ... but not once older than any build
+    assert not lock.exists()

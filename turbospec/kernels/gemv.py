@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 import threading
@@ -103,14 +104,32 @@ STALE_LOCK_S = 600  # a build takes about a minute; an older lock was left by a 
 
 
 def _drop_stale_lock(lock: Path) -> None:
-    """torch waits forever on a build lock left behind by a process killed while compiling: remove it when it is
-    older than any real build."""
+    """torch waits forever on a build lock left behind by a process killed while compiling (a Ctrl-C during the
+    first run's build): remove it when the process that took it (`owner`, beside the lock: the last one to find no
+    lock) is gone, or when it is older than any real build. Finding no lock, this process is about to take it."""
+    owner = lock.with_name("turbospec.pid")
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        if lock.exists() and (not _alive(owner) or time.time() - lock.stat().st_mtime > STALE_LOCK_S):
             lock.unlink()
             print(f"turbospec: removed a stale kernel build lock ({lock})", file=sys.stderr)
+        if not lock.exists():
+            owner.parent.mkdir(parents=True, exist_ok=True)
+            owner.write_text(str(os.getpid()))
     except OSError:
         pass
+
+
+def _alive(owner: Path) -> bool:
+    """Whether the process whose id `owner` holds is running (True when it cannot be told: then only the lock's
+    age decides)."""
+    try:
+        pid = int(owner.read_text())
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return True
 
 
 def load_kernel():
