@@ -105,6 +105,21 @@ def test_max_context_is_the_boundary(models):
     assert ctx[DEFAULT_KV_TYPES.index("turbo2")] > ctx[DEFAULT_KV_TYPES.index("q8_0")] > ctx[0]
 
 
+def test_context_capped_where_the_model_stops_being_exact(hf_models, tmp_path):
+    """A model that attends differently past some position (Phi-3's sliding window here: 64 positions) is planned
+    up to that position, from its checkpoint and from its GGUF file alike, with a note; `run` refuses more."""
+    from turbospec.lab.fit import plan
+    from turbospec.model.gguf_export import export_gguf
+
+    src = hf_models["phi3_partial"]
+    for model in (src, export_gguf(src, tmp_path / "p.gguf", "f32")):
+        arch = load_arch(str(model))
+        info = plan(arch, Setup(), 8 * GiB, ["f16"], [], None)
+        assert arch.exact_ctx == 64 and [r["max_ctx"] for r in info["rows"]] == [64]
+        assert any("context capped at 64" in n for n in info["notes"])
+    assert load_arch(str(hf_models["phi3"])).exact_ctx is None
+
+
 def test_gguf_reader(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np

@@ -76,6 +76,8 @@ class Arch:
     moe_layers: int = 0
     mtp_moe: bool = False
     gguf_expert_bytes: tuple[int, int] | None = None  # a GGUF file's routed-expert tensor bytes (trunk, MTP)
+    # the longest context turbospec runs exactly (`ModelConfig.exact_limit`: a sliding window, temperature scaling)
+    exact_ctx: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -158,7 +160,8 @@ def arch_from_config(d: dict, name: str = "config") -> Arch:
     return Arch(
         n_experts=moe.get("experts", 0), experts_per_tok=moe.get("top_k", 0), expert_inter=moe.get("inter", 0),
         shared_inter=moe.get("shared_inter", 0), moe_layers=sum(cfg.moe_layer(i) for i in range(cfg.num_layers)),
-        mtp_moe=bool(moe) and cfg.arch in ("qwen3_5_moe_text", "qwen3_5_moe"),
+        mtp_moe=bool(moe) and cfg.arch in ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"),
+        exact_ctx=limit[0] if (limit := cfg.exact_limit()) else None,
         name=name, vocab=cfg.vocab_size, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         n_attn=n_attn, n_gdn=len(types) - n_attn, gated_attn=hybrid,
@@ -285,6 +288,10 @@ def arch_from_gguf(path: Path) -> Arch:
                 n_kv_heads=n_kv, head_dim=head_dim, n_attn=n_attn,
                 n_gdn=n_gdn, gated_attn=bool(n_gdn), mtp_layers=mtp,
                 max_pos=int(g("context_length", 32768)), tied=False)
+    if a == "phi3" and g("attention.sliding_window"):  # (as `ModelConfig.exact_limit` for the loaded file)
+        arch.exact_ctx = int(g("attention.sliding_window"))
+    elif g("attention.temperature_scale"):
+        arch.exact_ctx = int(g("rope.scaling.original_context_length") or arch.max_pos)
     if n_gdn:
         # llama.cpp ssm keys: d_inner = V heads x V dim, state_size = K dim, group_count = K heads,
         # time_step_rank = V heads

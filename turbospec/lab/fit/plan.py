@@ -51,16 +51,18 @@ def runtime_baseline(overhead: str | None, backend: str = "cpu") -> tuple[int | 
 def max_context(arch: Arch, setup: Setup, mem: int, k_type: str, v_type: str, mode: str = "base",
                 draft: Arch | None = None, dk_type: str | None = None, dv_type: str | None = None,
                 cap: int = 1 << 22, step: int = 256) -> tuple[int, Breakdown | None]:
-    """Largest context (a multiple of `step`, <= cap) whose estimate fits `mem`; (0, None) if none does."""
+    """Largest context (`cap`, else a multiple of `step` below it) whose estimate fits `mem`; (0, None) if none
+    does."""
     def fits(c: int) -> Breakdown | None:
         b = estimate(arch, setup, c, k_type, v_type, mode, draft, dk_type, dv_type)
         return b if b.total <= mem else None
 
+    step = min(step, cap)
     if fits(step) is None:
         return 0, None
+    if fits(cap) is not None:
+        return cap, fits(cap)
     lo, hi = 1, cap // step
-    if fits(hi * step) is not None:
-        return hi * step, fits(hi * step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid * step) is not None:
@@ -152,6 +154,10 @@ def plan(arch: Arch, setup: Setup, mem: int, k_types: list[str] | None = None,
         raise TurboSpecError("-md with -np > 1: serve does not batch draft-model (one copy of its weights per "
                              "sequence), so fit does not plan it")
     notes = list(arch.notes)
+    if arch.exact_ctx is not None and arch.exact_ctx < cap:
+        cap = arch.exact_ctx
+        notes.append(f"context capped at {cap}: past it this model attends in a way turbospec does not implement "
+                     "yet (a sliding window or attention temperature scaling), and `run` / `serve` refuse a longer -c")
     if arch.n_experts and setup.moe_cache_mem is None:
         setup = expert_plan(arch, setup, mem, at_ctx or 4096, want_mtp, notes)
     rows = fit_table(arch, setup, mem, list(k_types or DEFAULT_KV_TYPES), list(v_types or []), modes, draft,
