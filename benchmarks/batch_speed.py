@@ -44,7 +44,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int] | str, n: i
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = pieces = 0
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=1200) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -61,6 +61,11 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int] | str, n: i
                 continue
             first = first or now
             last = now
+            pieces += 1
+    if tokens > 2 and pieces <= 2:  # the text came at the end, not token by token: TTFT and stream speeds would lie
+        raise RuntimeError(f"{tokens} tokens arrived as {pieces} pieces of text: this model's tokenizer decodes its "
+                           "tokens to nothing (models/demo-qwen3's has 259 tokens for 32000 rows); serve a GGUF export "
+                           "of it (--gguf, as benchmarks/to_gguf.py writes), whose vocabulary names every row")
     return {"t0": t0, "ttft_ms": ((first or t0) - t0) * 1e3, "first": first, "last": last, "tokens": tokens,
             "decode_tps": (tokens - 1) / (last - first) if first and last and last > first else 0.0}
 
