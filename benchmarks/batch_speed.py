@@ -14,7 +14,9 @@ round alternate between them.
         --llama-server <llama.cpp>/build/bin/llama-server --gguf models/demo-qwen3/bench-f16.gguf \\
         --rounds 3 --json docs/results/batch_speed.json
 
-Without --gguf, turbospec loads --model (HF safetensors) and llama-server is skipped. With --gguf, both engines
+Without --gguf, turbospec loads --model (HF safetensors) and llama-server is skipped; its tokenizer must name
+every row the model can sample (models/demo-qwen3's names 259 of 32000: use its GGUF export), else the text
+arrives in one piece and the load is refused. With --gguf, both engines
 load that file (turbospec with --flags on top: e.g. --dtype bfloat16 computes in bf16 from the f16 file).
 """
 
