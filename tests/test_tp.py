@@ -176,7 +176,7 @@ def checkpoints(hf_models, tmp_path_factory):
     from turbospec.model.gguf_export import export_gguf
 
     out = tmp_path_factory.mktemp("tp")
-    paths = {n: hf_models[n] for n in ("qwen3", "qwen2", "qwen3_gqa3", "llama")}
+    paths = {n: hf_models[n] for n in ("qwen3", "qwen2", "qwen3_gqa3", "llama", "phi3", "phi3_partial")}
     paths |= {n: hf_hybrid.build(n, out) for n in ("qwen3_5", "qwen3_next", "qwen3_next_moe")}
     paths |= {"qwen3_moe": hf_moe.build("qwen3_moe", out), "qwen3_5_moe_mtp": hf_moe.build("qwen3_5_moe", out, True)}
     paths["gguf_f32"] = export_gguf(hf_models["qwen3"], out / "q.gguf", "f32")
@@ -188,8 +188,8 @@ def checkpoints(hf_models, tmp_path_factory):
     return paths
 
 
-LOGITS = ("qwen3", "qwen2", "qwen3_gqa3", "llama", "qwen3_5", "qwen3_next", "qwen3_next_moe", "qwen3_moe",
-          "qwen3_5_moe_mtp", "gguf_f32", "gguf_hybrid_f32")
+LOGITS = ("qwen3", "qwen2", "qwen3_gqa3", "llama", "phi3", "phi3_partial", "qwen3_5", "qwen3_next", "qwen3_next_moe",
+          "qwen3_moe", "qwen3_5_moe_mtp", "gguf_f32", "gguf_hybrid_f32")
 
 
 def test_two_ranks_equal_one_process(checkpoints, tmp_path):
@@ -290,8 +290,6 @@ def test_split_must_divide(hf_models):
     raw = {**load_config(HYBRID).raw, "linear_num_key_heads": 1, "linear_num_value_heads": 2}
     with pytest.raises(TurboSpecError, match="does not divide linear_num_key_heads"):
         shard_config(ModelConfig.from_dict(raw), 2)
-    with pytest.raises(TurboSpecError, match="does not split Phi-3's fused"):
-        shard_config(load_config(hf_models["phi3"]), 2)
 
 
 def test_stacked_gate_up_experts_split_by_halves(hf_models):
@@ -306,6 +304,27 @@ def test_stacked_gate_up_experts_split_by_halves(hf_models):
     for rank, want in ((0, [(0, 16), (32, 48)]), (1, [(16, 32), (48, 64)])):
         source = ShardedSource(WeightSource(hf_models["qwen3"]), rank, 2, local, cfg.num_kv_heads)
         assert source._split(name, (32, 64)) == (0, want, (64, 64))
+
+
+def test_fused_qkv_split_by_heads(hf_models):
+    """Phi-3's qkv_proj [q (4 heads x 16) | k (2 heads) | v (2 heads)]: a rank takes its query heads and the KV head
+    they read -- over 4 ranks each KV head goes to two ranks (as KV_ROWS); the rows taken are the stored ones."""
+    from turbospec.model.loader import WeightSource, load_config
+    from turbospec.parallel.tp import ShardedSource, shard_config
+
+    cfg = load_config(hf_models["phi3"])
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    whole = WeightSource(hf_models["phi3"]).get(name, torch.float32)
+    for ranks, want in ((2, [[(0, 32), (64, 80), (96, 112)], [(32, 64), (80, 96), (112, 128)]]),
+                        (4, [[(0, 16), (64, 80), (96, 112)], [(16, 32), (64, 80), (96, 112)],
+                             [(32, 48), (80, 96), (112, 128)], [(48, 64), (80, 96), (112, 128)]])):
+        local = shard_config(cfg, ranks)
+        rows = local.q_size + 2 * local.kv_size
+        for rank in range(ranks):
+            source = ShardedSource(WeightSource(hf_models["phi3"]), rank, ranks, local, cfg.num_kv_heads)
+            assert source._split(name, (rows, 64)) == (0, want[rank], (128, 64))
+            got = source.get(name, torch.float32, (rows, 64))
+            assert torch.equal(got, torch.cat([whole[a:b] for a, b in want[rank]]))
 
 
 def test_a_rank_reads_its_part_only(hf_models):

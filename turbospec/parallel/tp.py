@@ -53,7 +53,8 @@ ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_pro
         ".A_log", ".dt_bias", "experts.gate_proj", "experts.up_proj")
 COLUMNS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")
 QKV_ROWS = ("in_proj_qkv.weight", "conv1d.weight")  # [q | k | v]: each of the three split by heads
-GATE_UP_ROWS = ("experts.gate_up_proj",)  # one expert's [gate | up]: each half split
+ATTN_QKV_ROWS = ("self_attn.qkv_proj.weight",)  # Phi-3's attention [q | k | v]: query heads, then KV heads
+GATE_UP_ROWS = ("experts.gate_up_proj", "mlp.gate_up_proj.weight")  # one [gate | up] (an expert's, Phi-3's MLP): halves
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 KV_ROWS = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
@@ -94,8 +95,6 @@ def same_sampling(params):
 def shard_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
     """The config one rank builds: 1/`ranks` of the attention heads, KV heads, MLP width, Gated DeltaNet heads and
     expert widths (one clear error naming what the rank count does not divide)."""
-    if cfg.arch == "phi3":
-        raise TurboSpecError("tensor parallelism does not split Phi-3's fused qkv_proj / gate_up_proj yet")
     kv = cfg.num_kv_heads
     if kv < ranks:  # fewer KV heads than ranks: each rank keeps a copy of the one its query heads read (as vLLM)
         if ranks % kv:
@@ -147,6 +146,13 @@ class ShardedSource:
         if name.endswith(VOCAB):
             lo, hi = vocab_range(shape[0], self.rank, self.ranks)
             return 0, [(lo, hi)], tuple(shape)
+        if name.endswith(ATTN_QKV_ROWS):  # (the KV parts as KV_ROWS: shared by `kv_copies` ranks)
+            q, kv = self.local.q_size, self.local.kv_size
+            heads = self.rank // self.kv_copies, self.ranks // self.kv_copies
+            ranges = [(self.rank * q, (self.rank + 1) * q)]
+            ranges += [(off + heads[0] * kv, off + (heads[0] + 1) * kv)
+                       for off in (q * self.ranks, q * self.ranks + kv * heads[1])]
+            return 0, ranges, (q * self.ranks + 2 * kv * heads[1], *shape[1:])
         if name.endswith(QKV_ROWS):
             d = self.local.linear_dims()
             key, value = d["num_k_heads"] * d["k_head_dim"], d["num_v_heads"] * d["v_head_dim"]
@@ -172,7 +178,7 @@ class ShardedSource:
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         split = None if shape is None else self._split(name, shape)
         if split is None:
-            if shape is None and name.endswith(ROWS + COLUMNS + QKV_ROWS + GATE_UP_ROWS + VOCAB):
+            if shape is None and name.endswith(ROWS + COLUMNS + QKV_ROWS + ATTN_QKV_ROWS + GATE_UP_ROWS + VOCAB):
                 raise TurboSpecError(f"{name}: a split tensor is read with its local shape")
             return self.source.get(name, dtype, shape)
         dim, ranges, whole = split
