@@ -235,6 +235,8 @@ def write_metadata(w, cfg: ModelConfig, arch: str, kind: str, has_mtp: bool, moe
     w.add_rope_freq_base(cfg.rope_theta)
     if arch in ("llama", "phi3"):  # (as llama.cpp's converter writes them)
         w.add_rope_dimension_count(int(cfg.head_dim * float(cfg.rope.get("partial_rotary_factor", 1.0))))
+    if arch == "llama":
+        w.add_vocab_size(cfg.vocab_size)
     if arch == "phi3":
         w.add_sliding_window(int(cfg.raw.get("sliding_window") or 0))
         w.add_rope_scaling_orig_ctx_len(int(cfg.raw.get("original_max_position_embeddings")
@@ -310,13 +312,20 @@ def rope_factors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
-    """llama3's schedule as llama.cpp's per-frequency divisors (its `rope_freqs` tensor: the default frequencies
-    over the scaled ones); None for the other schedules."""
-    if cfg.rope.get("rope_type", "default") != "llama3":
+    """llama3's schedule as llama.cpp's per-frequency divisors (its `rope_freqs` tensor): 1 for wavelengths below
+    the original context / high_freq_factor, `factor` above original / low_freq_factor, 1 / ((1 - s) / factor + s)
+    between, s the position of original / wavelength between low and high -- computed in float32 as the converter
+    does, so the file has its bytes; None for the other schedules."""
+    r = cfg.rope
+    if r.get("rope_type", "default") != "llama3":
         return None
-    scaled, _ = inv_freq_and_scale(cfg.rope, cfg.head_dim)
-    default, _ = inv_freq_and_scale({**cfg.rope, "rope_type": "default"}, cfg.head_dim)
-    return default / scaled
+    default, _ = inv_freq_and_scale({**r, "rope_type": "default"}, cfg.head_dim)
+    factor, low, high = float(r["factor"]), float(r["low_freq_factor"]), float(r["high_freq_factor"])
+    old = float(r["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / default
+    smooth = (old / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return torch.where(wavelen < old / high, 1.0, torch.where(wavelen > old / low, factor, medium)).float()
 
 
 def _moe_metadata(w, arch: str, cfg: ModelConfig, m: dict[str, Any], blocks: list[int]) -> None:
