@@ -37,6 +37,7 @@ from turbospec.model.gguf import (
     MTP_NAMES,
     PHI3_LAYER_NAMES,
 )
+from turbospec.model.hybrid import split_qkvz
 from turbospec.model.loader import WeightSource
 from turbospec.tokenizer import _GPT4O_RE, _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE, _TEKKEN_RE
 from turbospec.weights import quantize
@@ -435,12 +436,13 @@ def _encode(x: torch.Tensor, qt) -> Any:
 def _convert_qwen35(hf: str, g: str, x: torch.Tensor, lin: dict[str, int]) -> torch.Tensor:
     """What llama.cpp's converter does to a Qwen3.5 or Qwen3-Next tensor (undone by `GGUFWeights._undo_qwen35`):
     the +1 norms, -exp(A_log), the squeezed conv1d; Qwen3.5's value heads tiled; Qwen3-Next's in_proj_qkvz taken
-    apart (`_qkvz_part`)."""
+    apart (`hybrid.split_qkvz`)."""
     if g.endswith("norm.weight") and not g.endswith("ssm_norm.weight"):
         return x + 1
     nk, nv, dk, dv = lin["num_k_heads"], lin["num_v_heads"], lin["k_head_dim"], lin["v_head_dim"]
-    if hf.endswith("in_proj_qkvz.weight"):
-        return _qkvz_part(x, g, nk, nv, dk, dv)
+    if hf.endswith("in_proj_qkvz.weight"):  # Qwen3-Next: attn_qkv or attn_gate
+        qkv, z = split_qkvz(x, nk, nv, dk, dv)
+        return z if g.endswith("attn_gate.weight") else qkv
     if nv != nk and ".linear_attn." in hf and lin.get("tiled", True):
         r = nv // nk
         if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
@@ -456,16 +458,6 @@ def _convert_qwen35(hf: str, g: str, x: torch.Tensor, lin: dict[str, int]) -> to
     if hf.endswith("conv1d.weight"):
         x = x.reshape(x.shape[0], -1)
     return x
-
-
-def _qkvz_part(x: torch.Tensor, g: str, nk: int, nv: int, dk: int, dv: int) -> torch.Tensor:
-    """Qwen3-Next's in_proj_qkvz (per key head [q | k | v (r heads) | z (r heads)]) as llama.cpp's converter writes
-    it: `attn_qkv` (every head's q, then k, then v) or `attn_gate` (z)."""
-    r = nv // nk
-    q, k, v, z = x.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
-    if g.endswith("attn_gate.weight"):
-        return z.reshape(nv * dv, -1)
-    return torch.cat([q.reshape(nk * dk, -1), k.reshape(nk * dk, -1), v.reshape(nv * dv, -1)])
 
 
 def _add(w, key: str, value: Any) -> None:

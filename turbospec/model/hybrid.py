@@ -68,12 +68,9 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
             a,
         ]
     else:  # Qwen3-Next: per key-head groups [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]; float
-        r = nv // nk
-        qkvz = ws.get(f"{p}.in_proj_qkvz.weight", dtype, (2 * key_dim + 2 * value_dim, h))
-        grp = qkvz.view(nk, 2 * dk + 2 * r * dv, h)
-        q, k, v, z = grp.split([dk, dk, r * dv, r * dv], dim=1)
+        qkv, z = split_qkvz(ws.get(f"{p}.in_proj_qkvz.weight", dtype, (2 * key_dim + 2 * value_dim, h)), nk, nv, dk, dv)
         b, a = _split_ba(ws.get(f"{p}.in_proj_ba.weight", dtype, (2 * nv, h)), nk)
-        rows = [torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]), z.reshape(-1, h), b, a]
+        rows = [qkv, z, b, a]
     gdn = GatedDeltaNet(
         Linear.fused(rows, [None] * 4, dtype),
         ws.get(f"{p}.conv1d.weight", dtype, (conv_dim, 1, kern)),
@@ -89,6 +86,15 @@ def load_gdn(ws: TensorSource, p: str, cfg: ModelConfig, dtype: torch.dtype) -> 
     )
     gdn.out_tiling = ws.value_tiling(f"{p}.out_proj.weight")
     return gdn
+
+
+def split_qkvz(qkvz: torch.Tensor, nk: int, nv: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz, per key head [q | k | v (r value heads) | z (r value heads)], as Qwen3.5's
+    in_proj_qkv (every head's q, then k, then v) and in_proj_z (as llama.cpp's converter writes attn_qkv and
+    attn_gate)."""
+    r, h = nv // nk, qkvz.shape[-1]
+    q, k, v, z = qkvz.view(nk, 2 * dk + 2 * r * dv, h).split([dk, dk, r * dv, r * dv], dim=1)
+    return torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]), z.reshape(-1, h)
 
 
 def _split_ba(ba: torch.Tensor, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
