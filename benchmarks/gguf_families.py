@@ -1,6 +1,6 @@
 """The GGUF families of session 50 against llama.cpp itself: tiny random checkpoints of each (Llama with llama3 RoPE
 scaling and a SentencePiece tokenizer, Qwen3 with YaRN, Phi-3 with SentencePiece, Phi-3 with LongRoPE, a Qwen3-Next
-MoE), converted by llama.cpp's own `convert_hf_to_gguf.py`; for each file:
+MoE, a Ministral 3), converted by llama.cpp's own `convert_hf_to_gguf.py`; for each file:
 
 - turbospec's logits on the converter's file against transformers' on the checkpoint (max abs difference);
 - whether `turbospec export-gguf` writes the same tensors (names, shapes, bytes) and `{arch}.*` metadata;
@@ -81,15 +81,37 @@ def checkpoints(out: Path) -> dict[str, Path]:
             "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>",
             "unk_token": "<unk>"}))
     bundled = ROOT / "models" / "turbospec-tiny-hybrid"
+    made["ministral3"] = ministral3(out / "ministral3")
     cfg_cls, model_cls, extra = hf_tiny.VARIANTS["qwen3_yarn"]
     hf_tiny.VARIANTS["qwen3_yarn_8k"] = (cfg_cls, model_cls, {**extra, "vocab_size": 8192})
     made["qwen3_yarn"] = hf_tiny.build("qwen3_yarn_8k", out)
     made["qwen3next_moe"] = hf_moe.build("qwen3_next", out, vocab_size=8192, linear_key_head_dim=16,
                                          linear_value_head_dim=16)
-    for name in ("qwen3_yarn", "qwen3next_moe"):
+    for name in ("qwen3_yarn", "qwen3next_moe", "ministral3"):
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(bundled / f, made[name] / f)
     return made
+
+
+def ministral3(path: Path) -> Path:
+    """A Ministral 3 (transformers' Ministral3ForCausalLM): YaRN with a log multiplier and attention temperature
+    scaling from its 64 pretrained positions on (which turbospec leaves out: it runs up to them)."""
+    import transformers
+
+    from tests.hf_tiny import COMMON
+
+    torch.manual_seed(5)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+    cfg = transformers.Ministral3Config(**{**COMMON, "vocab_size": 8192, "head_dim": 16,
+                                           "max_position_embeddings": 1024, "rope_parameters": rope})
+    model = transformers.Ministral3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at 1: perturb them so they matter
+        for n, w in model.named_parameters():
+            if "norm" in n:
+                w.add_(torch.randn_like(w) * 0.1)
+    model.save_pretrained(path)
+    return path
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -103,7 +125,7 @@ def same_file(a: Path, b: Path) -> bool:
     return tx.keys() == ty.keys() and all(np.array_equal(tx[n], ty[n]) for n in tx) and next(keys) == next(keys)
 
 
-def greedy_pair(server: str, path: Path, ctx: int, n: int) -> dict:
+def greedy_pair(server: str, path: Path, ctx: int, n: int, prompt_len: int = 300) -> dict:
     """Greedy tokens of both engines from one prompt, and the first token's top-3 log-probabilities."""
     from served_speed import free_port
     from served_speed import server as serve
@@ -112,7 +134,7 @@ def greedy_pair(server: str, path: Path, ctx: int, n: int) -> dict:
     from turbospec.kv.plan import AttentionPlan
 
     eng = build_engine(EngineConfig(model=str(path), dtype="float32", ctx=ctx))
-    prompt = [(37 * t + 5) % eng.model.cfg.vocab_size for t in range(300)]  # (long enough for RoPE to matter)
+    prompt = [(37 * t + 5) % eng.model.cfg.vocab_size for t in range(prompt_len)]  # (long: RoPE matters)
     ours = eng.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]["tokens"]
     m = eng.model
     h = m.forward(torch.tensor(prompt), AttentionPlan.causal(0, len(prompt)), m.new_cache(len(prompt)))
@@ -160,15 +182,19 @@ def main() -> int:
                    "rope": "llama3 (rope_freqs)" if rope.get("freq_factors") else rope.get("rope_type")}
             # LongRoPE: the factors for the context (transformers picks them by the sequence's length: a sequence
             # past the pretrained 512 positions gets the long ones)
-            for ctx, n in ((4096, 520), (512, 40)) if name == "phi3_longrope" else ((64, 40),):
+            for ctx, n in ((4096, 520), (512, 40)) if name == "phi3_longrope" else ((64, 60),):
                 model.rope.set_context(ctx)
                 seq = (torch.arange(n) * 37) % model.cfg.vocab_size
                 h = model.forward(seq, AttentionPlan.causal(0, n), model.new_cache(n))
                 row[f"max_abs_logit_diff_vs_transformers_ctx{ctx}"] = float(
                     (model.logits(h) - hf_logits(src, seq)).abs().max())
-            row["export_gguf_same_file"] = same_file(theirs, export_gguf(src, out / f"{name}.ours.gguf", "f32"))
-            row["greedy"] = [greedy_pair(str(server), theirs, ctx, a.n)
-                             for ctx in ((4096, 512) if name == "phi3_longrope" else (4096,))]
+            row["export_gguf_same_file"] = None if name == "ministral3" else (  # (no ministral3 export)
+                same_file(theirs, export_gguf(src, out / f"{name}.ours.gguf", "f32")))
+            if name == "ministral3":  # within its 64 pretrained positions, where turbospec runs it
+                row["greedy"] = [greedy_pair(str(server), theirs, 64, a.n, prompt_len=64 - a.n - 2)]
+            else:
+                row["greedy"] = [greedy_pair(str(server), theirs, ctx, a.n)
+                                 for ctx in ((4096, 512) if name == "phi3_longrope" else (4096,))]
             if len(row["greedy"]) == 2:  # LongRoPE: llama.cpp's logprobs at one context against ours at the other
                 for x, y in (row["greedy"], row["greedy"][::-1]):
                     x["first_top3_logprob_max_diff_vs_other_ctx"] = max(
