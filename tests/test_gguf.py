@@ -284,7 +284,8 @@ def test_bad_rope_scaling_is_a_one_line_error(hf_models, tmp_path):
              (llama, {}, {"rope_freqs.weight": -halves}, "positive numbers"),
              (qwen3, {"rope.scaling.attn_factor": 2.0}, None, "attn_factor 2 without YaRN"),
              (qwen3, {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_beta_fast": "x"},
-              None, "yarn_beta_fast must be a positive number, got x")]
+              None, "yarn_beta_fast must be a positive number, got x"),
+             (qwen3, {"rope.scale_linear": "x"}, None, "rope.scale_linear must be a positive number, got x")]
     for i, (src, meta, extra, msg) in enumerate(cases):
         with pytest.raises(TurboSpecError, match=msg) as e:
             load_model(write_gguf(src, tmp_path / f"r{i}.gguf", meta=meta, extra=extra))

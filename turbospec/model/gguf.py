@@ -201,7 +201,9 @@ class GGUFFile:
                                                                      context_length),
                     "attention_factor": self._number("rope.scaling.attn_factor", 1.0)}
         kind = self.key("rope.scaling.type", "linear")
-        factor = self._number("rope.scaling.factor", self.key("rope.scale_linear"), zero=True)
+        factor = self._number("rope.scaling.factor", zero=True)
+        if factor is None:
+            factor = self._number("rope.scale_linear", zero=True)  # (the older key)
         if kind not in ("none", "linear", "yarn"):
             raise TurboSpecError(f"{name}: RoPE scaling {str(kind)[:40]!r} is not supported (none, linear, yarn, and "
                                  "llama3's rope_freqs)")

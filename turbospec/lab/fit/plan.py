@@ -60,8 +60,9 @@ def max_context(arch: Arch, setup: Setup, mem: int, k_type: str, v_type: str, mo
     step = min(step, cap)
     if fits(step) is None:
         return 0, None
-    if fits(cap) is not None:
-        return cap, fits(cap)
+    at_cap = fits(cap)
+    if at_cap is not None:
+        return cap, at_cap
     lo, hi = 1, cap // step
     while hi - lo > 1:
         mid = (lo + hi) // 2
