@@ -204,7 +204,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"command": " ".join(["python", *sys.argv]).replace(a.llama_cpp, "<llama.cpp>"),
+                                           "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -173,14 +173,21 @@ def pair(merge: str) -> tuple[str, str]:
     return a, b
 
 
-def trained(pre: str) -> tuple[dict[str, int], list[str]]:
-    """A small byte-level BPE (vocabulary, merges) trained with `pre` as its pre-tokenizer regex."""
-    from tokenizers import Regex, models, pre_tokenizers, trainers
+def splits(pre: str | tuple[str, ...]) -> list[Any]:
+    """`tokenizers` pre-tokenizers: each regex of `pre` isolating its matches in turn, then the byte-level step."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in ((pre,) if isinstance(pre, str) else pre)] + \
+        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+
+
+def trained(pre: str | tuple[str, ...]) -> tuple[dict[str, int], list[str]]:
+    """A small byte-level BPE (vocabulary, merges) trained with `pre` as its pre-tokenizer regex (or regexes)."""
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
 
     t = HFTokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pre), behavior="isolated"),
-                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    t.pre_tokenizer = pre_tokenizers.Sequence(splits(pre))
     t.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     j = json.loads(t.to_str())
@@ -336,6 +343,67 @@ def test_gpt4o_bpe(tmp_path: Path) -> None:
     assert len(got.encode("1234567")) >= 3 and got.encode("I'M") == ref.encode("I'M").ids
 
 
+# DeepSeek LLM's and DeepSeek Coder's tokenizer.json splits, as llama.cpp's src/llama-vocab.cpp quotes them (as
+# escapes: text tools normalise some of these characters to their canonical equivalents)
+DEEPSEEK_LLM_RES = (
+    "[\\r\\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-"
+    "\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+    "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b"
+    "\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b"
+    "\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb"
+    "\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128"
+    "\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4"
+    "\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf"
+    "\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-"
+    "\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "\\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "\\p{N}+",
+)
+DEEPSEEK_CODER_RES = ("[\\r\\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", "\\p{N}")
+
+
+@pytest.mark.parametrize(("pre", "res"), [("deepseek-llm", DEEPSEEK_LLM_RES), ("deepseek-coder", DEEPSEEK_CODER_RES)])
+def test_deepseek_bpe(tmp_path: Path, pre: str, res: tuple[str, ...]) -> None:
+    """ "deepseek-llm" / "deepseek-coder" (DeepSeek LLM, DeepSeek Coder: llama-architecture files): their sequences of
+    splits, merges not ignored, no BOS by default; against `tokenizers` with those splits, and `export-gguf` names
+    them from a tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from turbospec.model.gguf_export import pre_tokenizer_name
+
+    vocab, merges = trained(res)
+    ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges]))
+    ref.pre_tokenizer = pre_tokenizers.Sequence(splits(res))
+    ref.decoder = decoders.ByteLevel()
+    w = gguf.GGUFWriter(tmp_path / "d.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "d.gguf")))
+    assert not got.add_bos
+    for text in TRICKY + TEXTS:
+        ids = ref.encode(text, add_special_tokens=False).ids
+        assert got.encode(text) == ids, text
+        assert got.decode(ids) == ref.decode(ids), text
+    pieces = [p for p, _ in got.tok.pre_tokenizer.pre_tokenize_str("Hello, world!\n1234 \u4f60\u597d  ")]
+    # words with the space before them, punctuation, line breaks, CJK runs apart from the space before them; DeepSeek
+    # Coder's digits one by one, DeepSeek LLM's runs of them whole
+    digits = ["1", "2", "3", "4"] if pre == "deepseek-coder" else ["1234"]
+    assert pieces == ["Hello", ",", "Ġworld", "!", "Ċ", *digits, "Ġ", "ä½łå¥½", "ĠĠ"]
+    as_json = json.loads(ref.to_str())
+    assert pre_tokenizer_name(as_json) == pre
+    as_json["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "[\r\n]"  # the line breaks themselves
+    assert pre_tokenizer_name(as_json) == pre
+
+
 def test_gguf_metadata_values(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen3")
     w.add_uint32("a.u32", 7)
@@ -369,7 +437,7 @@ BASE = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenize
     ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0] * 3, "tokenizer.ggml.add_space_prefix": 1},
      "add_space_prefix 1 is not a bool"),
     ({"tokenizer.ggml.model": None}, "no tokenizer.ggml.model"),
-    ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre 'klingon' is not supported (supported: dbrx, deepseek-r1-qwen, default"),
+    ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre 'klingon' is not supported (supported: dbrx, deepseek-coder, deepseek-llm, deepseek-r1-qwen, "),
     ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens is missing"),
     ({"tokenizer.ggml.tokens": ["a", 2, "ab"]}, "tokenizer.ggml.tokens is missing or not a list of strings"),
     ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is missing"),

@@ -39,7 +39,15 @@ from turbospec.model.gguf import (
 )
 from turbospec.model.hybrid import split_qkvz
 from turbospec.model.loader import WeightSource
-from turbospec.tokenizer import _GPT4O_RE, _LLAMA3_RE, _QWEN2_RE, _QWEN35_RE, _TEKKEN_RE
+from turbospec.tokenizer import (
+    _DEEPSEEK_CODER_RES,
+    _DEEPSEEK_LLM_RES,
+    _GPT4O_RE,
+    _LLAMA3_RE,
+    _QWEN2_RE,
+    _QWEN35_RE,
+    _TEKKEN_RE,
+)
 from turbospec.weights import quantize
 
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
@@ -67,7 +75,13 @@ def pre_tokenizer_name(tok: dict[str, Any]) -> str:
         return "gpt-2"
     if kinds == ["Digits", "ByteLevel"] and pre["pretokenizers"][0].get("individual_digits"):
         return "smollm"
-    regexes = {p.get("pattern", {}).get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"}
+    splits = [p.get("pattern", {}).get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
+    # (a tokenizer.json may hold the line break characters themselves where the lists here escape them)
+    escaped = tuple(r.replace("\r", "\\r").replace("\n", "\\n") if isinstance(r, str) else r for r in splits)
+    for name, res in (("deepseek-llm", _DEEPSEEK_LLM_RES), ("deepseek-coder", _DEEPSEEK_CODER_RES)):
+        if escaped == res:
+            return name
+    regexes = set(splits)
     for name, regex in (("qwen35", _QWEN35_RE), ("qwen2", _QWEN2_RE), ("llama-bpe", _LLAMA3_RE), ("tekken", _TEKKEN_RE),
                         ("gpt-4o", _GPT4O_RE)):
         if regex in regexes:

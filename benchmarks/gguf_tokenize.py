@@ -1,0 +1,156 @@
+"""Text tokenization of GGUF files against llama.cpp itself, for every byte-level pre-tokenizer turbospec reads
+(`tokenizer.ggml.pre`): a BPE vocabulary trained with that pre-tokenizer on the tokenizer tests' corpus, in a tiny
+random Llama checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py` (told the pre-tokenizer's name: its
+list of known vocabularies is keyed by hashes of released tokenizers); then llama-server's `/tokenize` against
+turbospec's `Tokenizer.from_gguf` on the tests' texts and `--random` random strings (letters, digits, punctuation and
+symbols of several scripts, CJK, Hangul, emoji, combining marks, tabs, line breaks and runs of spaces): the number of
+texts whose token ids differ (and how many of them hold combining marks), with the first few of them.
+
+    python benchmarks/gguf_tokenize.py --llama-cpp <llama-cpp-python sdist>/vendor/llama.cpp \\
+        [--random 2000] [--json docs/results/gguf_tokenize.json]
+
+`--llama-cpp` is a llama.cpp source tree with `build/bin/llama-server` built (see docs/gguf.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import unicodedata
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CONVERT = """import sys
+sys.path[:0] = [{tree!r} + "/gguf-py", {tree!r}]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+import runpy
+runpy.run_path({tree!r} + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+# one name per distinct pre-tokenizer (the others in turbospec/tokenizer.py's table are aliases of these)
+NAMES = ["gpt-2", "starcoder", "qwen2", "qwen35", "llama-bpe", "smaug-bpe", "tekken", "gpt-4o", "deepseek-llm",
+         "deepseek-coder", "default"]
+POOLS = ["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "0123456789", " ", "  \t", "\n\r",
+         "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~", "'s't're've'm'll'd", "àéîõüçñßøæÀÉÎÕÜÇÑØÆÿ", "αβγδεζηθΩΣΔ",
+         "абвгдежзийЖЩЯ", "你好世界人工智能中文", "日本語のテキストカタカナ", "한국어텍스트", "٠١٢٣٤٥۱۲۳", "①②③²³½",
+         "→←∑∞≠≤±×÷§¶•…“”‘’—–", "！？。，、：；（）～", "\u0301\u0300\u0308\u0303", "🚀😶🦙👍🏽🤖\u200d",
+         "µÀΆᴀℂ𐐀Ｚａ"]
+
+
+def random_texts(n: int, seed: int = 0) -> list[str]:
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        pools = rnd.sample(POOLS, rnd.randint(1, 4))
+        out.append("".join(rnd.choice(rnd.choice(pools)) for _ in range(rnd.randint(1, 40))))
+    return out
+
+
+def has_marks(text: str) -> bool:
+    """Whether the text holds a combining mark (Unicode category M*): where NFC normalisation and \\p{M} matter."""
+    return any(unicodedata.category(c).startswith("M") for c in text)
+
+
+def tokenizer_json(pre: str) -> str:
+    """A byte-level BPE trained with turbospec's pre-tokenizer (and normalizer) for `pre`, as a tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import pre_tokenizers, trainers
+
+    from tests.test_gguf_tokenizer import CORPUS, TEXTS, TRICKY
+    from turbospec.tokenizer import _PRE
+
+    normalizer, pre_tokenizer, ignore_merges, _ = _PRE[pre]
+    empty = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": normalizer,
+             "pre_tokenizer": pre_tokenizer, "post_processor": None,
+             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                       "ignore_merges": ignore_merges, "vocab": {}, "merges": []}}
+    t = HFTokenizer.from_str(json.dumps(empty))
+    t.train_from_iterator(CORPUS + TRICKY + TEXTS + random_texts(300, seed=1), trainers.BpeTrainer(
+        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=["<|endoftext|>"]))
+    return t.to_str()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", required=True, help="llama.cpp source tree with build/bin/llama-server")
+    ap.add_argument("--random", type=int, default=2000, help="random strings besides the tests' texts")
+    ap.add_argument("--names", nargs="*", default=NAMES)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    tree = Path(a.llama_cpp).resolve()
+    server = str(tree / "build" / "bin" / "llama-server")
+    import gguf
+    from served_speed import free_port
+    from served_speed import server as serve
+
+    from tests import hf_tiny
+    from tests.test_gguf_tokenizer import TEXTS, TRICKY
+    from turbospec.tokenizer import _PRE, Tokenizer, gguf_metadata
+
+    texts = TRICKY + TEXTS + random_texts(a.random)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for pre in a.names:
+            tok = tokenizer_json(pre)
+            n = len(json.loads(tok)["model"]["vocab"])
+            cfg_cls, model_cls, extra = hf_tiny.VARIANTS["llama"]
+            hf_tiny.VARIANTS["llama_tok"] = (cfg_cls, model_cls, {**extra, "vocab_size": n, "bos_token_id": 0,
+                                                                   "eos_token_id": 0})
+            src = hf_tiny.build("llama_tok", out / pre)
+            (src / "tokenizer.json").write_text(tok)
+            (src / "tokenizer_config.json").write_text(json.dumps({
+                "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+                "eos_token": "<|endoftext|>", "add_bos_token": False}))
+            (out / "convert.py").write_text(CONVERT.format(tree=str(tree), pre=pre))
+            path = out / f"{pre}.gguf"
+            subprocess.run([sys.executable, str(out / "convert.py"), str(src), "--outtype", "f32", "--outfile",
+                            str(path)], check=True, capture_output=True, env={**os.environ})
+            ours = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(path)))
+            port = free_port()
+            cmd = [server, "-m", str(path), "--port", str(port), "-c", "256", "-np", "1", "--no-warmup",
+                   "-t", str(torch.get_num_threads())]
+            differ = []
+            nfc = (_PRE[pre][0] or {}).get("type") == "NFC"
+            with serve(cmd, port) as url, httpx.Client(timeout=60) as c:
+                for text in texts:
+                    theirs = c.post(url + "/tokenize", json={"content": text, "add_special": False}).json()["tokens"]
+                    mine = ours.encode(text, add_special=False)
+                    if mine != theirs:
+                        d = {"text": text, "turbospec": mine, "llama_cpp": theirs}
+                        if nfc:  # llama.cpp given the text as the tokenizer's normaliser leaves it
+                            d["llama_cpp_given_nfc_text"] = c.post(url + "/tokenize", json={
+                                "content": unicodedata.normalize("NFC", text), "add_special": False}).json()["tokens"]
+                        differ.append(d)
+            # llama.cpp applies no NFC normalisation (Qwen's tokenizers have it) and reads \p{M} in the Tekken and
+            # o200k splits differently: texts with combining marks are counted apart
+            marks = [d for d in differ if has_marks(d["text"])]
+            row = {"pre": pre, "vocab": n, "texts": len(texts), "differ": len(differ),
+                   "differ_with_combining_marks": len(marks), "first": differ[:3],
+                   "differ_given_nfc_text": sum(d["llama_cpp_given_nfc_text"] != d["turbospec"] for d in differ)
+                   if nfc else None,
+                   "first_without_marks": [d for d in differ if not has_marks(d["text"])][:3]}
+            print(json.dumps(row, ensure_ascii=False)[:600], flush=True)
+            rows.append(row)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"command": " ".join(["python", *sys.argv]).replace(a.llama_cpp, "<llama.cpp>"), "rows": rows}, indent=1,
+                                           ensure_ascii=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
