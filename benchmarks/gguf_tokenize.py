@@ -4,7 +4,9 @@ random Llama checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py` (to
 list of known vocabularies is keyed by hashes of released tokenizers); then llama-server's `/tokenize` against
 turbospec's `Tokenizer.from_gguf` on the tests' texts and `--random` random strings (letters, digits, punctuation and
 symbols of several scripts, CJK, Hangul, emoji, combining marks, tabs, line breaks and runs of spaces): the number of
-texts whose token ids differ (and how many of them hold combining marks), with the first few of them.
+texts whose token ids differ (and how many of them hold combining marks), with the first few of them. Then a DeepSeek
+Coder instruct tokenizer (its special tokens, BOS and chat template) the same way: the prompt each engine renders for
+a conversation (llama-server's `/apply-template`) and its token ids.
 
     python benchmarks/gguf_tokenize.py --llama-cpp <llama-cpp-python sdist>/vendor/llama.cpp \\
         [--random 2000] [--json docs/results/gguf_tokenize.json]
@@ -62,8 +64,9 @@ def has_marks(text: str) -> bool:
     return any(unicodedata.category(c).startswith("M") for c in text)
 
 
-def tokenizer_json(pre: str) -> str:
-    """A byte-level BPE trained with turbospec's pre-tokenizer (and normalizer) for `pre`, as a tokenizer.json."""
+def tokenizer_json(pre: str, specials: tuple[str, ...] = ("<|endoftext|>",)) -> str:
+    """A byte-level BPE trained with turbospec's pre-tokenizer (and normalizer) for `pre`, as a tokenizer.json
+    (`specials`: its special tokens, the first ids)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import pre_tokenizers, trainers
 
@@ -80,8 +83,70 @@ def tokenizer_json(pre: str) -> str:
     t = HFTokenizer.from_str(json.dumps(empty))
     t.train_from_iterator(CORPUS + TRICKY + TEXTS + random_texts(300, seed=1), trainers.BpeTrainer(
         vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-        special_tokens=["<|endoftext|>"]))
+        special_tokens=list(specials)))
     return t.to_str()
+
+
+# DeepSeek Coder's instruct tokenizer: its special tokens and chat template (deepseek-coder-6.7b-instruct's
+# tokenizer_config.json), BOS added
+DEEPSEEK_SPECIALS = ("<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<|EOT|>",
+                     "<\uff5cfim\u2581hole\uff5c>")
+DEEPSEEK_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{%- set ns = namespace(found=false) -%}{%- for message in messages -%}{%- if message['role'] == 'system' -%}"
+    "{%- set ns.found = true -%}{%- endif -%}{%- endfor -%}{{bos_token}}{%- if not ns.found -%}"
+    "{{'You are an AI programming assistant, utilizing the Deepseek Coder model, developed by Deepseek Company, and "
+    "you only answer questions related to computer science.\\n'}}{%- endif %}{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{ message['content'] }}{%- else %}{%- if message['role'] == 'user' %}"
+    "{{'### Instruction:\\n' + message['content'] + '\\n'}}{%- else %}"
+    "{{'### Response:\\n' + message['content'] + '\\n<|EOT|>\\n'}}{%- endif %}{%- endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}{{'### Response:'}}{% endif %}")
+CHATS = [
+    [{"role": "user", "content": "Write a function that adds 2 and 40 in Python."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Sum 12 and 30, please."},
+     {"role": "assistant", "content": "42"}, {"role": "user", "content": "And in \u65e5\u672c\u8a9e?"}],
+]
+
+
+def chat_check(tree: Path, server: str, out: Path) -> dict:
+    """A DeepSeek Coder instruct tokenizer (special tokens, BOS, chat template) through llama.cpp's converter: the
+    prompt each engine renders for a conversation (llama-server's /apply-template) and its token ids."""
+    import gguf
+    from served_speed import free_port
+    from served_speed import server as serve
+
+    from tests import hf_tiny
+    from turbospec.tokenizer import Tokenizer, gguf_metadata
+
+    tok = tokenizer_json("deepseek-coder", DEEPSEEK_SPECIALS)
+    n = len(json.loads(tok)["model"]["vocab"])
+    cfg_cls, model_cls, extra = hf_tiny.VARIANTS["llama"]
+    hf_tiny.VARIANTS["llama_chat"] = (cfg_cls, model_cls, {**extra, "vocab_size": n, "bos_token_id": 0,
+                                                            "eos_token_id": 2})
+    src = hf_tiny.build("llama_chat", out / "chat")
+    (src / "tokenizer.json").write_text(tok)
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": DEEPSEEK_SPECIALS[0], "eos_token": "<|EOT|>",
+        "add_bos_token": True, "add_eos_token": False, "chat_template": DEEPSEEK_TEMPLATE}))
+    (out / "convert.py").write_text(CONVERT.format(tree=str(tree), pre="deepseek-coder"))
+    path = out / "chat.gguf"
+    subprocess.run([sys.executable, str(out / "convert.py"), str(src), "--outtype", "f32", "--outfile", str(path)],
+                   check=True, capture_output=True, env={**os.environ})
+    ours = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(path)))
+    port = free_port()
+    cmd = [server, "-m", str(path), "--port", str(port), "-c", "256", "-np", "1", "--no-warmup", "--jinja"]
+    row: dict = {"bos": ours.bos_token, "eos": ours.eos_token, "add_bos": ours.add_bos, "chats": []}
+    with serve(cmd, port) as url, httpx.Client(timeout=60) as c:
+        for msgs in CHATS:
+            theirs = c.post(url + "/apply-template", json={"messages": msgs}).json()["prompt"]
+            mine = ours.render_chat(msgs)
+            their_ids = c.post(url + "/tokenize", json={"content": theirs, "add_special": True,
+                                                       "parse_special": True}).json()["tokens"]
+            row["chats"].append({"same_prompt": mine == theirs,
+                                 "same_prompt_but_leading_bos": mine.removeprefix(ours.bos_token or "") == theirs,
+                                 "same_ids": ours.encode(mine) == their_ids, "ids": len(their_ids),
+                                 "bos_first": their_ids[:1] == [ours.tok.token_to_id(ours.bos_token)]})
+    return row
 
 
 def main() -> int:
@@ -146,8 +211,10 @@ def main() -> int:
                    "first_without_marks": [d for d in differ if not has_marks(d["text"])][:3]}
             print(json.dumps(row, ensure_ascii=False)[:600], flush=True)
             rows.append(row)
+        chat = chat_check(tree, server, out)
+        print(json.dumps(chat, ensure_ascii=False), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": " ".join(["python", *sys.argv]).replace(a.llama_cpp, "<llama.cpp>"), "rows": rows}, indent=1,
+        Path(a.json).write_text(json.dumps({"command": " ".join(["python", *sys.argv]).replace(a.llama_cpp, "<llama.cpp>"), "rows": rows, "deepseek_coder_chat": chat}, indent=1,
                                            ensure_ascii=False) + "\n")
     return 0
 
