@@ -194,6 +194,33 @@ def trained(pre: str | tuple[str, ...]) -> tuple[dict[str, int], list[str]]:
     return j["model"]["vocab"], [" ".join(m) for m in j["model"]["merges"]]
 
 
+def bpe_pair(pre: str | tuple[str, ...]) -> tuple[dict[str, int], list[str], Any]:
+    """A BPE trained with the split(s) `pre` (vocabulary, merges) and a `tokenizers` reference of it (merges not
+    ignored, byte-level decoding)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab, merges = trained(pre)
+    ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges]))
+    ref.pre_tokenizer = pre_tokenizers.Sequence(splits(pre))
+    ref.decoder = decoders.ByteLevel()
+    return vocab, merges, ref
+
+
+def bpe_gguf(path: Path, arch: str, pre: str, vocab: dict[str, int], merges: list[str]) -> Tokenizer:
+    """The vocabulary and merges written as a GGUF file's byte-level BPE tokenizer with pre-tokenizer `pre`, read
+    back by Tokenizer.from_gguf."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(path)))
+
+
 QWEN_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -318,23 +345,8 @@ GPT4O_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p
 
 def test_gpt4o_bpe(tmp_path: Path) -> None:
     """ "gpt-4o" (Phi-4-mini): the o200k split, merges not ignored, no BOS; against `tokenizers` with that split."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    vocab, merges = trained(GPT4O_RE)
-    ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges]))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT4O_RE), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    ref.decoder = decoders.ByteLevel()
-    w = gguf.GGUFWriter(tmp_path / "o.gguf", "phi3")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
-    w.add_token_merges(merges)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "o.gguf")))
+    vocab, merges, ref = bpe_pair(GPT4O_RE)
+    got = bpe_gguf(tmp_path / "o.gguf", "phi3", "gpt-4o", vocab, merges)
     assert not got.add_bos
     for text in TRICKY + TEXTS:
         ids = ref.encode(text, add_special_tokens=False).ids
@@ -370,24 +382,10 @@ def test_deepseek_bpe(tmp_path: Path, pre: str, res: tuple[str, ...]) -> None:
     """ "deepseek-llm" / "deepseek-coder" (DeepSeek LLM, DeepSeek Coder: llama-architecture files): their sequences of
     splits, merges not ignored, no BOS by default; against `tokenizers` with those splits, and `export-gguf` names
     them from a tokenizer.json."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
     from turbospec.model.gguf_export import pre_tokenizer_name
 
-    vocab, merges = trained(res)
-    ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges]))
-    ref.pre_tokenizer = pre_tokenizers.Sequence(splits(res))
-    ref.decoder = decoders.ByteLevel()
-    w = gguf.GGUFWriter(tmp_path / "d.gguf", "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
-    w.add_token_merges(merges)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "d.gguf")))
+    vocab, merges, ref = bpe_pair(res)
+    got = bpe_gguf(tmp_path / "d.gguf", "llama", pre, vocab, merges)
     assert not got.add_bos
     for text in TRICKY + TEXTS:
         ids = ref.encode(text, add_special_tokens=False).ids
