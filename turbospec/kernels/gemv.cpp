@@ -321,7 +321,7 @@ void product(const Parts& ws, const c10::optional<torch::Tensor>& b, const float
 // to T, then multiply by w in T).
 template <typename T>
 void rms_row(const float* x, const T* w, float* y, int64_t d, float eps, bool zc) {
-  // the sum of squares 8 lanes at a time (one scalar chain was latency-bound: ~1 ns per value)
+  // the sum of squares in 8 lanes (one scalar running sum is latency-bound: ~1 ns per value)
   __m256 ss8 = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= d; k += 8) {
