@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONVERT = """import sys
 sys.path[:0] = [{tree!r} + "/gguf-py", {tree!r}]
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 import runpy
 runpy.run_path({tree!r} + "/convert_hf_to_gguf.py", run_name="__main__")
@@ -170,7 +170,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        (out / "convert.py").write_text(CONVERT.format(tree=str(tree)))
+        (out / "convert.py").write_text(CONVERT.format(tree=str(tree), pre="qwen2"))
         for name, src in checkpoints(out).items():
             theirs = out / f"{name}.gguf"
             extra = ["--no-mtp"] if name.startswith("qwen3next") else []

@@ -32,14 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CONVERT = """import sys
-sys.path[:0] = [{tree!r} + "/gguf-py", {tree!r}]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
-import runpy
-runpy.run_path({tree!r} + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
+from gguf_families import CONVERT  # noqa: E402  (llama.cpp's converter, told the pre-tokenizer's name)
+
 # one name per distinct pre-tokenizer (the others in turbospec/tokenizer.py's table are aliases of these)
 NAMES = ["gpt-2", "starcoder", "qwen2", "qwen35", "llama-bpe", "smaug-bpe", "tekken", "gpt-4o", "deepseek-llm",
          "deepseek-coder", "default"]
@@ -108,6 +102,26 @@ CHATS = [
 ]
 
 
+def converted(tree: Path, out: Path, name: str, tok: str, pre: str, config: dict) -> Path:
+    """A tiny random Llama with tokenizer.json `tok` and tokenizer_config.json `config` (its BOS and EOS tokens),
+    converted by llama.cpp's converter (told the pre-tokenizer `pre`) into out/name.gguf."""
+    from tests import hf_tiny
+
+    vocab = json.loads(tok)["model"]["vocab"]
+    cfg_cls, model_cls, extra = hf_tiny.VARIANTS["llama"]
+    hf_tiny.VARIANTS["llama_tok"] = (cfg_cls, model_cls, {**extra, "vocab_size": len(vocab),
+                                                           "bos_token_id": vocab[config["bos_token"]],
+                                                           "eos_token_id": vocab[config["eos_token"]]})
+    src = hf_tiny.build("llama_tok", out / name)
+    (src / "tokenizer.json").write_text(tok)
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "convert.py").write_text(CONVERT.format(tree=str(tree), pre=pre))
+    path = out / f"{name}.gguf"
+    subprocess.run([sys.executable, str(out / "convert.py"), str(src), "--outtype", "f32", "--outfile", str(path)],
+                   check=True, capture_output=True, env={**os.environ})
+    return path
+
+
 def chat_check(tree: Path, server: str, out: Path) -> dict:
     """A DeepSeek Coder instruct tokenizer (special tokens, BOS, chat template) through llama.cpp's converter: the
     prompt each engine renders for a conversation (llama-server's /apply-template) and its token ids."""
@@ -115,23 +129,11 @@ def chat_check(tree: Path, server: str, out: Path) -> dict:
     from served_speed import free_port
     from served_speed import server as serve
 
-    from tests import hf_tiny
     from turbospec.tokenizer import Tokenizer, gguf_metadata
 
-    tok = tokenizer_json("deepseek-coder", DEEPSEEK_SPECIALS)
-    n = len(json.loads(tok)["model"]["vocab"])
-    cfg_cls, model_cls, extra = hf_tiny.VARIANTS["llama"]
-    hf_tiny.VARIANTS["llama_chat"] = (cfg_cls, model_cls, {**extra, "vocab_size": n, "bos_token_id": 0,
-                                                            "eos_token_id": 2})
-    src = hf_tiny.build("llama_chat", out / "chat")
-    (src / "tokenizer.json").write_text(tok)
-    (src / "tokenizer_config.json").write_text(json.dumps({
+    path = converted(tree, out, "chat", tokenizer_json("deepseek-coder", DEEPSEEK_SPECIALS), "deepseek-coder", {
         "tokenizer_class": "LlamaTokenizerFast", "bos_token": DEEPSEEK_SPECIALS[0], "eos_token": "<|EOT|>",
-        "add_bos_token": True, "add_eos_token": False, "chat_template": DEEPSEEK_TEMPLATE}))
-    (out / "convert.py").write_text(CONVERT.format(tree=str(tree), pre="deepseek-coder"))
-    path = out / "chat.gguf"
-    subprocess.run([sys.executable, str(out / "convert.py"), str(src), "--outtype", "f32", "--outfile", str(path)],
-                   check=True, capture_output=True, env={**os.environ})
+        "add_bos_token": True, "add_eos_token": False, "chat_template": DEEPSEEK_TEMPLATE})
     ours = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(path)))
     port = free_port()
     cmd = [server, "-m", str(path), "--port", str(port), "-c", "256", "-np", "1", "--no-warmup", "--jinja"]
@@ -162,7 +164,6 @@ def main() -> int:
     from served_speed import free_port
     from served_speed import server as serve
 
-    from tests import hf_tiny
     from tests.test_gguf_tokenizer import TEXTS, TRICKY
     from turbospec.tokenizer import _PRE, Tokenizer, gguf_metadata
 
@@ -171,20 +172,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for pre in a.names:
-            tok = tokenizer_json(pre)
-            n = len(json.loads(tok)["model"]["vocab"])
-            cfg_cls, model_cls, extra = hf_tiny.VARIANTS["llama"]
-            hf_tiny.VARIANTS["llama_tok"] = (cfg_cls, model_cls, {**extra, "vocab_size": n, "bos_token_id": 0,
-                                                                   "eos_token_id": 0})
-            src = hf_tiny.build("llama_tok", out / pre)
-            (src / "tokenizer.json").write_text(tok)
-            (src / "tokenizer_config.json").write_text(json.dumps({
+            path = converted(tree, out, pre, tokenizer_json(pre), pre, {
                 "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-                "eos_token": "<|endoftext|>", "add_bos_token": False}))
-            (out / "convert.py").write_text(CONVERT.format(tree=str(tree), pre=pre))
-            path = out / f"{pre}.gguf"
-            subprocess.run([sys.executable, str(out / "convert.py"), str(src), "--outtype", "f32", "--outfile",
-                            str(path)], check=True, capture_output=True, env={**os.environ})
+                "eos_token": "<|endoftext|>", "add_bos_token": False})
             ours = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(path)))
             port = free_port()
             cmd = [server, "-m", str(path), "--port", str(port), "-c", "256", "-np", "1", "--no-warmup",
@@ -201,10 +191,10 @@ def main() -> int:
                             d["llama_cpp_given_nfc_text"] = c.post(url + "/tokenize", json={
                                 "content": unicodedata.normalize("NFC", text), "add_special": False}).json()["tokens"]
                         differ.append(d)
-            # llama.cpp applies no NFC normalisation (Qwen's tokenizers have it) and reads \p{M} in the Tekken and
-            # o200k splits differently: texts with combining marks are counted apart
+            # llama.cpp applies no NFC normalisation (Qwen's tokenizers have it) and runs the Tekken and o200k splits
+            # through its general regex path: texts with combining marks are counted apart
             marks = [d for d in differ if has_marks(d["text"])]
-            row = {"pre": pre, "vocab": n, "texts": len(texts), "differ": len(differ),
+            row = {"pre": pre, "vocab": ours.vocab_size, "texts": len(texts), "differ": len(differ),
                    "differ_with_combining_marks": len(marks), "first": differ[:3],
                    "differ_given_nfc_text": sum(d["llama_cpp_given_nfc_text"] != d["turbospec"] for d in differ)
                    if nfc else None,
@@ -214,7 +204,8 @@ def main() -> int:
         chat = chat_check(tree, server, out)
         print(json.dumps(chat, ensure_ascii=False), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": " ".join(["python", *sys.argv]).replace(a.llama_cpp, "<llama.cpp>"), "rows": rows, "deepseek_coder_chat": chat}, indent=1,
+        command = " ".join(["python", *sys.argv]).replace(a.llama_cpp, "<llama.cpp>")
+        Path(a.json).write_text(json.dumps({"command": command, "rows": rows, "deepseek_coder_chat": chat}, indent=1,
                                            ensure_ascii=False) + "\n")
     return 0
 
