@@ -296,7 +296,7 @@ TEKKEN_RE = r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\
 def test_llama3_bpe(tmp_path: Path, pre: str, regex: str) -> None:
     """ "llama-bpe": Llama 3's split (digits in threes), its merges ignored for whole-word tokens, BOS added; "tekken"
     (Mistral Nemo / Small 3) the same but for its split (case changes start words, digits one by one)."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
     vocab, merges = trained(regex)
@@ -304,8 +304,7 @@ def test_llama3_bpe(tmp_path: Path, pre: str, regex: str) -> None:
     vocab["Ġunreachable"] = n  # a word no merge builds: found whole only because merges are ignored for it
     n += 1
     ref = HFTokenizer(models.BPE(vocab=dict(vocab), merges=[pair(m) for m in merges], ignore_merges=True))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ref.pre_tokenizer = pre_tokenizers.Sequence(splits(regex))
     ref.decoder = decoders.ByteLevel()
     ref.add_special_tokens([AddedToken("<|begin_of_text|>", normalized=False),
                             AddedToken("<|eot_id|>", normalized=False)])
