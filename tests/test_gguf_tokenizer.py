@@ -215,10 +215,7 @@ def bpe_gguf(path: Path, arch: str, pre: str, vocab: dict[str, int], merges: lis
     w.add_tokenizer_pre(pre)
     w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
     w.add_token_merges(merges)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    return Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(path)))
+    return Tokenizer.from_gguf(read_back(w, path, {}))
 
 
 QWEN_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -267,10 +264,7 @@ def test_qwen_pre_tokenizers_match_transformers(pre: str, cls_path: str, tmp_pat
     w.add_bos_token_id(added["<|endoftext|>"][0])
     w.add_add_bos_token(False)
     w.add_chat_template(QWEN_TEMPLATE)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "q.gguf")))
+    got = Tokenizer.from_gguf(read_back(w, tmp_path / "q.gguf", {}))
 
     assert got.vocab_size == len(hf.get_vocab())
     for text in TRICKY + TEXTS:
@@ -318,10 +312,7 @@ def test_llama3_bpe(tmp_path: Path, pre: str, regex: str) -> None:
     w.add_token_merges(merges)
     w.add_bos_token_id(n)
     w.add_eos_token_id(n + 1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    got = Tokenizer.from_gguf(gguf_metadata(gguf.GGUFReader(tmp_path / "l.gguf")))
+    got = Tokenizer.from_gguf(read_back(w, tmp_path / "l.gguf", {}))
     assert got.add_bos and got.bos_token == "<|begin_of_text|>"  # llama.cpp's default for llama-bpe
     assert got.eos_ids == {n + 1}
     for text in TRICKY + TEXTS:
@@ -411,10 +402,7 @@ def test_gguf_metadata_values(tmp_path: Path) -> None:
     w.add_string("a.str", "héllo ✓")
     w.add_array("a.ints", [1, 2, 3])
     w.add_array("a.strs", ["x", "", "ü"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    m = gguf_metadata(gguf.GGUFReader(tmp_path / "m.gguf"))
+    m = read_back(w, tmp_path / "m.gguf", {})
     assert m["general.architecture"] == "qwen3"
     want = {"a.u32": 7, "a.i32": -3, "a.u64": 2**40, "a.f32": 0.5, "a.bool": True, "a.str": "héllo ✓",
             "a.ints": [1, 2, 3], "a.strs": ["x", "", "ü"]}
