@@ -402,8 +402,8 @@ def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_back
     for _ in range(2):  # a request's first two steps are plain: their cost at this depth is measured
         assert ctl.choose(3) == 0
         costs.observe(0, 1.0, 0.0, 0)
-    assert ctl.choose(3) == 1  # the first draft is one token long
-    ctl.observe(1, 1)  # ... and hit
+    assert ctl.choose(3) == 1 and ctl.shadow  # until a draft hits, the drafts asked for are probes (not verified)
+    ctl.observe(1, 1)  # ... and this one hit
     assert ctl.choose(3) == 3  # the evidence and the prior (0.8 per position) pay for the whole draft
     ctl.costs = StepCosts([1.0, 1.2, 1.3, 1.4], draft=0.05)  # dearer verification: misses do not pay
     for _ in range(20):  # drafts that always miss
@@ -445,7 +445,9 @@ def test_probes_cost_at_most_a_share_of_what_drafting_could_gain():
     """Probes are spaced so that their timed cost is at most PROBE_SHARE of what drafting could at best gain over the
     plain steps between them: a probe that costs 30 plain steps, where drafts could at best make decoding 2.6x as
     fast, comes ~190 steps apart from the first, where the backoff alone probes after 8, 16, 32 ...; between probes
-    the steps are idle (the controller asked once per READ steps)."""
+    the steps are idle (the controller asked once per READ steps). (A request's first drafts, asked for by the prior
+    before any draft hit, are probes too -- each drafts from a drafter that kept up, not one catching up on the steps
+    since the last: those are not spaced.)"""
     from turbospec.speculative.adaptive import PROBE_SHARE, READ, Controller, StepCosts
 
     costs = StepCosts([1.0, 1.2, 1.3, 1.4], draft=0.05)  # drafts that hit would pay: probes are worth making
@@ -457,7 +459,7 @@ def test_probes_cost_at_most_a_share_of_what_drafting_could_gain():
     floor = costs.probe_interval(gain)
     assert abs(gain - 4 / 1.55) < 1e-6 and floor == int(30.0 / (PROBE_SHARE * (gain - 1)))
     assert costs.probe_interval(1.0) > floor  # drafts that cannot gain: probes as rare as they come
-    probes, asked, i = [], 0, 0
+    first, probes, asked, i = [], [], 0, 0
     while i < 1000:
         if ctl.idle:  # as the engine: idle steps are taken without asking
             ctl.idle -= 1
@@ -465,12 +467,14 @@ def test_probes_cost_at_most_a_share_of_what_drafting_could_gain():
             asked += 1
             k = ctl.choose(3)
             if ctl.shadow:
-                probes.append(i)
+                (probes if ctl.off_steps else first).append(i)
             if k:
                 ctl.observe(k, 0)  # nothing hits
         i += 1
-    assert len(probes) >= 2 and probes[0] >= floor and all(b - a >= floor for a, b in zip(probes, probes[1:]))
-    assert asked <= 1000 // READ + 2 * len(probes) + 8
+    assert 1 <= len(first) <= 4 and first == list(range(first[0], first[0] + len(first)))  # the prior's, in a row
+    assert len(probes) >= 2 and probes[0] - first[-1] >= floor
+    assert all(b - a >= floor for a, b in zip(probes, probes[1:]))
+    assert asked <= 1000 // READ + 2 * len(probes) + len(first) + 8
 
 
 def test_calibration_times_mtp_drafts_and_probes(paths):
@@ -568,27 +572,31 @@ def test_step_costs_follow_the_measured_times():
 
 def test_controller_stops_drafting_at_depth_after_few_misses():
     """Calibrated on a short context a verification row looks nearly free; at depth it costs a quarter of a plain
-    step. A request there times its plain step, reads the rows of its first verifications against it, and stops
-    drafting after two missed drafts (a row cost extrapolated from the calibration would keep it drafting); its
-    probes then draft one token that a plain step checks, with no verification rows."""
-    from turbospec.speculative.adaptive import Controller, StepCosts
+    step. A request there times its plain step (the row's cost, until measured, grows as the plain step's did), tries
+    its first drafts as probes (one token that a plain step checks, no verification rows), verifies one draft once
+    the misses outweigh the prior, reads that row against the plain step, and stops drafting (the row cost
+    extrapolated from the calibration would have kept it drafting); then it probes 8, 16, 32 steps apart."""
+    from turbospec.speculative.adaptive import FIRST_PROBES, Controller, StepCosts
 
     costs = StepCosts([1.4, 1.5, 1.6, 1.7], draft=0.2)  # ms at a 32-token context
     ctl = Controller(costs, 3)
-    verified, probes = [], 0
-    for _ in range(64):
+    steps = []
+    for i in range(64):
         k = ctl.choose(3, 8192)
         if ctl.shadow:  # a probe: one drafted token compared with a plain step's (as the engine does)
             costs.observe(0, 7.5, 0.0, 8192)
-            probes += 1
+            steps.append((i, "probe"))
         else:
             costs.observe(k, 7.5 + 2.0 * k, 0.4 * k, 8192)  # at 8K: a plain step 7.5 ms, each row 2 ms more
             if k:
-                verified.append(k)
+                steps.append((i, k))
         if k:
             ctl.observe(k, 0)  # nothing hits
     assert costs.plain == 7.5 and abs(costs.row - 2.0) < 1e-6
-    assert verified == [1, 1] and probes == 3 and ctl.off_steps > 50  # two 1-token misses; probes at 8, 16, 32
+    start = [(2 + j, "probe") for j in range(FIRST_PROBES)]  # (after the two plain steps that time the depth)
+    last = 2 + FIRST_PROBES
+    assert steps == start + [(last, 1), (last + 8, "probe"), (last + 24, "probe"), (last + 56, "probe")]
+    assert ctl.off_steps > 50
 
 
 @pytest.mark.parametrize("spec", ["ngram-mod", "draft-mtp"])

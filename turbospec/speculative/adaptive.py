@@ -19,8 +19,8 @@ small enough to sit in the cache: its verification rows and drafts cost what the
 that their timed cost is at most PROBE_SHARE of what drafting could at best gain over the plain steps between them
 (`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
-steps. A request's first draft is one token long (verified), so the prior's optimism costs one row; and
-while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
+steps. Until one of a request's drafts hits, its first FIRST_PROBES drafts are probes too (one token, checked
+against a plain step), so the prior's optimism costs drafts but no verification rows; and while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
 pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
 the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
 step's cost grows with the context (attention) differently from a verification's, so it is measured, not scaled. The
@@ -44,6 +44,10 @@ WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in 
 PROBE_MIN, PROBE_MAX = 8, 256
 READ = 32  # while drafting is off, the choice is worked out again (with the plain cost read) every READ steps
 EXPLORE = 16
+# until a request's draft hits, its first drafts (asked for on the prior's optimism) are probes: after this many
+# misses the estimates rest mostly on evidence, and a draft they still ask for is verified (where rows are cheap enough
+# that drafts pay at low acceptance, only verification gains anything -- and it measures a row's cost at this depth)
+FIRST_PROBES = 3
 HYSTERESIS = 0.03
 # a shorter draft is taken only when it beats every longer one by this much: the later positions' acceptance, learnt
 # only from drafts that reach them, runs below the truth (once the first tokens are accepted the later ones are
@@ -129,8 +133,11 @@ class StepCosts:
         t = min(max(verify_s, pred / 2), 2 * pred)
         if k == 0:
             if self.plain_is_stale(depth):
+                # rows seen at the old depth say little here: until one is measured, the row cost grows (or shrinks)
+                # as the plain step did (both mostly attention over the context at depth), and the next weigh more
+                self.row *= verify_s / self.plain if self.plain > 0 else 1.0
                 self.plain = verify_s
-                self._plain_obs, self._row_obs = 1, 0  # rows seen at the old depth say little here: the next weigh more
+                self._plain_obs, self._row_obs = 1, 0
             else:
                 self._plain_obs += 1
                 self.plain += max(PLAIN_RATE, 1.0 / self._plain_obs) * (t - self.plain)
@@ -157,8 +164,10 @@ class Controller:
     probe: int = PROBE_MIN
     _since: int = 0  # steps since the last draft
     _interval: int = PROBE_MIN  # the probe interval the last worked-out choice used
-    _drafted: int = 0  # drafted steps (the first is one token; every EXPLORE-th tries one token deeper than the
-    # best, every second of those is a plain step instead)
+    _drafted: int = 0  # verified drafted steps (every EXPLORE-th tries one token deeper than the best, every second
+    # of those is a plain step instead)
+    _hit: bool = False  # a draft of this request hit (until then, the first drafts the estimates ask for are probes)
+    _tried: int = 0  # those probes so far
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
@@ -261,9 +270,12 @@ class Controller:
             self._since += self.idle
             self.off_steps += self.idle
         elif best:
+            if not self._hit and self._tried < FIRST_PROBES:  # no draft of this request hit yet: a probe, not a
+                self._tried += 1  # verification -- where nothing hits, the prior's optimism costs drafts but no
+                self.shadow = True  # verification rows; where drafts hit, the first probe mostly hits and the next
+                self._last = 0  # step goes deep (a probe is a plain step: the next drafts only for a clear gain)
+                return 1
             self._drafted += 1
-            if self._drafted == 1:  # a request's first draft is one token: where nothing hits, the prior's
-                return 1            # optimism costs one row, and where drafts hit the next step goes deep
             if self._drafted % (2 * EXPLORE) == 0:  # a plain step now and then: the plain cost grows with the context
                 return 0
             if self._drafted % EXPLORE == 0 and best < room:  # a deeper draft, now and then: does it pay now?
@@ -290,6 +302,7 @@ class Controller:
             c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
             c[1] = (1 - RATE) * c[1] + 1.0
         self._since = self.idle = 0
+        self._hit = self._hit or accepted > 0
         if probing:  # a probe: keep probing rarely while its draft misses (or hits, but drafting would still not pay
             # at the acceptance seen), often once it hits and drafting would pay
             self.probe = PROBE_MIN if accepted and self.pays() else min(PROBE_MAX, self.probe * 2)
