@@ -558,6 +558,7 @@ def test_step_costs_follow_the_measured_times():
     assert c.plain_is_stale(0)  # no plain step timed yet
     c.observe(0, 2.0, 0.0, depth=4096)  # a plain step at a new depth sets the plain cost (no clipping)
     assert c.step(0) == 2.0 and not c.plain_is_stale(4096) and c.plain_is_stale(8192) and c.plain_is_stale(0)
+    assert abs(c.row - 0.4) < 1e-9  # ... and the row's, until one is measured there, grows as the plain step's did
     for _ in range(100):  # at that depth every verification row costs 1.0 more, drafts 0.3 per token
         c.observe(0, 2.0, 0.0, 4096)
         c.observe(1, 3.0, 0.3, 4096)
@@ -566,8 +567,11 @@ def test_step_costs_follow_the_measured_times():
     assert abs(c.step(2) - (2.0 + 2 * 1.3)) < 0.05
     c.observe(1, 100.0, 0.3, 4096)  # a hiccup: clipped
     assert c.step(1) < 4.0
-    c.observe(0, 0.5, 0.0, 0)  # a new request's short context: measured again
-    assert c.step(0) == 0.5
+    row = c.row
+    c.observe(0, 0.5, 0.0, 0)  # a new request's short context: measured again, the row scaled with it
+    assert c.step(0) == 0.5 and abs(c.row - row / 4) < 1e-9
+    c.observe(1, 0.7, 0.0, 0)  # the first verification there sets the row
+    assert abs(c.row - 0.2) < 1e-9
 
 
 def test_controller_stops_drafting_at_depth_after_few_misses():

@@ -3,7 +3,8 @@
 Cost model (`StepCosts`): a target step over 1 + k rows costs plain + k x row, where plain is the running time of
 the plain steps measured at about the current depth and row the running (verification time - plain) / k of the
 verifications (at depth a verification row costs more: attention over the whole context), both starting from the
-times calibrated at start-up on a scratch cache (`calibrate`); a drafted token costs the running mean of the drafts'
+times calibrated at start-up on a scratch cache (`calibrate`), a row at a new depth growing as the plain step did
+until one is measured there; a drafted token costs the running mean of the drafts'
 times. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
 target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = plain + k x (row + draft); the step takes the k with the best
@@ -20,8 +21,8 @@ that their timed cost is at most PROBE_SHARE of what drafting could at best gain
 (`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
 steps. Until one of a request's drafts hits, its first FIRST_PROBES drafts are probes too (one token, checked
-against a plain step), so the prior's optimism costs drafts but no verification rows; and while drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to
-pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
+against a plain step), so the prior's optimism costs drafts but no verification rows; and while drafting, every
+`EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
 the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
 step's cost grows with the context (attention) differently from a verification's, so it is measured, not scaled. The
 drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
@@ -73,8 +74,10 @@ class StepCosts:
     follows the measured plain steps (a request's first step is one, and its second when the context moved since
     the last, see `plain_is_stale`), and `row` the measured verifications: (verify time - plain) / k. A
     verification row's cost grows with the context (its attention) differently from a plain step's, and rows are
-    read against the plain step at about the same depth, so a deep context's row is not extrapolated from a shallow
-    calibration."""
+    read against the plain step at about the same depth: a deep context's row is measured there, not extrapolated
+    from a shallow calibration -- until the first verification there, it is taken to have grown as the plain step
+    did (on the bundled model at 8K: 0.75 ms from the calibration's 0.1 ms, where the rows measure 1.1-2 ms; at
+    0.1 ms drafts look nearly free where none hits)."""
 
     verify: list[float]  # verify[k]: seconds of a target step over 1 + k rows (calibrated)
     draft: float = 0.0  # seconds per drafted token
@@ -273,8 +276,7 @@ class Controller:
             if not self._hit and self._tried < FIRST_PROBES:  # no draft of this request hit yet: a probe, not a
                 self._tried += 1  # verification -- where nothing hits, the prior's optimism costs drafts but no
                 self.shadow = True  # verification rows; where drafts hit, the first probe mostly hits and the next
-                self._last = 0  # step goes deep (a probe is a plain step: the next drafts only for a clear gain)
-                return 1
+                return 1  # step goes deep
             self._drafted += 1
             if self._drafted % (2 * EXPLORE) == 0:  # a plain step now and then: the plain cost grows with the context
                 return 0
