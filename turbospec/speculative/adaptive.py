@@ -4,9 +4,9 @@ Cost model (`StepCosts`): a target step over 1 + k rows costs plain + k x row, w
 the plain steps measured at about the current depth and row the running (verification time - plain) / k of the
 verifications (at depth a verification row costs more: attention over the whole context), both starting from the
 times calibrated at start-up on a scratch cache (`calibrate`), a row at a new depth growing as the plain step did
-until one is measured there; a drafted token costs the running mean of the drafts'
-times. Acceptance (`Controller`): per draft position, a running estimate of the chance that the
-target accepts it once the positions before it were accepted. Expected tokens of a k-token draft:
+until one is measured there; a drafted token costs the running mean of the drafts' times. Acceptance (`Controller`):
+per draft position, a running estimate of the chance that the target accepts it once the positions before it were
+accepted. Expected tokens of a k-token draft:
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = plain + k x (row + draft); the step takes the k with the best
 E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice changes only for a gain of at least 3%
 (the machine's step times are noisy), and a shorter draft is taken only when it beats every longer one by 10%.
@@ -22,10 +22,11 @@ that their timed cost is at most PROBE_SHARE of what drafting could at best gain
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
 steps. Until one of a request's drafts hits, its first FIRST_PROBES drafts are probes too (one token, checked
 against a plain step), so the prior's optimism costs drafts but no verification rows; and while drafting, every
-`EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every second of those is a plain step instead, as is a request's first step, and its second when
-the plain cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain
-step's cost grows with the context (attention) differently from a verification's, so it is measured, not scaled. The
-drafter keeps up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
+`EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every
+second of those is a plain step instead, as is a request's first step, and its second when the plain cost is stale
+(the context moved by a quarter and 512 since it was timed) or rests on one step: a plain step's cost grows with the
+context (attention) differently from a verification's, so it is measured, not scaled. The drafter keeps up meanwhile
+from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
 """
 
 from __future__ import annotations
