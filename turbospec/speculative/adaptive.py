@@ -170,8 +170,7 @@ class Controller:
     _interval: int = PROBE_MIN  # the probe interval the last worked-out choice used
     _drafted: int = 0  # verified drafted steps (every EXPLORE-th tries one token deeper than the best, every second
     # of those is a plain step instead)
-    _hit: bool = False  # a draft of this request hit (until then, the first drafts the estimates ask for are probes)
-    _tried: int = 0  # those probes so far
+    _tried: int = 0  # drafts asked for before one hit, made as probes (see `choose`)
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
@@ -274,10 +273,13 @@ class Controller:
             self._since += self.idle
             self.off_steps += self.idle
         elif best:
-            if not self._hit and self._tried < FIRST_PROBES:  # no draft of this request hit yet: a probe, not a
-                self._tried += 1  # verification -- where nothing hits, the prior's optimism costs drafts but no
-                self.shadow = True  # verification rows; where drafts hit, the first probe mostly hits and the next
-                return 1  # step goes deep
+            # no draft of this request hit yet (the first position's decayed hits stay 0 until one does): a probe,
+            # not a verification -- where nothing hits, the prior's optimism costs drafts but no verification rows;
+            # where drafts hit, the first probe mostly hits and the next step goes deep
+            if not self.counts[0][0] and self._tried < FIRST_PROBES:
+                self._tried += 1
+                self.shadow = True
+                return 1
             self._drafted += 1
             if self._drafted % (2 * EXPLORE) == 0:  # a plain step now and then: the plain cost grows with the context
                 return 0
@@ -305,7 +307,6 @@ class Controller:
             c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
             c[1] = (1 - RATE) * c[1] + 1.0
         self._since = self.idle = 0
-        self._hit = self._hit or accepted > 0
         if probing:  # a probe: keep probing rarely while its draft misses (or hits, but drafting would still not pay
             # at the acceptance seen), often once it hits and drafting would pay
             self.probe = PROBE_MIN if accepted and self.pays() else min(PROBE_MAX, self.probe * 2)
