@@ -18,7 +18,8 @@ from turbospec.speculative.tree import DraftTree
 
 # most waiting (hidden, token) pairs fed when the MTP drafts after steps it did not draft (other drafters of a chain
 # drafted, or adaptive speculation's plain steps before a probe): each costs a row of the MTP layer (a probe on the
-# bundled model at 8K: ~0.45 ms with 4, ~1 ms with 16), and probes every 8 or 32 steps hit as often with 4 as with 16
+# bundled model at 8K: ~0.45 ms with 4, ~1 ms with 16), and probes every 8 or 32 steps hit about as often with 4 as
+# with 16 (hit rates over seven prompts 0.975 / 0.962 against 0.975 / 0.981)
 CATCH_UP = 4
 
 
