@@ -166,3 +166,58 @@ def test_rows_of_a_linear_multiply_in_place_as_a_copy_of_them(dtype):
                 assert torch.equal(view(x), copy(x))
     with pytest.raises(RuntimeError, match="row id out of range"):
         kernel.rows_linear(torch.zeros(1, 64), torch.zeros(4, 64), torch.tensor([4]), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rows_split_between_threads_equal_each_row_alone(dtype):
+    """The fused layers' per-row work (norms, q/k norms and RoPE, SwiGLU, residuals) is split between threads for
+    the many rows of a batched step; every row's values are exactly those it gets alone (on the calling thread)."""
+    g = torch.Generator().manual_seed(0)
+    rows, d, nh, nkv, hd, inter = 40, 512, 8, 2, 64, 384
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+    x, norm, post = r(rows, d), r(d), r(d)
+    w_qkv, q_norm, k_norm = r((nh + 2 * nkv) * hd, d, s=0.05), r(hd), r(hd)
+    cos, sin = r(rows, hd), r(rows, hd)
+    w_o, w_gu, w_dn, a = r(d, nh * hd, s=0.05), r(2 * inter, d, s=0.05), r(d, inter, s=0.05), r(rows, nh * hd)
+    old, old_rows = torch.get_num_threads(), kernel.set_bf16_dot_rows(1 << 20)  # bf16: the AVX2 products at any rows
+    torch.set_num_threads(2)
+    try:
+        qkv = kernel.attn_in(x, norm, 1e-6, False, [w_qkv], None, q_norm, k_norm, cos, sin, nh, nkv, hd, False)
+        qkv1 = torch.cat([kernel.attn_in(x[i:i + 1], norm, 1e-6, False, [w_qkv], None, q_norm, k_norm, cos[i:i + 1],
+                                         sin[i:i + 1], nh, nkv, hd, False) for i in range(rows)])
+        out = kernel.out_mlp(x, a, None, w_o, None, post, 1e-6, False, w_gu, None, w_dn, None)
+        out1 = torch.cat([kernel.out_mlp(x[i:i + 1], a[i:i + 1], None, w_o, None, post, 1e-6, False, w_gu, None, w_dn,
+                                         None) for i in range(rows)])
+        head = torch.randn(3000, d, generator=g).to(dtype)
+        logits = kernel.skinny_linear_float(x, head, None)
+        logits1 = torch.cat([kernel.skinny_linear(x[i:i + 1], head, None).float() for i in range(rows)])
+        picks = kernel.argmax_rows(logits)
+    finally:
+        torch.set_num_threads(old)
+        kernel.set_bf16_dot_rows(old_rows)
+    assert torch.equal(qkv, qkv1) and torch.equal(out, out1)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits1)
+    assert torch.equal(kernel.skinny_linear_float(x, head, None), kernel.skinny_linear(x, head, None).float())
+    assert picks.tolist() == [int(row.argmax()) for row in logits]
+
+
+def test_bf16_dot_products_match_reference_and_do_not_depend_on_the_batch():
+    """AVX-512 BF16 products (continuous batching's rows): near the float32 product, and each row's values the same
+    whether its rows go through a 4 x 4 tile (one reduction of all 16 sums) or a narrower one."""
+    if not kernel.bf16_dot():
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 100, generator=g).bfloat16()  # 9 blocks of 4 weight rows and one of 1; 3 x 32 values + 4
+    x = torch.randn(11, 100, generator=g).bfloat16()
+    old = kernel.set_bf16_dot_rows(2)
+    try:
+        whole = kernel.skinny_linear_float(x, w, None)  # rows 0-3 and 4-7 in 4 x 4 tiles, 8-10 in a 4 x 3 one
+        parts = torch.cat([kernel.skinny_linear_float(x[a:b], w, None) for a, b in ((0, 2), (2, 6), (6, 9), (9, 11))])
+    finally:
+        kernel.set_bf16_dot_rows(old)
+    ref = x.float() @ w.float().T
+    assert (whole - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    assert torch.equal(whole, parts)

@@ -274,7 +274,7 @@ void product(const torch::Tensor& w, const c10::optional<torch::Tensor>& b, cons
   if (packed::is_packed(w))
     packed::product(w, x, y, m);
   else if (x_bf16 && m >= bf16_dot_rows && w.scalar_type() == torch::kBFloat16 && bf16dot::available())
-    bf16dot::run(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bf16dot::to_bits(x, m * in).data(),
+    bf16dot::run(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bf16dot::pack(x, m, in).data(),
                  y, m, in, out);
   else
     by_dtype(w.scalar_type(), [&](auto tag) { run(w.data_ptr<decltype(tag)>(), x, y, m, in, out); });
@@ -315,6 +315,33 @@ void product(const Parts& ws, const c10::optional<torch::Tensor>& b, const float
   }
   add_bias(b, y, m, out);
 }
+
+// fn(a, b) over row ranges [a, b) of m rows of `values` each: split between the threads where the rows hold enough
+// values (a batched step's 32 rows: the per-row work of the fused layers, which left the second thread waiting ~25%
+// of a 32-row step), on the calling thread for a few rows (one sequence's decode and verification).
+template <typename F>
+void over_rows(int64_t m, int64_t values, F&& fn) {
+  if (m < 2 || m * values < (1 << 13)) return fn(int64_t{0}, m);
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 12) / std::max<int64_t>(values, 1)), fn);
+}
+
+// float buffers whose values start unset, for buffers that are written whole before they are read (std::vector's
+// zeroing of a 32-row step's buffers took ~2.5% of the step).
+template <typename T>
+struct Unset : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Unset<U>;
+  };
+  Unset() = default;
+  template <typename U>
+  Unset(const Unset<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(std::forward<A>(a)...); }
+};
+using Scratch = std::vector<float, Unset<float>>;
 
 // RMSNorm of one row of T-valued floats: y = x / sqrt(mean(x^2) + eps) * w, or * (1 + w) for zero-centred
 // weights; float32 math, results rounded to T (non-zero-centred follows transformers: round the normalised value
@@ -377,8 +404,11 @@ template <typename T>
 std::vector<float> norm_product(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, bool zc,
                                 const Parts& w, const c10::optional<torch::Tensor>& b) {
   const int64_t d = x.size(-1), m = x.numel() / d;
-  std::vector<float> xf = to_floats<T>(x), xn(m * d), y(m * out_rows(w));
-  for (int64_t r = 0; r < m; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  std::vector<float> xf = to_floats<T>(x), y(m * out_rows(w));
+  Scratch xn(m * d);
+  over_rows(m, d, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r) rms_row<T>(&xf[r * d], norm_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  });
   product(w, b, xn.data(), y.data(), m, std::is_same<T, at::BFloat16>::value);
   return y;
 }
@@ -394,6 +424,24 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto shape = x.sizes().vec();
   shape.back() = out;
   return y.to(out_dtype).reshape(shape);
+}
+
+// skinny_linear(x, w, bias).float() without the copy in x's dtype: the float32 products rounded to x's dtype in place
+// (the same values; an LM head's logits over 32 rows of a 32K vocabulary were two 1M-value conversions per step).
+torch::Tensor skinny_linear_float(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK((w.dim() == 2 || packed::is_packed(w)) && w.is_contiguous(), "weight must be a contiguous 2-D or packed tensor");
+  auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
+  const int64_t m = xs.size(0), in = xs.size(1), out = out_features(w);
+  TORCH_CHECK(in_features(w) == in, "shape mismatch");
+  auto y = torch::empty({m, out}, xs.options());
+  float* yp = y.data_ptr<float>();
+  product(w, bias, xs.data_ptr<float>(), yp, m, x.scalar_type() == torch::kBFloat16);
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    at::parallel_for(0, m * out, 1 << 15, [&](int64_t a, int64_t b) { round_all<decltype(tag)>(yp + a, b - a); });
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = out;
+  return y.reshape(shape);
 }
 
 // x W[rows]^T (+ b[rows]) for few rows of x, without a copy of W's selected rows: each output is the same chain of
@@ -519,26 +567,28 @@ std::vector<float> attn_in_floats(const torch::Tensor& x, const torch::Tensor& n
                                   const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh, int64_t nkv,
                                   int64_t hd, bool gated) {
   const int64_t m = x.numel() / x.size(-1), out = out_rows(w), rot = cos.size(-1);
-  std::vector<float> y = norm_product<T>(x, norm_w, eps, zc, w, b), tmp(rot);
-  round_all<T>(y.data(), static_cast<int64_t>(y.size()));
+  std::vector<float> y = norm_product<T>(x, norm_w, eps, zc, w, b);
   auto cc = cos.contiguous(), sc = sin.contiguous();
   const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
   const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
   const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
-  std::vector<float> nb(hd);
-  for (int64_t r = 0; r < m; ++r) {
-    const T* cr = cc.data_ptr<T>() + (cc.size(0) == 1 ? 0 : r) * rot;
-    const T* sr = sc.data_ptr<T>() + (sc.size(0) == 1 ? 0 : r) * rot;
-    for (int64_t h = 0; h < nh + nkv; ++h) {
-      float* v = &y[r * out] + (h < nh ? h * q_stride : q_width + (h - nh) * hd);
-      const T* nrm = h < nh ? qn : kn;
-      if (nrm) {
-        rms_row<T>(v, nrm, nb.data(), hd, static_cast<float>(eps), zc);
-        std::copy(nb.begin(), nb.end(), v);
+  over_rows(m, out, [&](int64_t a, int64_t e) {
+    round_all<T>(&y[a * out], (e - a) * out);
+    std::vector<float> nb(hd), tmp(rot);
+    for (int64_t r = a; r < e; ++r) {
+      const T* cr = cc.data_ptr<T>() + (cc.size(0) == 1 ? 0 : r) * rot;
+      const T* sr = sc.data_ptr<T>() + (sc.size(0) == 1 ? 0 : r) * rot;
+      for (int64_t h = 0; h < nh + nkv; ++h) {
+        float* v = &y[r * out] + (h < nh ? h * q_stride : q_width + (h - nh) * hd);
+        const T* nrm = h < nh ? qn : kn;
+        if (nrm) {
+          rms_row<T>(v, nrm, nb.data(), hd, static_cast<float>(eps), zc);
+          std::copy(nb.begin(), nb.end(), v);
+        }
+        rope_head<T>(v, cr, sr, rot, tmp.data());
       }
-      rope_head<T>(v, cr, sr, rot, tmp.data());
     }
-  }
+  });
   return y;
 }
 
@@ -621,15 +671,20 @@ torch::Tensor out_mlp_core(const torch::Tensor& x, std::vector<float> af, const 
       for (; j < aw; ++j) ar[j] = rnd<T>(ar[j] * s[j]);
     }
   }
-  std::vector<float> x1 = to_floats<T>(x), o(m * d), xn(m * d), gu(m * 2 * inter), hbuf(m * inter), dn(m * d);
+  std::vector<float> x1 = to_floats<T>(x);
+  Scratch o(m * d), xn(m * d), gu(m * 2 * inter), hbuf(m * inter), dn(m * d);
   product(w_o, b_o, af.data(), o.data(), m, std::is_same<T, at::BFloat16>::value);
-  add_residual<T>(x1.data(), o.data(), m * d);
-  for (int64_t r = 0; r < m; ++r) rms_row<T>(&x1[r * d], post_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  over_rows(m, d, [&](int64_t a, int64_t e) {
+    add_residual<T>(&x1[a * d], &o[a * d], (e - a) * d);
+    for (int64_t r = a; r < e; ++r) rms_row<T>(&x1[r * d], post_w.data_ptr<T>(), &xn[r * d], d, static_cast<float>(eps), zc);
+  });
   product(w_gu, b_gu, xn.data(), gu.data(), m, std::is_same<T, at::BFloat16>::value);
-  round_all<T>(gu.data(), m * 2 * inter);
-  for (int64_t r = 0; r < m; ++r) swiglu_row<T>(&gu[r * 2 * inter], &hbuf[r * inter], inter);
+  over_rows(m, 2 * inter, [&](int64_t a, int64_t e) {
+    round_all<T>(&gu[a * 2 * inter], (e - a) * 2 * inter);
+    for (int64_t r = a; r < e; ++r) swiglu_row<T>(&gu[r * 2 * inter], &hbuf[r * inter], inter);
+  });
   product(w_dn, b_dn, hbuf.data(), dn.data(), m, std::is_same<T, at::BFloat16>::value);
-  add_residual<T>(x1.data(), dn.data(), m * d);
+  over_rows(m, d, [&](int64_t a, int64_t e) { add_residual<T>(&x1[a * d], &dn[a * d], (e - a) * d); });
   return from_floats<T>(x1, m, d, x);
 }
 
@@ -1078,7 +1133,8 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   x = x.contiguous();
   const int64_t rows = x.size(0), v = x.size(1);
   auto out = torch::empty({rows}, torch::kLong);
-  for (int64_t r = 0; r < rows; ++r) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / v), [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* p = x.data_ptr<float>() + r * v;
     __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     __m256 bad = _mm256_setzero_ps();
@@ -1112,6 +1168,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
     out.data_ptr<int64_t>()[r] = at;
   }
+  });
   return out;
 }
 
@@ -1337,6 +1394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mtp_in", &mtp_in, "the MTP block's normed, concatenated, projected input");
   m.def("out_mlp", &out_mlp, "o-projection + residual, RMSNorm, SwiGLU MLP + residual");
   m.def("skinny_linear", &skinny_linear, "x W^T for few rows");
+  m.def("skinny_linear_float", &skinny_linear_float, "skinny_linear(x, w, b).float(), without the copy in x's dtype");
   m.def("rows_linear", &rows_linear, "x W[rows]^T for few rows of x, without a copy of W's rows");
   m.def("bf16_dot", &bf16_dot, "whether bf16 products can use AVX-512 BF16 dot products");
   m.def("set_bf16_dot_rows", &set_bf16_dot_rows, "fewest rows for bf16 dot products; returns the previous value");

@@ -185,6 +185,13 @@ class Linear:
             return self.kernel.skinny_linear(x, self.weight, self.bias)
         return prefill_product(x, self.weight, self.bias)
 
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x).float()` (the products rounded to x's dtype, as float32), on the kernel's path in one pass
+        without the copy in x's dtype: an LM head's logits."""
+        if not self.packed and self.kernel is not None and x.numel() // self.in_features <= skinny_rows(x.dtype):
+            return self.kernel.skinny_linear_float(x, self.weight, self.bias)
+        return self(x).float()
+
     @property
     def matrices(self) -> list[torch.Tensor]:
         """The matrices whose outputs make this layer's, for the one-call kernels: the weight."""
@@ -194,6 +201,11 @@ class Linear:
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+def float_logits(head, x: torch.Tensor) -> torch.Tensor:
+    """float32 logits of an LM head (`Linear.float_out` for a plain one; any other head: its output as float32)."""
+    return head.float_out(x) if isinstance(head, Linear) else head(x).float()
 
 
 class LinearRows:

@@ -7,6 +7,7 @@ import torch
 from turbospec.kv.base import Cache
 from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
+from turbospec.layers.linear import float_logits
 from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
@@ -62,7 +63,7 @@ class DenseModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return float_logits(self.lm_head, hidden)
 
     @property
     def weight_bytes(self) -> int:

@@ -27,7 +27,7 @@ from turbospec.kv.quant_cache import QuantKVCache, make_kv_cache
 from turbospec.kv.state_pool import HybridBatch, StatePool
 from turbospec.layers import block
 from turbospec.layers.gated_deltanet import _CHAIN, GatedDeltaNet, load_gdn_kernel
-from turbospec.layers.linear import Linear, skinny_rows
+from turbospec.layers.linear import Linear, float_logits, skinny_rows
 from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
@@ -407,7 +407,7 @@ class HybridModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return float_logits(self.lm_head, hidden)
 
     @property
     def weight_bytes(self) -> int:

@@ -17,7 +17,7 @@ from turbospec.kv.plan import AttentionPlan
 from turbospec.kv.quant_cache import make_kv_cache
 from turbospec.layers import block
 from turbospec.layers.attention import MLP
-from turbospec.layers.linear import Linear, exact_bf16, skinny_rows
+from turbospec.layers.linear import Linear, exact_bf16, float_logits, skinny_rows
 from turbospec.layers.moe import ExpertCache
 from turbospec.layers.norm import rms_norm
 from turbospec.layers.rope import Rope
@@ -144,7 +144,7 @@ class MTPModule:
         return len(self.layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return float_logits(self.lm_head, hidden)
 
     @property
     def nbytes(self) -> int:
