@@ -995,7 +995,7 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
   tile = std::max<int64_t>(tile, 1);
   const int64_t tiles = (n + tile - 1) / tile;
   const int64_t tasks = kvh * tiles;
-  std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
+  Scratch pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);  // zeroed by each task (attend_paged)
   const QTable qt = prepare_queries(qp4.data(), kvh, rows4, dk, k_kind, k_bits);
   const int64_t groups = rows4 / 4;
 
@@ -1005,6 +1005,9 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
     _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
     std::vector<float> sc(rows4 * tile), pn(4 * tile);
     for (int64_t task = t0; task < t1; ++task) {
+      std::fill_n(pm.data() + task * rows4, rows4, 0.0f);
+      std::fill_n(pl.data() + task * rows4, rows4, 0.0f);
+      std::fill_n(pacc.data() + task * rows4 * dv, rows4 * dv, 0.0f);
       const int64_t h = task / tiles, s0 = start + (task % tiles) * tile;
       const int64_t s1 = std::min(end, s0 + tile);
       tile_partial(ks, vs, score, accumulate, h, s0, s1, qt, h * groups, rows4, tile, sc.data(), pn.data(),
@@ -1066,13 +1069,18 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
   const ScoreFn score = pick_score(ks);
   const AccFn accumulate = pick_acc(v_kind, v_bits);
   const QTable qt = prepare_queries(qp4.data(), ns * kvh, rows4, dk, k_kind, k_bits);
-  std::vector<float> pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
+  // each task's partials are zeroed by the task (in parallel, just before it fills them) rather than all of them
+  // here on one thread: ~1 MB per layer for 32 sequences of a few hundred tokens
+  Scratch pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
     std::vector<float> sc(rows4 * block), pn(4 * block);
     int64_t s = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t task = t0; task < t1; ++task) {
+      std::fill_n(pm.data() + task * rows4, rows4, 0.0f);
+      std::fill_n(pl.data() + task * rows4, rows4, 0.0f);
+      std::fill_n(pacc.data() + task * rows4 * dv, rows4 * dv, 0.0f);
       while (task >= first[s + 1]) ++s;
       const int64_t local = task - first[s], h = local / ntiles[s], j = local % ntiles[s];
       const int64_t p0 = static_cast<int64_t>(tab[s * tables.size(1) + j]) * block;

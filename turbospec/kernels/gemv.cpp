@@ -325,24 +325,6 @@ void over_rows(int64_t m, int64_t values, F&& fn) {
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 12) / std::max<int64_t>(values, 1)), fn);
 }
 
-// float buffers whose values start unset, for buffers that are written whole before they are read (std::vector's
-// zeroing of a 32-row step's buffers took ~2.5% of the step).
-template <typename T>
-struct Unset : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = Unset<U>;
-  };
-  Unset() = default;
-  template <typename U>
-  Unset(const Unset<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
-  template <typename U, typename... A>
-  void construct(U* p, A&&... a) { ::new (static_cast<void*>(p)) U(std::forward<A>(a)...); }
-};
-using Scratch = std::vector<float, Unset<float>>;
-
 // RMSNorm of one row of T-valued floats: y = x / sqrt(mean(x^2) + eps) * w, or * (1 + w) for zero-centred
 // weights; float32 math, results rounded to T (non-zero-centred follows transformers: round the normalised value
 // to T, then multiply by w in T).
