@@ -31,6 +31,9 @@ same cache memory: two identical plain engines at 32K differed by a median 2.4% 
 
     python benchmarks/spec_speedup.py --categories code explain --random 200 --depths 0 8192 32768 65536 \
         --configs "draft-mtp:n=3,adaptive=1" "draft-mtp:n=3" --reps 3 --keep --out docs/results/spec_adaptive.json
+
+The configuration `none` is plain decoding run and paired as a configuration: the A/A control, whose ratios show
+how far this machine's noise alone moves a cell (with `--plain-on-engine`, plain against plain on one engine).
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, g
         out["mean_acc_len"] = 1 + spec.accepted / max(spec.drafts, 1)
         out["skipped"] = spec.skipped
         out["trees"] = spec.trees
+    elif cfg is not None:  # the configuration `none`: plain decoding timed as a configuration (the A/A control)
+        out.update(drafts=0, accepted=0, mean_acc_len=1.0, skipped=0, trees=0)
     return out
 
 

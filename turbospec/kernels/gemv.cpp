@@ -317,8 +317,8 @@ void product(const Parts& ws, const c10::optional<torch::Tensor>& b, const float
 }
 
 // fn(a, b) over row ranges [a, b) of m rows of `values` each: split between the threads where the rows hold enough
-// values (a batched step's 32 rows: the per-row work of the fused layers, which left the second thread waiting ~25%
-// of a 32-row step), on the calling thread for a few rows (one sequence's decode and verification).
+// values (a batched step's 32 rows: the fused layers' per-row work, done on one thread while the other waited), on
+// the calling thread for a few rows (one sequence's decode and verification).
 template <typename F>
 void over_rows(int64_t m, int64_t values, F&& fn) {
   if (m < 2 || m * values < (1 << 13)) return fn(int64_t{0}, m);
@@ -395,35 +395,32 @@ std::vector<float> norm_product(const torch::Tensor& x, const torch::Tensor& nor
   return y;
 }
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+// x W^T (+ b) for few rows of x [.., in], as float32 [.., out] (not rounded).
+torch::Tensor skinny_floats(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK((w.dim() == 2 || packed::is_packed(w)) && w.is_contiguous(), "weight must be a contiguous 2-D or packed tensor");
-  auto out_dtype = x.scalar_type();
   auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
   const int64_t m = xs.size(0), in = xs.size(1), out = out_features(w);
   TORCH_CHECK(in_features(w) == in, "shape mismatch");
   auto y = torch::empty({m, out}, xs.options());
-  product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m, out_dtype == torch::kBFloat16);
+  product(w, bias, xs.data_ptr<float>(), y.data_ptr<float>(), m, x.scalar_type() == torch::kBFloat16);
   auto shape = x.sizes().vec();
   shape.back() = out;
-  return y.to(out_dtype).reshape(shape);
+  return y.reshape(shape);
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  return skinny_floats(x, w, bias).to(x.scalar_type());
 }
 
 // skinny_linear(x, w, bias).float() without the copy in x's dtype: the float32 products rounded to x's dtype in place
 // (the same values; an LM head's logits over 32 rows of a 32K vocabulary were two 1M-value conversions per step).
 torch::Tensor skinny_linear_float(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK((w.dim() == 2 || packed::is_packed(w)) && w.is_contiguous(), "weight must be a contiguous 2-D or packed tensor");
-  auto xs = x.reshape({-1, x.size(-1)}).to(torch::kFloat).contiguous();
-  const int64_t m = xs.size(0), in = xs.size(1), out = out_features(w);
-  TORCH_CHECK(in_features(w) == in, "shape mismatch");
-  auto y = torch::empty({m, out}, xs.options());
+  auto y = skinny_floats(x, w, bias);
   float* yp = y.data_ptr<float>();
-  product(w, bias, xs.data_ptr<float>(), yp, m, x.scalar_type() == torch::kBFloat16);
   by_dtype(x.scalar_type(), [&](auto tag) {
-    at::parallel_for(0, m * out, 1 << 15, [&](int64_t a, int64_t b) { round_all<decltype(tag)>(yp + a, b - a); });
+    at::parallel_for(0, y.numel(), 1 << 15, [&](int64_t a, int64_t b) { round_all<decltype(tag)>(yp + a, b - a); });
   });
-  auto shape = x.sizes().vec();
-  shape.back() = out;
-  return y.reshape(shape);
+  return y;
 }
 
 // x W[rows]^T (+ b[rows]) for few rows of x, without a copy of W's selected rows: each output is the same chain of
