@@ -1113,40 +1113,40 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   const int64_t rows = x.size(0), v = x.size(1);
   auto out = torch::empty({rows}, torch::kLong);
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / v), [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* p = x.data_ptr<float>() + r * v;
-    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    __m256 bad = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= v; i += 8) {
-      const __m256 a = _mm256_loadu_ps(p + i);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      mx = _mm256_max_ps(mx, a);
-    }
-    float best = -std::numeric_limits<float>::infinity();
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mx);
-    for (float l : lanes) best = std::max(best, l);
-    bool nan = _mm256_movemask_ps(bad) != 0;
-    for (int64_t j = i; j < v; ++j) {
-      nan = nan || std::isnan(p[j]);
-      best = std::max(best, p[j]);
-    }
-    int64_t at = 0;
-    if (nan) {
-      while (!std::isnan(p[at])) ++at;
-    } else {
-      const __m256 b8 = _mm256_set1_ps(best);
-      int64_t j = 0;
-      for (; j + 8 <= v; j += 8) {
-        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), b8, _CMP_EQ_OQ));
-        if (mask) break;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = x.data_ptr<float>() + r * v;
+      __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 bad = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= v; i += 8) {
+        const __m256 a = _mm256_loadu_ps(p + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, a);
       }
-      while (p[j] != best) ++j;
-      at = j;
+      float best = -std::numeric_limits<float>::infinity();
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      for (float l : lanes) best = std::max(best, l);
+      bool nan = _mm256_movemask_ps(bad) != 0;
+      for (int64_t j = i; j < v; ++j) {
+        nan = nan || std::isnan(p[j]);
+        best = std::max(best, p[j]);
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (!std::isnan(p[at])) ++at;
+      } else {
+        const __m256 b8 = _mm256_set1_ps(best);
+        int64_t j = 0;
+        for (; j + 8 <= v; j += 8) {
+          const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), b8, _CMP_EQ_OQ));
+          if (mask) break;
+        }
+        while (p[j] != best) ++j;
+        at = j;
+      }
+      out.data_ptr<int64_t>()[r] = at;
     }
-    out.data_ptr<int64_t>()[r] = at;
-  }
   });
   return out;
 }
