@@ -897,14 +897,18 @@ QTable prepare_queries(float* q, int64_t heads, int64_t rows4, int64_t dk, int64
 }
 
 // One tile of the flash-decoding split: scores of rows4 query rows (groups g0, g0 + 1, ... of qt) against positions
-// [s0, s1) of head h, softmax partial m / l [rows4] and the unnormalized accumulator acc [rows4, Dv]. sc (rows4 *
-// tile) and pn (4 * tile) are scratch.
+// [s0, s1) of head h, softmax partial m / l [rows4] and the unnormalized accumulator acc [rows4, Dv], zeroed here
+// first (the callers' partials start unset: zeroed by the parallel task that fills them, not all at once on one
+// thread). sc (rows4 * tile) and pn (4 * tile) are scratch.
 // `keep` / `back0` (paged tree rows): the tile's position i lies back0 - i positions before the row's own; one
 // fewer than 64 back is attended only where that bit of keep is set (~0: every position, the default).
 inline void tile_partial(const Source& ks, const Source& vs, ScoreFn score, AccFn accumulate, int64_t h, int64_t s0,
                          int64_t s1, const QTable& qt, int64_t g0, int64_t rows4, int64_t tile, float* sc, float* pn,
                          float* m, float* l, float* acc, uint64_t keep = ~0ull, int64_t back0 = 0) {
   const int64_t len = s1 - s0, dv = vs.width;
+  std::fill_n(m, rows4, 0.0f);
+  std::fill_n(l, rows4, 0.0f);
+  std::fill_n(acc, rows4 * dv, 0.0f);
   for (int64_t r0 = 0; r0 < rows4; r0 += 4) score(ks, h, s0, s1, qt.group(g0 + r0 / 4), sc + r0 * tile, tile);
   // masked positions: no score before the max, no weight after the exponentials
   const int64_t mask_from = keep == ~0ull ? len : std::max<int64_t>(0, back0 - 63);
@@ -995,7 +999,7 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
   tile = std::max<int64_t>(tile, 1);
   const int64_t tiles = (n + tile - 1) / tile;
   const int64_t tasks = kvh * tiles;
-  Scratch pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);  // zeroed by each task (attend_paged)
+  Scratch pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);  // each filled by its tile_partial
   const QTable qt = prepare_queries(qp4.data(), kvh, rows4, dk, k_kind, k_bits);
   const int64_t groups = rows4 / 4;
 
@@ -1005,9 +1009,6 @@ void attend_core(const float* q, int64_t kvh, int64_t rows, int64_t dk, const So
     _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
     std::vector<float> sc(rows4 * tile), pn(4 * tile);
     for (int64_t task = t0; task < t1; ++task) {
-      std::fill_n(pm.data() + task * rows4, rows4, 0.0f);
-      std::fill_n(pl.data() + task * rows4, rows4, 0.0f);
-      std::fill_n(pacc.data() + task * rows4 * dv, rows4 * dv, 0.0f);
       const int64_t h = task / tiles, s0 = start + (task % tiles) * tile;
       const int64_t s1 = std::min(end, s0 + tile);
       tile_partial(ks, vs, score, accumulate, h, s0, s1, qt, h * groups, rows4, tile, sc.data(), pn.data(),
@@ -1069,8 +1070,6 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
   const ScoreFn score = pick_score(ks);
   const AccFn accumulate = pick_acc(v_kind, v_bits);
   const QTable qt = prepare_queries(qp4.data(), ns * kvh, rows4, dk, k_kind, k_bits);
-  // each task's partials are zeroed by the task (in parallel, just before it fills them) rather than all of them
-  // here on one thread: ~1 MB per layer for 32 sequences of a few hundred tokens
   Scratch pm(tasks * rows4), pl(tasks * rows4), pacc(tasks * rows4 * dv);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     const unsigned int csr = _mm_getcsr();
@@ -1078,9 +1077,6 @@ torch::Tensor attend_paged(torch::Tensor q, int64_t k_kind, int64_t k_bits, std:
     std::vector<float> sc(rows4 * block), pn(4 * block);
     int64_t s = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t task = t0; task < t1; ++task) {
-      std::fill_n(pm.data() + task * rows4, rows4, 0.0f);
-      std::fill_n(pl.data() + task * rows4, rows4, 0.0f);
-      std::fill_n(pacc.data() + task * rows4 * dv, rows4 * dv, 0.0f);
       while (task >= first[s + 1]) ++s;
       const int64_t local = task - first[s], h = local / ntiles[s], j = local % ntiles[s];
       const int64_t p0 = static_cast<int64_t>(tab[s * tables.size(1) + j]) * block;
@@ -1261,8 +1257,8 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
   std::vector<int64_t> tail_first(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) tail_first[i + 1] = tail_first[i] + (end_of(i) - shared + TILE - 1) / TILE;
   const int64_t tails = tail_first[n];
-  std::vector<float> sm(nkv * st * rows4), sl(nkv * st * rows4), sa(nkv * st * rows4 * dv);
-  std::vector<float> tm(nkv * tails * g4), tl(nkv * tails * g4), ta(nkv * tails * g4 * dv);
+  Scratch sm(nkv * st * rows4), sl(nkv * st * rows4), sa(nkv * st * rows4 * dv);  // each filled by its tile_partial
+  Scratch tm(nkv * tails * g4), tl(nkv * tails * g4), ta(nkv * tails * g4 * dv);
   at::parallel_for(0, nkv * (st + tails), 1, [&](int64_t t0, int64_t t1) {
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ | DAZ, as attend_core
