@@ -34,6 +34,13 @@ same cache memory: two identical plain engines at 32K differed by a median 2.4% 
 
 The configuration `none` is plain decoding run and paired as a configuration: the A/A control, whose ratios show
 how far this machine's noise alone moves a cell (with `--plain-on-engine`, plain against plain on one engine).
+
+`--lockstep` (with `--keep`) runs each repetition's request on plain decoding's engine and every configuration's at
+once, their decoding interleaved token by token (`run_lockstep`): the machine's drift then touches them alike, and
+plain against plain (`none`) lands within about 1% per cell where runs one after the other land within 3-4%.
+
+    python benchmarks/spec_speedup.py --categories code explain --random 200 --depths 0 8192 32768 65536 \
+        --configs none "draft-mtp:n=3,adaptive=1" --reps 11 --keep --lockstep --out docs/results/spec_adaptive_lockstep_prose.json
 """
 
 from __future__ import annotations
@@ -112,24 +119,74 @@ def new_engine(model, tok, path: str, cfg: SpecConfig | None, ctx: int) -> Engin
     return Engine(model, tok, EngineConfig(ctx=ctx, spec=cfg or SpecConfig()), drafter=drafter)
 
 
+def prepare(model, eng: Engine, cfg: SpecConfig | None, keep: bool) -> None:
+    """Adaptive speculation's cost model for a run on `eng`: the start-up calibration (measured once per
+    configuration, as `build_engine` does), kept on a kept engine (--keep) once it has its own."""
+    if cfg is not None and cfg.adaptive and (eng.step_costs is None or not keep):
+        if cfg not in COSTS:
+            COSTS[cfg] = calibrate(model, cfg.n_max, cfg)
+        # each run starts from the start-up costs; on a kept engine (--keep) the costs it measured stay, as in a server
+        eng.step_costs = copy.deepcopy(COSTS[cfg])
+
+
 def run_once(model, tok, path: str, prompt: list[int], cfg: SpecConfig | None, gen: int,
              repeat: bool = False, temp: float = 0.0, seed: int = 0, eng: Engine | None = None) -> dict:
     """One timed request, on `eng` (kept between runs) or on a new engine."""
     keep = eng is not None
     if eng is None:
         eng = new_engine(model, tok, path, cfg, len(prompt) + gen + 64)
-    if cfg is not None and cfg.adaptive and (eng.step_costs is None or not keep):
-        if cfg not in COSTS:
-            COSTS[cfg] = calibrate(model, cfg.n_max, cfg)
-        # each run starts from the start-up costs; on a kept engine (--keep) the costs it measured stay, as in a server
-        eng.step_costs = copy.deepcopy(COSTS[cfg])
+    prepare(model, eng, cfg, keep)
     sp = SamplingParams(max_tokens=gen, temperature=temp, ignore_eos=True, seed=seed)
     if repeat:  # the first request, untimed
         list(eng.stream(prompt, sp))
     t = time.perf_counter()
     list(eng.stream(prompt, sp))
     st = eng.last_stats
-    out = {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t, "ttft_ms": st.ttft_s * 1e3}
+    return result(st, {"decode_tps": st.decode_tps, "wall_s": time.perf_counter() - t, "ttft_ms": st.ttft_s * 1e3},
+                  cfg)
+
+
+def run_lockstep(model, prompt: list[int], runs: list[tuple[Engine, SpecConfig | None]], gen: int,
+                 temp: float = 0.0, seed: int = 0, flip: bool = False) -> list[dict]:
+    """The same request on each (kept) engine at once, their decoding interleaved token by token: each engine's
+    next token is asked for in turn (the order reversed every round, and from the start with `flip`), and an
+    engine's decode speed is its tokens after the first over the time spent in its own calls. Every engine decodes
+    through the same seconds of the machine, so a drift of its speed (this machine's noise: seconds to minutes)
+    touches them alike; run one after the other, it lands on one of them."""
+    sp = SamplingParams(max_tokens=gen, temperature=temp, ignore_eos=True, seed=seed)
+    for eng, cfg in runs:
+        prepare(model, eng, cfg, True)
+    streams = [eng.stream(prompt, sp) for eng, _ in runs]
+    spent = [0.0] * len(runs)
+    tokens = [0] * len(runs)
+    ttft = [0.0] * len(runs)
+    for i, g in enumerate(streams):  # the prompts (what the cache lacks) and first tokens: not decode time
+        t = time.perf_counter()
+        tokens[i] = len(next(g).tokens)
+        ttft[i] = time.perf_counter() - t
+    live = list(range(len(runs)))
+    rnd = 0
+    while live:
+        order = live if (rnd % 2 == 0) != flip else live[::-1]
+        rnd += 1
+        for i in list(order):
+            t = time.perf_counter()
+            try:
+                tokens[i] += len(next(streams[i]).tokens)
+            except StopIteration:  # (the request's wrap-up after its last token: not decode time, as in GenStats)
+                live.remove(i)
+                continue
+            spent[i] += time.perf_counter() - t
+    out = []
+    for i, (eng, cfg) in enumerate(runs):
+        st = eng.last_stats
+        out.append(result(st, {"decode_tps": (tokens[i] - 1) / spent[i] if spent[i] > 0 else 0.0,
+                               "wall_s": ttft[i] + spent[i], "ttft_ms": ttft[i] * 1e3}, cfg))
+    return out
+
+
+def result(st, out: dict, cfg: SpecConfig | None) -> dict:
+    """A run's numbers with its drafting statistics (`st`: the engine's last_stats)."""
     spec = st.spec
     if spec is not None:
         out["drafts"], out["accepted"] = spec.drafts, spec.accepted
@@ -162,13 +219,20 @@ def main() -> None:
     ap.add_argument("--plain-on-engine", action="store_true",
                     help="with --keep: pair each configuration with plain decoding on its own engine (drafter "
                          "detached: the same cache and memory), not on a plain engine of its own")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="with --keep: plain decoding and every configuration decode each repetition's request at "
+                         "once, token by token in turn, each on its own engine (see run_lockstep)")
     ap.add_argument("--keep", action="store_true",
                     help="one engine per configuration and depth: requests reuse the cached prefix (the filler)")
     ap.add_argument("--dump-prompts", default=None, metavar="DIR",
                     help="write each prompt's text to DIR/<name>.txt (for `turbospec run -f`) and exit")
     a = ap.parse_args()
-    if a.plain_on_engine and not a.keep:
-        ap.error("--plain-on-engine needs --keep")
+    if (a.plain_on_engine or a.lockstep) and not a.keep:
+        ap.error("--plain-on-engine and --lockstep need --keep")
+    if a.plain_on_engine and a.lockstep:
+        ap.error("--lockstep runs plain decoding on an engine of its own: not with --plain-on-engine")
+    if a.lockstep and a.repeat:
+        ap.error("--lockstep times one request per engine: not with --repeat")
     # a checkpoint directory or a GGUF file, with its tokenizer (the loader `turbospec run` uses)
     path, model, tokenizer = load_parts(EngineConfig(model=a.model, dtype=a.dtype, threads=a.threads))
     if tokenizer is None:
@@ -213,6 +277,13 @@ def main() -> None:
         run_once(model, tok, path, prompt[-64:], None, 16)  # warm-up
         rows = {name: [] for name in ["plain", *configs]}
         for rep in range(a.reps):
+            if a.lockstep:  # plain and every configuration at once, interleaved token by token
+                names = ["plain", *configs]
+                got = run_lockstep(model, prompt, [(engine(d, n), configs.get(n)) for n in names], a.gen, a.temp,
+                                   rep, flip=rep % 2 == 1)
+                for n, r in zip(names, got):
+                    rows[n].append(r)
+                continue
             if a.plain_on_engine:  # each configuration paired with plain decoding on its own engine and cache
                 for name, cfg in configs.items():
                     eng = engine(d, name)
@@ -261,7 +332,7 @@ def main() -> None:
         res["raw"] = rows
         results[cat] = res
     if a.out:
-        meta = {"model": path, "plain_on_engine": a.plain_on_engine, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
+        meta = {"model": path, "plain_on_engine": a.plain_on_engine, "lockstep": a.lockstep, "dtype": a.dtype, "threads": a.threads, "gen": a.gen, "reps": a.reps,
                 "repeat": a.repeat, "keep": a.keep, "filler": a.filler, "temp": a.temp, "edit_tokens": a.edit_tokens if a.edit else None,
                 "date": time.strftime("%Y-%m-%d")}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -780,3 +780,28 @@ def test_mtp_sampled_drafts_carry_the_distribution_they_were_drawn_from(paths):
     d.sampling(SamplingParams(temperature=0))
     d.begin(prompt, torch.randn(20, 48, generator=torch.Generator().manual_seed(1)))
     assert all(q is None for q in d.propose(prompt + [3], 3).q)
+
+
+def test_engines_interleaved_token_by_token_decode_as_alone(paths):
+    """benchmarks/spec_speedup.py --lockstep: engines on one model decode the same request at once, each asked for
+    its next token in turn -- each engine's tokens are those it makes alone (plain, always-drafting and adaptive
+    MTP: nothing of one engine's request leaks into another's), and every engine gets decode time."""
+    from benchmarks.spec_speedup import run_lockstep
+
+    target = load_model(paths["target"], "float32")
+    spec = SpecConfig.parse("draft-mtp", n_max=3)
+    adaptive = SpecConfig.parse("draft-mtp", n_max=3, adaptive=True)
+
+    def engine(cfg):
+        drafter = make_drafter(cfg, target, 264) if cfg is not None else None
+        return Engine(target, config=EngineConfig(ctx=256, spec=cfg or SpecConfig()), drafter=drafter)
+
+    runs = [(engine(None), None), (engine(spec), spec), (engine(adaptive), adaptive)]
+    prompt = PROMPTS[0]
+    got = run_lockstep(target, prompt, runs, 40)
+    outs = [eng.cached_tokens[len(prompt):] for eng, _ in runs]
+    alone = run(engine(None), prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert all(out == alone[:len(out)] for out in outs) and all(len(out) >= 39 for out in outs)
+    assert all(r["decode_tps"] > 0 for r in got)
+    assert got[1]["drafts"] > 0  # (the always-drafting engine drafted: its tokens above went through verification)
+
