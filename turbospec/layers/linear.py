@@ -176,19 +176,22 @@ class Linear:
         return cls(w, torch.cat(bs, 0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
         if self.packed:
             if self.kernel is None:  # a GPU (Triton) or no C++ kernel here (torch)
                 return packed.linear(x, self.weight, self.bias)
             return self.kernel.packed_linear(x, self.weight, self.bias, max(env.SKINNY_MAX_ROWS, PACKED_ROW_LIMIT))
-        if self.kernel is not None and rows <= skinny_rows(x.dtype):
+        if self._skinny(x):
             return self.kernel.skinny_linear(x, self.weight, self.bias)
         return prefill_product(x, self.weight, self.bias)
+
+    def _skinny(self, x: torch.Tensor) -> bool:
+        """Whether x's rows go through the C++ skinny product (a float weight, the kernel here, few enough rows)."""
+        return not self.packed and self.kernel is not None and x.numel() // self.in_features <= skinny_rows(x.dtype)
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """`self(x).float()` (the products rounded to x's dtype, as float32), on the kernel's path in one pass
         without the copy in x's dtype: an LM head's logits."""
-        if not self.packed and self.kernel is not None and x.numel() // self.in_features <= skinny_rows(x.dtype):
+        if self._skinny(x):
             return self.kernel.skinny_linear_float(x, self.weight, self.bias)
         return self(x).float()
 
