@@ -326,7 +326,7 @@ def attention(dtype: str) -> None:
         cache.begin(1)
         full = _median_ms(lambda: k.layer_decode(
             x, layer.in_norm, layer.eps, layer.zc, at.qkv.matrices, at.qkv.bias, at.q_norm, at.k_norm, cos, sin, at.nh,
-            at.nkv, at.hd, at.gated, cache.k[0], cache.v[0], ctx, 1 / math.sqrt(at.hd), *w), 400)
+            at.nkv, at.hd, at.gated, cache.k[0], cache.v[0], ctx, 1 / math.sqrt(at.hd), *w, [], 0), 400)
         pre = _median_ms(lambda: k.attn_in(x, layer.in_norm, layer.eps, layer.zc, at.qkv.matrices, at.qkv.bias,
                                            at.q_norm, at.k_norm, cos, sin, at.nh, at.nkv, at.hd, at.gated), 400)
         post = _median_ms(lambda: k.out_mlp(x, a_row, None, w[0], w[1], w[2], layer.eps, layer.zc, *w[3:]), 400)

@@ -580,9 +580,9 @@ def test_batched_mtp_drafts_equal_each_drafters_own(which, spec, cfg, most, requ
         drafts[-1].append([(t.tokens, t.parents) for t in trees])
         return trees
 
-    def count(self, tokens, hidden, plans, caches, counts, step=0):
+    def count(self, tokens, hidden, plans, caches, counts, step=0, last_only=False):
         together.append(len(caches))
-        return forward_many(self, tokens, hidden, plans, caches, counts, step)
+        return forward_many(self, tokens, hidden, plans, caches, counts, step, last_only)
 
     monkeypatch.setattr(sched, "propose_all", record)
     monkeypatch.setattr(MTPModule, "forward_many", count)
@@ -633,6 +633,52 @@ def test_mtp_forward_over_many_caches_equals_each_alone(which, kv, request):
     with torch.inference_mode():  # the next step attends over what both wrote
         one = [mtp.forward([toks[0]], hid[:1], AttentionPlan.causal(c.length, 1), c) for c in (caches[0][2], caches[1][2])]
     assert torch.equal(one[0], one[1])
+
+
+@pytest.mark.parametrize("which,kv", [("model", None), ("hybrid", None), ("hybrid", "q8_0")])
+def test_mtp_forward_of_last_rows_equals_the_whole(which, kv, request):
+    """A drafter catching up (or fed its prompt window) reads only each sequence's last MTP row: `forward` with
+    `out_rows` and `forward_many` with `last_only` give the whole forward's last rows and store the same K/V (the
+    next step over the caches gives the same rows, to the bit), alone and for a batch: to the bit where one fused
+    call takes the rows, within rounding for a longer chunk (the general path: products over fewer rows)."""
+    from turbospec.kv.plan import AttentionPlan
+
+    mtp = request.getfixturevalue(which).mtp
+    g = torch.Generator().manual_seed(6)
+    counts, before = [5, 1, 3, 40], [3, 9, 0, 4]
+    h = mtp.cfg.hidden_size
+    caches = [[mtp.new_cache(96, k_type=kv, v_type=kv) for _ in counts] for _ in range(3)]
+    for cs in zip(*caches, before):
+        n = cs[-1]
+        toks, hid = torch.randint(3, 900, (n,), generator=g), torch.randn(n, h, generator=g)
+        for c in cs[:-1]:
+            if n:
+                mtp.forward(toks, hid, AttentionPlan.causal(0, n), c)
+                c.commit()
+    toks = torch.randint(3, 900, (sum(counts),), generator=g).tolist()
+    hid = torch.randn(sum(counts), h, generator=g)
+    plans = [AttentionPlan.causal(b, n) for b, n in zip(before, counts)]
+    batch = mtp.forward_many(toks[:9], hid[:9], plans[:3], caches[2][:3], counts[:3], last_only=True)
+    assert batch.shape == (3, h)
+    r = 0
+    for i, n in enumerate(counts):
+        whole = mtp.forward(toks[r:r + n], hid[r:r + n], plans[i], caches[0][i])
+        last = mtp.forward(toks[r:r + n], hid[r:r + n], plans[i], caches[1][i], out_rows=1)
+        assert last.shape == (1, h)
+        if i < 3:
+            assert torch.equal(last, whole[-1:]) and torch.equal(batch[i], whole[-1]), i
+        else:  # (a chunk longer than one fused call, alone)
+            torch.testing.assert_close(last, whole[-1:], rtol=1e-4, atol=1e-4)
+            assert torch.equal(mtp.forward_many(toks[r:r + n], hid[r:r + n], plans[i:], caches[2][i:], [n],
+                                                last_only=True), last)
+        r += n
+        nxt = []
+        for c in (caches[0][i], caches[1][i], caches[2][i]):
+            c.commit()
+            assert c.length == before[i] + n
+            with torch.inference_mode():  # the next step attends over what each wrote
+                nxt.append(mtp.forward([toks[0]], hid[:1], AttentionPlan.causal(c.length, 1), c))
+        assert torch.equal(nxt[0], nxt[1]) and torch.equal(nxt[0], nxt[2]), i
 
 
 def test_draft_gate_drafts_while_drafting_steps_emit_faster():

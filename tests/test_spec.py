@@ -259,6 +259,22 @@ def test_chi2_detects_a_wrong_sampler():
     assert _chi2_p(first, p) < 1e-6
 
 
+class _Copied:
+    """A draft head whose `take` copies rows (as off the CPU): the drafter uses the full head and a mask for large
+    vocabularies."""
+
+    takes_in_place = False
+
+    def __init__(self, head):
+        self.head, self.out_features = head, head.out_features
+
+    def __call__(self, x):
+        return self.head(x)
+
+    def take(self, rows):
+        return self.head.take(rows)
+
+
 def test_mtp_reduced_draft_vocab_is_lossless(paths):
     target = load_model(paths["target"], "float32")
     plain = Engine(target, None, EngineConfig(ctx=256, ubatch=8))
@@ -268,17 +284,24 @@ def test_mtp_reduced_draft_vocab_is_lossless(paths):
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for prompt in PROMPTS[:6]:
         assert run(eng, prompt, p) == run(plain, prompt, p)
-        # the head scores the 32 lowest ids (no ranking beside this model) plus the request's tokens so far, or,
-        # once they are half the vocabulary or more, every id (the full head: no copy of its rows)
-        if drafter.head_ids is None:
-            assert 2 * len(drafter._ids) >= target.cfg.vocab_size
-            logits = drafter.head(torch.randn(1, target.cfg.hidden_size))[0]  # ids outside the set: never drafted
-            inside = sorted(drafter._ids)
-            outside = sorted(set(range(target.cfg.vocab_size)) - drafter._ids)
-            assert torch.isfinite(logits[inside]).all() and (logits[outside] == float("-inf")).all()
-        else:
-            assert set(range(32)) | set(prompt) <= set(drafter.head_ids) < set(range(target.cfg.vocab_size))
-            assert drafter.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(drafter.head_ids))
+        # the head scores the 32 lowest ids (no ranking beside this model) plus the request's tokens so far: their
+        # rows of the full head, read in place however many (on the CPU: no copy), every id only once all are in
+        assert drafter.head_ids is not None
+        assert set(range(32)) | set(prompt) <= set(drafter.head_ids) < set(range(target.cfg.vocab_size))
+        assert drafter.head_ids == sorted(drafter._ids)
+        assert drafter.head(torch.zeros(1, target.cfg.hidden_size)).shape == (1, len(drafter.head_ids))
+    # where the rows would be a copy (weights off the CPU, packed), half the vocabulary or more is the full head
+    # and a mask: ids outside the set are never drafted
+    vocab = target.cfg.vocab_size
+    drafter.full_head = _Copied(drafter.full_head)
+    drafter._add_vocab(sorted(set(range(vocab)) - drafter._ids)[:1])
+    assert 2 * len(drafter._ids) >= vocab and drafter.head_ids is None
+    logits = drafter.head(torch.randn(1, target.cfg.hidden_size))[0]
+    inside, outside = sorted(drafter._ids), sorted(set(range(vocab)) - drafter._ids)
+    assert len(outside) > 3 and torch.isfinite(logits[inside]).all() and (logits[outside] == float("-inf")).all()
+    drafter._add_vocab(outside[:3])  # new ids: unmasked in place
+    logits = drafter.head(torch.randn(1, target.cfg.hidden_size))[0]
+    assert drafter.head_ids is None and torch.isfinite(logits[outside[:3]]).all() and (logits[outside[3:]] == float("-inf")).all()
     # a small set: the reduced head (the 4 lowest ids, the prompt's and the outputs' tokens)
     small = make_drafter(SpecConfig.parse("draft-mtp", n_max=3, draft_vocab=4), target, 260)
     eng = Engine(target, None, EngineConfig(ctx=256, ubatch=8, spec=SpecConfig(n_max=3)), drafter=small)

@@ -1314,13 +1314,14 @@ void step_rows(const float* q, int64_t n, int64_t nh, int64_t nkv, int64_t kw, i
 }
 
 // decode_step's work on raw qkv rows [n, width] (T): each token's K/V written at pos + i, its attention rows
-// returned as float32 [n, nh * hd] (acc / l), not yet rounded to T.
+// returned as float32 [n - skip, nh * hd] (acc / l), not yet rounded to T. The first `skip` rows (causal rows only)
+// only store their K/V: rows whose output nobody reads (an MTP drafter catching up on earlier positions).
 template <typename T>
 std::vector<float> qkv_attention(const T* qkv, int64_t n, int64_t width, torch::Tensor& kc, torch::Tensor& vc,
                                int64_t pos, int64_t nh, int64_t nkv, int64_t hd, bool gated, double scale,
-                               const std::vector<int64_t>& parents) {
-  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride;
-  std::vector<float> q(n * nh * hd);
+                               const std::vector<int64_t>& parents, int64_t skip = 0) {
+  const int64_t q_stride = gated ? 2 * hd : hd, q_width = nh * q_stride, m = n - skip;
+  std::vector<float> q(m * nh * hd);
   const float sc = static_cast<float>(scale);
   for (int64_t i = 0; i < n; ++i) {
     const T* row = qkv + i * width;
@@ -1328,14 +1329,16 @@ std::vector<float> qkv_attention(const T* qkv, int64_t n, int64_t width, torch::
       put_row_any(row + q_width + h * hd, kc, h, pos + i, hd);
       put_row_any(row + q_width + (nkv + h) * hd, vc, h, pos + i, hd);
     }
+    if (i < skip) continue;
     for (int64_t h = 0; h < nh; ++h)  // token i's query heads, scaled
-      for (int64_t c = 0; c < hd; ++c) q[(i * nh + h) * hd + c] = static_cast<float>(row[h * q_stride + c]) * sc;
+      for (int64_t c = 0; c < hd; ++c)
+        q[((i - skip) * nh + h) * hd + c] = static_cast<float>(row[h * q_stride + c]) * sc;
   }
   static const torch::Tensor& none = *new torch::Tensor(torch::empty({0}));  // no centroids: plain fields (kept
   // for the process's life: no tensor destroyed at exit)
-  std::vector<float> o(n * nh * hd);
-  step_rows(q.data(), n, nh, nkv, hd, plain_kind(kc.scalar_type()), 0, {kc}, none, plain_kind(vc.scalar_type()), 0, hd,
-            {vc}, none, pos, 0, parents, o.data());
+  std::vector<float> o(m * nh * hd);
+  step_rows(q.data(), m, nh, nkv, hd, plain_kind(kc.scalar_type()), 0, {kc}, none, plain_kind(vc.scalar_type()), 0, hd,
+            {vc}, none, pos + skip, 0, parents, o.data());
   return o;
 }
 

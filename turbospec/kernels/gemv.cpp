@@ -725,18 +725,18 @@ torch::Tensor layer_decode_t(const torch::Tensor& x, const torch::Tensor& in_w, 
                              const c10::optional<torch::Tensor>& b_o, const torch::Tensor& post_w,
                              const torch::Tensor& w_gu, const c10::optional<torch::Tensor>& b_gu,
                              const torch::Tensor& w_dn, const c10::optional<torch::Tensor>& b_dn,
-                             const std::vector<int64_t>& parents) {
-  const int64_t n = x.numel() / x.size(-1), width = out_rows(w_qkv), aw = nh * hd;
+                             const std::vector<int64_t>& parents, int64_t keep) {
+  const int64_t n = x.numel() / x.size(-1), width = out_rows(w_qkv), aw = nh * hd, skip = n - keep;
   std::vector<float> y = attn_in_floats<T>(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated);
   std::vector<T> qkv(n * width);
   row_from_floats(y.data(), qkv.data(), n * width);
   const std::vector<float> o = attn::qkv_attention<T>(qkv.data(), n, width, kc, vc, pos, nh, nkv, hd, gated, scale,
-                                                    parents);
-  std::vector<float> af(n * aw);
-  for (int64_t j = 0; j < n * aw; ++j) af[j] = rnd<T>(o[j]);  // the attention output in T, as decode_step returns it
-  const std::vector<T> gate = gated ? head_gates(qkv.data(), n, width, nh, hd) : std::vector<T>();
-  return out_mlp_core<T>(x, std::move(af), gated ? gate.data() : nullptr, aw, w_o, b_o, post_w, eps, zc, w_gu, b_gu,
-                         w_dn, b_dn);
+                                                    parents, skip);
+  std::vector<float> af(keep * aw);
+  for (int64_t j = 0; j < keep * aw; ++j) af[j] = rnd<T>(o[j]);  // the attention output in T, as decode_step returns it
+  const std::vector<T> gate = gated ? head_gates(qkv.data() + skip * width, keep, width, nh, hd) : std::vector<T>();
+  return out_mlp_core<T>(skip ? x.narrow(0, skip, keep) : x, std::move(af), gated ? gate.data() : nullptr, aw, w_o, b_o,
+                         post_w, eps, zc, w_gu, b_gu, w_dn, b_dn);
 }
 
 // attn_in, the attention over a plain cache and out_mlp of a few causal (or tree) tokens in one call, with no torch
@@ -747,16 +747,18 @@ torch::Tensor layer_decode(torch::Tensor x, torch::Tensor in_w, double eps, bool
                            int64_t nkv, int64_t hd, bool gated, torch::Tensor kc, torch::Tensor vc, int64_t pos,
                            double scale, torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor post_w,
                            torch::Tensor w_gu, c10::optional<torch::Tensor> b_gu, torch::Tensor w_dn,
-                           c10::optional<torch::Tensor> b_dn, std::vector<int64_t> parents) {
+                           c10::optional<torch::Tensor> b_dn, std::vector<int64_t> parents, int64_t keep) {
   const int64_t m = x.numel() / x.size(-1);
   TORCH_CHECK(in_w.scalar_type() == x.scalar_type() && cos.scalar_type() == x.scalar_type(), "dtype mismatch");
   check_parts(w_qkv, x.size(-1));
   TORCH_CHECK(out_rows(w_qkv) == nh * hd * (gated ? 2 : 1) + 2 * nkv * hd, "qkv width mismatch");
   attn::check_decode(m, out_rows(w_qkv), kc, vc, pos, nh, nkv, hd, gated, parents);
   check_out_mlp(x, m * nh * hd, w_o, post_w, w_gu, w_dn);
+  if (keep <= 0) keep = m;
+  TORCH_CHECK(keep <= m && (keep == m || parents.empty()), "keep: up to N rows, fewer only for causal rows");
   return by_dtype(x.scalar_type(), [&](auto tag) {
     return layer_decode_t<decltype(tag)>(x, in_w, eps, zc, w_qkv, b_qkv, q_norm, k_norm, cos, sin, nh, nkv, hd, gated,
-                                         kc, vc, pos, scale, w_o, b_o, post_w, w_gu, b_gu, w_dn, b_dn, parents);
+                                         kc, vc, pos, scale, w_o, b_o, post_w, w_gu, b_gu, w_dn, b_dn, parents, keep);
   });
 }
 
@@ -1352,7 +1354,7 @@ torch::Tensor hugepage_zeros(std::vector<int64_t> sizes, at::ScalarType dtype) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("layer_decode", &layer_decode, "a decoder layer for one token over a plain KV cache");
+  m.def("layer_decode", &layer_decode, "a decoder layer for a few causal or tree tokens over a plain KV cache (the last `keep` rows go on, 0: all)");
   m.def("attn_decode", &attn_decode, "layer_decode's attention half (for mixture-of-experts layers)");
   m.def("layer_packed", &layer_packed, "a decoder layer for a few causal or tree tokens over a packed KV cache");
   m.def("attn_packed", &attn_packed, "layer_packed's attention half");

@@ -100,15 +100,18 @@ def layer_key(mixer, mlp) -> tuple:
 
 
 def decode_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plan: AttentionPlan,
-                 cache, layer: int) -> torch.Tensor | None:
+                 cache, layer: int, out_rows: int | None = None) -> torch.Tensor | None:
     """A decoder layer in one `layer_decode` call with the arguments of `layer_decode_args` (whose head size the
     one-call attention takes): causal tokens or a draft tree at the end of a plain cache (each row equal to its
-    single-token step); None for any other step (`attention_layer` then)."""
+    single-token step); None for any other step (`attention_layer` then). `out_rows` = r (causal rows): every row's
+    K/V are stored, the last r rows alone attend and go on ([r, hidden])."""
     if not isinstance(cache, KVCache) or not at_end(plan, cache):
         return None
     pre, mid, post = args
+    parents = tree_parents(plan)
+    keep = out_rows if out_rows is not None and out_rows < x.shape[0] and not parents else 0
     return k.layer_decode(x, *pre, rope[0], rope[1], *mid, cache.k[layer], cache.v[layer], cache.length, *post,
-                          tree_parents(plan))
+                          parents, keep)
 
 
 def paged_layer(k, args: tuple, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention, cache,

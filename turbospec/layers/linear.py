@@ -146,10 +146,16 @@ class Linear:
         self.out_features, self.in_features = out_features(self.weight), in_features(self.weight)
         self.packed = is_packed(self.weight)
 
+    @property
+    def takes_in_place(self) -> bool:
+        """Whether `take` reads the rows where they lie (float weights on the CPU, with the C++ kernel): any subset of
+        rows then costs what its rows cost, no copy."""
+        return self.kernel is not None and not self.packed and self.weight.device.type == "cpu"
+
     def take(self, rows: torch.Tensor) -> Linear | LinearRows:
         """The layer over output rows `rows` (int64) alone: float weights with the C++ kernel read in place (no copy:
-        `LinearRows`), else a copy of the rows (in ordinary memory: it may be rebuilt often)."""
-        if self.kernel is not None and not self.packed and self.weight.device.type == "cpu":
+        `LinearRows`, see `takes_in_place`), else a copy of the rows (in ordinary memory: it may be rebuilt often)."""
+        if self.takes_in_place:
             return LinearRows(self, rows.cpu())
         w = ggml_blocks(self.weight, rows) if self.packed else self.weight[rows]
         return Linear(w, None if self.bias is None else self.bias[rows], hugepages=False)

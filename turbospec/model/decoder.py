@@ -31,11 +31,14 @@ class DecoderLayer:
         return block.layer_decode_args(self.attn, self.mlp, self.in_norm, self.post_norm, self.eps, self.zc)
 
     def __call__(self, x, rope, plan, cache, layer, out_rows: int | None = None):
+        """x + attention + feed-forward of rows x; `out_rows` = r: the caller reads the last r rows alone (every
+        row's K/V are stored; where the step allows, only those rows attend and go on, and the output is [r, H])."""
         k = block.kernel_for(x, self.in_norm)
         if k is not None:  # decode / verification over a plain cache: one C++ call
             args = self._calls.get(block.layer_key(self.attn, self.mlp), self._decode_args)
-            if args is not None and ((out := block.decode_layer(k, args, x, rope, plan, cache, layer)) is not None
-                                     or (out := block.paged_layer(k, args, x, rope, self.attn, cache, layer)) is not None):
+            if args is not None and (
+                    (out := block.decode_layer(k, args, x, rope, plan, cache, layer, out_rows)) is not None
+                    or (out := block.paged_layer(k, args, x, rope, self.attn, cache, layer)) is not None):
                 return out
         if (out_rows is not None and out_rows < x.shape[0] and x.shape[0] > skinny_rows(x.dtype) and plan.mask is None
                 and isinstance(cache, (KVCache, QuantKVCache))):
@@ -55,12 +58,14 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
 
     def over_caches(self, x: torch.Tensor, ropes: list, plans: list[AttentionPlan], caches: list, counts: list[int],
-                    layer: int) -> torch.Tensor:
+                    layer: int, last_only: bool = False) -> torch.Tensor:
         """Rows of several sequences, `counts[i]` of them over `caches[i]` with `plans[i]` and `ropes[i]` (the MTP
         drafting for a batch): each sequence's attention over its own cache, the output projection and the
         feed-forward over all the rows at once (each row as its own step computes it, where the fused calls take
-        the rows: drafts as one sequence drafting alone)."""
+        the rows: drafts as one sequence drafting alone). `last_only`: each sequence's last row alone goes on past
+        the attention ([len(caches), H]; the others only store their K/V)."""
         spans = list(zip(accumulate([0, *counts[:-1]]), counts))  # (first row, rows) per sequence
+        last = torch.tensor([r + n - 1 for r, n in spans], device=x.device) if last_only else None
         k = (block.fusable(x, self.mlp, self.in_norm, self.attn)
              or block.fusable_moe(x, self.mlp, self.in_norm, self.attn))
         if k is not None:
@@ -69,10 +74,14 @@ class DecoderLayer:
                      for (r, n), rope, plan, cache in zip(spans, ropes, plans, caches)]
             a = torch.cat([p[0] for p in parts])
             gate = None if parts[0][1] is None else torch.cat([p[1] for p in parts])  # type: ignore[misc]
+            if last is not None:
+                x, a, gate = x[last], a[last], None if gate is None else gate[last]
             return block.ffn_tail(k, x, a, gate, self.attn.o, self.mlp, self.post_norm, self.eps, self.zc)
         h = rms_norm(x, self.in_norm, self.eps, self.zc)
         x = x + torch.cat([self.attn(h[r:r + n], rope, plan, cache, layer)
                            for (r, n), rope, plan, cache in zip(spans, ropes, plans, caches)])
+        if last is not None:
+            x = x[last]
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, self.zc))
 
 

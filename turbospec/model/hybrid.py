@@ -398,7 +398,7 @@ class HybridModel:
                 x = layer.gdn_call(k, (pre, mid, post), x, cache, gdn_parents)
             elif isinstance(kv, KVCache):
                 x = k.layer_decode(x, *pre, rope[0], rope[1], *mid, kv.k[layer.slot], kv.v[layer.slot], pos, *post,
-                                   attn_parents)
+                                   attn_parents, 0)
             else:  # a packed cache: None where a K/V value is not finite (the layer's general path says so)
                 out = k.layer_packed(x, *pre, rope[0], rope[1], *mid, *kv.step_args(layer.slot), pos, kv.base, *post,
                                      attn_parents)

@@ -73,36 +73,42 @@ class MTPModule:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, plan: AttentionPlan, cache: KVCache,
-                step: int = 0) -> torch.Tensor:
+                step: int = 0, out_rows: int | None = None) -> torch.Tensor:
         """tokens x_{j+1} [N] (a tensor or a list of ids), hidden h_j [N, H], plan positions j -> normed MTP
-        hidden [N, H]."""
+        hidden [N, H]; `out_rows` = r: the last r rows alone ([r, H]; every row's K/V are stored, and where the
+        step allows only those rows attend and go through the feed-forward: a drafter catching up, or fed a
+        prompt, reads the last row or none)."""
         u = self._input(tokens, hidden)
         cache.begin(u.shape[0])
         li = step % len(self.layers)
-        x = self.layers[li](u, self.rope.tables_for(plan), plan, cache, li)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.zc)
+        x = self.layers[li](u, self.rope.tables_for(plan), plan, cache, li, out_rows)
+        return rms_norm(x[-out_rows:] if out_rows else x, self.norm, self.cfg.rms_norm_eps, self.zc)
 
     @torch.inference_mode()
     def forward_many(self, tokens: list[int], hidden: torch.Tensor, plans: list[AttentionPlan], caches: list[Cache],
-                     counts: list[int], step: int = 0) -> torch.Tensor:
+                     counts: list[int], step: int = 0, last_only: bool = False) -> torch.Tensor:
         """`forward` for several sequences at once (the drafters of a batch): `counts[i]` rows of tokens / hidden
         over `caches[i]` with `plans[i]`, in order. The input projection, the layer's output projection and
         feed-forward run once over the rows of as many sequences as the fused calls take at once (`skinny_rows`);
-        each sequence attends over its own cache."""
+        each sequence attends over its own cache. `last_only`: each sequence's last row alone ([len(caches), H];
+        the rows before it only store their K/V)."""
         if len(caches) == 1:
-            return self.forward(tokens, hidden, plans[0], caches[0], step)
+            return self.forward(tokens, hidden, plans[0], caches[0], step, 1 if last_only else None)
         limit, rows = skinny_rows(self.dtype), 0
         for i, n in enumerate(counts):  # more rows than one fused call takes: the first sequences that fit, the rest
             if i > 0 and rows + n > limit:
-                first = self.forward_many(tokens[:rows], hidden[:rows], plans[:i], caches[:i], counts[:i], step)
-                rest = self.forward_many(tokens[rows:], hidden[rows:], plans[i:], caches[i:], counts[i:], step)
+                first = self.forward_many(tokens[:rows], hidden[:rows], plans[:i], caches[:i], counts[:i], step,
+                                          last_only)
+                rest = self.forward_many(tokens[rows:], hidden[rows:], plans[i:], caches[i:], counts[i:], step,
+                                         last_only)
                 return torch.cat([first, rest])
             rows += n
         u = self._input(tokens, hidden)
         for cache, n in zip(caches, counts):
             cache.begin(n)
         li = step % len(self.layers)
-        x = self.layers[li].over_caches(u, [self.rope.tables_for(p) for p in plans], plans, caches, counts, li)
+        x = self.layers[li].over_caches(u, [self.rope.tables_for(p) for p in plans], plans, caches, counts, li,
+                                        last_only)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.zc)
 
     def _input(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor) -> torch.Tensor:

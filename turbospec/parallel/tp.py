@@ -395,6 +395,10 @@ class VocabHead:
         return VocabHead(self.inner.take(mine), counts, self.comm)
 
     @property
+    def takes_in_place(self) -> bool:
+        return isinstance(self.inner, Linear) and self.inner.takes_in_place
+
+    @property
     def weight(self) -> torch.Tensor:  # this rank's rows (of a whole head: a taken one reads them in place)
         assert isinstance(self.inner, Linear)
         return self.inner.weight

@@ -62,8 +62,13 @@ class MTPDrafter(Drafter):
         self.reduced = 0 < draft_vocab < vocab
         self._base = set((ranked_vocab or range(vocab))[:draft_vocab]) if self.reduced else set()
         self._ids: set[int] = set(self._base)  # the reduced vocabulary: the base set and the context's tokens
-        self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary)
-        self._head_rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # head_ids as a tensor
+        # the same set as a mask over the ids: its set entries, ascending, are the head's rows (a few new ids mark
+        # it; a list of thousands of ids sorted and made a tensor again each time the vocabulary grew took ~0.6 ms)
+        self._base_mask = torch.zeros(vocab if self.reduced else 0, dtype=torch.bool, device=self.device)
+        self._base_mask[torch.tensor(sorted(self._base), dtype=torch.int64, device=self.device)] = True
+        self._inside = self._base_mask.clone()
+        self._head_ids: list[int] | None = None  # head row -> token id (reduced vocabulary; made when asked for)
+        self._head_rows = torch.zeros(0, dtype=torch.int64, device=self.device)  # head row -> token id
         # (the union of a batch's vocabularies it was last drafted with, its head rows then, its columns in it)
         self._columns: tuple = (None, None, None)
         self._reduced_head: Linear | LinearRows | None = None  # rows of full_head (in place on the CPU)
@@ -90,7 +95,7 @@ class MTPDrafter(Drafter):
         (None: argmax / top-k, deterministic)."""
         if self.params is None:
             rows = logits.topk(self.topk).indices.tolist() if self.topk > 1 else [argmax(logits)]
-            return (rows if self.head_ids is None else [self.head_ids[r] for r in rows]), None
+            return (rows if self._reduced_head is None else [int(self._head_rows[r]) for r in rows]), None
         # q: the request's temperature over the top-k (40 when unset) candidates above min-p, without top-p: any q
         # keeps verification exact, and this one costs a few small ops per depth instead of the sampler's filters
         p = self.params
@@ -100,7 +105,7 @@ class MTPDrafter(Drafter):
             scaled = scaled.masked_fill(vals < vals[0] + math.log(p.min_p), -math.inf)
         q_top = torch.softmax(scaled, -1)
         picks = torch.multinomial(q_top, self.topk, replacement=True, generator=self.generator).tolist()
-        ids = rows_t if self.head_ids is None else self._head_rows[rows_t]
+        ids = rows_t if self._reduced_head is None else self._head_rows[rows_t]
         full = torch.zeros(self.full_head.out_features, device=q_top.device)
         full[ids] = q_top
         return [int(ids[i]) for i in picks], full
@@ -127,6 +132,10 @@ class MTPDrafter(Drafter):
     def head_ids(self) -> list[int] | None:
         """Head row -> token id (reduced vocabulary; None: the full one)."""
         self._gather_head()
+        if self._reduced_head is None:
+            return None
+        if self._head_ids is None:
+            self._head_ids = self._head_rows.tolist()
         return self._head_ids
 
     def _add_vocab(self, tokens: list[int]) -> None:
@@ -138,24 +147,29 @@ class MTPDrafter(Drafter):
         if not new and (self._reduced_head is not None or self._outside is not None or self._stale_head):
             return
         self._ids |= new
-        if self._outside is not None:  # the full head stands in: unmask the new ids (nothing to gather)
-            self._outside[torch.tensor(list(new), dtype=torch.int64, device=self.device)] = False
-            return
+        if new:
+            ids = torch.tensor(list(new), dtype=torch.int64, device=self.device)
+            self._inside[ids] = True
+            if self._outside is not None:  # the full head stands in: unmask the new ids (nothing to gather)
+                self._outside[ids] = False
+                return
         self._stale_head = True
 
     def _gather_head(self) -> None:
         if not self._stale_head:
             return
         self._stale_head = False
-        vocab = self.full_head.out_features
-        if 2 * len(self._ids) >= vocab:  # most of the vocabulary (a random or very long context): the full head and
-            self._head_ids, self._reduced_head = None, None  # a mask, no copy of its rows
-            self._outside = torch.ones(vocab, dtype=torch.bool, device=self.device)
-            self._outside[torch.tensor(list(self._ids), dtype=torch.int64, device=self.device)] = False
+        n, vocab = len(self._ids), self.full_head.out_features
+        if n >= vocab or (2 * n >= vocab and not self.full_head.takes_in_place):
+            # the whole vocabulary, or most of it where the reduced head would be a copy of its rows (a random or
+            # very long context): the full head and a mask. Rows read in place cost what they are, fewer than all
+            # of them less than the full head and a mask (4.9K of 8K rows of the default model's: 49 us against 92)
+            self._head_ids, self._reduced_head = None, None
+            self._outside = None if n >= vocab else ~self._inside
             return
         self._outside = None
-        self._head_ids = sorted(self._ids)  # ascending: ties go to the lower id, as over the full vocabulary
-        self._head_rows = torch.tensor(self._head_ids, dtype=torch.int64, device=self.device)
+        self._head_rows = self._inside.nonzero().squeeze(1)  # ascending: ties go to the lower id, as over the whole
+        self._head_ids = None  # vocabulary
         self._reduced_head = self.full_head.take(self._head_rows)  # re-taken as tokens arrive
 
     def window(self, n: int) -> int:
@@ -175,6 +189,7 @@ class MTPDrafter(Drafter):
         """Feed the prompt's pairs (h_j, x_{j+1}) to the MTP now, so prompt processing is counted as prefill."""
         assert hidden is not None and 0 < hidden.shape[0] <= len(tokens)
         self._ids = set(self._base)
+        self._inside.copy_(self._base_mask)
         self._reduced_head, self._outside = None, None
         self._add_vocab(tokens)
         self.cache.reset()
@@ -194,7 +209,8 @@ class MTPDrafter(Drafter):
         for s in range(start, n - 1, chunk):
             e = min(s + chunk, n - 1)
             toks = torch.tensor(tokens[s + 1:e + 1], dtype=torch.int64, device=hidden.device)
-            self.mtp.forward(toks, hidden[s - first:e - first], _plan(self.cache, s, e - s), self.cache)
+            # (only the K/V of these rows are read later: one row goes on past the attention)
+            self.mtp.forward(toks, hidden[s - first:e - first], _plan(self.cache, s, e - s), self.cache, out_rows=1)
             self.cache.commit()
         self.pending_tokens = []
         self.pending_hidden = [hidden[-1:]]
@@ -292,15 +308,14 @@ def _first_rows(ds: list[MTPDrafter], tokens: list[list[int]]) -> torch.Tensor:
     hid = torch.cat([r for d in ds for r in d.pending_hidden], 0)
     counts = [len(d.pending_tokens) + 1 for d in ds]
     assert all(sum(r.shape[0] for r in d.pending_hidden) == n for d, n in zip(ds, counts))
+    # (the waiting pairs' rows only store their K/V: 4 such rows cost a probe ~3x a lone row's feed-forward)
     out = ds[0].mtp.forward_many(toks, hid, [_plan(d.cache, d.next_pos, n) for d, n in zip(ds, counts)],
-                                 [d.cache for d in ds], counts)
+                                 [d.cache for d in ds], counts, last_only=True)
     # everything but the root pair is final; the root pair is final too (root is emitted, h is the target's)
     for d in ds:
         d.cache.commit()
         d.pending_tokens, d.pending_hidden, d._waiting = [], [], 0
-    if len(ds) == 1:
-        return out[-1:]
-    return out[torch.tensor(counts).cumsum(0) - 1]
+    return out
 
 
 def _heads(ds: list[MTPDrafter], h: torch.Tensor) -> list[torch.Tensor]:
