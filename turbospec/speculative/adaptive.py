@@ -13,15 +13,18 @@ E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice chan
 
 While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
 one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
-draft, not a verification row), the interval doubling (up to 256) each time the probe misses (or hits while
+draft, not a verification row), the interval doubling (up to 256) each time a probe misses (or hits while
 drafting would still not pay at the acceptance seen) and back to the minimum when one hits and drafting would pay
 -- and 256 whatever the hits while the costs say that no draft could pay even if every token were accepted (a model
 small enough to sit in the cache: its verification rows and drafts cost what they save); probes are also spaced so
 that their timed cost is at most PROBE_SHARE of what drafting could at best gain over the plain steps between them
 (`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
-steps. Until one of a request's drafts hits, its first FIRST_PROBES drafts are probes too (one token, checked
-against a plain step), so the prior's optimism costs drafts but no verification rows; and while drafting, every
+steps. Until FIRST_HITS of a request's drafts hit, its first FIRST_PROBES drafts are probes too (one token, checked
+against a plain step; their misses double the interval as any probe's do), so the prior's optimism costs drafts but
+no verification rows. A position that a verified draft did not reach forgets its counts at the rate a reached one
+does, so its estimate drifts back to the one before it: a deeper draft that missed a few times early is tried again
+once the first positions keep hitting, not only at the EXPLORE-th steps. And while drafting, every
 `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every
 second of those is a plain step instead, as is a request's first step, and its second when the plain cost is stale
 (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain step's cost grows with the
@@ -46,10 +49,13 @@ WEIGHT = 1.0  # pseudo-observations of the prior (or of the position before) in 
 PROBE_MIN, PROBE_MAX = 8, 256
 READ = 32  # while drafting is off, the choice is worked out again (with the plain cost read) every READ steps
 EXPLORE = 16
-# until a request's draft hits, its first drafts (asked for on the prior's optimism) are probes: after this many
-# misses the estimates rest mostly on evidence, and a draft they still ask for is verified (where rows are cheap enough
-# that drafts pay at low acceptance, only verification gains anything -- and it measures a row's cost at this depth)
+# until FIRST_HITS of a request's drafts hit, its first drafts (asked for on the prior's optimism) are probes: after
+# this many the estimates rest mostly on evidence, and a draft they still ask for is verified (where rows are cheap
+# enough that drafts pay at low acceptance, only verification gains anything -- and it measures a row's cost at this
+# depth). One hit is mostly the prior: after a random 4K context the explain prompt's first token was drafted by
+# chance, then a 3-deep and three 1-deep verified drafts missed (~1.7% of its decoding).
 FIRST_PROBES = 3
+FIRST_HITS = 2
 HYSTERESIS = 0.03
 # a shorter draft is taken only when it beats every longer one by this much: the later positions' acceptance, learnt
 # only from drafts that reach them, runs below the truth (once the first tokens are accepted the later ones are
@@ -170,7 +176,8 @@ class Controller:
     _interval: int = PROBE_MIN  # the probe interval the last worked-out choice used
     _drafted: int = 0  # verified drafted steps (every EXPLORE-th tries one token deeper than the best, every second
     # of those is a plain step instead)
-    _tried: int = 0  # drafts asked for before one hit, made as probes (see `choose`)
+    _tried: int = 0  # drafts asked for before FIRST_HITS hits, made as probes (see `choose`)
+    _hits: int = 0  # drafts (probes or verified) whose first token hit
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
@@ -276,7 +283,7 @@ class Controller:
             # no draft of this request hit yet (the first position's decayed hits stay 0 until one does): a probe,
             # not a verification -- where nothing hits, the prior's optimism costs drafts but no verification rows;
             # where drafts hit, the first probe mostly hits and the next step goes deep
-            if not self.counts[0][0] and self._tried < FIRST_PROBES:
+            if self._hits < FIRST_HITS and self._tried < FIRST_PROBES:
                 self._tried += 1
                 self.shadow = True
                 return 1
@@ -298,14 +305,19 @@ class Controller:
         return self.costs.gain_bound(room) >= 1 + HYSTERESIS
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A verified draft of `drafted` tokens (depth) of which the first `accepted` were accepted."""
+        """A draft of `drafted` tokens (depth), verified or a probe, of which the first `accepted` were accepted."""
         if drafted <= 0:
             return
-        probing = self._since >= self.probe
-        for i in range(min(drafted, accepted + 1, self.n_max)):  # (a position not reached keeps its estimate:
-            c = self.counts[i]  # once the first tokens are accepted the later ones often are, more than the first)
+        probing = self.shadow  # (an interval probe, or one of a request's first drafts made a probe)
+        self._hits += accepted > 0
+        reached = min(drafted, accepted + 1, self.n_max)
+        for i in range(reached):
+            c = self.counts[i]
             c[0] = (1 - RATE) * c[0] + (1.0 if i < accepted else 0.0)
             c[1] = (1 - RATE) * c[1] + 1.0
+        for c in self.counts[reached:]:  # not reached: the evidence ages all the same (the estimate leans on the
+            c[0] *= 1 - RATE  # position before it again; kept as it was, a deep position that missed early stayed
+            c[1] *= 1 - RATE  # low while the first ones hit: 1-deep drafts at 0.9 acceptance on code at depth 0)
         self._since = self.idle = 0
         if probing:  # a probe: keep probing rarely while its draft misses (or hits, but drafting would still not pay
             # at the acceptance seen), often once it hits and drafting would pay
