@@ -619,8 +619,8 @@ def test_controller_stops_drafting_at_depth_after_few_misses():
     step. A request there times its plain step (the row's cost, until measured, grows as the plain step's did), tries
     its first drafts as probes (one token that a plain step checks, no verification rows), verifies one draft once
     the misses outweigh the prior, reads that row against the plain step, and stops drafting (the row cost
-    extrapolated from the calibration would have kept it drafting); then it probes 64 and 128 steps apart (each
-    probe that missed, the first ones too, doubled the interval from 8)."""
+    extrapolated from the calibration would have kept it drafting); then it probes 16, 32, 64 steps apart (the
+    first probes all missed: the interval doubled once from 8)."""
     from turbospec.speculative.adaptive import FIRST_PROBES, PROBE_MIN, Controller, StepCosts
 
     costs = StepCosts([1.4, 1.5, 1.6, 1.7], draft=0.2)  # ms at a 32-token context
@@ -640,8 +640,9 @@ def test_controller_stops_drafting_at_depth_after_few_misses():
     assert costs.plain == 7.5 and abs(costs.row - 2.0) < 1e-6
     start = [(2 + j, "probe") for j in range(FIRST_PROBES)]  # (after the two plain steps that time the depth)
     last = 2 + FIRST_PROBES
-    first = PROBE_MIN << FIRST_PROBES
-    assert steps == start + [(last, 1), (last + first, "probe"), (last + 3 * first, "probe")]
+    first = 2 * PROBE_MIN
+    assert steps == start + [(last, 1), (last + first, "probe"), (last + 3 * first, "probe"),
+                             (last + 7 * first, "probe"), (last + 15 * first, "probe")]
     assert ctl.off_steps > 240
 
 

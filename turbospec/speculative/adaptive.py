@@ -21,8 +21,8 @@ that their timed cost is at most PROBE_SHARE of what drafting could at best gain
 (`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
 steps. Until FIRST_HITS of a request's drafts hit, its first FIRST_PROBES drafts are probes too (one token, checked
-against a plain step; their misses double the interval as any probe's do), so the prior's optimism costs drafts but
-no verification rows. A position that a verified draft did not reach forgets its counts at the rate a reached one
+against a plain step; if none of them hits, the interval doubles once), so the prior's optimism costs drafts but no
+verification rows. A position that a verified draft did not reach forgets its counts at the rate a reached one
 does, so its estimate drifts back to the one before it: a deeper draft that missed a few times early is tried again
 once the first positions keep hitting, not only at the EXPLORE-th steps. And while drafting, every
 `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every
@@ -178,6 +178,7 @@ class Controller:
     # of those is a plain step instead)
     _tried: int = 0  # drafts asked for before FIRST_HITS hits, made as probes (see `choose`)
     _hits: int = 0  # drafts (probes or verified) whose first token hit
+    _first: bool = False  # the last choice is one of the first drafts made a probe
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
     off_steps: int = 0  # steps without a draft by choice (statistics)
@@ -247,7 +248,7 @@ class Controller:
     def choose(self, room: int, depth: int = 0) -> int:
         """Draft tokens to ask for this step after `depth` positions (0: a plain step)."""
         room = min(room, self.n_max)
-        self.shadow = False
+        self.shadow = self._first = False
         if self._started < 2:  # a request's first step is plain, and its second while the plain cost at about this
             self._started += 1  # depth is stale or rests on one step (it is what each row's cost is read against)
             if self._started == 1 or self.costs.wants_plain(depth):
@@ -280,12 +281,12 @@ class Controller:
             self._since += self.idle
             self.off_steps += self.idle
         elif best:
-            # no draft of this request hit yet (the first position's decayed hits stay 0 until one does): a probe,
-            # not a verification -- where nothing hits, the prior's optimism costs drafts but no verification rows;
-            # where drafts hit, the first probe mostly hits and the next step goes deep
+            # fewer than FIRST_HITS drafts of this request hit yet: a probe, not a verification -- where nothing
+            # hits, the prior's optimism costs drafts but no verification rows; where drafts hit, the first probes
+            # mostly hit and the step after them goes deep
             if self._hits < FIRST_HITS and self._tried < FIRST_PROBES:
                 self._tried += 1
-                self.shadow = True
+                self.shadow = self._first = True
                 return 1
             self._drafted += 1
             if self._drafted % (2 * EXPLORE) == 0:  # a plain step now and then: the plain cost grows with the context
@@ -308,7 +309,10 @@ class Controller:
         """A draft of `drafted` tokens (depth), verified or a probe, of which the first `accepted` were accepted."""
         if drafted <= 0:
             return
-        probing = self.shadow  # (an interval probe, or one of a request's first drafts made a probe)
+        # an interval probe; of the request's first drafts made probes, the last when none of them hit: their misses
+        # double the interval once (each doubling it, drafts that hit after the first tokens -- a random prompt's
+        # output at 1-2K, code at 4K -- were found ~64 steps late: 1.31x instead of 1.67-1.71x)
+        probing = self.shadow and (not self._first or (self._tried >= FIRST_PROBES and not self._hits and not accepted))
         self._hits += accepted > 0
         reached = min(drafted, accepted + 1, self.n_max)
         for i in range(reached):
