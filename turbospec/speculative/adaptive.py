@@ -309,10 +309,12 @@ class Controller:
         """A draft of `drafted` tokens (depth), verified or a probe, of which the first `accepted` were accepted."""
         if drafted <= 0:
             return
-        # an interval probe; of the request's first drafts made probes, the last when none of them hit: their misses
-        # double the interval once (each doubling it, drafts that hit after the first tokens -- a random prompt's
-        # output at 1-2K, code at 4K -- were found ~64 steps late: 1.31x instead of 1.67-1.71x)
-        probing = self.shadow and (not self._first or (self._tried >= FIRST_PROBES and not self._hits and not accepted))
+        # a draft after `probe` steps without one (an interval probe, or a verified draft once drafting paid again);
+        # of the request's first drafts made probes, the last when none of them hit: their misses double the interval
+        # once (each doubling it, drafts that hit after the first tokens -- a random prompt's output at 1-2K, code at
+        # 4K -- were found ~64 steps late: 1.31x instead of 1.67-1.71x)
+        probing = self._since >= self.probe or (self._first and self._tried >= FIRST_PROBES and not self._hits
+                                                and not accepted)
         self._hits += accepted > 0
         reached = min(drafted, accepted + 1, self.n_max)
         for i in range(reached):
