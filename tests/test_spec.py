@@ -852,3 +852,56 @@ def test_engines_interleaved_token_by_token_decode_as_alone(paths):
     assert all(r["decode_tps"] > 0 for r in got)
     assert got[1]["drafts"] > 0  # (the always-drafting engine drafted: its tokens above went through verification)
 
+
+
+def test_probes_that_hit_re_measure_a_row_cost_pushed_up():
+    """A run of slow verifications (the machine busy) pushed the running row cost far above the calibrated one, so
+    far that no draft could pay; with drafting off nothing verifies, so nothing measured it again and drafting
+    stayed off, request after request. Where drafting would pay at the calibrated row cost, a request's first drafts
+    are probes; once FIRST_HITS of them hit, the next step verifies a 1-token draft whose time sets the row cost
+    again, and drafting resumes at full length."""
+    from turbospec.speculative.adaptive import FIRST_HITS, Controller, StepCosts
+
+    costs = StepCosts([1.0, 1.1, 1.2, 1.3], draft=0.2, probe=0.3)  # calibrated: a row costs 0.1
+    costs.observe(0, 1.0, 0.0, 0)
+    for _ in range(40):
+        costs.observe(1, 2.1, 0.2, 0)  # verifications on a busy machine: a row costs 1.1
+    assert costs.row > 1.0 and not Controller(costs, 3).could_pay(3)
+    ctl = Controller(costs, 3)  # the next request: its rows cost what was calibrated
+    steps = []
+    for _ in range(64):
+        k = ctl.choose(3, 0)
+        steps.append((k, ctl.shadow))
+        if ctl.shadow:
+            costs.observe(0, 1.0, 0.0, 0)
+        else:
+            costs.observe(k, 1.0 + 0.1 * k, 0.2 * k, 0)
+        if k:
+            ctl.observe(k, k)  # every drafted token hits
+    drafts = [s for s in steps if s[0]]
+    assert drafts[:FIRST_HITS + 1] == [(1, True)] * FIRST_HITS + [(1, False)]  # verified: the row measured again
+    assert abs(costs.row - 0.1) < 1e-6 and steps[-1] == (3, False)
+
+
+def test_one_chance_hit_among_the_first_probes_verifies_no_draft():
+    """After a random 4K context the explain prompt's first token is drafted by chance, and nothing after it: one hit
+    and two misses among the first FIRST_PROBES probes leave an estimate (0.43, mostly the prior) at which verified
+    drafts would pay, and each verified one missed. Up to FIRST_PROBES_HIT probes are made instead, and drafting
+    stops as soon as a plain step is expected to beat a draft (no 3% margin kept it on at 0.28): no verification
+    rows at all."""
+    from turbospec.speculative.adaptive import FIRST_PROBES, FIRST_PROBES_HIT, Controller, StepCosts
+
+    assert FIRST_PROBES_HIT > FIRST_PROBES
+    costs = StepCosts([4.4, 4.4 + 0.75, 4.4 + 1.5, 4.4 + 2.25], draft=0.6, probe=0.8)  # ms: 4K on the bundled model
+    ctl = Controller(costs, 3)
+    steps, hit = [], True  # the first drafted token hits, none after it
+    for _ in range(128):
+        k = ctl.choose(3, 4096)
+        if k:
+            steps.append("probe" if ctl.shadow else k)
+            ctl.observe(k, int(hit))
+            hit = False
+        rows = 0 if ctl.shadow else k  # (a probe's target step is a plain one)
+        costs.observe(rows, 4.4 + 0.75 * rows, 0.6 * rows, 4096)
+    assert steps[:FIRST_PROBES_HIT] == ["probe"] * FIRST_PROBES_HIT
+    assert set(steps) == {"probe"} and ctl.accept[0] < 0.3

@@ -9,7 +9,12 @@ per draft position, a running estimate of the chance that the target accepts it 
 accepted. Expected tokens of a k-token draft:
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j, at cost T(k) = plain + k x (row + draft); the step takes the k with the best
 E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice changes only for a gain of at least 3%
-(the machine's step times are noisy), and a shorter draft is taken only when it beats every longer one by 10%.
+(the machine's step times are noisy) -- except to a plain step, taken as soon as it is expected to beat the draft --
+and a shorter draft is taken only when it beats every longer one by 10%.
+A row cost pushed far above the calibrated one (RECHECK times it: a run of slow verifications on a busy machine)
+would keep drafting off for good, as nothing verifies while it is off: where drafting would pay at the calibrated
+cost, a request's first drafts are probes, and once FIRST_HITS of its probes hit, one 1-token draft is verified
+to measure the row again (`StepCosts.recheck`: it can only lower the cost).
 
 While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
 one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
@@ -21,7 +26,7 @@ that their timed cost is at most PROBE_SHARE of what drafting could at best gain
 (`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
 steps. Until FIRST_HITS of a request's drafts hit, its first FIRST_PROBES drafts are probes too (one token, checked
-against a plain step; if none of them hits, the interval doubles once), so the prior's optimism costs drafts but no
+against a plain step; if none of them hits, the interval doubles once; once one hit, up to FIRST_PROBES_HIT), so the prior's optimism costs drafts but no
 verification rows. A position that a verified draft did not reach forgets its counts at the rate a reached one
 does, so its estimate drifts back to the one before it: a deeper draft that missed a few times early is tried again
 once the first positions keep hitting, not only at the EXPLORE-th steps. And while drafting, every
@@ -53,9 +58,13 @@ EXPLORE = 16
 # this many the estimates rest mostly on evidence, and a draft they still ask for is verified (where rows are cheap
 # enough that drafts pay at low acceptance, only verification gains anything -- and it measures a row's cost at this
 # depth). One hit is mostly the prior: after a random 4K context the explain prompt's first token was drafted by
-# chance, then a 3-deep and three 1-deep verified drafts missed (~1.7% of its decoding).
+# chance, then a 3-deep and three 1-deep verified drafts missed (~1.7% of its decoding). Where one of the first
+# FIRST_PROBES hit (and fewer than FIRST_HITS), up to FIRST_PROBES_HIT are made: after one chance hit and two misses
+# the estimate (0.43, mostly the prior) still asked for verified drafts, each missing
 FIRST_PROBES = 3
+FIRST_PROBES_HIT = 5
 FIRST_HITS = 2
+RECHECK = 1.5  # a running row cost this many times the calibrated one (grown as the plain step) is checked again
 HYSTERESIS = 0.03
 # a shorter draft is taken only when it beats every longer one by this much: the later positions' acceptance, learnt
 # only from drafts that reach them, runs below the truth (once the first tokens are accepted the later ones are
@@ -96,17 +105,37 @@ class StepCosts:
     _plain_obs: int = 0  # plain steps timed since the plain cost was set at a new depth
     _row_obs: int = 0  # verifications read since then
     _draft_obs: int = -1  # (the first draft also catches the drafter up with the prompt: not counted)
+    _row_cal: float = field(default=0.0, init=False)  # the row cost `verify` gives
+    _rechecked: float = field(default=0.0, init=False)  # the row cost before a `recheck` (0: none pending)
 
     def __post_init__(self) -> None:
+        n = len(self.verify) - 1
+        self._row_cal = max(0.0, (self.verify[-1] - self.verify[0]) / n) if n else 0.0
         if self.plain < 0:
             self.plain = self.verify[0]
         if self.row < 0:
-            n = len(self.verify) - 1
-            self.row = max(0.0, (self.verify[-1] - self.verify[0]) / n) if n else 0.0
+            self.row = self._row_cal
 
-    def step(self, k: int, width: int = 1) -> float:
-        """A k-deep draft of `width` candidates per depth: k x width verification rows, k drafted tokens."""
-        return self.plain + k * (width * self.row + self.draft)
+    @property
+    def reference_row(self) -> float:
+        """The calibrated row cost, grown as the plain step has since (what `row` would be if the verifications
+        since had measured what the calibration did)."""
+        return self._row_cal * self.plain / self.verify[0] if self.verify[0] > 0 else self._row_cal
+
+    def pushed_up(self) -> bool:
+        """Whether the running row cost is RECHECK times the reference row's or more (see `Controller._recheck`)."""
+        return self.row > RECHECK * self.reference_row
+
+    def recheck(self) -> None:
+        """The next verification sets the row cost, if lower than the running one (one slow verification does not
+        push it further up: that takes several, as usual), instead of moving it by ROW_RATE."""
+        self._rechecked = self.row
+        self._row_obs = 0
+
+    def step(self, k: int, width: int = 1, row: float = -1.0) -> float:
+        """A k-deep draft of `width` candidates per depth: k x width verification rows (each `row` seconds; -1: the
+        running row cost), k drafted tokens."""
+        return self.plain + k * (width * (self.row if row < 0 else row) + self.draft)
 
     def plain_is_stale(self, depth: int) -> bool:
         """Whether the context moved enough (grown, or a new request's shorter one) since a plain step was last
@@ -155,6 +184,8 @@ class StepCosts:
             return
         self._row_obs += 1
         self.row += max(ROW_RATE, 1.0 / self._row_obs) * (max(0.0, t - self.plain) / k - self.row)
+        if self._rechecked > 0:
+            self.row, self._rechecked = min(self.row, self._rechecked), 0.0
         self._draft_obs += 1
         n = self._draft_obs + self.draft_prior
         if self._draft_obs > 0:
@@ -181,6 +212,11 @@ class Controller:
     _first: bool = False  # the last choice is one of the first drafts made a probe
     _started: int = 0  # steps of the request so far, counted up to 2
     _last: int = 0  # the length the last choice settled on
+    # a probe hit where drafting would pay at the calibrated row cost but not at the running one: the next step verifies
+    # a 1-token draft that sets the row cost again. With drafting off nothing else re-measures it: a row cost pushed
+    # up by a run of slow verifications (0.24 -> 0.78 ms on the bundled model at depth 0, the machine busy) kept
+    # drafting off for ~48 requests whose probes hit
+    _recheck: bool = False
     off_steps: int = 0  # steps without a draft by choice (statistics)
     # steps after this one that stay plain with no choice asked (drafting is off, no probe or plain-cost reading is
     # due): the engine takes them without calling `choose` or timing them -- on a model whose step is ~0.3 ms that
@@ -256,14 +292,28 @@ class Controller:
         if self.idle:  # (a caller that asks anyway during the idle steps)
             self.idle -= 1
             return 0
+        if self._recheck and room:  # a verified 1-token draft that measures the row cost again (see `observe`)
+            self._recheck = False
+            self.costs.recheck()
+            return 1
         rates = [e / self.costs.step(k) for k, e in enumerate(self.expected(room))]
         best = max(range(room + 1), key=lambda k: rates[k])
-        if self._last <= room and rates[best] < rates[self._last] * (1 + HYSTERESIS):
-            best = self._last  # switch only for a clear gain: the times measured on this machine are noisy
+        if best and self._last <= room and rates[best] < rates[self._last] * (1 + HYSTERESIS):
+            best = self._last  # switch only for a clear gain: the times measured on this machine are noisy -- but stop
+            # drafting as soon as a plain step beats it (kept on for 3%, 1-token drafts at 0.28-0.34 estimated
+            # acceptance were verified after a random 4K context, where nothing hit)
         deep = max(range(best, room + 1), key=lambda k: rates[k])  # the best draft at least as long
         if best and rates[deep] * (1 + DEEP_BIAS) >= rates[best]:
             best = deep
         self._last = best
+        c = self.costs
+        if (best == 0 and room > 0 and self._first_probe() and c.pushed_up()
+                and self._beats_plain(self.expected(room), c.reference_row)):
+            # a request's first drafts are probes too where only the running row cost, higher than calibrated, says
+            # that drafting does not pay: if they hit, the next step verifies one (`_recheck`) and measures the row
+            self._tried += 1
+            self.shadow = self._first = True
+            return 1
         if best == 0 and room > 0:
             self._since += 1
             # look again: is drafting paying now? (a draft the plain step checks) -- unless no draft could pay even
@@ -284,7 +334,7 @@ class Controller:
             # fewer than FIRST_HITS drafts of this request hit yet: a probe, not a verification -- where nothing
             # hits, the prior's optimism costs drafts but no verification rows; where drafts hit, the first probes
             # mostly hit and the step after them goes deep
-            if self._hits < FIRST_HITS and self._tried < FIRST_PROBES:
+            if self._first_probe():
                 self._tried += 1
                 self.shadow = self._first = True
                 return 1
@@ -295,10 +345,15 @@ class Controller:
                 return best + 1
         return best
 
-    def _beats_plain(self, tokens: list[float]) -> bool:
-        """Whether a k-token draft that gives tokens[k] tokens beats a plain step by HYSTERESIS, for some k >= 1."""
+    def _first_probe(self) -> bool:
+        """Whether a draft asked for now is one of the request's first ones, made a probe."""
+        return self._hits < FIRST_HITS and self._tried < (FIRST_PROBES_HIT if self._hits else FIRST_PROBES)
+
+    def _beats_plain(self, tokens: list[float], row: float = -1.0) -> bool:
+        """Whether a k-token draft that gives tokens[k] tokens beats a plain step by HYSTERESIS, for some k >= 1
+        (verification rows of `row` seconds; -1: the running cost)."""
         plain = 1.0 / self.costs.step(0)
-        return any(tokens[k] / self.costs.step(k) >= plain * (1 + HYSTERESIS) for k in range(1, len(tokens)))
+        return any(tokens[k] / self.costs.step(k, row=row) >= plain * (1 + HYSTERESIS) for k in range(1, len(tokens)))
 
     def could_pay(self, room: int) -> bool:
         """Whether a draft of at most `room` tokens would beat a plain step by HYSTERESIS if every token were
@@ -325,6 +380,10 @@ class Controller:
             c[0] *= 1 - RATE  # position before it again; kept as it was, a deep position that missed early stayed
             c[1] *= 1 - RATE  # low while the first ones hit: 1-deep drafts at 0.9 acceptance on code at depth 0)
         self._since = self.idle = 0
+        c = self.costs
+        if (self.shadow and accepted and self._hits >= FIRST_HITS and c.pushed_up() and not self.pays()
+                and self._beats_plain(self.expected(self.n_max), c.reference_row)):
+            self._recheck = True  # a probe hit, and drafting would pay but for a row cost higher than calibrated
         if probing:  # a probe: keep probing rarely while its draft misses (or hits, but drafting would still not pay
             # at the acceptance seen), often once it hits and drafting would pay
             self.probe = PROBE_MIN if accepted and self.pays() else min(PROBE_MAX, self.probe * 2)
