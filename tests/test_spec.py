@@ -881,6 +881,10 @@ def test_probes_that_hit_re_measure_a_row_cost_pushed_up():
     drafts = [s for s in steps if s[0]]
     assert drafts[:FIRST_HITS + 1] == [(1, True)] * FIRST_HITS + [(1, False)]  # verified: the row measured again
     assert abs(costs.row - 0.1) < 1e-6 and steps[-1] == (3, False)
+    costs.row = 0.5
+    costs.recheck()
+    costs.observe(1, 2.0, 0.2, 0)  # a recheck's slow verification: one such step does not push the row further up
+    assert costs.row == 0.5
 
 
 def test_one_chance_hit_among_the_first_probes_verifies_no_draft():
@@ -888,20 +892,27 @@ def test_one_chance_hit_among_the_first_probes_verifies_no_draft():
     and two misses among the first FIRST_PROBES probes leave an estimate (0.43, mostly the prior) at which verified
     drafts would pay, and each verified one missed. Up to FIRST_PROBES_HIT probes are made instead, and drafting
     stops as soon as a plain step is expected to beat a draft (no 3% margin kept it on at 0.28): no verification
-    rows at all."""
-    from turbospec.speculative.adaptive import FIRST_PROBES, FIRST_PROBES_HIT, Controller, StepCosts
+    rows at all. The first probes having turned nothing on, the interval starts doubled (16, then 32, 64), and no
+    probe is made with fewer than PROBE_MIN tokens left in the request."""
+    from turbospec.speculative import adaptive as ad
+    from turbospec.speculative.adaptive import PROBE_MIN, Controller, StepCosts
 
-    assert FIRST_PROBES_HIT > FIRST_PROBES
+    assert ad.FIRST_PROBES_HIT > ad.FIRST_PROBES
     costs = StepCosts([4.4, 4.4 + 0.75, 4.4 + 1.5, 4.4 + 2.25], draft=0.6, probe=0.8)  # ms: 4K on the bundled model
     ctl = Controller(costs, 3)
+    n = 124
     steps, hit = [], True  # the first drafted token hits, none after it
-    for _ in range(128):
-        k = ctl.choose(3, 4096)
+    for i in range(n):
+        k = ctl.choose(3, 4096, n - i)
         if k:
-            steps.append("probe" if ctl.shadow else k)
+            steps.append((i, "probe" if ctl.shadow else k))
             ctl.observe(k, int(hit))
             hit = False
         rows = 0 if ctl.shadow else k  # (a probe's target step is a plain one)
         costs.observe(rows, 4.4 + 0.75 * rows, 0.6 * rows, 4096)
-    assert steps[:FIRST_PROBES_HIT] == ["probe"] * FIRST_PROBES_HIT
-    assert set(steps) == {"probe"} and ctl.accept[0] < 0.3
+    assert {kind for _, kind in steps} == {"probe"} and ctl.accept[0] < 0.3
+    first = [i for i, _ in steps[:ad.FIRST_PROBES_HIT]]
+    assert first == list(range(first[0], first[0] + ad.FIRST_PROBES_HIT))
+    last = first[-1]
+    assert [i for i, _ in steps[ad.FIRST_PROBES_HIT:]] == [last + 2 * PROBE_MIN, last + 6 * PROBE_MIN]
+    assert n - (last + 14 * PROBE_MIN) < PROBE_MIN  # (the next one's turn came with too few tokens left)

@@ -322,7 +322,7 @@ class Engine:
                         spec.skipped += 1
                     else:
                         asked = True
-                        room = ctl.choose(min(room, slots), self.cache.length)
+                        room = ctl.choose(min(room, slots), self.cache.length, params.max_tokens - stats.gen_tokens)
                         width = ctl.width(room, slots) if wide else 1
                         if self.agree_plan is not None:  # rank 0's choice (each rank timed its own steps)
                             room, probe, width, ctl.idle = self.agree_plan([room, int(ctl.shadow), width, ctl.idle])

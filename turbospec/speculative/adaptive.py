@@ -12,9 +12,9 @@ E(k) / T(k), and k = 0 (a plain step) when nothing beats 1 / T(0). A choice chan
 (the machine's step times are noisy) -- except to a plain step, taken as soon as it is expected to beat the draft --
 and a shorter draft is taken only when it beats every longer one by 10%.
 A row cost pushed far above the calibrated one (RECHECK times it: a run of slow verifications on a busy machine)
-would keep drafting off for good, as nothing verifies while it is off: where drafting would pay at the calibrated
-cost, a request's first drafts are probes, and once FIRST_HITS of its probes hit, one 1-token draft is verified
-to measure the row again (`StepCosts.recheck`: it can only lower the cost).
+would keep drafting off for good, as nothing verifies while it is off: once FIRST_HITS of a request's probes hit
+where drafting would pay at the calibrated cost but not at the running one, one 1-token draft is verified to measure
+the row again (`StepCosts.recheck`: it can only lower the cost).
 
 While drafting is off the estimates cannot learn, so the controller probes: every `probe` steps the drafter drafts
 one token and the engine takes a plain step anyway, comparing its token with the draft (`shadow`: the probe costs a
@@ -25,11 +25,14 @@ small enough to sit in the cache: its verification rows and drafts cost what the
 that their timed cost is at most PROBE_SHARE of what drafting could at best gain over the plain steps between them
 (`StepCosts.gain_bound`: the speed-up if every drafted token were accepted). Between probes the steps are `idle`:
 the engine takes them without asking the controller or timing them, and the choice is worked out again every READ
-steps. Until FIRST_HITS of a request's drafts hit, its first FIRST_PROBES drafts are probes too (one token, checked
-against a plain step; if none of them hits, the interval doubles once; once one hit, up to FIRST_PROBES_HIT), so the prior's optimism costs drafts but no
-verification rows. A position that a verified draft did not reach forgets its counts at the rate a reached one
-does, so its estimate drifts back to the one before it: a deeper draft that missed a few times early is tried again
-once the first positions keep hitting, not only at the EXPLORE-th steps. And while drafting, every
+steps; with fewer than PROBE_MIN tokens left in the request, no probe is made. A request's first drafts are
+probes until FIRST_HITS of them hit: FIRST_PROBES of them, or FIRST_PROBES_HIT once one hit (one token each, checked
+against a plain step), made whatever the estimates say where drafts would pay at the prior and at the lower of the
+running and calibrated row costs (one miss halves the prior's estimate) -- the prior's optimism costs drafts but no
+verification rows; if they end with fewer than FIRST_HITS hits, the probe interval doubles once. A position that a
+verified draft did not reach forgets its counts at the rate a reached one does, so its estimate drifts back to the
+one before it: a deeper draft that missed a few times early is tried again once the first positions keep hitting,
+not only at the EXPLORE-th steps. And while drafting, every
 `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every
 second of those is a plain step instead, as is a request's first step, and its second when the plain cost is stale
 (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain step's cost grows with the
@@ -281,8 +284,10 @@ class Controller:
             c[0] = (1 - RATE) * c[0] + (1.0 if tok == target else 0.0)
             c[1] = (1 - RATE) * c[1] + 1.0
 
-    def choose(self, room: int, depth: int = 0) -> int:
-        """Draft tokens to ask for this step after `depth` positions (0: a plain step)."""
+    def choose(self, room: int, depth: int = 0, left: int = -1) -> int:
+        """Draft tokens to ask for this step after `depth` positions (0: a plain step), `left` tokens at most still
+        to come in the request (-1: not known; with fewer than PROBE_MIN no probe is made: the drafts it could turn
+        on would have no room to pay for it)."""
         room = min(room, self.n_max)
         self.shadow = self._first = False
         if self._started < 2:  # a request's first step is plain, and its second while the plain cost at about this
@@ -307,10 +312,12 @@ class Controller:
             best = deep
         self._last = best
         c = self.costs
-        if (best == 0 and room > 0 and self._first_probe() and c.pushed_up()
-                and self._beats_plain(self.expected(room), c.reference_row)):
-            # a request's first drafts are probes too where only the running row cost, higher than calibrated, says
-            # that drafting does not pay: if they hit, the next step verifies one (`_recheck`) and measures the row
+        prior = [sum(PRIOR ** j for j in range(k + 1)) for k in range(room + 1)]
+        if best == 0 and room > 0 and self._first_probe() and self._beats_plain(prior, min(c.row, c.reference_row)):
+            # a request's first drafts are probes whatever the estimates say, where drafts would pay at the prior:
+            # one miss halves the estimate (at depth 0 in lockstep, drafts then looked dear: translation probed 8, 16,
+            # 32 steps apart and drafted from step ~120 of 128), and a row cost pushed above the calibrated one says
+            # no where it would not (if the probes hit, the next step verifies one and measures the row: `_recheck`)
             self._tried += 1
             self.shadow = self._first = True
             return 1
@@ -321,7 +328,7 @@ class Controller:
             # small model whose weights sit in the cache), where a probe only costs; then once every PROBE_MAX steps
             gain = self.costs.gain_bound(room)
             self._interval = max(self.probe if gain >= 1 + HYSTERESIS else PROBE_MAX, self.costs.probe_interval(gain))
-            if self._since >= self._interval:
+            if self._since >= self._interval and (left < 0 or left >= PROBE_MIN):
                 self.shadow = True
                 return 1
             self.off_steps += 1
@@ -365,11 +372,11 @@ class Controller:
         if drafted <= 0:
             return
         # a draft after `probe` steps without one (an interval probe, or a verified draft once drafting paid again);
-        # of the request's first drafts made probes, the last when none of them hit: their misses double the interval
-        # once (each doubling it, drafts that hit after the first tokens -- a random prompt's output at 1-2K, code at
-        # 4K -- were found ~64 steps late: 1.31x instead of 1.67-1.71x)
-        probing = self._since >= self.probe or (self._first and self._tried >= FIRST_PROBES and not self._hits
-                                                and not accepted)
+        # of the request's first drafts made probes, the last when fewer than FIRST_HITS of them hit: their misses
+        # double the interval once (each doubling it, drafts that hit after the first tokens -- a random prompt's
+        # output at 1-2K, code at 4K -- were found ~64 steps late: 1.31x instead of 1.67-1.71x)
+        first_done = self._first and not self._first_probe() and self._hits + (accepted > 0) < FIRST_HITS
+        probing = self._since >= self.probe or (first_done and not accepted)
         self._hits += accepted > 0
         reached = min(drafted, accepted + 1, self.n_max)
         for i in range(reached):
