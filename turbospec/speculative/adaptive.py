@@ -312,8 +312,8 @@ class Controller:
             best = deep
         self._last = best
         c = self.costs
-        prior = [sum(PRIOR ** j for j in range(k + 1)) for k in range(room + 1)]
-        if best == 0 and room > 0 and self._first_probe() and self._beats_plain(prior, min(c.row, c.reference_row)):
+        if best == 0 and room > 0 and self._first_probe() and self._beats_plain(
+                [sum(PRIOR ** j for j in range(k + 1)) for k in range(room + 1)], min(c.row, c.reference_row)):
             # a request's first drafts are probes whatever the estimates say, where drafts would pay at the prior:
             # one miss halves the estimate (at depth 0 in lockstep, drafts then looked dear: translation probed 8, 16,
             # 32 steps apart and drafted from step ~120 of 128), and a row cost pushed above the calibrated one says
@@ -375,8 +375,8 @@ class Controller:
         # of the request's first drafts made probes, the last when fewer than FIRST_HITS of them hit: their misses
         # double the interval once (each doubling it, drafts that hit after the first tokens -- a random prompt's
         # output at 1-2K, code at 4K -- were found ~64 steps late: 1.31x instead of 1.67-1.71x)
-        first_done = self._first and not self._first_probe() and self._hits + (accepted > 0) < FIRST_HITS
-        probing = self._since >= self.probe or (first_done and not accepted)
+        probing = self._since >= self.probe or (self._first and not accepted and not self._first_probe()
+                                                and self._hits < FIRST_HITS)
         self._hits += accepted > 0
         reached = min(drafted, accepted + 1, self.n_max)
         for i in range(reached):
