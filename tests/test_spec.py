@@ -853,7 +853,6 @@ def test_engines_interleaved_token_by_token_decode_as_alone(paths):
     assert got[1]["drafts"] > 0  # (the always-drafting engine drafted: its tokens above went through verification)
 
 
-
 def test_probes_that_hit_re_measure_a_row_cost_pushed_up():
     """A run of slow verifications (the machine busy) pushed the running row cost far above the calibrated one, so
     far that no draft could pay; with drafting off nothing verifies, so nothing measured it again and drafting

@@ -49,7 +49,7 @@ def greedy(model, path: str, prompt: list[int], cache_type: str | None, spec: tu
     return out
 
 
-def _choose_in_turn(self, room: int, depth: int = 0) -> int:
+def _choose_in_turn(self, room: int, depth: int = 0, left: int = -1) -> int:
     """Rank 0's stand-in for adaptive speculation's choice: a whole draft, a probe, a plain step and then two idle
     ones, in turn (every field the ranks agree on)."""
     self.turn = getattr(self, "turn", 0) + 1
