@@ -312,12 +312,14 @@ class Controller:
             best = deep
         self._last = best
         c = self.costs
-        if best == 0 and room > 0 and self._first_probe() and self._beats_plain(
-                [sum(PRIOR ** j for j in range(k + 1)) for k in range(room + 1)], min(c.row, c.reference_row)):
-            # a request's first drafts are probes whatever the estimates say, where drafts would pay at the prior:
-            # one miss halves the estimate (at depth 0 in lockstep, drafts then looked dear: translation probed 8, 16,
-            # 32 steps apart and drafted from step ~120 of 128), and a row cost pushed above the calibrated one says
-            # no where it would not (if the probes hit, the next step verifies one and measures the row: `_recheck`)
+        if room > 0 and self._first_probe() and (best or self._beats_plain(
+                [sum(PRIOR ** j for j in range(k + 1)) for k in range(room + 1)], min(c.row, c.reference_row))):
+            # fewer than FIRST_HITS drafts of this request hit yet: a probe, not a verification -- where nothing hits,
+            # the prior's optimism costs drafts but no verification rows; where drafts hit, the first probes mostly
+            # hit and the step after them goes deep. Made whatever the estimates say where drafts would pay at the
+            # prior: one miss halves the estimate (at depth 0 in lockstep, drafts then looked dear: translation probed
+            # 8, 16, 32 steps apart and drafted from step ~120 of 128), and a row cost pushed above the calibrated one
+            # says no where it would not (if the probes hit, the next step verifies one and measures it: `_recheck`)
             self._tried += 1
             self.shadow = self._first = True
             return 1
@@ -338,13 +340,6 @@ class Controller:
             self._since += self.idle
             self.off_steps += self.idle
         elif best:
-            # fewer than FIRST_HITS drafts of this request hit yet: a probe, not a verification -- where nothing
-            # hits, the prior's optimism costs drafts but no verification rows; where drafts hit, the first probes
-            # mostly hit and the step after them goes deep
-            if self._first_probe():
-                self._tried += 1
-                self.shadow = self._first = True
-                return 1
             self._drafted += 1
             if self._drafted % (2 * EXPLORE) == 0:  # a plain step now and then: the plain cost grows with the context
                 return 0
