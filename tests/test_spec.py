@@ -886,6 +886,42 @@ def test_probes_that_hit_re_measure_a_row_cost_pushed_up():
     assert costs.row == 0.5
 
 
+def test_verified_drafts_that_miss_in_a_row_become_probes_until_one_hits():
+    """The random prompt after 3K of random context: its first tokens are drafted (a run of hits), then nothing.
+    The running estimate, remembering ~7 drafts, keeps asking for verified drafts through several misses before it
+    falls to the break-even; after MISS_STREAK verified misses in a row the drafts it asks for are probes (a draft
+    checked against a plain step, no verification rows), and a probe that hits makes the next draft a verified one
+    again."""
+    from turbospec.speculative import adaptive as ad
+    from turbospec.speculative.adaptive import Controller, StepCosts
+
+    def run(n: int = 120) -> list[tuple[int, str, int]]:
+        costs = StepCosts([3.7, 4.4, 5.1, 5.8], draft=0.55, probe=0.6)  # ms: ~3K on the bundled model
+        ctl = Controller(costs, 3)
+        steps = []
+        for i in range(n):
+            k = ctl.choose(3, 3072, n - i)
+            if k:
+                accepted = k if i < 12 or i >= 17 else 0  # drafts hit in steps 0-11 and from 17 on, none between
+                steps.append((i, "probe" if ctl.shadow else "verified", accepted))
+                ctl.observe(k, accepted)
+            rows = 0 if ctl.shadow else k  # (a probe's target step is a plain one)
+            costs.observe(rows, 3.7 + 0.7 * rows, 0.55 * rows, 3072)
+        return steps
+
+    steps = run()
+    between = [kind for i, kind, _ in steps if 12 <= i < 17]
+    assert between == ["verified"] * ad.MISS_STREAK + ["probe"] * (5 - ad.MISS_STREAK)  # the run of hits ended: two
+    later = [kind for i, kind, _ in steps if i >= 17]  # verified misses, then probes while nothing hits
+    assert later[0] == "probe" and set(later[1:]) == {"verified"}  # a probe hit: verified drafts again
+    streak = ad.MISS_STREAK
+    try:  # without the rule, verified drafts go on missing while the estimate falls
+        ad.MISS_STREAK = 10 ** 9
+        assert [kind for i, kind, _ in run() if 12 <= i < 17] == ["verified"] * 5
+    finally:
+        ad.MISS_STREAK = streak
+
+
 def test_one_chance_hit_among_the_first_probes_verifies_no_draft():
     """After a random 4K context the explain prompt's first token is drafted by chance, and nothing after it: one hit
     and two misses among the first FIRST_PROBES probes leave an estimate (0.43, mostly the prior) at which verified

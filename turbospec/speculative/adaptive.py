@@ -67,6 +67,12 @@ EXPLORE = 16
 FIRST_PROBES = 3
 FIRST_PROBES_HIT = 5
 FIRST_HITS = 2
+# after this many verified drafts in a row missed at their first token, the drafts the estimate still asks for are
+# probes until one hits: the running estimate remembers ~7 drafts, and where a run of hits ended (the random prompt's
+# output after 3K of random context drafted its 5th-8th tokens, then nothing) or was chance (explain after 6K: its
+# first two tokens), it asked for 6-7 more verified drafts, each missing, before it fell to the break-even (~0.3-0.45
+# at 3-6K): their rows cost ~1-1.5% of the request. A probe costs the draft but not the row, and a hit verifies again
+MISS_STREAK = 2
 RECHECK = 1.5  # a running row cost this many times the calibrated one (grown as the plain step) is checked again
 HYSTERESIS = 0.03
 # a shorter draft is taken only when it beats every longer one by this much: the later positions' acceptance, learnt
@@ -220,6 +226,7 @@ class Controller:
     # up by a run of slow verifications (0.24 -> 0.78 ms on the bundled model at depth 0, the machine busy) kept
     # drafting off for ~48 requests whose probes hit
     _recheck: bool = False
+    _misses: int = 0  # verified drafts in a row whose first token missed
     off_steps: int = 0  # steps without a draft by choice (statistics)
     # steps after this one that stay plain with no choice asked (drafting is off, no probe or plain-cost reading is
     # due): the engine takes them without calling `choose` or timing them -- on a model whose step is ~0.3 ms that
@@ -323,6 +330,9 @@ class Controller:
             self._tried += 1
             self.shadow = self._first = True
             return 1
+        if best and self._misses >= MISS_STREAK:  # the last verified drafts missed: a probe, until one hits
+            self.shadow = True
+            return 1
         if best == 0 and room > 0:
             self._since += 1
             # look again: is drafting paying now? (a draft the plain step checks) -- unless no draft could pay even
@@ -373,6 +383,10 @@ class Controller:
         probing = self._since >= self.probe or (self._first and not accepted and not self._first_probe()
                                                 and self._hits < FIRST_HITS)
         self._hits += accepted > 0
+        if accepted:
+            self._misses = 0
+        elif not self.shadow:
+            self._misses += 1
         reached = min(drafted, accepted + 1, self.n_max)
         for i in range(reached):
             c = self.counts[i]
