@@ -29,7 +29,9 @@ steps; with fewer than PROBE_MIN tokens left in the request, no probe is made. A
 probes until FIRST_HITS of them hit: FIRST_PROBES of them, or FIRST_PROBES_HIT once one hit (one token each, checked
 against a plain step), made whatever the estimates say where drafts would pay at the prior and at the lower of the
 running and calibrated row costs (one miss halves the prior's estimate) -- the prior's optimism costs drafts but no
-verification rows; if they end with fewer than FIRST_HITS hits, the probe interval doubles once. A position that a
+verification rows; if they end with fewer than FIRST_HITS hits, the probe interval doubles once. Once MISS_STREAK
+verified drafts in a row missed at their first token, the drafts the estimate still asks for are probes until one
+hits (a run of hits that ended costs drafts then, not verification rows, while the estimate falls). A position that a
 verified draft did not reach forgets its counts at the rate a reached one does, so its estimate drifts back to the
 one before it: a deeper draft that missed a few times early is tried again once the first positions keep hitting,
 not only at the EXPLORE-th steps. And while drafting, every
