@@ -418,7 +418,14 @@ def test_ngram_mod_pool_is_per_request_unless_shared():
 
 # ---- adaptive speculation ---------------------------------------------------------------------------------------
 def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_backoff():
-    from turbospec.speculative.adaptive import FIRST_HITS, PROBE_MAX, PROBE_MIN, Controller, StepCosts
+    from turbospec.speculative.adaptive import (
+        FIRST_HITS,
+        FIRST_VERIFIED_DEPTH,
+        PROBE_MAX,
+        PROBE_MIN,
+        Controller,
+        StepCosts,
+    )
 
     costs = StepCosts([1.0, 1.05, 1.1, 1.15], draft=0.02)
     ctl = Controller(costs, 3)
@@ -428,6 +435,8 @@ def test_controller_turns_drafting_off_when_it_does_not_pay_and_probes_with_back
     for _ in range(FIRST_HITS):  # until FIRST_HITS drafts hit, the drafts asked for are probes (not verified)
         assert ctl.choose(3) == 1 and ctl.shadow
         ctl.observe(1, 1)  # ... and this one hit
+    assert ctl.choose(3) == FIRST_VERIFIED_DEPTH and not ctl.shadow  # a verified draft, 1 token deep until one hits
+    ctl.observe(FIRST_VERIFIED_DEPTH, FIRST_VERIFIED_DEPTH)
     assert ctl.choose(3) == 3 and not ctl.shadow  # the evidence and the prior (0.8 per position) pay for all of it
     ctl.costs = StepCosts([1.0, 1.2, 1.3, 1.4], draft=0.05)  # dearer verification: misses do not pay
     for _ in range(20):  # drafts that always miss
@@ -920,6 +929,40 @@ def test_verified_drafts_that_miss_in_a_row_become_probes_until_one_hits():
         assert [kind for i, kind, _ in run() if 12 <= i < 17] == ["verified"] * 5
     finally:
         ad.MISS_STREAK = streak
+
+
+def test_verified_drafts_are_one_token_deep_until_a_verified_token_is_accepted():
+    """The explain prompt after 6K of random context: its first two tokens are drafted by chance (the first probes
+    hit, FIRST_HITS of them), and nothing after. The estimate then asks for 3-deep drafts: each verified one that
+    missed cost 3 rows. A request's verified drafts are FIRST_VERIFIED_DEPTH deep until one of their tokens is
+    accepted -- where drafts keep hitting, the first verified one is accepted and the next goes deep."""
+    from turbospec.speculative import adaptive as ad
+    from turbospec.speculative.adaptive import Controller, StepCosts
+
+    def run(hits: int, n: int = 128) -> list[str | int]:
+        costs = StepCosts([5.5, 5.5 + 0.9, 5.5 + 1.8, 5.5 + 2.7], draft=0.6, probe=0.8)  # ms: 6K, bundled model
+        ctl = Controller(costs, 3)
+        steps: list[str | int] = []
+        for i in range(n):
+            k = ctl.choose(3, 6144, n - i)
+            if k:
+                steps.append("probe" if ctl.shadow else k)
+                ctl.observe(k, k if len(steps) <= hits else 0)  # the request's first `hits` drafts hit, none after
+            rows = 0 if ctl.shadow else k  # (a probe's target step is a plain one)
+            costs.observe(rows, 5.5 + 0.9 * rows, 0.6 * rows, 6144)
+        return steps
+
+    assert ad.FIRST_VERIFIED_DEPTH == 1 and ad.FIRST_HITS == 2
+    chance = run(2)
+    assert chance[:2] == ["probe"] * 2 and [k for k in chance if k != "probe"] == [1] * ad.MISS_STREAK
+    hitting = run(10 ** 9)
+    assert hitting[:4] == ["probe", "probe", 1, 3] and set(hitting[3:]) <= {3, "probe"}
+    depth = ad.FIRST_VERIFIED_DEPTH
+    try:  # without the rule, the first verified drafts after the chance hits are 3 and 2 deep
+        ad.FIRST_VERIFIED_DEPTH = 10 ** 9
+        assert sum(k for k in run(2) if k != "probe") > ad.MISS_STREAK
+    finally:
+        ad.FIRST_VERIFIED_DEPTH = depth
 
 
 def test_one_chance_hit_among_the_first_probes_verifies_no_draft():

@@ -31,15 +31,16 @@ against a plain step), made whatever the estimates say where drafts would pay at
 running and calibrated row costs (one miss halves the prior's estimate) -- the prior's optimism costs drafts but no
 verification rows; if they end with fewer than FIRST_HITS hits, the probe interval doubles once. Once MISS_STREAK
 verified drafts in a row missed at their first token, the drafts the estimate still asks for are probes until one
-hits (a run of hits that ended costs drafts then, not verification rows, while the estimate falls). A position that a
-verified draft did not reach forgets its counts at the rate a reached one does, so its estimate drifts back to the
-one before it: a deeper draft that missed a few times early is tried again once the first positions keep hitting,
-not only at the EXPLORE-th steps. And while drafting, every
-`EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is found, and every
-second of those is a plain step instead, as is a request's first step, and its second when the plain cost is stale
-(the context moved by a quarter and 512 since it was timed) or rests on one step: a plain step's cost grows with the
-context (attention) differently from a verification's, so it is measured, not scaled. The drafter keeps up meanwhile
-from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
+hits (a run of hits that ended costs drafts then, not verification rows, while the estimate falls); and a request's
+verified drafts are FIRST_VERIFIED_DEPTH (1) token deep until one of their tokens is accepted (the probes' hits can be
+chance: a deep draft that misses costs a row per token). A position that a verified draft did not reach forgets its
+counts at the rate a reached one does, so its estimate drifts back to the one before it: a deeper draft that missed a
+few times early is tried again once the first positions keep hitting, not only at the EXPLORE-th steps. And while
+drafting, every `EXPLORE`-th step drafts one token deeper than the best, so a deeper draft that started to pay is
+found, and every second of those is a plain step instead, as is a request's first step, and its second when the plain
+cost is stale (the context moved by a quarter and 512 since it was timed) or rests on one step: a plain step's cost
+grows with the context (attention) differently from a verification's, so it is measured, not scaled. The drafter keeps
+up meanwhile from the tokens it is told (`Drafter.accept`), so a probe drafts from a current state.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ FIRST_HITS = 2
 # first two tokens), it asked for 6-7 more verified drafts, each missing, before it fell to the break-even (~0.3-0.45
 # at 3-6K): their rows cost ~1-1.5% of the request. A probe costs the draft but not the row, and a hit verifies again
 MISS_STREAK = 2
+# a request's verified drafts are at most this deep until one of their tokens is accepted: its probes' hits can be
+# chance (explain after 6K of random context: its first two tokens), and a 3-deep verified draft that misses costs 3
+# rows where a 1-deep one costs 1; where drafts hit, the first verified one does and the next goes deep
+FIRST_VERIFIED_DEPTH = 1
 RECHECK = 1.5  # a running row cost this many times the calibrated one (grown as the plain step) is checked again
 HYSTERESIS = 0.03
 # a shorter draft is taken only when it beats every longer one by this much: the later positions' acceptance, learnt
@@ -229,6 +234,7 @@ class Controller:
     # drafting off for ~48 requests whose probes hit
     _recheck: bool = False
     _misses: int = 0  # verified drafts in a row whose first token missed
+    _verified_hit: bool = False  # a token of one of the request's verified drafts was accepted
     off_steps: int = 0  # steps without a draft by choice (statistics)
     # steps after this one that stay plain with no choice asked (drafting is off, no probe or plain-cost reading is
     # due): the engine takes them without calling `choose` or timing them -- on a model whose step is ~0.3 ms that
@@ -356,8 +362,12 @@ class Controller:
             if self._drafted % (2 * EXPLORE) == 0:  # a plain step now and then: the plain cost grows with the context
                 return 0
             if self._drafted % EXPLORE == 0 and best < room:  # a deeper draft, now and then: does it pay now?
-                return best + 1
-        return best
+                return self._verified_depth(best + 1)
+        return self._verified_depth(best)
+
+    def _verified_depth(self, k: int) -> int:
+        """A verified draft's depth: k, or FIRST_VERIFIED_DEPTH until a verified draft's token was accepted."""
+        return k if self._verified_hit else min(k, FIRST_VERIFIED_DEPTH)
 
     def _first_probe(self) -> bool:
         """Whether a draft asked for now is one of the request's first ones, made a probe."""
@@ -387,6 +397,7 @@ class Controller:
         self._hits += accepted > 0
         if accepted:
             self._misses = 0
+            self._verified_hit |= not self.shadow
         elif not self.shadow:
             self._misses += 1
         reached = min(drafted, accepted + 1, self.n_max)
