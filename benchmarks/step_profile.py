@@ -12,6 +12,7 @@
     python benchmarks/step_profile.py bf16held                  # bundled model: float32 matrices vs held in bf16
     python benchmarks/step_profile.py attention --dtype bfloat16 # the one-call layer's attention (fixed cost at 16)
     python benchmarks/step_profile.py prefill_rows              # prefill: every row vs the last row in the last layer
+    python benchmarks/step_profile.py verify_tokens --depths 0 6144 16384   # a verification over 1-4 tokens at depth
     python benchmarks/step_profile.py gemm                      # prefill GEMM rates: bf16, oneDNN / MKL float32, float16
     perf record -F 1000 -- python benchmarks/step_profile.py loop --dtype bfloat16   # decode steps only, for perf
 
@@ -375,6 +376,40 @@ def prefill_rows(dtype: str) -> None:
     print(f"{dtype} prefill 512: every row {full:.0f} t/s, last row only {last:.0f} t/s ({last / full:.2f}x)")
 
 
+def verify_tokens(path: str | None, dtype: str, depths: list[int], kv: str | None, out: str | None) -> None:
+    """A target step (forward and logits) over 1, 2, 3, 4 tokens after `depth` cached random positions -- a plain
+    step and verifications of 1-3 draft tokens -- on the default model (or --model), interleaved, medians of 30: what
+    each draft token adds to a step at depth (the attention scores query rows in groups of 4 per KV head)."""
+    path = path or "models/turbospec-tiny"
+    m = load_model(path, dtype)
+    cache_kw = {"k_type": kv, "v_type": kv} if kv else {}
+    results = {}
+    for depth in depths:
+        cache = m.new_cache(depth + 8, **cache_kw)
+        ids = torch.randint(3, m.cfg.vocab_size, (depth + 8,), generator=torch.Generator().manual_seed(0))
+        for s in range(0, depth, 1024):
+            e = min(depth, s + 1024)
+            m.forward(ids[s:e], AttentionPlan.causal(s, e - s), cache)
+            cache.commit()
+        runs: dict[int, list[float]] = {n: [] for n in (1, 2, 3, 4)}
+        for rep in range(31):  # (the first round warms up)
+            for n in runs:
+                t = time.perf_counter()
+                h = m.forward(ids[depth:depth + n], AttentionPlan.causal(depth, n), cache)
+                m.logits(h)
+                if rep:
+                    runs[n].append(time.perf_counter() - t)
+                cache.commit([])
+        ms = {n: statistics.median(v) * 1e3 for n, v in runs.items()}
+        results[depth] = ms
+        print(f"{path} {dtype} KV {kv or 'default'} after {depth} positions: "
+              + ", ".join(f"{n} token(s) {t:.2f} ms" for n, t in ms.items())
+              + " | each token more: " + " ".join(f"+{ms[n] - ms[n - 1]:.2f}" for n in (2, 3, 4)))
+    if out:
+        Path(out).write_text(json.dumps({"model": path, "dtype": dtype, "kv": kv, "ms_by_depth_and_tokens": results},
+                                        indent=1) + "\n")
+
+
 def gemm() -> None:
     """GFLOP/s of a prefill-sized product (512 x 512 rows times a 3072 x 512 matrix) per GEMM turbospec could use:
     torch's bf16 (oneDNN), oneDNN float32 (`linear.prefill_product`'s), torch's default float32 (MKL) and float16."""
@@ -392,18 +427,22 @@ def gemm() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["dense", "spec", "cold", "store", "chain", "dtypes", "kvpages", "kvtypes",
-                                     "bf16held", "attention", "prefill_rows", "loop", "gemm"])
+                                     "bf16held", "attention", "prefill_rows", "loop", "gemm", "verify_tokens"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="chain: input rows per product")
     ap.add_argument("--model", default=None, help="chain, spec: a checkpoint or GGUF file instead of the default model")
     ap.add_argument("--steps", type=int, default=6000, help="loop: decode steps")
     ap.add_argument("--depth", type=int, default=512, help="kvtypes: context before decoding")
+    ap.add_argument("--depths", type=int, nargs="+", default=[0, 6144, 16384], help="verify_tokens: contexts")
+    ap.add_argument("--kv", default=None, help="verify_tokens: KV type (default: the model's dtype)")
+    ap.add_argument("--json", default=None, help="verify_tokens: write the medians here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     {"dense": lambda: dense(a.dtype), "spec": lambda: spec(a.model, a.dtype), "cold": cold, "store": store, "chain": lambda: chain(a.dtype, a.rows, a.model),
      "dtypes": dtypes, "kvpages": kvpages, "kvtypes": lambda: kvtypes(a.dtype, a.depth), "bf16held": bf16held, "attention": lambda: attention(a.dtype),
-     "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps), "gemm": gemm}[a.what]()
+     "prefill_rows": lambda: prefill_rows(a.dtype), "loop": lambda: loop(a.dtype, a.steps), "gemm": gemm,
+     "verify_tokens": lambda: verify_tokens(a.model, a.dtype, a.depths, a.kv, a.json)}[a.what]()
 
 
 if __name__ == "__main__":
