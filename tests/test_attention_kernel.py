@@ -169,11 +169,12 @@ def test_a_position_scores_the_same_in_any_range(name):
 
 def test_avx2_and_avx512_attention_agree():
     """The same attention with TURBOSPEC_NO_AVX512=1 (AVX2: float products of the rounded queries) in a child
-    process: integer keys give the same scores through int8 products, the others the same sums in another order."""
+    process: integer keys give the same scores through int8 products, the others the same sums in another order;
+    plain values (f32 / f16 / bf16: the AVX-512 pass over 64 values at a time) the same sums in the same order."""
     code = ("import torch,sys,torch.nn.functional as F; from turbospec.kernels import attention as A\n"
             "from turbospec.kv.formats import get_format, rotate; from turbospec.kv.kernel_args import attention_spec\n"
             "g=torch.Generator().manual_seed(6); out=[]\n"
-            "for n in ('q8_0','q4_0','tbq4_0','turbo3','turbo4','f16'):\n"
+            "for n in ('q8_0','q4_0','tbq4_0','turbo3','turbo4','f16','bf16','f32'):\n"
             "  f=get_format(n); s=attention_spec(f,128); w=f.padded_dim(128)\n"
             "  k=f.encode(torch.randn(2,300,128,generator=g)); v=f.encode(torch.randn(2,300,128,generator=g))\n"
             "  q=torch.randn(2,6,128,generator=g)*0.2; q=(rotate(q) if f.rotated else q).contiguous()\n"
@@ -191,3 +192,4 @@ def test_avx2_and_avx512_attention_agree():
         os.unlink(path)
     for a, b in zip(got["0"], got["1"]):
         assert torch.allclose(a, b, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got["0"][-3:], got["1"][-3:]))  # plain keys and values

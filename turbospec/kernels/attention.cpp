@@ -620,6 +620,59 @@ TS_ATT512 void accumulate_int512(const Source& vs, int64_t h, int64_t s0, int64_
   }
 }
 
+// Values [16c, 16c + 16) of a plain row, as float32 (the values plain8 gives, 16 at a time).
+template <int64_t KIND>
+TS_ATT512 inline __m512 plain16(const uint8_t* row, int64_t c) {
+  if constexpr (KIND == F32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
+  } else if constexpr (KIND == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+  } else {  // BF16
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+}
+
+// Values [16 c0, 16 (c0 + NC)) of the 4 rows' accumulators over positions [s0, s0 + len): NC x 4 sums in registers,
+// each position's values read once for the 4 rows.
+template <int64_t KIND, int NC>
+TS_ATT512 inline void plain_pass(const Field& f, int64_t h, int64_t s0, int64_t len, const float* p, int64_t tile,
+                                 float* acc4, int64_t w, int64_t c0) {
+  __m512 a[4][NC];
+  for (int r = 0; r < 4; ++r)
+    for (int k = 0; k < NC; ++k) a[r][k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; ++i) {
+    const uint8_t* row = f.at(h, s0 + i);
+    __m512 x[NC];
+    for (int k = 0; k < NC; ++k) x[k] = plain16<KIND>(row, c0 + k);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 wr = _mm512_set1_ps(p[r * tile + i]);
+      for (int k = 0; k < NC; ++k) a[r][k] = _mm512_fmadd_ps(wr, x[k], a[r][k]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int k = 0; k < NC; ++k) _mm512_storeu_ps(acc4 + r * w + 16 * (c0 + k), a[r][k]);
+}
+
+// accumulate4 for plain values (float32, float16, bfloat16) with AVX-512: the positions in one pass per 64 values
+// (accumulate4 makes one per 16 values, reading each row again from the cache). Every sum is the same chain of
+// operations as accumulate4's (from 0, one FMA per position in order), so the same values; rows whose width is not a
+// multiple of 16 take accumulate4.
+template <int64_t KIND>
+TS_ATT512 void accumulate_plain512(const Source& vs, int64_t h, int64_t s0, int64_t s1, const float* p, int64_t tile,
+                                   float* acc4, float* pn) {
+  const int64_t w = vs.width, len = s1 - s0, nc = w / 16;
+  if (w % 16) return accumulate4<KIND, 0>(vs, h, s0, s1, p, tile, acc4, pn);
+  int64_t c = 0;
+  for (; c + 4 <= nc; c += 4) plain_pass<KIND, 4>(vs.f[0], h, s0, len, p, tile, acc4, w, c);
+  switch (nc - c) {
+    case 3: plain_pass<KIND, 3>(vs.f[0], h, s0, len, p, tile, acc4, w, c); break;
+    case 2: plain_pass<KIND, 2>(vs.f[0], h, s0, len, p, tile, acc4, w, c); break;
+    case 1: plain_pass<KIND, 1>(vs.f[0], h, s0, len, p, tile, acc4, w, c); break;
+    default: break;
+  }
+}
+
 // ---- Turbo formats with AVX-512: 16 centroid indices at a time, looked up in one register (vpermps) ----
 
 // Bits [sh, sh + W) of 16 bytes (P >= 16: bytes o .. o + 15) or of 8 bytes twice (P = 8: values 0-7 at bit sh, 8-15
@@ -777,10 +830,13 @@ inline ScoreFn pick_score(const Source& ks) {
   return pick<ScorePick>(kind, bits);
 }
 
-// The accumulate kernel of a V kind, chosen as pick_score chooses: accumulate_int512 (integer values),
-// accumulate_turbo512 (turbo), accumulate4.
+// The accumulate kernel of a V kind, chosen as pick_score chooses: accumulate_plain512 (plain values),
+// accumulate_int512 (integer values), accumulate_turbo512 (turbo), accumulate4.
 inline AccFn pick_acc(int64_t kind, int64_t bits) {
   if (att_vnni()) {
+    if (kind == F32) return accumulate_plain512<F32>;
+    if (kind == F16) return accumulate_plain512<F16>;
+    if (kind == BF16) return accumulate_plain512<BF16>;
     if (kind == Q8_0) return accumulate_int512<Q8_0>;
     if (kind == Q4_0) return accumulate_int512<Q4_0>;
     if (kind == TBQ4_0) return accumulate_int512<TBQ4_0>;
